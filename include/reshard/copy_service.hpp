@@ -1,0 +1,77 @@
+// The copy service: register byte ranges to send and receive under task ids, schedule() once,
+// run() as many times as needed. Mirrors Megatron's RemoteCopyService so its users recognise it.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "reshard/bootstrap.hpp"
+#include "reshard/log.hpp"
+#include "reshard/scheduler.hpp"
+#include "reshard/types.hpp"
+
+namespace reshard {
+
+enum class TransportKind { kAuto, kHost };
+
+TransportKind parse_transport_kind(const std::string& name);  // "auto", "host"
+const char* transport_kind_name(TransportKind kind);
+
+// What schedule() reports about the plan it built.
+struct ScheduleReport {
+  std::uint64_t transfers = 0;       // matched requests in the whole job
+  std::uint64_t batches = 0;         // remote batches in the whole job
+  std::uint32_t rounds = 0;
+  std::uint64_t lower_bound_bytes = 0;
+  std::uint64_t makespan_bytes = 0;  // simulated; see Schedule
+  std::uint64_t bytes_sent = 0;      // by this PE, local copies excluded
+  std::uint64_t bytes_received = 0;  // by this PE, local copies excluded
+  std::uint64_t bytes_local = 0;     // copied inside this PE
+  double bound_ratio() const {
+    return lower_bound_bytes == 0 ? 1.0
+                                  : static_cast<double>(makespan_bytes) / lower_bound_bytes;
+  }
+};
+
+class CopyService {
+ public:
+  // Bootstraps from the environment (torchrun variables, MPI, or a single PE).
+  explicit CopyService(TransportKind transport = TransportKind::kAuto);
+  CopyService(std::shared_ptr<Bootstrap> bootstrap, TransportKind transport = TransportKind::kAuto);
+  ~CopyService();
+  CopyService(const CopyService&) = delete;
+  CopyService& operator=(const CopyService&) = delete;
+
+  // Collective: sets up the transport. The log level may be overridden by RESHARD_LOG_LEVEL.
+  void init(LogLevel log_level = LogLevel::kInfo);
+  void init(const std::string& log_level) { init(parse_log_level(log_level)); }
+
+  int my_pe() const;
+  int n_pes() const;
+  int device() const;  // CUDA device of this PE, -1 on the host transport
+  bool initialized() const;
+  TransportKind transport() const;
+
+  // Byte ranges [pos, pos + size) of caller-owned buffers. Arguments that are wrong on their own
+  // (PE out of range, range outside the buffer) are refused here; the rest at schedule().
+  void register_send(TaskId task_id, const Buffer& src, std::size_t src_pos, std::size_t size,
+                     PeId dest_pe);
+  void register_receive(TaskId task_id, const Buffer& dst, std::size_t dst_pos, std::size_t size,
+                        PeId src_pe);
+
+  // Collective: validates every request on every PE (before any byte moves) and builds the plan.
+  ScheduleReport schedule();
+  // Executes the plan: returns once this PE's sends have been read and its receives have landed.
+  // No re-planning and no collective besides the data movement.
+  void run();
+  // Forgets requests and plan; the service stays initialised.
+  void clear_requests();
+  // Releases everything. Safe to call twice; the destructor calls it.
+  void finalize();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace reshard

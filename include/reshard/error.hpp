@@ -1,0 +1,35 @@
+// Errors raised by reshard. Every failure is an exception carrying a code and a message that names
+// what is wrong (task id, PEs, sizes), so callers never have to parse logs to find the cause.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace reshard {
+
+enum class ErrorCode {
+  kInvalidArgument,  // a caller passed something malformed (bad PE, range outside its buffer)
+  kInvalidState,     // an call out of order (run() before schedule(), register after finalize())
+  kValidation,       // the registered requests do not form a consistent transfer set
+  kTimeout,          // a peer did not answer within the configured time
+  kPeerFailure,      // a peer died or aborted
+  kSystem,           // an operating-system call failed
+  kUnsupported,      // the transport or build lacks what was asked for
+};
+
+const char* error_code_name(ErrorCode code);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message)
+      : std::runtime_error(message), code_(code) {}
+  ErrorCode code() const noexcept { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+[[noreturn]] void throw_error(ErrorCode code, const std::string& message);
+[[noreturn]] void throw_system_error(const std::string& what);  // appends strerror(errno)
+
+}  // namespace reshard

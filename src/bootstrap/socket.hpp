@@ -1,0 +1,69 @@
+// Thin, deadline-aware wrappers over TCP sockets for the bootstrap. Every blocking call takes a
+// deadline and a description of whom it waits for, so a silent peer becomes a named error.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace reshard::net {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket();
+  Socket(Socket&& other) noexcept : fd_(other.release()) {}
+  Socket& operator=(Socket&& other) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Listens on every interface; port 0 picks a free one.
+Socket listen_on(int port, int backlog);
+int local_port(const Socket& socket);
+std::string peer_address(const Socket& socket);
+// Retries until the deadline: the listener may not be up yet when a rank starts.
+Socket connect_to(const std::string& host, int port, Deadline deadline, const std::string& whom);
+// Waits for one incoming connection.
+Socket accept_one(const Socket& listener, Deadline deadline, const std::string& whom);
+
+// Waits until `fd` is readable; false on timeout.
+bool wait_readable(int fd, Deadline deadline);
+
+void send_all(const Socket& socket, std::span<const std::byte> data, Deadline deadline,
+              const std::string& whom);
+// Throws kPeerFailure naming `whom` on EOF, kTimeout on the deadline.
+void recv_all(const Socket& socket, std::span<std::byte> data, Deadline deadline,
+              const std::string& whom);
+
+// Length-prefixed messages with a kind, so an abort notice can travel where data was expected.
+enum class FrameKind : std::uint32_t { kData = 1, kAbort = 2, kHello = 3 };
+
+struct Frame {
+  FrameKind kind = FrameKind::kData;
+  std::vector<std::byte> payload;
+};
+
+void send_frame(const Socket& socket, FrameKind kind, std::span<const std::byte> payload,
+                Deadline deadline, const std::string& whom);
+Frame recv_frame(const Socket& socket, Deadline deadline, const std::string& whom);
+
+}  // namespace reshard::net

@@ -1,0 +1,311 @@
+#include "reshard/copy_service.hpp"
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_map>
+
+#include "core/env.hpp"
+#include "core/execution_plan.hpp"
+#include "core/transport.hpp"
+#include "core/wire.hpp"
+#include "reshard/error.hpp"
+
+namespace reshard {
+namespace {
+
+enum class State { kCreated, kInitialized, kScheduled, kFailed, kFinalized };
+
+struct Registration {
+  TaskId task;
+  Buffer buffer;
+  std::size_t pos;
+  std::size_t size;
+  PeId peer;
+  std::byte* start() const { return static_cast<std::byte*>(buffer.data) + pos; }
+};
+
+const char* state_hint(State state) {
+  switch (state) {
+    case State::kCreated: return "call init() first";
+    case State::kFailed: return "an earlier error left the service unusable; finalize() it";
+    case State::kFinalized: return "the service was finalized";
+    default: return "";
+  }
+}
+
+// Receive ranges of one PE that overlap would make the result depend on arrival order.
+std::vector<std::string> find_overlapping_receives(const std::vector<Registration>& receives) {
+  std::vector<const Registration*> sorted;
+  for (const Registration& r : receives) {
+    if (r.size > 0) sorted.push_back(&r);
+  }
+  auto key = [](const Registration* r) {
+    return std::make_tuple(static_cast<int>(r->buffer.kind), r->buffer.device,
+                           reinterpret_cast<std::uintptr_t>(r->start()));
+  };
+  std::sort(sorted.begin(), sorted.end(),
+            [&](const Registration* a, const Registration* b) { return key(a) < key(b); });
+  std::vector<std::string> problems;
+  for (std::size_t i = 1; i < sorted.size(); ++i) {
+    const Registration& a = *sorted[i - 1];
+    const Registration& b = *sorted[i];
+    const bool same_space = a.buffer.kind == b.buffer.kind && a.buffer.device == b.buffer.device;
+    if (same_space && a.start() + a.size > b.start()) {
+      std::ostringstream text;
+      text << "destination ranges of task " << a.task << " (" << a.size << " bytes) and task "
+           << b.task << " (" << b.size << " bytes) overlap by "
+           << (std::min(a.start() + a.size, b.start() + b.size) - b.start()) << " bytes";
+      problems.push_back(text.str());
+    }
+  }
+  return problems;
+}
+
+}  // namespace
+
+TransportKind parse_transport_kind(const std::string& name) {
+  if (name == "auto") return TransportKind::kAuto;
+  if (name == "host") return TransportKind::kHost;
+  throw_error(ErrorCode::kInvalidArgument,
+              "unknown transport '" + name + "' (this build offers: auto, host)");
+}
+
+const char* transport_kind_name(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kAuto: return "auto";
+    case TransportKind::kHost: return "host";
+  }
+  return "?";
+}
+
+struct CopyService::Impl {
+  std::shared_ptr<Bootstrap> bootstrap;
+  TransportKind kind;
+  std::unique_ptr<Transport> transport;
+  State state = State::kCreated;
+  std::vector<Registration> sends;
+  std::vector<Registration> receives;
+  ExecutionPlan plan;
+
+  void require(bool ok, const char* call) const {
+    if (!ok) {
+      throw_error(ErrorCode::kInvalidState,
+                  std::string(call) + " is not allowed now: " + state_hint(state));
+    }
+  }
+  void require_usable(const char* call) const {
+    require(state == State::kInitialized || state == State::kScheduled, call);
+  }
+  void check_request(const char* call, TaskId task, const Buffer& buffer, std::size_t pos,
+                     std::size_t size, PeId peer, const char* peer_role) const;
+  ExecutionPlan build_plan(const Schedule& schedule) const;
+  [[noreturn]] void fail(const Error& error);
+};
+
+void CopyService::Impl::check_request(const char* call, TaskId task, const Buffer& buffer,
+                                      std::size_t pos, std::size_t size, PeId peer,
+                                      const char* peer_role) const {
+  require_usable(call);
+  const int n = bootstrap->size();
+  std::ostringstream where;
+  where << call << " of task " << task << " on PE " << bootstrap->rank() << ": ";
+  if (peer < 0 || peer >= n) {
+    throw_error(ErrorCode::kInvalidArgument, where.str() + peer_role + " " + std::to_string(peer) +
+                                                 " is outside 0.." + std::to_string(n - 1));
+  }
+  if (buffer.data == nullptr && buffer.bytes > 0) {
+    throw_error(ErrorCode::kInvalidArgument, where.str() + "the buffer pointer is null");
+  }
+  if (pos > buffer.bytes || size > buffer.bytes - pos) {
+    throw_error(ErrorCode::kInvalidArgument,
+                where.str() + "range [" + std::to_string(pos) + ", " + std::to_string(pos) + " + " +
+                    std::to_string(size) + ") lies outside its " + describe(buffer));
+  }
+  transport->check_buffer(buffer);
+}
+
+ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {
+  const PeId me = bootstrap->rank();
+  std::unordered_map<TaskId, const Registration*> my_sends, my_receives;
+  my_sends.reserve(sends.size());
+  my_receives.reserve(receives.size());
+  for (const Registration& r : sends) my_sends.emplace(r.task, &r);
+  for (const Registration& r : receives) my_receives.emplace(r.task, &r);
+
+  ExecutionPlan plan;
+  plan.rounds = schedule.rounds;
+  for (std::uint32_t index : schedule.local) {
+    const Transfer& t = schedule.transfers[index];
+    if (t.src != me || t.bytes == 0) continue;
+    plan.local_copies.push_back(
+        {my_sends.at(t.task)->start(), my_receives.at(t.task)->start(), t.bytes});
+  }
+  for (const Batch& batch : schedule.batches) {
+    const bool sending = batch.src == me;
+    if (!sending && batch.dst != me) continue;
+    PlannedBatch planned{sending ? batch.dst : batch.src, batch.round, batch.bytes,
+                         static_cast<std::uint32_t>(plan.spans.size()), batch.segment_count};
+    const auto& mine = sending ? my_sends : my_receives;
+    for (std::uint32_t s = 0; s < batch.segment_count; ++s) {
+      const Segment& segment = schedule.segments[batch.first_segment + s];
+      const Registration* r = mine.at(schedule.transfers[segment.transfer].task);
+      plan.spans.push_back({r->start() + segment.offset, segment.bytes});
+    }
+    (sending ? plan.sends : plan.receives).push_back(planned);
+  }
+  return plan;
+}
+
+void CopyService::Impl::fail(const Error& error) {
+  state = State::kFailed;
+  if (transport) transport->abort(error.what());
+  throw error;
+}
+
+CopyService::CopyService(TransportKind transport)
+    : CopyService(std::shared_ptr<Bootstrap>(make_default_bootstrap()), transport) {}
+
+CopyService::CopyService(std::shared_ptr<Bootstrap> bootstrap, TransportKind transport)
+    : impl_(std::make_unique<Impl>()) {
+  if (!bootstrap) throw_error(ErrorCode::kInvalidArgument, "CopyService needs a bootstrap");
+  impl_->bootstrap = std::move(bootstrap);
+  impl_->kind = transport;
+}
+
+CopyService::~CopyService() { finalize(); }
+
+void CopyService::init(LogLevel log_level) {
+  impl_->require(impl_->state == State::kCreated, "init()");
+  set_log_level(env::log_level().value_or(log_level));
+  set_log_pe(impl_->bootstrap->rank());
+  // Only the host transport exists in this build; auto therefore means host.
+  impl_->transport = make_host_transport(*impl_->bootstrap);
+  impl_->state = State::kInitialized;
+  RESHARD_LOG(kInfo, "copy service ready: PE " << my_pe() << " of " << n_pes() << ", transport "
+                                               << impl_->transport->name());
+}
+
+int CopyService::my_pe() const { return impl_->bootstrap->rank(); }
+int CopyService::n_pes() const { return impl_->bootstrap->size(); }
+int CopyService::device() const { return impl_->transport ? impl_->transport->device() : -1; }
+bool CopyService::initialized() const {
+  return impl_->state == State::kInitialized || impl_->state == State::kScheduled;
+}
+TransportKind CopyService::transport() const { return impl_->kind; }
+
+void CopyService::register_send(TaskId task_id, const Buffer& src, std::size_t src_pos,
+                                std::size_t size, PeId dest_pe) {
+  impl_->check_request("register_send", task_id, src, src_pos, size, dest_pe, "destination PE");
+  impl_->sends.push_back({task_id, src, src_pos, size, dest_pe});
+  impl_->state = State::kInitialized;  // a new request invalidates an existing plan
+}
+
+void CopyService::register_receive(TaskId task_id, const Buffer& dst, std::size_t dst_pos,
+                                   std::size_t size, PeId src_pe) {
+  impl_->check_request("register_receive", task_id, dst, dst_pos, size, src_pe, "source PE");
+  impl_->receives.push_back({task_id, dst, dst_pos, size, src_pe});
+  impl_->state = State::kInitialized;
+}
+
+ScheduleReport CopyService::schedule() {
+  impl_->require_usable("schedule()");
+  Impl& self = *impl_;
+  const PeId me = my_pe();
+  const int n = n_pes();
+  try {
+    std::vector<RequestClaim> my_sends, my_receives;
+    for (const Registration& r : self.sends) my_sends.push_back({r.task, me, r.peer, r.size});
+    for (const Registration& r : self.receives) my_receives.push_back({r.task, me, r.peer, r.size});
+    const std::vector<std::string> local_problems = find_overlapping_receives(self.receives);
+
+    wire::Writer summary;
+    summary.put_array(std::span<const RequestClaim>(my_sends));
+    summary.put_array(std::span<const RequestClaim>(my_receives));
+    summary.put<std::uint64_t>(local_problems.size());
+    for (const std::string& problem : local_problems) summary.put_string(problem);
+    summary.put<std::uint64_t>(self.transport->caps().chunk_bytes);
+    const auto gathered = self.bootstrap->all_gather(summary.bytes());
+
+    std::vector<RequestClaim> all_sends, all_receives;
+    std::ostringstream problems;
+    std::size_t problem_count = 0;
+    std::uint64_t chunk_bytes = UINT64_MAX;
+    for (int pe = 0; pe < n; ++pe) {
+      wire::Reader reader(gathered[pe]);
+      for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_sends.push_back(c);
+      for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_receives.push_back(c);
+      const auto count = reader.get<std::uint64_t>();
+      for (std::uint64_t i = 0; i < count; ++i) {
+        if (++problem_count <= 8) problems << "\n  - PE " << pe << ": " << reader.get_string();
+        else reader.get_string();
+      }
+      chunk_bytes = std::min(chunk_bytes, reader.get<std::uint64_t>());
+    }
+    if (problem_count > 0) {
+      if (problem_count > 8) problems << "\n  - ... and " << problem_count - 8 << " more";
+      throw_error(ErrorCode::kValidation, "schedule() refused: " + std::to_string(problem_count) +
+                                              " problem(s) with the registered requests:" +
+                                              problems.str());
+    }
+    const std::vector<Transfer> transfers = match_requests(all_sends, all_receives, n);
+    SchedulerOptions options;
+    options.chunk_bytes = std::min(chunk_bytes, env::chunk_bytes().value_or(chunk_bytes));
+    options.max_peers_per_round = self.transport->caps().max_peers_per_round;
+    const Schedule schedule = build_schedule(transfers, n, options);
+    self.plan = self.build_plan(schedule);
+    self.transport->prepare(self.plan);
+
+    ScheduleReport report;
+    report.transfers = schedule.transfers.size();
+    report.batches = schedule.batches.size();
+    report.rounds = schedule.rounds;
+    report.lower_bound_bytes = schedule.lower_bound_bytes;
+    report.makespan_bytes = schedule.makespan_bytes;
+    for (const PlannedBatch& b : self.plan.sends) report.bytes_sent += b.bytes;
+    for (const PlannedBatch& b : self.plan.receives) report.bytes_received += b.bytes;
+    for (const LocalCopy& c : self.plan.local_copies) report.bytes_local += c.bytes;
+    self.state = State::kScheduled;
+    RESHARD_LOG(kDebug, "scheduled " << report.transfers << " transfers in " << report.rounds
+                                     << " rounds, makespan/bound " << report.bound_ratio());
+    return report;
+  } catch (const Error& error) {
+    // Validation errors are raised identically on every PE; the service stays usable so the
+    // caller may clear_requests() and try again.
+    if (error.code() == ErrorCode::kValidation) throw;
+    self.fail(error);
+  }
+}
+
+void CopyService::run() {
+  Impl& self = *impl_;
+  if (self.state == State::kInitialized) {
+    throw_error(ErrorCode::kInvalidState,
+                "run() before schedule(): register the requests, then call schedule() once");
+  }
+  self.require(self.state == State::kScheduled, "run()");
+  try {
+    self.transport->run(self.plan);
+  } catch (const Error& error) {
+    self.fail(error);
+  }
+}
+
+void CopyService::clear_requests() {
+  impl_->require_usable("clear_requests()");
+  impl_->sends.clear();
+  impl_->receives.clear();
+  impl_->plan = ExecutionPlan{};
+  impl_->state = State::kInitialized;
+}
+
+void CopyService::finalize() {
+  if (!impl_ || impl_->state == State::kFinalized) return;
+  if (impl_->transport) impl_->transport->finalize();
+  impl_->transport.reset();
+  impl_->sends.clear();
+  impl_->receives.clear();
+  impl_->plan = ExecutionPlan{};
+  impl_->state = State::kFinalized;
+}
+
+}  // namespace reshard

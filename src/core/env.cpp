@@ -1,0 +1,60 @@
+#include "core/env.hpp"
+
+#include <cstdlib>
+
+#include "reshard/error.hpp"
+#include "reshard/types.hpp"
+
+namespace reshard::env {
+
+std::optional<std::string> get(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+int get_int(const char* name, int fallback) {
+  auto value = get(name);
+  if (!value) return fallback;
+  try {
+    std::size_t used = 0;
+    int parsed = std::stoi(*value, &used);
+    if (used == value->size()) return parsed;
+  } catch (const std::exception&) {
+  }
+  throw_error(ErrorCode::kInvalidArgument,
+              std::string(name) + "='" + *value + "' is not an integer");
+}
+
+std::chrono::milliseconds timeout() {
+  auto value = get("RESHARD_TIMEOUT_S");
+  if (!value) return std::chrono::milliseconds(30000);
+  try {
+    double seconds = std::stod(*value);
+    if (seconds > 0) return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
+  } catch (const std::exception&) {
+  }
+  throw_error(ErrorCode::kInvalidArgument,
+              "RESHARD_TIMEOUT_S='" + *value + "' is not a positive number of seconds");
+}
+
+std::optional<LogLevel> log_level() {
+  auto value = get("RESHARD_LOG_LEVEL");
+  if (!value) return std::nullopt;
+  return parse_log_level(*value);
+}
+
+std::uint64_t host_staging_bytes() {
+  auto value = get("RESHARD_HOST_STAGING_BYTES");
+  return value ? parse_bytes(*value) : (8ull << 20);
+}
+
+std::optional<std::uint64_t> chunk_bytes() {
+  auto value = get("RESHARD_CHUNK_BYTES");
+  if (!value) return std::nullopt;
+  return parse_bytes(*value);
+}
+
+std::optional<std::string> job_id() { return get("RESHARD_JOB_ID"); }
+
+}  // namespace reshard::env

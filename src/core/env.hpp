@@ -1,0 +1,28 @@
+// Every RESHARD_* environment variable is read here and nowhere else, so the full list of knobs
+// lives in one place (and in the README).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "reshard/log.hpp"
+
+namespace reshard::env {
+
+// RESHARD_TIMEOUT_S: how long any wait on a peer may last (default 30 s).
+std::chrono::milliseconds timeout();
+// RESHARD_LOG_LEVEL: overrides the level passed to init().
+std::optional<LogLevel> log_level();
+// RESHARD_HOST_STAGING_BYTES: shared memory each PE offers its peers to stage sends (default 8 MiB).
+std::uint64_t host_staging_bytes();
+// RESHARD_CHUNK_BYTES: caps the scheduler's chunk size (default: the transport's).
+std::optional<std::uint64_t> chunk_bytes();
+// RESHARD_JOB_ID: set by reshard-run so leftovers of a failed job can be found and removed.
+std::optional<std::string> job_id();
+
+std::optional<std::string> get(const char* name);
+int get_int(const char* name, int fallback);
+
+}  // namespace reshard::env

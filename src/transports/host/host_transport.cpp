@@ -1,0 +1,315 @@
+// Host transport: PEs are processes on one machine. Each PE owns a shared-memory inbox with one
+// channel per source PE; a channel is a ring of slots with a head counter (advanced by the sender
+// once a slot is filled) and a tail counter (advanced by the receiver once it has emptied one).
+// Counters only grow, across runs too, so run() needs no barrier: both ends walk the same batches
+// in the same order.
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "core/env.hpp"
+#include "core/transport.hpp"
+#include "core/wire.hpp"
+#include "reshard/error.hpp"
+#include "reshard/log.hpp"
+#include "transports/host/shm_segment.hpp"
+
+namespace reshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint64_t kMagic = 0x7265736861726431ull;  // "reshard1"
+constexpr std::size_t kPage = 4096;
+constexpr std::uint64_t kSlotsPerChannel = 4;
+constexpr std::uint64_t kMinSlotBytes = 4096;
+constexpr std::uint64_t kMaxSlotBytes = 4ull << 20;
+
+struct InboxHeader {
+  std::uint64_t magic;
+  std::int32_t pe;
+  std::int32_t pid;
+  std::atomic<std::uint32_t> aborted;
+  char abort_reason[244];
+};
+static_assert(sizeof(InboxHeader) <= kPage);
+
+struct ChannelCounters {
+  alignas(64) std::atomic<std::uint64_t> head;  // slots filled by the sender
+  alignas(64) std::atomic<std::uint64_t> tail;  // slots emptied by the receiver
+};
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
+
+std::size_t round_up(std::size_t value, std::size_t to) { return (value + to - 1) / to * to; }
+
+std::string make_job_id() {
+  if (auto id = env::job_id()) return *id;
+  std::random_device device;
+  std::ostringstream text;
+  text << std::hex << ::getpid() << "x" << device();
+  return text.str();
+}
+
+class HostTransport final : public Transport {
+ public:
+  explicit HostTransport(Bootstrap& bootstrap);
+  ~HostTransport() override { finalize(); }
+
+  const char* name() const override { return "host"; }
+  TransportCaps caps() const override { return {slot_bytes_, 1}; }
+  int device() const override { return -1; }
+  void check_buffer(const Buffer& buffer) const override;
+  void prepare(const ExecutionPlan& plan) override;
+  void run(const ExecutionPlan& plan) override;
+  void abort(const std::string& reason) noexcept override;
+  void finalize() noexcept override;
+
+ private:
+  // Inbox layout: header page, counters for every source PE, then each source's slots.
+  std::size_t counters_offset() const { return kPage; }
+  std::size_t slots_offset() const {
+    return round_up(kPage + n_pes_ * sizeof(ChannelCounters), kPage);
+  }
+  std::size_t inbox_bytes() const {
+    return slots_offset() + n_pes_ * kSlotsPerChannel * slot_bytes_;
+  }
+  InboxHeader& header(PeId pe) const {
+    return *reinterpret_cast<InboxHeader*>(inboxes_[pe].data());
+  }
+  ChannelCounters& counters(PeId receiver, PeId sender) const {
+    return reinterpret_cast<ChannelCounters*>(inboxes_[receiver].data() + counters_offset())[sender];
+  }
+  std::byte* slot(PeId receiver, PeId sender, std::uint64_t sequence) const {
+    return inboxes_[receiver].data() + slots_offset() +
+           (sender * kSlotsPerChannel + sequence % kSlotsPerChannel) * slot_bytes_;
+  }
+  void check_peer(PeId peer, const char* waiting_for) const;
+
+  Bootstrap& bootstrap_;
+  PeId my_pe_;
+  int n_pes_;
+  std::uint64_t slot_bytes_ = 0;
+  std::chrono::milliseconds timeout_;
+  std::vector<host::ShmSegment> inboxes_;
+  bool finalized_ = false;
+  // Batches grouped by peer, in round order, for the run loop.
+  std::vector<std::vector<std::uint32_t>> sends_by_peer_;
+  std::vector<std::vector<std::uint32_t>> receives_by_peer_;
+};
+
+HostTransport::HostTransport(Bootstrap& bootstrap)
+    : bootstrap_(bootstrap),
+      my_pe_(bootstrap.rank()),
+      n_pes_(bootstrap.size()),
+      timeout_(env::timeout()) {
+  // Every PE must use the same slot size: take the smallest any PE asked for.
+  const std::uint64_t budget = env::host_staging_bytes();
+  std::uint64_t wanted = budget / (std::max(n_pes_ - 1, 1) * kSlotsPerChannel);
+  wanted = std::clamp(wanted / kPage * kPage, kMinSlotBytes, kMaxSlotBytes);
+  wire::Writer mine;
+  mine.put(wanted);
+  std::string job_id = bootstrap.rank() == 0 ? make_job_id() : std::string();
+  mine.put_string(job_id);
+  const auto all = bootstrap.all_gather(mine.bytes());
+  slot_bytes_ = wanted;
+  for (std::size_t pe = 0; pe < all.size(); ++pe) {
+    wire::Reader reader(all[pe]);
+    slot_bytes_ = std::min(slot_bytes_, reader.get<std::uint64_t>());
+    std::string id = reader.get_string();
+    if (pe == 0) job_id = std::move(id);
+  }
+
+  auto inbox_name = [&](PeId pe) {
+    return "/reshard-" + job_id + "-pe" + std::to_string(pe);
+  };
+  inboxes_.resize(n_pes_);
+  inboxes_[my_pe_] = host::ShmSegment::create(inbox_name(my_pe_), inbox_bytes());
+  InboxHeader& mine_header = header(my_pe_);
+  mine_header.magic = kMagic;
+  mine_header.pe = my_pe_;
+  mine_header.pid = static_cast<std::int32_t>(::getpid());
+  mine_header.aborted.store(0);
+  try {
+    bootstrap.barrier();  // every inbox exists
+    for (PeId pe = 0; pe < n_pes_; ++pe) {
+      if (pe == my_pe_) continue;
+      inboxes_[pe] = host::ShmSegment::open(inbox_name(pe), inbox_bytes());
+      if (header(pe).magic != kMagic || header(pe).pe != pe) {
+        throw_error(ErrorCode::kSystem, "shared memory " + inbox_name(pe) + " is not PE " +
+                                            std::to_string(pe) + "'s inbox");
+      }
+    }
+    bootstrap.barrier();  // every inbox is mapped by everyone: the names can go
+  } catch (...) {
+    inboxes_[my_pe_].unlink();
+    throw;
+  }
+  inboxes_[my_pe_].unlink();
+  sends_by_peer_.resize(n_pes_);
+  receives_by_peer_.resize(n_pes_);
+  RESHARD_LOG(kDebug, "host transport: " << n_pes_ << " PEs, " << kSlotsPerChannel << " slots of "
+                                         << format_bytes(slot_bytes_) << " per channel, inbox "
+                                         << format_bytes(inbox_bytes()));
+}
+
+void HostTransport::check_buffer(const Buffer& buffer) const {
+  if (buffer.kind != MemoryKind::kHost) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "the host transport moves host memory only, not a " + describe(buffer) +
+                    " (choose a GPU transport for device memory)");
+  }
+}
+
+void HostTransport::prepare(const ExecutionPlan& plan) {
+  for (auto& list : sends_by_peer_) list.clear();
+  for (auto& list : receives_by_peer_) list.clear();
+  for (std::uint32_t i = 0; i < plan.sends.size(); ++i) {
+    if (plan.sends[i].bytes > slot_bytes_) {
+      throw_error(ErrorCode::kInvalidState, "a batch exceeds the host transport's slot size");
+    }
+    sends_by_peer_[plan.sends[i].peer].push_back(i);
+  }
+  for (std::uint32_t i = 0; i < plan.receives.size(); ++i) {
+    receives_by_peer_[plan.receives[i].peer].push_back(i);
+  }
+}
+
+void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
+  const InboxHeader& peer_header = header(peer);
+  if (peer_header.aborted.load(std::memory_order_acquire) != 0) {
+    throw_error(ErrorCode::kPeerFailure,
+                "PE " + std::to_string(peer) + " failed while PE " + std::to_string(my_pe_) +
+                    " was waiting " + waiting_for + ": " +
+                    std::string(peer_header.abort_reason,
+                                strnlen(peer_header.abort_reason, sizeof peer_header.abort_reason)));
+  }
+  if (::kill(peer_header.pid, 0) != 0 && errno == ESRCH) {
+    throw_error(ErrorCode::kPeerFailure, "PE " + std::to_string(peer) + " (pid " +
+                                             std::to_string(peer_header.pid) +
+                                             ") exited while PE " + std::to_string(my_pe_) +
+                                             " was waiting " + waiting_for);
+  }
+}
+
+void HostTransport::run(const ExecutionPlan& plan) {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
+  for (const LocalCopy& copy : plan.local_copies) std::memmove(copy.dst, copy.src, copy.bytes);
+
+  std::vector<std::size_t> next_send(n_pes_, 0), next_receive(n_pes_, 0);
+  std::size_t remaining = plan.sends.size() + plan.receives.size();
+  auto last_progress = Clock::now();
+  auto next_check = last_progress;
+  unsigned idle_rounds = 0;
+  while (remaining > 0) {
+    bool progressed = false;
+    for (PeId peer = 0; peer < n_pes_; ++peer) {
+      const auto& sends = sends_by_peer_[peer];
+      std::size_t& next = next_send[peer];
+      if (next < sends.size()) {
+        ChannelCounters& channel = counters(peer, my_pe_);
+        std::uint64_t head = channel.head.load(std::memory_order_relaxed);
+        const std::uint64_t tail = channel.tail.load(std::memory_order_acquire);
+        while (next < sends.size() && head - tail < kSlotsPerChannel) {
+          const PlannedBatch& batch = plan.sends[sends[next]];
+          std::byte* out = slot(peer, my_pe_, head);
+          for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+            const CopySpan& span = plan.spans[batch.first_span + s];
+            std::memcpy(out, span.data, span.bytes);
+            out += span.bytes;
+          }
+          channel.head.store(++head, std::memory_order_release);
+          ++next;
+          --remaining;
+          progressed = true;
+        }
+      }
+      const auto& receives = receives_by_peer_[peer];
+      std::size_t& next_in = next_receive[peer];
+      if (next_in < receives.size()) {
+        ChannelCounters& channel = counters(my_pe_, peer);
+        std::uint64_t tail = channel.tail.load(std::memory_order_relaxed);
+        const std::uint64_t head = channel.head.load(std::memory_order_acquire);
+        while (next_in < receives.size() && tail < head) {
+          const PlannedBatch& batch = plan.receives[receives[next_in]];
+          const std::byte* in = slot(my_pe_, peer, tail);
+          for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+            const CopySpan& span = plan.spans[batch.first_span + s];
+            std::memcpy(span.data, in, span.bytes);
+            in += span.bytes;
+          }
+          channel.tail.store(++tail, std::memory_order_release);
+          ++next_in;
+          --remaining;
+          progressed = true;
+        }
+      }
+    }
+    if (progressed) {
+      idle_rounds = 0;
+      last_progress = Clock::now();
+      continue;
+    }
+    // Idle: back off from spinning to yielding to sleeping, and look after the peers.
+    ++idle_rounds;
+    if (idle_rounds < 64) continue;
+    if (idle_rounds < 256) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    const auto now = Clock::now();
+    if (now < next_check) continue;
+    next_check = now + std::chrono::milliseconds(2);
+    for (PeId peer = 0; peer < n_pes_; ++peer) {
+      const bool sending = next_send[peer] < sends_by_peer_[peer].size();
+      const bool receiving = next_receive[peer] < receives_by_peer_[peer].size();
+      if (!sending && !receiving) continue;
+      const std::string what =
+          receiving ? "to receive from it" : "for it to drain its inbox";
+      // Look at the channel once more: the peer may have written its last bytes and exited.
+      const bool can_receive =
+          receiving && counters(my_pe_, peer).head.load(std::memory_order_acquire) >
+                           counters(my_pe_, peer).tail.load(std::memory_order_relaxed);
+      if (can_receive) break;
+      check_peer(peer, what.c_str());
+      if (now - last_progress > timeout_) {
+        throw_error(ErrorCode::kTimeout,
+                    "PE " + std::to_string(my_pe_) + " waited " +
+                        std::to_string(timeout_.count() / 1000.0).substr(0, 5) +
+                        " s for PE " + std::to_string(peer) + " " + what +
+                        " without progress (RESHARD_TIMEOUT_S sets the limit)");
+      }
+    }
+  }
+}
+
+void HostTransport::abort(const std::string& reason) noexcept {
+  if (finalized_ || inboxes_.empty() || inboxes_[my_pe_].data() == nullptr) return;
+  InboxHeader& mine = header(my_pe_);
+  const std::size_t length = std::min(reason.size(), sizeof mine.abort_reason - 1);
+  std::memcpy(mine.abort_reason, reason.data(), length);
+  mine.abort_reason[length] = '\0';
+  mine.aborted.store(1, std::memory_order_release);
+}
+
+void HostTransport::finalize() noexcept {
+  if (finalized_) return;
+  finalized_ = true;
+  inboxes_.clear();
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap) {
+  return std::make_unique<HostTransport>(bootstrap);
+}
+
+}  // namespace reshard

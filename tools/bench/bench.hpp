@@ -1,0 +1,38 @@
+// The benchmarks behind `reshard bench` and `reshard bench-scheduler`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reshard/bootstrap.hpp"
+#include "reshard/copy_service.hpp"
+
+namespace reshard::bench {
+
+struct CopyBenchOptions {
+  std::vector<std::string> workloads;
+  std::uint64_t size = 1 << 20;
+  int iterations = 20;
+  int warmup = 3;
+  std::uint64_t seed = 1;
+  TransportKind transport = TransportKind::kAuto;
+  std::string json_path;  // JSON lines appended here when set (rank 0)
+};
+
+// Runs on every PE; rank 0 prints the table. Returns the number of wrong bytes found anywhere.
+std::uint64_t run_copy_bench(std::shared_ptr<Bootstrap> bootstrap, const CopyBenchOptions& options);
+
+struct SchedulerBenchOptions {
+  std::uint64_t requests = 1'000'000;
+  int pes = 1024;
+  std::uint64_t chunk_bytes = 1 << 20;
+  int max_peers_per_round = 1;
+  int repeats = 3;
+  std::uint64_t seed = 1;
+};
+
+// Times build_schedule on one core and prints time and makespan/bound; returns the best seconds.
+double run_scheduler_bench(const SchedulerBenchOptions& options);
+
+}  // namespace reshard::bench

@@ -1,0 +1,95 @@
+// The reshard command line: `reshard bench` (the copy benchmark; launches its own processes when
+// started outside a launcher) and `reshard bench-scheduler`.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <cstdlib>
+
+#include "bench/bench.hpp"
+#include "bench/workloads.hpp"
+#include "launch/local_launcher.hpp"
+#include "reshard/reshard.hpp"
+
+namespace {
+
+std::string self_executable(const char* argv0) {
+  char path[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof path - 1);
+  if (n <= 0) return argv0;
+  path[n] = '\0';
+  return path;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"reshard: move tensor shards between processes and GPUs", "reshard"};
+  app.require_subcommand(1);
+
+  reshard::bench::CopyBenchOptions bench;
+  bench.workloads = reshard::bench::workload_kinds();
+  std::string size_text = "1MiB";
+  std::string transport = "auto";
+  int nprocs = 4;
+  auto* bench_cmd = app.add_subcommand(
+      "bench", "Run resharding workloads across processes, verify every byte, print a table");
+  bench_cmd->add_option("-w,--workload", bench.workloads, "uniform, random, small, refit")
+      ->check(CLI::IsMember(reshard::bench::workload_kinds()));
+  bench_cmd->add_option("-s,--size", size_text, "per-peer size (uniform), scale of the others");
+  bench_cmd->add_option("-i,--iters", bench.iterations, "timed runs per workload")
+      ->check(CLI::Range(1, 1000000));
+  bench_cmd->add_option("--warmup", bench.warmup, "untimed runs first")->check(CLI::Range(0, 1000));
+  bench_cmd->add_option("-n,--np", nprocs,
+                        "processes to start when not under reshard-run/torchrun/mpirun")
+      ->check(CLI::Range(1, 1024));
+  bench_cmd->add_option("-t,--transport", transport, "auto or host");
+  bench_cmd->add_option("--seed", bench.seed, "workload seed");
+  bench_cmd->add_option("--json", bench.json_path, "append results as JSON lines to this file");
+
+  reshard::bench::SchedulerBenchOptions sched;
+  std::string chunk_text = "1MiB";
+  auto* sched_cmd = app.add_subcommand(
+      "bench-scheduler", "Time the scheduler on a random workload on one core");
+  sched_cmd->add_option("--requests", sched.requests, "number of requests");
+  sched_cmd->add_option("--pes", sched.pes, "number of PEs")->check(CLI::Range(1, 1 << 20));
+  sched_cmd->add_option("--chunk", chunk_text, "chunk size");
+  sched_cmd->add_option("-k,--peers-per-round", sched.max_peers_per_round,
+                        "peers per PE per round")->check(CLI::Range(1, 255));
+  sched_cmd->add_option("--repeats", sched.repeats, "timed repetitions")->check(CLI::Range(1, 100));
+
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (*sched_cmd) {
+      sched.chunk_bytes = reshard::parse_bytes(chunk_text);
+      reshard::bench::run_scheduler_bench(sched);
+      return 0;
+    }
+    bench.size = reshard::parse_bytes(size_text);
+    bench.transport = reshard::parse_transport_kind(transport);
+    const bool under_launcher = std::getenv("RANK") != nullptr ||
+                                std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
+                                std::getenv("PMI_SIZE") != nullptr;
+    if (!under_launcher && nprocs > 1) {
+      reshard::LaunchOptions launch;
+      launch.n_procs = nprocs;
+      launch.command.push_back(self_executable(argv[0]));
+      for (int i = 1; i < argc; ++i) launch.command.push_back(argv[i]);
+      const reshard::LaunchResult result = reshard::launch_local(launch);
+      if (result.exit_code != 0) std::fprintf(stderr, "reshard bench: %s\n", result.summary.c_str());
+      return result.exit_code;
+    }
+    std::shared_ptr<reshard::Bootstrap> bootstrap = reshard::make_default_bootstrap();
+    const std::uint64_t wrong = reshard::bench::run_copy_bench(bootstrap, bench);
+    if (wrong != 0) {
+      std::fprintf(stderr, "reshard bench: %llu bytes were wrong\n",
+                   static_cast<unsigned long long>(wrong));
+      return 1;
+    }
+    return 0;
+  } catch (const reshard::Error& error) {
+    std::fprintf(stderr, "%s\n", error.what());
+    return 1;
+  }
+}
