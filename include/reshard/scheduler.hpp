@@ -38,6 +38,10 @@ struct SchedulerOptions {
   // Largest batch: large transfers are segmented into pieces no larger than this, and the transfers
   // of one (source, destination) pair are packed into batches up to this size.
   std::uint64_t chunk_bytes = 1 << 20;
+  // The chunk actually used shrinks towards lower_bound / target_rounds (never below
+  // min_chunk_bytes): more, evenly sized batches let rounds be balanced closely.
+  std::uint64_t min_chunk_bytes = 64 << 10;
+  std::uint32_t target_rounds = 64;
   // How many peers one PE may send to, and receive from, in one round (a transport capability).
   int max_peers_per_round = 1;
 };
@@ -60,7 +64,7 @@ struct Batch {
 
 struct Schedule {
   int n_pes = 0;
-  SchedulerOptions options;
+  SchedulerOptions options;  // options.chunk_bytes is the chunk actually used
   std::vector<Transfer> transfers;       // sorted by (src, dst, task)
   std::vector<Segment> segments;         // referenced by batches
   std::vector<Batch> batches;            // remote batches, sorted by (round, src, dst)

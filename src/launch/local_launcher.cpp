@@ -61,6 +61,8 @@ pid_t spawn(const LaunchOptions& options, int rank, int port, const std::string&
   const pid_t pid = ::fork();
   if (pid < 0) throw_system_error("fork()");
   if (pid > 0) return pid;
+  // Its own process group, so stopping a rank also stops whatever it started.
+  ::setpgid(0, 0);
   ::dup2(output_fd, STDOUT_FILENO);
   ::dup2(output_fd, STDERR_FILENO);
   ::setenv("RANK", std::to_string(rank).c_str(), 1);
@@ -131,7 +133,7 @@ LaunchResult launch_local(const LaunchOptions& options) {
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
   auto stop_all = [&](int signal) {
     for (Child& child : children) {
-      if (child.running) ::kill(child.pid, signal);
+      if (child.running) ::kill(-child.pid, signal);
     }
   };
   auto flush_line = [&](int rank, const std::string& line) {

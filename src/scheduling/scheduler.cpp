@@ -9,49 +9,58 @@
 namespace reshard {
 namespace {
 
-// Which rounds each PE can still send in (or receive in): a per-PE bitset of full rounds plus a
-// counter per round, so the first round free at both ends is found 64 rounds per step.
+// Which batch each PE sends (or receives) in each round: rounds are built as matchings, one batch
+// per PE and direction. A per-PE bitset of busy rounds finds the first round free at both ends 64
+// rounds per step.
 class RoundOccupancy {
  public:
-  RoundOccupancy(int n_pes, int capacity)
-      : capacity_(capacity), counts_(n_pes), full_(n_pes), first_free_(n_pes, 0) {}
+  static constexpr std::uint32_t kNone = UINT32_MAX;
+
+  explicit RoundOccupancy(int n_pes) : occupant_(n_pes), busy_(n_pes), first_free_(n_pes, 0) {}
 
   std::uint32_t first_free(PeId pe) const { return first_free_[pe]; }
-  std::uint64_t full_word(PeId pe, std::size_t word) const {
-    return word < full_[pe].size() ? full_[pe][word] : 0;
+  std::uint64_t busy_word(PeId pe, std::size_t word) const {
+    return word < busy_[pe].size() ? busy_[pe][word] : 0;
+  }
+  std::uint32_t occupant(PeId pe, std::uint32_t round) const {
+    return round < occupant_[pe].size() ? occupant_[pe][round] : kNone;
   }
 
-  void take(PeId pe, std::uint32_t round) {
-    auto& counts = counts_[pe];
-    if (counts.size() <= round) counts.resize(std::max<std::size_t>(round + 1, counts.size() * 2));
-    if (++counts[round] < capacity_) return;
-    auto& full = full_[pe];
+  void take(PeId pe, std::uint32_t round, std::uint32_t batch) {
+    auto& occupants = occupant_[pe];
+    if (occupants.size() <= round) {
+      occupants.resize(std::max<std::size_t>(round + 1, occupants.size() * 2), kNone);
+    }
+    occupants[round] = batch;
+    auto& busy = busy_[pe];
     const std::size_t word = round >> 6;
-    if (full.size() <= word) full.resize(std::max(word + 1, full.size() * 2), 0);
-    full[word] |= std::uint64_t{1} << (round & 63);
+    if (busy.size() <= word) busy.resize(std::max(word + 1, busy.size() * 2), 0);
+    busy[word] |= std::uint64_t{1} << (round & 63);
     std::uint32_t& first = first_free_[pe];
-    while (is_full(full, first)) ++first;
+    while (occupant(pe, first) != kNone) ++first;
+  }
+
+  void release(PeId pe, std::uint32_t round) {
+    occupant_[pe][round] = kNone;
+    busy_[pe][round >> 6] &= ~(std::uint64_t{1} << (round & 63));
+    first_free_[pe] = std::min(first_free_[pe], round);
   }
 
  private:
-  static bool is_full(const std::vector<std::uint64_t>& full, std::uint32_t round) {
-    const std::size_t word = round >> 6;
-    return word < full.size() && ((full[word] >> (round & 63)) & 1);
-  }
-
-  int capacity_;
-  std::vector<std::vector<std::uint8_t>> counts_;
-  std::vector<std::vector<std::uint64_t>> full_;
+  std::vector<std::vector<std::uint32_t>> occupant_;
+  std::vector<std::vector<std::uint64_t>> busy_;
   std::vector<std::uint32_t> first_free_;
 };
 
 std::uint32_t first_common_free_round(const RoundOccupancy& senders, PeId src,
-                                      const RoundOccupancy& receivers, PeId dst) {
-  const std::uint32_t start = std::max(senders.first_free(src), receivers.first_free(dst));
+                                      const RoundOccupancy& receivers, PeId dst,
+                                      std::uint32_t from = 0) {
+  const std::uint32_t start =
+      std::max({from, senders.first_free(src), receivers.first_free(dst)});
   std::size_t word = start >> 6;
   std::uint64_t below_start = (std::uint64_t{1} << (start & 63)) - 1;
   for (;; ++word) {
-    const std::uint64_t busy = senders.full_word(src, word) | receivers.full_word(dst, word) |
+    const std::uint64_t busy = senders.busy_word(src, word) | receivers.busy_word(dst, word) |
                                below_start;
     below_start = 0;
     if (busy != ~std::uint64_t{0}) {
@@ -94,6 +103,9 @@ void segment_and_pack(Schedule& schedule) {
   close_batch();
 }
 
+// How many rounds free at both ends a batch considers before settling for the cheapest.
+constexpr int kRoundCandidates = 48;
+
 void assign_rounds(Schedule& schedule, const std::vector<std::uint64_t>& out_load,
                    const std::vector<std::uint64_t>& in_load) {
   const int n = schedule.n_pes;
@@ -117,17 +129,83 @@ void assign_rounds(Schedule& schedule, const std::vector<std::uint64_t>& out_loa
     if (a.rotation != b.rotation) return a.rotation < b.rotation;
     return a.index < b.index;
   });
-  const int k = schedule.options.max_peers_per_round;
-  RoundOccupancy senders(n, k);
-  RoundOccupancy receivers(n, k);
+  // Rounds are built as matchings (one peer each way per PE) and then every k consecutive rounds
+  // are merged into one: a merged round never lasts longer than the rounds it replaces, so the
+  // k-peer schedule is at least as good as the matching one, which balances bytes best.
+  const std::uint32_t k = schedule.options.max_peers_per_round;
+  RoundOccupancy senders(n);
+  RoundOccupancy receivers(n);
+  auto& batches = schedule.batches;
+  auto bytes_in = [&](const RoundOccupancy& side, PeId pe, std::uint32_t round) {
+    const std::uint32_t b = side.occupant(pe, round);
+    return b == RoundOccupancy::kNone ? std::uint64_t{0} : batches[b].bytes;
+  };
+  auto place = [&](std::uint32_t b, std::uint32_t round) {
+    batches[b].round = round;
+    senders.take(batches[b].src, round, b);
+    receivers.take(batches[b].dst, round, b);
+  };
+  std::vector<std::uint64_t> round_cost;  // the longest batch in each round so far
+  std::vector<std::uint32_t> path;
   for (const Key& key : keys) {
-    Batch& batch = schedule.batches[key.index];
-    const std::uint32_t round = first_common_free_round(senders, batch.src, receivers, batch.dst);
-    batch.round = round;
-    senders.take(batch.src, round);
-    receivers.take(batch.dst, round);
-    schedule.rounds = std::max(schedule.rounds, round + 1);
+    const Batch& batch = batches[key.index];
+    std::uint32_t round = first_common_free_round(senders, batch.src, receivers, batch.dst);
+    if (round >= round_cost.size()) {
+      // Every existing round is busy at one end or the other. Rather than open a new round, free
+      // one by swapping two rounds along an alternating path (Konig's edge-colouring argument:
+      // in a bipartite graph the path never returns to the sender).
+      const std::uint32_t a = senders.first_free(batch.src);
+      const std::uint32_t b = receivers.first_free(batch.dst);
+      if (a < round_cost.size() && b < round_cost.size()) {
+        path.clear();
+        PeId receiver = batch.dst;
+        while (path.size() <= static_cast<std::size_t>(4 * n)) {
+          const std::uint32_t in_a = receivers.occupant(receiver, a);
+          if (in_a == RoundOccupancy::kNone) break;
+          path.push_back(in_a);
+          const std::uint32_t out_b = senders.occupant(batches[in_a].src, b);
+          if (out_b == RoundOccupancy::kNone) break;
+          path.push_back(out_b);
+          receiver = batches[out_b].dst;
+        }
+        if (path.size() <= static_cast<std::size_t>(4 * n)) {
+          for (std::uint32_t e : path) {
+            senders.release(batches[e].src, batches[e].round);
+            receivers.release(batches[e].dst, batches[e].round);
+          }
+          for (std::uint32_t e : path) place(e, batches[e].round == a ? b : a);
+          round_cost[a] = round_cost[b] = std::max(round_cost[a], round_cost[b]);
+          round = a;
+        }
+      }
+    }
+    // Among the first rounds free at both ends, take the first the batch fits in without making
+    // the round longer; failing that, the one it lengthens least (a new round costs its size).
+    std::uint32_t best_round = round;
+    std::uint64_t best_increase = UINT64_MAX;
+    for (int candidate = 0; candidate < kRoundCandidates; ++candidate) {
+      if (round >= round_cost.size()) {
+        if (batch.bytes < best_increase) best_round = round;
+        break;
+      }
+      const std::uint64_t load = std::max(bytes_in(senders, batch.src, round),
+                                          bytes_in(receivers, batch.dst, round)) +
+                                 batch.bytes;
+      const std::uint64_t increase = load > round_cost[round] ? load - round_cost[round] : 0;
+      if (increase < best_increase) {
+        best_increase = increase;
+        best_round = round;
+        if (increase == 0) break;
+      }
+      round = first_common_free_round(senders, batch.src, receivers, batch.dst, round + 1);
+    }
+    place(key.index, best_round);
+    if (round_cost.size() <= best_round) round_cost.resize(best_round + 1, 0);
+    round_cost[best_round] = std::max(round_cost[best_round], batch.bytes);
   }
+  schedule.rounds = static_cast<std::uint32_t>(round_cost.size());
+  for (Batch& batch : schedule.batches) batch.round /= k;
+  schedule.rounds = (schedule.rounds + k - 1) / k;
   std::stable_sort(schedule.batches.begin(), schedule.batches.end(),
                    [](const Batch& a, const Batch& b) {
                      if (a.round != b.round) return a.round < b.round;
@@ -187,17 +265,25 @@ Schedule build_schedule(std::span<const Transfer> transfers, int n_pes,
               if (a.dst != b.dst) return a.dst < b.dst;
               return a.task < b.task;
             });
-  segment_and_pack(schedule);
-
   std::vector<std::uint64_t> out_load(n_pes, 0), in_load(n_pes, 0);
-  for (const Batch& b : schedule.batches) {
-    out_load[b.src] += b.bytes;
-    in_load[b.dst] += b.bytes;
+  for (const Transfer& t : schedule.transfers) {
+    if (t.src == t.dst) continue;
+    out_load[t.src] += t.bytes;
+    in_load[t.dst] += t.bytes;
   }
   for (int pe = 0; pe < n_pes; ++pe) {
     schedule.lower_bound_bytes =
         std::max({schedule.lower_bound_bytes, out_load[pe], in_load[pe]});
   }
+  constexpr std::uint64_t kAlign = 4096;
+  const std::uint64_t wanted =
+      (schedule.lower_bound_bytes / std::max<std::uint64_t>(options.target_rounds, 1) + kAlign -
+       1) /
+      kAlign * kAlign;
+  schedule.options.chunk_bytes =
+      std::clamp(wanted, std::min(options.min_chunk_bytes, options.chunk_bytes),
+                 options.chunk_bytes);
+  segment_and_pack(schedule);
   assign_rounds(schedule, out_load, in_load);
   schedule.makespan_bytes = simulate_makespan(schedule);
   return schedule;

@@ -127,9 +127,11 @@ HostTransport::HostTransport(Bootstrap& bootstrap)
     if (pe == 0) job_id = std::move(id);
   }
 
-  auto inbox_name = [&](PeId pe) {
-    return "/reshard-" + job_id + "-pe" + std::to_string(pe);
-  };
+  // Every PE creates its services in the same order, so the generation agrees across PEs and
+  // a new service never meets the names of an earlier one.
+  static std::atomic<int> generation{0};
+  const std::string prefix = "/reshard-" + job_id + "-" + std::to_string(generation++) + "-pe";
+  auto inbox_name = [&](PeId pe) { return prefix + std::to_string(pe); };
   inboxes_.resize(n_pes_);
   inboxes_[my_pe_] = host::ShmSegment::create(inbox_name(my_pe_), inbox_bytes());
   InboxHeader& mine_header = header(my_pe_);

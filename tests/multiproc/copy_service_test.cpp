@@ -1,0 +1,236 @@
+// Runs on every PE under reshard-run (ctest starts it at 1, 2, 3, 4 and 8 PEs). Every test is
+// collective: all PEs run the same tests in the same order.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <memory>
+
+#include "bench/workloads.hpp"
+#include "reshard/reshard.hpp"
+
+namespace reshard {
+namespace {
+
+std::shared_ptr<Bootstrap> g_bootstrap;
+
+class FailurePrinter : public testing::EmptyTestEventListener {
+  void OnTestPartResult(const testing::TestPartResult& result) override {
+    if (result.failed()) {
+      std::printf("%s:%d: Failure on this PE\n%s\n", result.file_name() ? result.file_name() : "?",
+                  result.line_number(), result.message());
+    }
+  }
+};
+
+std::unique_ptr<CopyService> make_service() {
+  auto service = std::make_unique<CopyService>(g_bootstrap, TransportKind::kHost);
+  service->init(LogLevel::kWarn);
+  return service;
+}
+
+// Collective: true when `ok` holds on every PE.
+bool all_pes(bool ok) {
+  const std::byte mine{static_cast<unsigned char>(ok ? 1 : 0)};
+  for (const auto& part : g_bootstrap->all_gather(std::span(&mine, 1))) {
+    if (part.at(0) != std::byte{1}) return false;
+  }
+  return true;
+}
+
+struct Buffers {
+  std::vector<std::byte> send;
+  std::vector<std::byte> recv;
+};
+
+Buffers register_workload(CopyService& service, const bench::Workload& w) {
+  const PeId me = service.my_pe();
+  Buffers b{std::vector<std::byte>(w.send_buffer_bytes[me]),
+            std::vector<std::byte>(w.recv_buffer_bytes[me])};
+  const Buffer src = Buffer::host(b.send.data(), b.send.size());
+  const Buffer dst = Buffer::host(b.recv.data(), b.recv.size());
+  for (const bench::WorkItem& item : w.items) {
+    if (item.src == me) service.register_send(item.task, src, item.src_offset, item.bytes, item.dst);
+    if (item.dst == me) service.register_receive(item.task, dst, item.dst_offset, item.bytes, item.src);
+  }
+  return b;
+}
+
+// Runs once with sources filled for `iteration`; returns the wrong bytes on this PE.
+std::uint64_t run_and_verify(CopyService& service, const bench::Workload& w, Buffers& b,
+                             std::uint32_t iteration) {
+  bench::prepare_buffers(w, service.my_pe(), iteration, b.send, b.recv);
+  g_bootstrap->barrier();
+  service.run();
+  g_bootstrap->barrier();
+  return bench::verify_receive_buffer(w, service.my_pe(), iteration, b.recv);
+}
+
+class Workloads : public testing::TestWithParam<std::tuple<std::string, std::uint64_t>> {};
+
+TEST_P(Workloads, EveryByteArrivesOnEveryRunAndNothingElseIsWritten) {
+  const auto& [kind, size] = GetParam();
+  auto service = make_service();
+  for (std::uint64_t seed : {1, 2}) {
+    const auto w = bench::make_workload(kind, service->n_pes(), size, seed);
+    Buffers b = register_workload(*service, w);
+    const ScheduleReport report = service->schedule();
+    EXPECT_GE(report.makespan_bytes, report.lower_bound_bytes);
+    // Three runs of one schedule, each with fresh source bytes.
+    for (std::uint32_t iteration = 1; iteration <= 3; ++iteration) {
+      const std::uint64_t wrong = run_and_verify(*service, w, b, iteration);
+      EXPECT_EQ(wrong, 0u) << kind << " size " << size << " seed " << seed << " run " << iteration;
+    }
+    service->clear_requests();
+  }
+  service->finalize();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    HostTransport, Workloads,
+    testing::Combine(testing::Values("uniform", "random", "small", "refit"),
+                     testing::Values(std::uint64_t{1}, std::uint64_t{4097},
+                                     std::uint64_t{(1 << 20) + 3})));
+
+TEST(CopyService, ManySchedulesOfRandomWorkloadsOnOneService) {
+  auto service = make_service();
+  for (std::uint64_t seed = 10; seed < 40; ++seed) {
+    const auto w = bench::make_workload(seed % 2 ? "random" : "small", service->n_pes(),
+                                        1 + seed * 997, seed);
+    Buffers b = register_workload(*service, w);
+    service->schedule();
+    EXPECT_EQ(run_and_verify(*service, w, b, static_cast<std::uint32_t>(seed)), 0u) << seed;
+    service->clear_requests();
+  }
+}
+
+TEST(CopyService, ReportsProperties) {
+  auto service = make_service();
+  EXPECT_TRUE(service->initialized());
+  EXPECT_EQ(service->my_pe(), g_bootstrap->rank());
+  EXPECT_EQ(service->n_pes(), g_bootstrap->size());
+  EXPECT_EQ(service->device(), -1);
+  service->finalize();
+  EXPECT_FALSE(service->initialized());
+}
+
+// Every PE must refuse the same bad request set with the same message.
+void expect_refused_everywhere(CopyService& service, const std::string& expected) {
+  std::string message;
+  try {
+    service.schedule();
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kValidation);
+    message = error.what();
+  }
+  EXPECT_NE(message.find(expected), std::string::npos) << "got: " << message;
+  EXPECT_TRUE(all_pes(message.find(expected) != std::string::npos));
+  service.clear_requests();
+}
+
+TEST(CopyServiceValidation, RefusesBadRequestSetsOnEveryPeAndStaysUsable) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  const PeId last = n - 1;
+  std::vector<std::byte> memory(4096, std::byte{0});
+  const Buffer buffer = Buffer::host(memory.data(), memory.size());
+
+  if (me == 0) service->register_send(999, buffer, 0, 16, last);
+  expect_refused_everywhere(*service, "task 999: send of 16 bytes from PE 0 to PE " +
+                                          std::to_string(last) + " has no matching receive");
+
+  if (me == 0) service->register_send(5, buffer, 0, 100, last);
+  if (me == last) service->register_receive(5, buffer, 1000, 99, 0);
+  expect_refused_everywhere(*service, "task 5: PE 0 sends 100 bytes but PE " +
+                                          std::to_string(last) + " expects 99 bytes");
+
+  if (me == 0) {
+    service->register_send(7, buffer, 0, 8, last);
+    service->register_send(7, buffer, 8, 8, last);
+  }
+  if (me == last) service->register_receive(7, buffer, 2000, 8, 0);
+  expect_refused_everywhere(*service, "task 7 has more than one send");
+
+  if (me == last) {
+    service->register_receive(21, buffer, 100, 50, 0);
+    service->register_receive(22, buffer, 140, 50, 0);
+  }
+  if (me == 0) {
+    service->register_send(21, buffer, 0, 50, last);
+    service->register_send(22, buffer, 0, 50, last);
+  }
+  expect_refused_everywhere(*service, "PE " + std::to_string(last) +
+                                          ": destination ranges of task 21 (50 bytes) and task "
+                                          "22 (50 bytes) overlap by 10 bytes");
+
+  // Still usable: a valid exchange after the refusals.
+  const auto w = bench::make_workload("random", n, 333, 5);
+  Buffers b = register_workload(*service, w);
+  service->schedule();
+  EXPECT_EQ(run_and_verify(*service, w, b, 9), 0u);
+}
+
+TEST(CopyServiceValidation, RefusesBadArgumentsAtRegistration) {
+  auto service = make_service();
+  std::vector<std::byte> memory(100);
+  const Buffer buffer = Buffer::host(memory.data(), memory.size());
+  try {
+    service->register_send(3, buffer, 90, 20, 0);
+    ADD_FAILURE() << "range outside the buffer was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("task 3"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("outside"), std::string::npos) << error.what();
+  }
+  try {
+    service->register_receive(4, buffer, 0, 10, service->n_pes());
+    ADD_FAILURE() << "a PE out of range was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("source PE " + std::to_string(service->n_pes())),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_THROW(service->register_send(5, buffer, 0, 10, -1), Error);
+  EXPECT_THROW(service->register_send(6, Buffer::cuda(memory.data(), 100, 0), 0, 10, 0), Error);
+  EXPECT_THROW(service->register_send(7, Buffer::host(nullptr, 100), 0, 10, 0), Error);
+}
+
+TEST(CopyServiceValidation, RefusesCallsOutOfOrder) {
+  std::vector<std::byte> memory(100);
+  const Buffer buffer = Buffer::host(memory.data(), memory.size());
+  CopyService uninitialised(g_bootstrap, TransportKind::kHost);
+  EXPECT_THROW(uninitialised.register_send(1, buffer, 0, 1, 0), Error);
+  EXPECT_THROW(uninitialised.schedule(), Error);
+
+  auto service = make_service();
+  try {
+    service->run();
+    ADD_FAILURE() << "run() before schedule() was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidState);
+    EXPECT_NE(std::string(error.what()).find("run() before schedule()"), std::string::npos);
+  }
+  EXPECT_THROW(service->init(), Error);
+  service->finalize();
+  EXPECT_THROW(service->register_send(1, buffer, 0, 1, 0), Error);
+  EXPECT_THROW(service->run(), Error);
+  service->finalize();  // twice is fine
+}
+
+}  // namespace
+}  // namespace reshard
+
+int main(int argc, char** argv) {
+  testing::InitGoogleTest(&argc, argv);
+  reshard::g_bootstrap = reshard::make_default_bootstrap();
+  // Rank 0 reports every test; the others only their failures.
+  if (reshard::g_bootstrap->rank() != 0) {
+    auto& listeners = testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new reshard::FailurePrinter);
+  }
+  const int result = RUN_ALL_TESTS();
+  const bool all_passed = reshard::all_pes(result == 0);
+  reshard::g_bootstrap.reset();
+  return all_passed ? 0 : 1;
+}

@@ -1,0 +1,121 @@
+// The TCP bootstrap with each rank on its own thread of this process: the sockets are real.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <thread>
+
+#include "reshard/bootstrap.hpp"
+#include "reshard/error.hpp"
+
+namespace reshard {
+namespace {
+
+using namespace std::chrono_literals;
+
+TcpBootstrapOptions options_for(const std::string& unique_id, int rank, int size,
+                                std::chrono::milliseconds timeout = 10s) {
+  TcpBootstrapOptions options;
+  options.rank = rank;
+  options.size = size;
+  options.address = unique_id.substr(0, unique_id.rfind(':'));
+  options.port = std::stoi(unique_id.substr(unique_id.rfind(':') + 1));
+  options.timeout = timeout;
+  return options;
+}
+
+// Runs body(rank) on `size` threads; returns each rank's error message ("" when it succeeded).
+std::vector<std::string> run_ranks(int size, const std::function<void(int)>& body) {
+  std::vector<std::string> errors(size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        body(rank);
+      } catch (const std::exception& error) {
+        errors[rank] = error.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+std::vector<std::byte> bytes_of(const std::string& text) {
+  const auto* p = reinterpret_cast<const std::byte*>(text.data());
+  return {p, p + text.size()};
+}
+
+std::string text_of(const std::vector<std::byte>& bytes) {
+  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
+}
+
+TEST(TcpBootstrap, CollectivesAndPointToPoint) {
+  const std::string id = TcpBootstrap::make_unique_id();
+  const int size = 4;
+  const auto errors = run_ranks(size, [&](int rank) {
+    TcpBootstrap bootstrap(options_for(id, rank, size));
+    ASSERT_EQ(bootstrap.rank(), rank);
+    ASSERT_EQ(bootstrap.size(), size);
+    // Contributions of different lengths, one empty.
+    const std::string mine = rank == 2 ? "" : std::string(rank + 1, static_cast<char>('a' + rank));
+    const auto all = bootstrap.all_gather(bytes_of(mine));
+    ASSERT_EQ(all.size(), static_cast<std::size_t>(size));
+    EXPECT_EQ(text_of(all[0]), "a");
+    EXPECT_EQ(text_of(all[1]), "bb");
+    EXPECT_EQ(text_of(all[2]), "");
+    EXPECT_EQ(text_of(all[3]), "dddd");
+    std::vector<std::byte> data = rank == 3 ? bytes_of("from three") : std::vector<std::byte>{};
+    bootstrap.broadcast(data, 3);
+    EXPECT_EQ(text_of(data), "from three");
+    bootstrap.barrier();
+    // A ring of point-to-point messages.
+    const int next = (rank + 1) % size;
+    const int previous = (rank + size - 1) % size;
+    bootstrap.send(next, bytes_of("hello " + std::to_string(next)));
+    EXPECT_EQ(text_of(bootstrap.recv(previous)), "hello " + std::to_string(rank));
+    bootstrap.barrier();
+  });
+  for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
+}
+
+TEST(TcpBootstrap, NamesTheRankThatNeverJoins) {
+  const std::string id = TcpBootstrap::make_unique_id();
+  const auto start = std::chrono::steady_clock::now();
+  // Three ranks expected, rank 2 never starts.
+  const auto errors = run_ranks(2, [&](int rank) {
+    TcpBootstrap bootstrap(options_for(id, rank, 3, 1s));
+    bootstrap.barrier();
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 15s);
+  EXPECT_NE(errors[0].find("rank(s) 2"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank(s) 2"), std::string::npos) << errors[1];
+}
+
+TEST(TcpBootstrap, NamesTheRankThatLeavesDuringACollective) {
+  const std::string id = TcpBootstrap::make_unique_id();
+  const auto errors = run_ranks(3, [&](int rank) {
+    TcpBootstrap bootstrap(options_for(id, rank, 3, 5s));
+    bootstrap.barrier();
+    if (rank == 1) return;  // leaves: its sockets close
+    bootstrap.barrier();
+  });
+  EXPECT_EQ(errors[1], "");
+  EXPECT_NE(errors[0].find("rank 1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[2].find("rank 1"), std::string::npos) << errors[2];
+}
+
+TEST(TcpBootstrap, RefusesBadArguments) {
+  TcpBootstrapOptions bad;
+  bad.rank = 3;
+  bad.size = 2;
+  EXPECT_THROW(TcpBootstrap{bad}, Error);
+  EXPECT_THROW(TcpBootstrap::from_unique_id("no-port-here", 0, 1), Error);
+  TcpBootstrap single(TcpBootstrapOptions{});
+  EXPECT_THROW(single.send(0, {}), Error);
+  std::vector<std::byte> data;
+  EXPECT_THROW(single.broadcast(data, 1), Error);
+}
+
+}  // namespace
+}  // namespace reshard

@@ -1,0 +1,117 @@
+// A PE that dies or stalls mid-run makes the others fail, in bounded time, with an error naming
+// it; and the launcher stops a job as soon as one process fails.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <mutex>
+#include <regex>
+
+#include "launch/local_launcher.hpp"
+
+namespace reshard {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Outcome {
+  LaunchResult result;
+  std::vector<std::string> lines;
+  double seconds = 0;
+};
+
+Outcome launch(int n, std::vector<std::string> command, bool kill_on_failure) {
+  Outcome outcome;
+  std::mutex mutex;
+  LaunchOptions options;
+  options.n_procs = n;
+  options.command = std::move(command);
+  options.kill_on_failure = kill_on_failure;
+  options.kill_grace = 1s;
+  options.output = [&](const std::string& line) {
+    std::lock_guard lock(mutex);
+    outcome.lines.push_back(line);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  outcome.result = launch_local(options);
+  outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return outcome;
+}
+
+std::string line_of(const Outcome& outcome, int rank, const std::string& marker) {
+  const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+  for (const auto& line : outcome.lines) {
+    if (line.rfind(prefix, 0) == 0 && line.find(marker) != std::string::npos) return line;
+  }
+  return {};
+}
+
+std::string all_lines(const Outcome& outcome) {
+  std::string text;
+  for (const auto& line : outcome.lines) text += line + "\n";
+  return text;
+}
+
+TEST(Faults, PeKilledMidRunFailsTheOthersQuicklyAndCleanly) {
+  ::setenv("RESHARD_TIMEOUT_S", "10", 1);
+  const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "die"}, false);
+  EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
+  EXPECT_EQ(outcome.result.exit_codes[1], 128 + SIGKILL);
+  for (int rank : {0, 2}) {
+    const std::string line = line_of(outcome, rank, "ERROR-SEEN");
+    ASSERT_FALSE(line.empty()) << all_lines(outcome);
+    EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
+    EXPECT_NE(line.find("shm-entries=0"), std::string::npos) << line;
+    EXPECT_EQ(outcome.result.exit_codes[rank], 1);
+  }
+}
+
+TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
+  ::setenv("RESHARD_TIMEOUT_S", "2", 1);
+  const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "stall"}, true);
+  EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
+  int reported = 0;
+  for (int rank : {0, 2}) {
+    const std::string line = line_of(outcome, rank, "ERROR-SEEN");
+    if (line.empty()) continue;  // the launcher may stop it once the first survivor failed
+    ++reported;
+    EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
+    EXPECT_TRUE(line.find("code=timeout") != std::string::npos ||
+                line.find("code=peer failure") != std::string::npos)
+        << line;
+  }
+  EXPECT_GE(reported, 1) << all_lines(outcome);
+  EXPECT_NE(outcome.result.exit_code, 0);
+}
+
+TEST(Launcher, PrefixesOutputAndSetsTheTorchrunVariables) {
+  const Outcome outcome =
+      launch(3, {"sh", "-c", "echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK port=$MASTER_PORT"},
+             true);
+  EXPECT_EQ(outcome.result.exit_code, 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string line = line_of(outcome, rank, "rank=");
+    EXPECT_NE(line.find("rank=" + std::to_string(rank) + " world=3 local=" + std::to_string(rank)),
+              std::string::npos)
+        << all_lines(outcome);
+    EXPECT_TRUE(std::regex_search(line, std::regex("port=[0-9]+"))) << line;
+  }
+}
+
+TEST(Launcher, StopsTheJobWhenOneProcessFails) {
+  const Outcome outcome =
+      launch(3, {"sh", "-c", "if [ $RANK = 1 ]; then exit 3; fi; sleep 60"}, true);
+  EXPECT_EQ(outcome.result.exit_code, 3);
+  EXPECT_EQ(outcome.result.first_failed_rank, 1);
+  EXPECT_LT(outcome.seconds, 20.0);
+  EXPECT_NE(outcome.result.summary.find("rank 1 exited with code 3"), std::string::npos);
+}
+
+TEST(Launcher, ReportsACommandThatCannotStart) {
+  const Outcome outcome = launch(2, {"/nonexistent/program"}, true);
+  EXPECT_EQ(outcome.result.exit_code, 127);
+  EXPECT_NE(all_lines(outcome).find("cannot start"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace reshard
