@@ -223,6 +223,13 @@ TEST(CopyServiceValidation, RefusesCallsOutOfOrder) {
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   reshard::g_bootstrap = reshard::make_default_bootstrap();
+  // Guards against a launcher mix-up that would leave every process a job of one PE.
+  if (const char* expected = std::getenv("RESHARD_EXPECT_PES");
+      expected && std::atoi(expected) != reshard::g_bootstrap->size()) {
+    std::fprintf(stderr, "expected %s PEs, the bootstrap found %d\n", expected,
+                 reshard::g_bootstrap->size());
+    return 1;
+  }
   // Rank 0 reports every test; the others only their failures.
   if (reshard::g_bootstrap->rank() != 0) {
     auto& listeners = testing::UnitTest::GetInstance()->listeners();

@@ -100,9 +100,16 @@ class HostTransport final : public Transport {
   std::chrono::milliseconds timeout_;
   std::vector<host::ShmSegment> inboxes_;
   bool finalized_ = false;
-  // Batches grouped by peer, in round order, for the run loop.
-  std::vector<std::vector<std::uint32_t>> sends_by_peer_;
-  std::vector<std::vector<std::uint32_t>> receives_by_peer_;
+  // Per peer, in round order, the batches that share each slot: consecutive batches to one peer
+  // are packed into a slot while they fit. Sender and receiver derive the same grouping from the
+  // same batch sequence, so slots carry no header.
+  struct SlotFill {
+    std::vector<std::uint32_t> batches;
+  };
+  static void group_into_slots(const std::vector<PlannedBatch>& batches, int n_pes,
+                               std::uint64_t slot_bytes, std::vector<std::vector<SlotFill>>& out);
+  std::vector<std::vector<SlotFill>> sends_by_peer_;
+  std::vector<std::vector<SlotFill>> receives_by_peer_;
 };
 
 HostTransport::HostTransport(Bootstrap& bootstrap)
@@ -155,8 +162,6 @@ HostTransport::HostTransport(Bootstrap& bootstrap)
     throw;
   }
   inboxes_[my_pe_].unlink();
-  sends_by_peer_.resize(n_pes_);
-  receives_by_peer_.resize(n_pes_);
   RESHARD_LOG(kDebug, "host transport: " << n_pes_ << " PEs, " << kSlotsPerChannel << " slots of "
                                          << format_bytes(slot_bytes_) << " per channel, inbox "
                                          << format_bytes(inbox_bytes()));
@@ -170,18 +175,29 @@ void HostTransport::check_buffer(const Buffer& buffer) const {
   }
 }
 
-void HostTransport::prepare(const ExecutionPlan& plan) {
-  for (auto& list : sends_by_peer_) list.clear();
-  for (auto& list : receives_by_peer_) list.clear();
-  for (std::uint32_t i = 0; i < plan.sends.size(); ++i) {
-    if (plan.sends[i].bytes > slot_bytes_) {
+void HostTransport::group_into_slots(const std::vector<PlannedBatch>& batches, int n_pes,
+                                     std::uint64_t slot_bytes,
+                                     std::vector<std::vector<SlotFill>>& out) {
+  out.assign(n_pes, {});
+  std::vector<std::uint64_t> filled(n_pes, 0);
+  for (std::uint32_t i = 0; i < batches.size(); ++i) {
+    const PlannedBatch& batch = batches[i];
+    if (batch.bytes > slot_bytes) {
       throw_error(ErrorCode::kInvalidState, "a batch exceeds the host transport's slot size");
     }
-    sends_by_peer_[plan.sends[i].peer].push_back(i);
+    auto& slots = out[batch.peer];
+    if (slots.empty() || filled[batch.peer] + batch.bytes > slot_bytes) {
+      slots.emplace_back();
+      filled[batch.peer] = 0;
+    }
+    slots.back().batches.push_back(i);
+    filled[batch.peer] += batch.bytes;
   }
-  for (std::uint32_t i = 0; i < plan.receives.size(); ++i) {
-    receives_by_peer_[plan.receives[i].peer].push_back(i);
-  }
+}
+
+void HostTransport::prepare(const ExecutionPlan& plan) {
+  group_into_slots(plan.sends, n_pes_, slot_bytes_, sends_by_peer_);
+  group_into_slots(plan.receives, n_pes_, slot_bytes_, receives_by_peer_);
 }
 
 void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
@@ -206,7 +222,10 @@ void HostTransport::run(const ExecutionPlan& plan) {
   for (const LocalCopy& copy : plan.local_copies) std::memmove(copy.dst, copy.src, copy.bytes);
 
   std::vector<std::size_t> next_send(n_pes_, 0), next_receive(n_pes_, 0);
-  std::size_t remaining = plan.sends.size() + plan.receives.size();
+  std::size_t remaining = 0;
+  for (PeId peer = 0; peer < n_pes_; ++peer) {
+    remaining += sends_by_peer_[peer].size() + receives_by_peer_[peer].size();
+  }
   auto last_progress = Clock::now();
   auto next_check = last_progress;
   unsigned idle_rounds = 0;
@@ -220,12 +239,14 @@ void HostTransport::run(const ExecutionPlan& plan) {
         std::uint64_t head = channel.head.load(std::memory_order_relaxed);
         const std::uint64_t tail = channel.tail.load(std::memory_order_acquire);
         while (next < sends.size() && head - tail < kSlotsPerChannel) {
-          const PlannedBatch& batch = plan.sends[sends[next]];
           std::byte* out = slot(peer, my_pe_, head);
-          for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-            const CopySpan& span = plan.spans[batch.first_span + s];
-            std::memcpy(out, span.data, span.bytes);
-            out += span.bytes;
+          for (std::uint32_t b : sends[next].batches) {
+            const PlannedBatch& batch = plan.sends[b];
+            for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+              const CopySpan& span = plan.spans[batch.first_span + s];
+              std::memcpy(out, span.data, span.bytes);
+              out += span.bytes;
+            }
           }
           channel.head.store(++head, std::memory_order_release);
           ++next;
@@ -240,12 +261,14 @@ void HostTransport::run(const ExecutionPlan& plan) {
         std::uint64_t tail = channel.tail.load(std::memory_order_relaxed);
         const std::uint64_t head = channel.head.load(std::memory_order_acquire);
         while (next_in < receives.size() && tail < head) {
-          const PlannedBatch& batch = plan.receives[receives[next_in]];
           const std::byte* in = slot(my_pe_, peer, tail);
-          for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-            const CopySpan& span = plan.spans[batch.first_span + s];
-            std::memcpy(span.data, in, span.bytes);
-            in += span.bytes;
+          for (std::uint32_t b : receives[next_in].batches) {
+            const PlannedBatch& batch = plan.receives[b];
+            for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+              const CopySpan& span = plan.spans[batch.first_span + s];
+              std::memcpy(span.data, in, span.bytes);
+              in += span.bytes;
+            }
           }
           channel.tail.store(++tail, std::memory_order_release);
           ++next_in;
@@ -270,25 +293,28 @@ void HostTransport::run(const ExecutionPlan& plan) {
     const auto now = Clock::now();
     if (now < next_check) continue;
     next_check = now + std::chrono::milliseconds(2);
-    for (PeId peer = 0; peer < n_pes_; ++peer) {
+    std::string waiting;  // every peer this PE still waits for, for the timeout message
+    bool can_progress = false;
+    for (PeId peer = 0; peer < n_pes_ && !can_progress; ++peer) {
       const bool sending = next_send[peer] < sends_by_peer_[peer].size();
       const bool receiving = next_receive[peer] < receives_by_peer_[peer].size();
       if (!sending && !receiving) continue;
-      const std::string what =
-          receiving ? "to receive from it" : "for it to drain its inbox";
       // Look at the channel once more: the peer may have written its last bytes and exited.
-      const bool can_receive =
-          receiving && counters(my_pe_, peer).head.load(std::memory_order_acquire) >
-                           counters(my_pe_, peer).tail.load(std::memory_order_relaxed);
-      if (can_receive) break;
-      check_peer(peer, what.c_str());
-      if (now - last_progress > timeout_) {
-        throw_error(ErrorCode::kTimeout,
-                    "PE " + std::to_string(my_pe_) + " waited " +
-                        std::to_string(timeout_.count() / 1000.0).substr(0, 5) +
-                        " s for PE " + std::to_string(peer) + " " + what +
-                        " without progress (RESHARD_TIMEOUT_S sets the limit)");
-      }
+      const ChannelCounters& inbound = counters(my_pe_, peer);
+      can_progress = receiving && inbound.head.load(std::memory_order_acquire) >
+                                      inbound.tail.load(std::memory_order_relaxed);
+      if (can_progress) break;
+      const char* what = receiving ? "to receive from it" : "for it to drain its inbox";
+      check_peer(peer, what);
+      waiting += (waiting.empty() ? "PE " : ", PE ") + std::to_string(peer) + " (" +
+                 (receiving ? "receiving" : "sending") + ")";
+    }
+    if (!can_progress && now - last_progress > timeout_) {
+      throw_error(ErrorCode::kTimeout,
+                  "PE " + std::to_string(my_pe_) + " made no progress for " +
+                      std::to_string(timeout_.count() / 1000.0).substr(0, 5) +
+                      " s; still waiting for " + waiting +
+                      " (a peer stopped or is stuck; RESHARD_TIMEOUT_S sets the limit)");
     }
   }
 }
