@@ -40,8 +40,9 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("-i,--iters", bench.iterations, "timed runs per workload")
       ->check(CLI::Range(1, 1000000));
   bench_cmd->add_option("--warmup", bench.warmup, "untimed runs first")->check(CLI::Range(0, 1000));
-  bench_cmd->add_option("-n,--np", nprocs,
-                        "processes to start when not under reshard-run/torchrun/mpirun")
+  bench_cmd
+      ->add_option("-n,--np", nprocs,
+                   "processes to start when not under reshard-run/torchrun/mpirun")
       ->check(CLI::Range(1, 1024));
   bench_cmd->add_option("-t,--transport", transport, "auto or host");
   bench_cmd->add_option("--seed", bench.seed, "workload seed");
@@ -49,13 +50,13 @@ int main(int argc, char** argv) {
 
   reshard::bench::SchedulerBenchOptions sched;
   std::string chunk_text = "1MiB";
-  auto* sched_cmd = app.add_subcommand(
-      "bench-scheduler", "Time the scheduler on a random workload on one core");
+  auto* sched_cmd =
+      app.add_subcommand("bench-scheduler", "Time the scheduler on a random workload on one core");
   sched_cmd->add_option("--requests", sched.requests, "number of requests");
   sched_cmd->add_option("--pes", sched.pes, "number of PEs")->check(CLI::Range(1, 1 << 20));
   sched_cmd->add_option("--chunk", chunk_text, "chunk size");
-  sched_cmd->add_option("-k,--peers-per-round", sched.max_peers_per_round,
-                        "peers per PE per round")->check(CLI::Range(1, 255));
+  sched_cmd->add_option("-k,--peers-per-round", sched.max_peers_per_round, "peers per PE per round")
+      ->check(CLI::Range(1, 255));
   sched_cmd->add_option("--repeats", sched.repeats, "timed repetitions")->check(CLI::Range(1, 100));
 
   CLI11_PARSE(app, argc, argv);
@@ -77,7 +78,8 @@ int main(int argc, char** argv) {
       launch.command.push_back(self_executable(argv[0]));
       for (int i = 1; i < argc; ++i) launch.command.push_back(argv[i]);
       const reshard::LaunchResult result = reshard::launch_local(launch);
-      if (result.exit_code != 0) std::fprintf(stderr, "reshard bench: %s\n", result.summary.c_str());
+      if (result.exit_code != 0)
+        std::fprintf(stderr, "reshard bench: %s\n", result.summary.c_str());
       return result.exit_code;
     }
     std::shared_ptr<reshard::Bootstrap> bootstrap = reshard::make_default_bootstrap();

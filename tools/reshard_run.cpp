@@ -6,12 +6,14 @@
 #include "reshard/error.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"Start N local processes of a command with RANK, WORLD_SIZE, LOCAL_RANK, "
-               "MASTER_ADDR and MASTER_PORT set; output is prefixed with the rank, and the job "
-               "stops as soon as one process fails.",
-               "reshard-run"};
+  CLI::App app{
+      "Start N local processes of a command with RANK, WORLD_SIZE, LOCAL_RANK, "
+      "MASTER_ADDR and MASTER_PORT set; output is prefixed with the rank, and the job "
+      "stops as soon as one process fails.",
+      "reshard-run"};
   reshard::LaunchOptions options;
-  app.add_option("-n,--nprocs", options.n_procs, "number of processes")->required()
+  app.add_option("-n,--nprocs", options.n_procs, "number of processes")
+      ->required()
       ->check(CLI::Range(1, 4096));
   app.add_option("--master-port", options.master_port, "rank 0's port (default: a free one)")
       ->check(CLI::Range(0, 65535));

@@ -51,9 +51,10 @@ class TcpBootstrap : public Bootstrap {
   // From the torchrun variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; the timeout
   // from RESHARD_TIMEOUT_S (30 s by default).
   static std::unique_ptr<TcpBootstrap> from_environment();
-  // From a unique id ("host:port", as made by make_unique_id) for programs that launch their own way.
+  // From a unique id ("host:port", as made by make_unique_id) for programs that launch their own
+  // way.
   static std::unique_ptr<TcpBootstrap> from_unique_id(const std::string& unique_id, int rank,
-                                                       int size);
+                                                      int size);
   // A "host:port" with a port that is free now on this machine, to hand to every rank.
   static std::string make_unique_id(const std::string& host = "127.0.0.1");
 

@@ -19,8 +19,8 @@ const char* transport_kind_name(TransportKind kind);
 
 // What schedule() reports about the plan it built.
 struct ScheduleReport {
-  std::uint64_t transfers = 0;       // matched requests in the whole job
-  std::uint64_t batches = 0;         // remote batches in the whole job
+  std::uint64_t transfers = 0;  // matched requests in the whole job
+  std::uint64_t batches = 0;    // remote batches in the whole job
   std::uint32_t rounds = 0;
   std::uint64_t lower_bound_bytes = 0;
   std::uint64_t makespan_bytes = 0;  // simulated; see Schedule
@@ -28,8 +28,7 @@ struct ScheduleReport {
   std::uint64_t bytes_received = 0;  // by this PE, local copies excluded
   std::uint64_t bytes_local = 0;     // copied inside this PE
   double bound_ratio() const {
-    return lower_bound_bytes == 0 ? 1.0
-                                  : static_cast<double>(makespan_bytes) / lower_bound_bytes;
+    return lower_bound_bytes == 0 ? 1.0 : static_cast<double>(makespan_bytes) / lower_bound_bytes;
   }
 };
 

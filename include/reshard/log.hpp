@@ -1,4 +1,5 @@
-// Leveled logging to stderr, prefixed with the PE so interleaved multi-process output stays legible.
+// Leveled logging to stderr, prefixed with the PE so interleaved multi-process output stays
+// legible.
 #pragma once
 
 #include <sstream>
@@ -19,11 +20,11 @@ void log_message(LogLevel level, const std::string& message);
 
 }  // namespace reshard
 
-#define RESHARD_LOG(level, expr)                                      \
-  do {                                                                \
-    if (::reshard::log_enabled(::reshard::LogLevel::level)) {         \
-      std::ostringstream reshard_log_stream_;                         \
-      reshard_log_stream_ << expr;                                    \
+#define RESHARD_LOG(level, expr)                                                     \
+  do {                                                                               \
+    if (::reshard::log_enabled(::reshard::LogLevel::level)) {                        \
+      std::ostringstream reshard_log_stream_;                                        \
+      reshard_log_stream_ << expr;                                                   \
       ::reshard::log_message(::reshard::LogLevel::level, reshard_log_stream_.str()); \
-    }                                                                 \
+    }                                                                                \
   } while (0)

@@ -64,11 +64,11 @@ struct Batch {
 
 struct Schedule {
   int n_pes = 0;
-  SchedulerOptions options;  // options.chunk_bytes is the chunk actually used
-  std::vector<Transfer> transfers;       // sorted by (src, dst, task)
-  std::vector<Segment> segments;         // referenced by batches
-  std::vector<Batch> batches;            // remote batches, sorted by (round, src, dst)
-  std::vector<std::uint32_t> local;      // indices of same-PE transfers (copied locally)
+  SchedulerOptions options;          // options.chunk_bytes is the chunk actually used
+  std::vector<Transfer> transfers;   // sorted by (src, dst, task)
+  std::vector<Segment> segments;     // referenced by batches
+  std::vector<Batch> batches;        // remote batches, sorted by (round, src, dst)
+  std::vector<std::uint32_t> local;  // indices of same-PE transfers (copied locally)
   std::uint32_t rounds = 0;
   // Lower bound: max over PEs of max(bytes sent, bytes received), local copies excluded; dividing
   // by a link bandwidth gives a time no schedule can beat.
@@ -77,8 +77,7 @@ struct Schedule {
   std::uint64_t makespan_bytes = 0;
 
   double bound_ratio() const {
-    return lower_bound_bytes == 0 ? 1.0
-                                  : static_cast<double>(makespan_bytes) / lower_bound_bytes;
+    return lower_bound_bytes == 0 ? 1.0 : static_cast<double>(makespan_bytes) / lower_bound_bytes;
   }
 };
 

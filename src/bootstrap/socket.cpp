@@ -23,8 +23,8 @@ int remaining_ms(Deadline deadline) {
 }
 
 [[noreturn]] void throw_timeout(const std::string& whom) {
-  throw_error(ErrorCode::kTimeout, "timed out waiting for " + whom +
-                                       " (raise RESHARD_TIMEOUT_S if it is only slow)");
+  throw_error(ErrorCode::kTimeout,
+              "timed out waiting for " + whom + " (raise RESHARD_TIMEOUT_S if it is only slow)");
 }
 
 void set_nodelay(int fd) {
@@ -134,8 +134,8 @@ void send_all(const Socket& socket, std::span<const std::byte> data, Deadline de
               const std::string& whom) {
   std::size_t sent = 0;
   while (sent < data.size()) {
-    ssize_t n = ::send(socket.fd(), data.data() + sent, data.size() - sent,
-                       MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t n =
+        ::send(socket.fd(), data.data() + sent, data.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       sent += static_cast<std::size_t>(n);
       continue;

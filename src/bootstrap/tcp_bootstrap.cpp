@@ -1,8 +1,9 @@
 // Star-shaped TCP bootstrap. Rank 0 relays collectives: it knows which rank is missing, so its
 // wait is a little shorter than everyone else's and it tells the others who failed.
+#include <poll.h>
+
 #include <algorithm>
 #include <map>
-#include <poll.h>
 #include <random>
 
 #include "bootstrap/socket.hpp"
@@ -26,9 +27,9 @@ struct Endpoint {
 
 struct TcpBootstrap::Impl {
   TcpBootstrapOptions options;
-  net::Socket root_listener;              // rank 0 only
-  std::vector<net::Socket> to_ranks;      // rank 0 only: index r holds the link to rank r
-  net::Socket to_root;                    // other ranks
+  net::Socket root_listener;          // rank 0 only
+  std::vector<net::Socket> to_ranks;  // rank 0 only: index r holds the link to rank r
+  net::Socket to_root;                // other ranks
   net::Socket p2p_listener;
   std::vector<Endpoint> p2p_endpoints;
   std::map<int, net::Socket> p2p_out;
@@ -118,9 +119,9 @@ void TcpBootstrap::Impl::connect_all() {
     send_frame(to_root, net::FrameKind::kHello, hello.bytes(), deadline, "rank 0");
     net::Frame table = net::recv_frame(to_root, deadline, "rank 0 (waiting for all ranks to join)");
     if (table.kind == net::FrameKind::kAbort) {
-      throw_error(ErrorCode::kPeerFailure,
-                  std::string(reinterpret_cast<const char*>(table.payload.data()),
-                              table.payload.size()));
+      throw_error(
+          ErrorCode::kPeerFailure,
+          std::string(reinterpret_cast<const char*>(table.payload.data()), table.payload.size()));
     }
     wire::Reader reader(table.payload);
     for (int r = 0; r < options.size; ++r) {
@@ -141,8 +142,9 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
   if (!is_root()) {
     const auto deadline = member_deadline();
     send_frame(to_root, net::FrameKind::kData, mine, deadline, "rank 0");
-    net::Frame reply = net::recv_frame(
-        to_root, deadline, std::string("rank 0 to complete ") + what + " (it waits for every rank)");
+    net::Frame reply =
+        net::recv_frame(to_root, deadline,
+                        std::string("rank 0 to complete ") + what + " (it waits for every rank)");
     if (reply.kind == net::FrameKind::kAbort) {
       throw_error(ErrorCode::kPeerFailure,
                   std::string(what) + " failed: " +
@@ -170,15 +172,15 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
           ranks.push_back(r);
         }
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - net::Clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - net::Clock::now());
       const int rc = left.count() > 0 ? ::poll(polls.data(), polls.size(), left.count()) : 0;
       if (rc == 0) {
         std::string missing;
         for (int r : ranks) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-        throw_error(ErrorCode::kTimeout,
-                    std::string("timed out in ") + what + " waiting for rank(s) " + missing +
-                        " (raise RESHARD_TIMEOUT_S if they are only slow)");
+        throw_error(ErrorCode::kTimeout, std::string("timed out in ") + what +
+                                             " waiting for rank(s) " + missing +
+                                             " (raise RESHARD_TIMEOUT_S if they are only slow)");
       }
       if (rc < 0) {
         if (errno == EINTR) continue;
@@ -242,7 +244,8 @@ TcpBootstrap::TcpBootstrap(const TcpBootstrapOptions& options) : impl_(std::make
                                                  std::to_string(options.size));
   }
   if (options.port < 0 || options.port > 65535) {
-    throw_error(ErrorCode::kInvalidArgument, "port " + std::to_string(options.port) + " is invalid");
+    throw_error(ErrorCode::kInvalidArgument,
+                "port " + std::to_string(options.port) + " is invalid");
   }
   impl_->options = options;
   if (options.size == 1) return;
@@ -305,9 +308,8 @@ void TcpBootstrap::broadcast(std::vector<std::byte>& data, int root) {
                                                  " is outside 0.." + std::to_string(size() - 1));
   }
   const bool mine = rank() == root;
-  auto all = impl_->gather_and_share(mine ? std::span<const std::byte>(data)
-                                          : std::span<const std::byte>(),
-                                     "broadcast");
+  auto all = impl_->gather_and_share(
+      mine ? std::span<const std::byte>(data) : std::span<const std::byte>(), "broadcast");
   if (!mine) data = std::move(all[root]);
 }
 

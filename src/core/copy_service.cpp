@@ -26,10 +26,14 @@ struct Registration {
 
 const char* state_hint(State state) {
   switch (state) {
-    case State::kCreated: return "call init() first";
-    case State::kFailed: return "an earlier error left the service unusable; finalize() it";
-    case State::kFinalized: return "the service was finalized";
-    default: return "";
+    case State::kCreated:
+      return "call init() first";
+    case State::kFailed:
+      return "an earlier error left the service unusable; finalize() it";
+    case State::kFinalized:
+      return "the service was finalized";
+    default:
+      return "";
   }
 }
 
@@ -72,8 +76,10 @@ TransportKind parse_transport_kind(const std::string& name) {
 
 const char* transport_kind_name(TransportKind kind) {
   switch (kind) {
-    case TransportKind::kAuto: return "auto";
-    case TransportKind::kHost: return "host";
+    case TransportKind::kAuto:
+      return "auto";
+    case TransportKind::kHost:
+      return "host";
   }
   return "?";
 }
@@ -236,16 +242,18 @@ ScheduleReport CopyService::schedule() {
       for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_receives.push_back(c);
       const auto count = reader.get<std::uint64_t>();
       for (std::uint64_t i = 0; i < count; ++i) {
-        if (++problem_count <= 8) problems << "\n  - PE " << pe << ": " << reader.get_string();
-        else reader.get_string();
+        if (++problem_count <= 8)
+          problems << "\n  - PE " << pe << ": " << reader.get_string();
+        else
+          reader.get_string();
       }
       chunk_bytes = std::min(chunk_bytes, reader.get<std::uint64_t>());
     }
     if (problem_count > 0) {
       if (problem_count > 8) problems << "\n  - ... and " << problem_count - 8 << " more";
-      throw_error(ErrorCode::kValidation, "schedule() refused: " + std::to_string(problem_count) +
-                                              " problem(s) with the registered requests:" +
-                                              problems.str());
+      throw_error(ErrorCode::kValidation,
+                  "schedule() refused: " + std::to_string(problem_count) +
+                      " problem(s) with the registered requests:" + problems.str());
     }
     const std::vector<Transfer> transfers = match_requests(all_sends, all_receives, n);
     SchedulerOptions options;

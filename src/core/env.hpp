@@ -15,7 +15,8 @@ namespace reshard::env {
 std::chrono::milliseconds timeout();
 // RESHARD_LOG_LEVEL: overrides the level passed to init().
 std::optional<LogLevel> log_level();
-// RESHARD_HOST_STAGING_BYTES: shared memory each PE offers its peers to stage sends (default 8 MiB).
+// RESHARD_HOST_STAGING_BYTES: shared memory each PE offers its peers to stage sends (default 8
+// MiB).
 std::uint64_t host_staging_bytes();
 // RESHARD_CHUNK_BYTES: caps the scheduler's chunk size (default: the transport's).
 std::optional<std::uint64_t> chunk_bytes();

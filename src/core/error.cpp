@@ -7,13 +7,20 @@ namespace reshard {
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kInvalidArgument: return "invalid argument";
-    case ErrorCode::kInvalidState: return "invalid state";
-    case ErrorCode::kValidation: return "validation";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kPeerFailure: return "peer failure";
-    case ErrorCode::kSystem: return "system";
-    case ErrorCode::kUnsupported: return "unsupported";
+    case ErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case ErrorCode::kInvalidState:
+      return "invalid state";
+    case ErrorCode::kValidation:
+      return "validation";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kPeerFailure:
+      return "peer failure";
+    case ErrorCode::kSystem:
+      return "system";
+    case ErrorCode::kUnsupported:
+      return "unsupported";
   }
   return "unknown";
 }

@@ -112,7 +112,8 @@ LaunchResult launch_local(const LaunchOptions& options) {
 
   struct sigaction forward {};
   forward.sa_handler = remember_signal;
-  struct sigaction old_int {}, old_term {};
+  struct sigaction old_int {
+  }, old_term{};
   ::sigaction(SIGINT, &forward, &old_int);
   ::sigaction(SIGTERM, &forward, &old_term);
   g_forward_signal = 0;

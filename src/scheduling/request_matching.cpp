@@ -51,8 +51,8 @@ void check_pes(std::span<const RequestClaim> claims, int n_pes, const char* side
     const bool owner_ok = claim.owner >= 0 && claim.owner < n_pes;
     const bool peer_ok = claim.peer >= 0 && claim.peer < n_pes;
     if (!owner_ok || !peer_ok) {
-      problems.add(side, " of task ", claim.task, " on PE ", claim.owner, " names PE ",
-                   claim.peer, ", outside 0..", n_pes - 1);
+      problems.add(side, " of task ", claim.task, " on PE ", claim.owner, " names PE ", claim.peer,
+                   ", outside 0..", n_pes - 1);
     }
   }
 }
@@ -103,8 +103,8 @@ std::vector<Transfer> match_requests(std::span<const RequestClaim> sends,
       problems.add("task ", send.task, ": PE ", send.owner, " sends to PE ", send.peer,
                    " but the receive is registered on PE ", recv.owner, " from PE ", recv.peer);
     } else if (send.bytes != recv.bytes) {
-      problems.add("task ", send.task, ": PE ", send.owner, " sends ", send.bytes,
-                   " bytes but PE ", recv.owner, " expects ", recv.bytes, " bytes");
+      problems.add("task ", send.task, ": PE ", send.owner, " sends ", send.bytes, " bytes but PE ",
+                   recv.owner, " expects ", recv.bytes, " bytes");
     } else {
       transfers.push_back({send.task, send.owner, recv.owner, send.bytes});
     }

@@ -1,10 +1,11 @@
 // Segmenting, packing and round assignment. docs/design.md explains the algorithm and its bound.
+#include "reshard/scheduler.hpp"
+
 #include <algorithm>
 #include <bit>
 #include <numeric>
 
 #include "reshard/error.hpp"
-#include "reshard/scheduler.hpp"
 
 namespace reshard {
 namespace {
@@ -55,13 +56,12 @@ class RoundOccupancy {
 std::uint32_t first_common_free_round(const RoundOccupancy& senders, PeId src,
                                       const RoundOccupancy& receivers, PeId dst,
                                       std::uint32_t from = 0) {
-  const std::uint32_t start =
-      std::max({from, senders.first_free(src), receivers.first_free(dst)});
+  const std::uint32_t start = std::max({from, senders.first_free(src), receivers.first_free(dst)});
   std::size_t word = start >> 6;
   std::uint64_t below_start = (std::uint64_t{1} << (start & 63)) - 1;
   for (;; ++word) {
-    const std::uint64_t busy = senders.busy_word(src, word) | receivers.busy_word(dst, word) |
-                               below_start;
+    const std::uint64_t busy =
+        senders.busy_word(src, word) | receivers.busy_word(dst, word) | below_start;
     below_start = 0;
     if (busy != ~std::uint64_t{0}) {
       return static_cast<std::uint32_t>(word * 64 + std::countr_one(busy));
@@ -188,9 +188,9 @@ void assign_rounds(Schedule& schedule, const std::vector<std::uint64_t>& out_loa
         if (batch.bytes < best_increase) best_round = round;
         break;
       }
-      const std::uint64_t load = std::max(bytes_in(senders, batch.src, round),
-                                          bytes_in(receivers, batch.dst, round)) +
-                                 batch.bytes;
+      const std::uint64_t load =
+          std::max(bytes_in(senders, batch.src, round), bytes_in(receivers, batch.dst, round)) +
+          batch.bytes;
       const std::uint64_t increase = load > round_cost[round] ? load - round_cost[round] : 0;
       if (increase < best_increase) {
         best_increase = increase;
@@ -254,9 +254,9 @@ Schedule build_schedule(std::span<const Transfer> transfers, int n_pes,
   schedule.transfers.assign(transfers.begin(), transfers.end());
   for (const Transfer& t : schedule.transfers) {
     if (t.src < 0 || t.src >= n_pes || t.dst < 0 || t.dst >= n_pes) {
-      throw_error(ErrorCode::kInvalidArgument,
-                  "task " + std::to_string(t.task) + " names a PE outside 0.." +
-                      std::to_string(n_pes - 1));
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          "task " + std::to_string(t.task) + " names a PE outside 0.." + std::to_string(n_pes - 1));
     }
   }
   std::sort(schedule.transfers.begin(), schedule.transfers.end(),
@@ -272,17 +272,15 @@ Schedule build_schedule(std::span<const Transfer> transfers, int n_pes,
     in_load[t.dst] += t.bytes;
   }
   for (int pe = 0; pe < n_pes; ++pe) {
-    schedule.lower_bound_bytes =
-        std::max({schedule.lower_bound_bytes, out_load[pe], in_load[pe]});
+    schedule.lower_bound_bytes = std::max({schedule.lower_bound_bytes, out_load[pe], in_load[pe]});
   }
   constexpr std::uint64_t kAlign = 4096;
   const std::uint64_t wanted =
       (schedule.lower_bound_bytes / std::max<std::uint64_t>(options.target_rounds, 1) + kAlign -
        1) /
       kAlign * kAlign;
-  schedule.options.chunk_bytes =
-      std::clamp(wanted, std::min(options.min_chunk_bytes, options.chunk_bytes),
-                 options.chunk_bytes);
+  schedule.options.chunk_bytes = std::clamp(
+      wanted, std::min(options.min_chunk_bytes, options.chunk_bytes), options.chunk_bytes);
   segment_and_pack(schedule);
   assign_rounds(schedule, out_load, in_load);
   schedule.makespan_bytes = simulate_makespan(schedule);

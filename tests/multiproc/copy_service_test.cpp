@@ -49,8 +49,10 @@ Buffers register_workload(CopyService& service, const bench::Workload& w) {
   const Buffer src = Buffer::host(b.send.data(), b.send.size());
   const Buffer dst = Buffer::host(b.recv.data(), b.recv.size());
   for (const bench::WorkItem& item : w.items) {
-    if (item.src == me) service.register_send(item.task, src, item.src_offset, item.bytes, item.dst);
-    if (item.dst == me) service.register_receive(item.task, dst, item.dst_offset, item.bytes, item.src);
+    if (item.src == me)
+      service.register_send(item.task, src, item.src_offset, item.bytes, item.dst);
+    if (item.dst == me)
+      service.register_receive(item.task, dst, item.dst_offset, item.bytes, item.src);
   }
   return b;
 }
@@ -85,17 +87,16 @@ TEST_P(Workloads, EveryByteArrivesOnEveryRunAndNothingElseIsWritten) {
   service->finalize();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    HostTransport, Workloads,
-    testing::Combine(testing::Values("uniform", "random", "small", "refit"),
-                     testing::Values(std::uint64_t{1}, std::uint64_t{4097},
-                                     std::uint64_t{(1 << 20) + 3})));
+INSTANTIATE_TEST_SUITE_P(HostTransport, Workloads,
+                         testing::Combine(testing::Values("uniform", "random", "small", "refit"),
+                                          testing::Values(std::uint64_t{1}, std::uint64_t{4097},
+                                                          std::uint64_t{(1 << 20) + 3})));
 
 TEST(CopyService, ManySchedulesOfRandomWorkloadsOnOneService) {
   auto service = make_service();
   for (std::uint64_t seed = 10; seed < 40; ++seed) {
-    const auto w = bench::make_workload(seed % 2 ? "random" : "small", service->n_pes(),
-                                        1 + seed * 997, seed);
+    const auto w =
+        bench::make_workload(seed % 2 ? "random" : "small", service->n_pes(), 1 + seed * 997, seed);
     Buffers b = register_workload(*service, w);
     service->schedule();
     EXPECT_EQ(run_and_verify(*service, w, b, static_cast<std::uint32_t>(seed)), 0u) << seed;

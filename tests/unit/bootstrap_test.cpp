@@ -1,11 +1,12 @@
 // The TCP bootstrap with each rank on its own thread of this process: the sockets are real.
+#include "reshard/bootstrap.hpp"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <functional>
 #include <thread>
 
-#include "reshard/bootstrap.hpp"
 #include "reshard/error.hpp"
 
 namespace reshard {

@@ -85,9 +85,9 @@ TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
 }
 
 TEST(Launcher, PrefixesOutputAndSetsTheTorchrunVariables) {
-  const Outcome outcome =
-      launch(3, {"sh", "-c", "echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK port=$MASTER_PORT"},
-             true);
+  const Outcome outcome = launch(
+      3, {"sh", "-c", "echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK port=$MASTER_PORT"},
+      true);
   EXPECT_EQ(outcome.result.exit_code, 0);
   for (int rank = 0; rank < 3; ++rank) {
     const std::string line = line_of(outcome, rank, "rank=");

@@ -58,11 +58,11 @@ TEST(RequestMatching, NamesPesThatDisagree) {
 }
 
 TEST(RequestMatching, NamesDuplicateTaskIds) {
-  EXPECT_NE(refusal({{5, 0, 1, 1}, {5, 2, 1, 1}}, {{5, 1, 0, 1}}).find(
-                "task 5 has more than one send (on PE 0 and PE 2)"),
+  EXPECT_NE(refusal({{5, 0, 1, 1}, {5, 2, 1, 1}}, {{5, 1, 0, 1}})
+                .find("task 5 has more than one send (on PE 0 and PE 2)"),
             std::string::npos);
-  EXPECT_NE(refusal({{6, 0, 1, 1}}, {{6, 1, 0, 1}, {6, 1, 0, 1}}).find(
-                "task 6 has more than one receive"),
+  EXPECT_NE(refusal({{6, 0, 1, 1}}, {{6, 1, 0, 1}, {6, 1, 0, 1}})
+                .find("task 6 has more than one receive"),
             std::string::npos);
 }
 

@@ -1,3 +1,5 @@
+#include "reshard/scheduler.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -5,7 +7,6 @@
 #include <random>
 
 #include "reshard/error.hpp"
-#include "reshard/scheduler.hpp"
 
 namespace reshard {
 namespace {

@@ -1,8 +1,9 @@
+#include "reshard/types.hpp"
+
 #include <gtest/gtest.h>
 
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
-#include "reshard/types.hpp"
 
 namespace reshard {
 namespace {

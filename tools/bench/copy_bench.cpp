@@ -18,8 +18,10 @@ using Clock = std::chrono::steady_clock;
 struct AlignedBytes {
   explicit AlignedBytes(std::size_t bytes)
       : size(bytes),
-        data(static_cast<std::byte*>(std::aligned_alloc(64, std::max<std::size_t>(64, (bytes + 63) / 64 * 64)))) {
-    if (!data) throw_error(ErrorCode::kSystem, "out of memory for a " + format_bytes(bytes) + " buffer");
+        data(static_cast<std::byte*>(
+            std::aligned_alloc(64, std::max<std::size_t>(64, (bytes + 63) / 64 * 64)))) {
+    if (!data)
+      throw_error(ErrorCode::kSystem, "out of memory for a " + format_bytes(bytes) + " buffer");
   }
   ~AlignedBytes() { std::free(data); }
   std::span<std::byte> span() const { return {data, size}; }
@@ -77,7 +79,8 @@ Row bench_workload(Bootstrap& bootstrap, CopyService& service, const Workload& w
   const Buffer src = Buffer::host(send_buffer.data, send_buffer.size);
   const Buffer dst = Buffer::host(recv_buffer.data, recv_buffer.size);
   for (const WorkItem& item : workload.items) {
-    if (item.src == me) service.register_send(item.task, src, item.src_offset, item.bytes, item.dst);
+    if (item.src == me)
+      service.register_send(item.task, src, item.src_offset, item.bytes, item.dst);
     if (item.dst == me) {
       service.register_receive(item.task, dst, item.dst_offset, item.bytes, item.src);
     }
@@ -122,7 +125,8 @@ Row bench_workload(Bootstrap& bootstrap, CopyService& service, const Workload& w
   std::memset(copy_to.data, 0, copy_bytes);
   bootstrap.barrier();
   const auto copy_start = Clock::now();
-  for (int i = 0; i < options.iterations; ++i) std::memcpy(copy_to.data, copy_from.data, copy_bytes);
+  for (int i = 0; i < options.iterations; ++i)
+    std::memcpy(copy_to.data, copy_from.data, copy_bytes);
   bootstrap.barrier();
   const double copy_elapsed = std::chrono::duration<double>(Clock::now() - copy_start).count();
   row.memcpy_seconds = max_over_pes(bootstrap, copy_elapsed) / options.iterations;
@@ -145,18 +149,17 @@ void print_table(const std::vector<Row>& rows, const CopyBenchOptions& options,
   std::printf("\nreshard bench: transport %s, %d PEs, size %s, %d timed runs after %d warm-up\n",
               transport, rows.empty() ? 0 : rows.front().pes, format_bytes(options.size).c_str(),
               options.iterations, options.warmup);
-  std::printf("%-8s %9s %11s %11s %10s %10s %9s %8s %7s %s\n", "workload", "requests",
-              "bytes/PE", "time/run", "GB/s/PE", "memcpy", "vs copy", "sched", "rounds",
-              "verified");
+  std::printf("%-8s %9s %11s %11s %10s %10s %9s %8s %7s %s\n", "workload", "requests", "bytes/PE",
+              "time/run", "GB/s/PE", "memcpy", "vs copy", "sched", "rounds", "verified");
   for (const Row& r : rows) {
     const double achieved = gbps(r.bound_bytes, r.seconds_per_run);
     const double ceiling = gbps(r.bound_bytes, r.memcpy_seconds);
-    std::printf("%-8s %9llu %11s %9.1f us %10.2f %10.2f %8.2fx %7.3fx %7u %s\n",
-                r.workload.c_str(), static_cast<unsigned long long>(r.requests),
-                format_bytes(r.bound_bytes).c_str(), r.seconds_per_run * 1e6, achieved, ceiling,
-                ceiling > 0 ? achieved / ceiling : 0.0, r.bound_ratio, r.rounds,
-                r.wrong_bytes == 0 ? "yes"
-                                   : (std::to_string(r.wrong_bytes) + " WRONG BYTES").c_str());
+    std::printf(
+        "%-8s %9llu %11s %9.1f us %10.2f %10.2f %8.2fx %7.3fx %7u %s\n", r.workload.c_str(),
+        static_cast<unsigned long long>(r.requests), format_bytes(r.bound_bytes).c_str(),
+        r.seconds_per_run * 1e6, achieved, ceiling, ceiling > 0 ? achieved / ceiling : 0.0,
+        r.bound_ratio, r.rounds,
+        r.wrong_bytes == 0 ? "yes" : (std::to_string(r.wrong_bytes) + " WRONG BYTES").c_str());
   }
   std::printf(
       "bytes/PE: the lower bound, max over PEs of bytes sent or received; GB/s/PE: that over "

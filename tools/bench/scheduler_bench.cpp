@@ -27,16 +27,16 @@ double run_scheduler_bench(const SchedulerBenchOptions& options) {
   for (int r = 0; r < options.repeats; ++r) {
     const auto start = std::chrono::steady_clock::now();
     schedule = build_schedule(transfers, options.pes, scheduler);
-    best = std::min(best,
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::printf("scheduler: %llu requests over %d PEs, chunk %llu B, k=%d\n",
               static_cast<unsigned long long>(options.requests), options.pes,
               static_cast<unsigned long long>(options.chunk_bytes), options.max_peers_per_round);
-  std::printf("  best of %d: %.3f s on one core | %zu batches in %u rounds | makespan / lower "
-              "bound %.4f\n",
-              options.repeats, best, schedule.batches.size(), schedule.rounds,
-              schedule.bound_ratio());
+  std::printf(
+      "  best of %d: %.3f s on one core | %zu batches in %u rounds | makespan / lower "
+      "bound %.4f\n",
+      options.repeats, best, schedule.batches.size(), schedule.rounds, schedule.bound_ratio());
   return best;
 }
 

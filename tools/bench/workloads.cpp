@@ -88,8 +88,8 @@ Workload refit(int n, std::uint64_t size) {
   const std::uint64_t target = 8 * size * n;
   const std::uint64_t hidden = 4096, ffn = 14336, kv = 1024, vocab = 128256;
   std::vector<std::uint64_t> params = {vocab * hidden * 2};  // embedding
-  const std::uint64_t per_layer[] = {hidden * hidden, hidden * kv, hidden * kv, hidden * hidden,
-                                     hidden * ffn, hidden * ffn, ffn * hidden, hidden};
+  const std::uint64_t per_layer[] = {hidden * hidden, hidden * kv,  hidden * kv,  hidden * hidden,
+                                     hidden * ffn,    hidden * ffn, ffn * hidden, hidden};
   for (int layer = 0; layer < 32; ++layer) {
     for (std::uint64_t elements : per_layer) params.push_back(elements * 2);
   }

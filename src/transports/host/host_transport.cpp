@@ -85,7 +85,8 @@ class HostTransport final : public Transport {
     return *reinterpret_cast<InboxHeader*>(inboxes_[pe].data());
   }
   ChannelCounters& counters(PeId receiver, PeId sender) const {
-    return reinterpret_cast<ChannelCounters*>(inboxes_[receiver].data() + counters_offset())[sender];
+    return reinterpret_cast<ChannelCounters*>(inboxes_[receiver].data() +
+                                              counters_offset())[sender];
   }
   std::byte* slot(PeId receiver, PeId sender, std::uint64_t sequence) const {
     return inboxes_[receiver].data() + slots_offset() +
@@ -169,9 +170,9 @@ HostTransport::HostTransport(Bootstrap& bootstrap)
 
 void HostTransport::check_buffer(const Buffer& buffer) const {
   if (buffer.kind != MemoryKind::kHost) {
-    throw_error(ErrorCode::kInvalidArgument,
-                "the host transport moves host memory only, not a " + describe(buffer) +
-                    " (choose a GPU transport for device memory)");
+    throw_error(ErrorCode::kInvalidArgument, "the host transport moves host memory only, not a " +
+                                                 describe(buffer) +
+                                                 " (choose a GPU transport for device memory)");
   }
 }
 
@@ -203,17 +204,17 @@ void HostTransport::prepare(const ExecutionPlan& plan) {
 void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
   const InboxHeader& peer_header = header(peer);
   if (peer_header.aborted.load(std::memory_order_acquire) != 0) {
-    throw_error(ErrorCode::kPeerFailure,
-                "PE " + std::to_string(peer) + " failed while PE " + std::to_string(my_pe_) +
-                    " was waiting " + waiting_for + ": " +
-                    std::string(peer_header.abort_reason,
-                                strnlen(peer_header.abort_reason, sizeof peer_header.abort_reason)));
+    throw_error(
+        ErrorCode::kPeerFailure,
+        "PE " + std::to_string(peer) + " failed while PE " + std::to_string(my_pe_) +
+            " was waiting " + waiting_for + ": " +
+            std::string(peer_header.abort_reason,
+                        strnlen(peer_header.abort_reason, sizeof peer_header.abort_reason)));
   }
   if (::kill(peer_header.pid, 0) != 0 && errno == ESRCH) {
-    throw_error(ErrorCode::kPeerFailure, "PE " + std::to_string(peer) + " (pid " +
-                                             std::to_string(peer_header.pid) +
-                                             ") exited while PE " + std::to_string(my_pe_) +
-                                             " was waiting " + waiting_for);
+    throw_error(ErrorCode::kPeerFailure,
+                "PE " + std::to_string(peer) + " (pid " + std::to_string(peer_header.pid) +
+                    ") exited while PE " + std::to_string(my_pe_) + " was waiting " + waiting_for);
   }
 }
 

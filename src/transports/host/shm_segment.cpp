@@ -31,10 +31,9 @@ ShmSegment ShmSegment::create(const std::string& name, std::size_t bytes) {
   if (const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); rc != 0) {
     ::close(fd);
     ::shm_unlink(name.c_str());
-    throw_error(ErrorCode::kSystem,
-                "cannot reserve " + format_bytes(bytes) + " of shared memory for " + name + ": " +
-                    std::strerror(rc) +
-                    " (is /dev/shm full? lower RESHARD_HOST_STAGING_BYTES)");
+    throw_error(ErrorCode::kSystem, "cannot reserve " + format_bytes(bytes) +
+                                        " of shared memory for " + name + ": " + std::strerror(rc) +
+                                        " (is /dev/shm full? lower RESHARD_HOST_STAGING_BYTES)");
   }
   try {
     segment.data_ = map_fd(fd, bytes, name);
