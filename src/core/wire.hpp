@@ -15,6 +15,8 @@ namespace reshard::wire {
 
 class Writer {
  public:
+  Writer() { data_.reserve(256); }
+
   template <typename T>
   void put(const T& value) {
     static_assert(std::is_trivially_copyable_v<T>);

@@ -138,32 +138,42 @@ Workload make_workload(const std::string& kind, int n_pes, std::uint64_t size, s
               "unknown workload '" + kind + "' (uniform, random, small, refit)");
 }
 
-void fill_pattern(std::span<std::byte> out, TaskId task, std::uint64_t offset,
-                  std::uint32_t iteration) {
+namespace {
+
+// Calls visit(index, expected_bytes, count) over `length` bytes of a task's pattern from `offset`,
+// one 8-byte pattern word at a time.
+template <typename Visit>
+void for_each_pattern_piece(std::size_t length, TaskId task, std::uint64_t offset,
+                            std::uint32_t iteration, Visit visit) {
   std::size_t i = 0;
-  while (i < out.size()) {
+  while (i < length) {
     const std::uint64_t position = offset + i;
     const std::uint64_t word = pattern_word(task, position / 8, iteration);
     const std::size_t first = position % 8;
-    const std::size_t take = std::min<std::size_t>(8 - first, out.size() - i);
-    std::memcpy(out.data() + i, reinterpret_cast<const std::byte*>(&word) + first, take);
+    const std::size_t take = std::min<std::size_t>(8 - first, length - i);
+    visit(i, reinterpret_cast<const std::byte*>(&word) + first, take);
     i += take;
   }
+}
+
+}  // namespace
+
+void fill_pattern(std::span<std::byte> out, TaskId task, std::uint64_t offset,
+                  std::uint32_t iteration) {
+  for_each_pattern_piece(out.size(), task, offset, iteration,
+                         [&](std::size_t i, const std::byte* expected, std::size_t take) {
+                           std::memcpy(out.data() + i, expected, take);
+                         });
 }
 
 std::uint64_t count_pattern_mismatches(std::span<const std::byte> data, TaskId task,
                                        std::uint64_t offset, std::uint32_t iteration) {
   std::uint64_t wrong = 0;
-  std::size_t i = 0;
-  while (i < data.size()) {
-    const std::uint64_t position = offset + i;
-    const std::uint64_t word = pattern_word(task, position / 8, iteration);
-    const std::size_t first = position % 8;
-    const std::size_t take = std::min<std::size_t>(8 - first, data.size() - i);
-    const auto* expected = reinterpret_cast<const std::byte*>(&word) + first;
-    for (std::size_t k = 0; k < take; ++k) wrong += data[i + k] != expected[k];
-    i += take;
-  }
+  for_each_pattern_piece(data.size(), task, offset, iteration,
+                         [&](std::size_t i, const std::byte* expected, std::size_t take) {
+                           for (std::size_t k = 0; k < take; ++k)
+                             wrong += data[i + k] != expected[k];
+                         });
   return wrong;
 }
 

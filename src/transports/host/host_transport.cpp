@@ -109,6 +109,15 @@ class HostTransport final : public Transport {
   };
   static void group_into_slots(const std::vector<PlannedBatch>& batches, int n_pes,
                                std::uint64_t slot_bytes, std::vector<std::vector<SlotFill>>& out);
+  // Visits the spans of a slot's batches in the order their bytes sit in the slot.
+  template <typename Visit>
+  static void for_each_span(const ExecutionPlan& plan, const std::vector<PlannedBatch>& batches,
+                            const SlotFill& fill, Visit visit) {
+    for (std::uint32_t b : fill.batches) {
+      const PlannedBatch& batch = batches[b];
+      for (std::uint32_t s = 0; s < batch.span_count; ++s) visit(plan.spans[batch.first_span + s]);
+    }
+  }
   std::vector<std::vector<SlotFill>> sends_by_peer_;
   std::vector<std::vector<SlotFill>> receives_by_peer_;
 };
@@ -241,14 +250,10 @@ void HostTransport::run(const ExecutionPlan& plan) {
         const std::uint64_t tail = channel.tail.load(std::memory_order_acquire);
         while (next < sends.size() && head - tail < kSlotsPerChannel) {
           std::byte* out = slot(peer, my_pe_, head);
-          for (std::uint32_t b : sends[next].batches) {
-            const PlannedBatch& batch = plan.sends[b];
-            for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-              const CopySpan& span = plan.spans[batch.first_span + s];
-              std::memcpy(out, span.data, span.bytes);
-              out += span.bytes;
-            }
-          }
+          for_each_span(plan, plan.sends, sends[next], [&](const CopySpan& span) {
+            std::memcpy(out, span.data, span.bytes);
+            out += span.bytes;
+          });
           channel.head.store(++head, std::memory_order_release);
           ++next;
           --remaining;
@@ -263,14 +268,10 @@ void HostTransport::run(const ExecutionPlan& plan) {
         const std::uint64_t head = channel.head.load(std::memory_order_acquire);
         while (next_in < receives.size() && tail < head) {
           const std::byte* in = slot(my_pe_, peer, tail);
-          for (std::uint32_t b : receives[next_in].batches) {
-            const PlannedBatch& batch = plan.receives[b];
-            for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-              const CopySpan& span = plan.spans[batch.first_span + s];
-              std::memcpy(span.data, in, span.bytes);
-              in += span.bytes;
-            }
-          }
+          for_each_span(plan, plan.receives, receives[next_in], [&](const CopySpan& span) {
+            std::memcpy(span.data, in, span.bytes);
+            in += span.bytes;
+          });
           channel.tail.store(++tail, std::memory_order_release);
           ++next_in;
           --remaining;
