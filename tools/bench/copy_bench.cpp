@@ -41,16 +41,22 @@ struct Row {
   std::uint64_t wrong_bytes = 0;
 };
 
+// Collective: every PE's `value`, in PE order.
 template <typename T>
-T max_over_pes(Bootstrap& bootstrap, T value) {
-  const auto all = bootstrap.all_gather(std::as_bytes(std::span(&value, 1)));
-  T best = value;
-  for (const auto& part : all) {
+std::vector<T> gather_from_pes(Bootstrap& bootstrap, T value) {
+  std::vector<T> values;
+  for (const auto& part : bootstrap.all_gather(std::as_bytes(std::span(&value, 1)))) {
     T v;
     std::memcpy(&v, part.data(), sizeof v);
-    best = std::max(best, v);
+    values.push_back(v);
   }
-  return best;
+  return values;
+}
+
+template <typename T>
+T max_over_pes(Bootstrap& bootstrap, T value) {
+  const std::vector<T> values = gather_from_pes(bootstrap, value);
+  return *std::max_element(values.begin(), values.end());
 }
 
 // Progress for long runs, from rank 0, at most every two seconds.
@@ -131,13 +137,7 @@ Row bench_workload(Bootstrap& bootstrap, CopyService& service, const Workload& w
   const double copy_elapsed = std::chrono::duration<double>(Clock::now() - copy_start).count();
   row.memcpy_seconds = max_over_pes(bootstrap, copy_elapsed) / options.iterations;
 
-  row.wrong_bytes = 0;
-  const auto all_wrong = bootstrap.all_gather(std::as_bytes(std::span(&wrong, 1)));
-  for (const auto& part : all_wrong) {
-    std::uint64_t v;
-    std::memcpy(&v, part.data(), sizeof v);
-    row.wrong_bytes += v;
-  }
+  for (std::uint64_t pe_wrong : gather_from_pes(bootstrap, wrong)) row.wrong_bytes += pe_wrong;
   service.clear_requests();
   return row;
 }
