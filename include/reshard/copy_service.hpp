@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "reshard/bootstrap.hpp"
 #include "reshard/log.hpp"
@@ -12,10 +13,14 @@
 
 namespace reshard {
 
-enum class TransportKind { kAuto, kHost };
+// kAuto picks, at init(), the CUDA transport when every PE has a GPU and all share one machine,
+// NCCL when they span machines, and the host transport otherwise. RESHARD_TRANSPORT overrides.
+enum class TransportKind { kAuto, kHost, kCuda, kNccl };
 
-TransportKind parse_transport_kind(const std::string& name);  // "auto", "host"
+TransportKind parse_transport_kind(const std::string& name);  // "auto", "host", "cuda", "nccl"
 const char* transport_kind_name(TransportKind kind);
+// The transports compiled into this build, by name ("host" always; "cuda", "nccl" when built).
+std::vector<std::string> available_transports();
 
 // What schedule() reports about the plan it built.
 struct ScheduleReport {
@@ -49,7 +54,8 @@ class CopyService {
   int n_pes() const;
   int device() const;  // CUDA device of this PE, -1 on the host transport
   bool initialized() const;
-  TransportKind transport() const;
+  TransportKind transport() const;     // as requested (kAuto stays kAuto)
+  std::string transport_name() const;  // the transport in use after init(): "host", "cuda", ...
 
   // Byte ranges [pos, pos + size) of caller-owned buffers. Arguments that are wrong on their own
   // (PE out of range, range outside the buffer) are refused here; the rest at schedule().
@@ -61,8 +67,16 @@ class CopyService {
   // Collective: validates every request on every PE (before any byte moves) and builds the plan.
   ScheduleReport schedule();
   // Executes the plan: returns once this PE's sends have been read and its receives have landed.
-  // No re-planning and no collective besides the data movement.
+  // No re-planning and no collective besides the data movement. Every PE calls run() the same
+  // number of times.
   void run();
+  // GPU transports: enqueues the plan on a CUDA stream (a cudaStream_t) and returns at once. The
+  // copies start after the work already queued on the stream, and work queued later sees their
+  // result. Capturable in a CUDA graph. A failure on the device (a peer that never arrives)
+  // is reported by the next run() or by synchronize(). The host transport runs synchronously.
+  void run(void* cuda_stream);
+  // Waits for every run enqueued so far and reports a device-side failure, if any.
+  void synchronize();
   // Forgets requests and plan; the service stays initialised.
   void clear_requests();
   // Releases everything. Safe to call twice; the destructor calls it.

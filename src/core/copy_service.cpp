@@ -1,5 +1,7 @@
 #include "reshard/copy_service.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <sstream>
 #include <unordered_map>
@@ -67,11 +69,26 @@ std::vector<std::string> find_overlapping_receives(const std::vector<Registratio
 
 }  // namespace
 
+std::vector<std::string> available_transports() {
+  std::vector<std::string> names{"host"};
+#ifdef RESHARD_WITH_CUDA
+  names.push_back("cuda");
+#endif
+#ifdef RESHARD_WITH_NCCL
+  names.push_back("nccl");
+#endif
+  return names;
+}
+
 TransportKind parse_transport_kind(const std::string& name) {
-  if (name == "auto") return TransportKind::kAuto;
-  if (name == "host") return TransportKind::kHost;
+  for (TransportKind kind :
+       {TransportKind::kAuto, TransportKind::kHost, TransportKind::kCuda, TransportKind::kNccl}) {
+    if (name == transport_kind_name(kind)) return kind;
+  }
+  std::string offered = "auto";
+  for (const std::string& n : available_transports()) offered += ", " + n;
   throw_error(ErrorCode::kInvalidArgument,
-              "unknown transport '" + name + "' (this build offers: auto, host)");
+              "unknown transport '" + name + "' (this build offers: " + offered + ")");
 }
 
 const char* transport_kind_name(TransportKind kind) {
@@ -80,9 +97,72 @@ const char* transport_kind_name(TransportKind kind) {
       return "auto";
     case TransportKind::kHost:
       return "host";
+    case TransportKind::kCuda:
+      return "cuda";
+    case TransportKind::kNccl:
+      return "nccl";
   }
   return "?";
 }
+
+namespace {
+
+bool is_available(TransportKind kind) {
+  const auto names = available_transports();
+  return std::find(names.begin(), names.end(), transport_kind_name(kind)) != names.end();
+}
+
+// Collective: the transport kAuto stands for, the same on every PE.
+TransportKind resolve_auto(Bootstrap& bootstrap) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  wire::Writer mine;
+  mine.put<std::int32_t>(visible_cuda_devices());
+  mine.put_string(host);
+  bool all_gpus = true, one_host = true;
+  std::string first_host;
+  int pe = 0;
+  for (const auto& part : bootstrap.all_gather(mine.bytes())) {
+    wire::Reader reader(part);
+    const bool has_gpu = reader.get<std::int32_t>() > 0;
+    all_gpus = all_gpus && has_gpu;
+    const std::string name = reader.get_string();
+    if (pe++ == 0) first_host = name;
+    one_host = one_host && name == first_host;
+  }
+  if (all_gpus && one_host && is_available(TransportKind::kCuda)) return TransportKind::kCuda;
+  if (all_gpus && is_available(TransportKind::kNccl)) return TransportKind::kNccl;
+  return TransportKind::kHost;
+}
+
+std::unique_ptr<Transport> make_transport(TransportKind kind, Bootstrap& bootstrap) {
+  if (!is_available(kind)) {
+    std::string offered;
+    for (const std::string& n : available_transports())
+      offered += (offered.empty() ? "" : ", ") + n;
+    throw_error(ErrorCode::kUnsupported,
+                std::string("the ") + transport_kind_name(kind) +
+                    " transport is not part of this build (it has: " + offered + ")");
+  }
+  switch (kind) {
+#ifdef RESHARD_WITH_CUDA
+    case TransportKind::kCuda:
+      return make_cuda_transport(bootstrap);
+#endif
+#ifdef RESHARD_WITH_NCCL
+    case TransportKind::kNccl:
+      return make_nccl_transport(bootstrap);
+#endif
+    default:
+      return make_host_transport(bootstrap);
+  }
+}
+
+}  // namespace
+
+#ifndef RESHARD_WITH_CUDA
+int visible_cuda_devices() noexcept { return 0; }
+#endif
 
 struct CopyService::Impl {
   std::shared_ptr<Bootstrap> bootstrap;
@@ -150,12 +230,23 @@ ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {
     const bool sending = batch.src == me;
     if (!sending && batch.dst != me) continue;
     PlannedBatch planned{sending ? batch.dst : batch.src, batch.round, batch.bytes,
-                         static_cast<std::uint32_t>(plan.spans.size()), batch.segment_count};
+                         static_cast<std::uint32_t>(plan.spans.size()), 0};
     const auto& mine = sending ? my_sends : my_receives;
     for (std::uint32_t s = 0; s < batch.segment_count; ++s) {
       const Segment& segment = schedule.segments[batch.first_segment + s];
+      // Consecutive pieces of one transfer are contiguous on both PEs: both sides merge them
+      // the same way, so span i of a send batch still matches span i of its receive batch.
+      if (s > 0) {
+        const Segment& previous = schedule.segments[batch.first_segment + s - 1];
+        if (previous.transfer == segment.transfer &&
+            previous.offset + previous.bytes == segment.offset) {
+          plan.spans.back().bytes += segment.bytes;
+          continue;
+        }
+      }
       const Registration* r = mine.at(schedule.transfers[segment.transfer].task);
       plan.spans.push_back({r->start() + segment.offset, segment.bytes});
+      ++planned.span_count;
     }
     (sending ? plan.sends : plan.receives).push_back(planned);
   }
@@ -184,8 +275,10 @@ void CopyService::init(LogLevel log_level) {
   impl_->require(impl_->state == State::kCreated, "init()");
   set_log_level(env::log_level().value_or(log_level));
   set_log_pe(impl_->bootstrap->rank());
-  // Only the host transport exists in this build; auto therefore means host.
-  impl_->transport = make_host_transport(*impl_->bootstrap);
+  TransportKind kind = impl_->kind;
+  if (auto forced = env::transport()) kind = parse_transport_kind(*forced);
+  if (kind == TransportKind::kAuto) kind = resolve_auto(*impl_->bootstrap);
+  impl_->transport = make_transport(kind, *impl_->bootstrap);
   impl_->state = State::kInitialized;
   RESHARD_LOG(kInfo, "copy service ready: PE " << my_pe() << " of " << n_pes() << ", transport "
                                                << impl_->transport->name());
@@ -198,6 +291,9 @@ bool CopyService::initialized() const {
   return impl_->state == State::kInitialized || impl_->state == State::kScheduled;
 }
 TransportKind CopyService::transport() const { return impl_->kind; }
+std::string CopyService::transport_name() const {
+  return impl_->transport ? impl_->transport->name() : "none";
+}
 
 void CopyService::register_send(TaskId task_id, const Buffer& src, std::size_t src_pos,
                                 std::size_t size, PeId dest_pe) {
@@ -230,12 +326,13 @@ ScheduleReport CopyService::schedule() {
     summary.put<std::uint64_t>(local_problems.size());
     for (const std::string& problem : local_problems) summary.put_string(problem);
     summary.put<std::uint64_t>(self.transport->caps().chunk_bytes);
+    summary.put<std::uint64_t>(self.transport->caps().min_chunk_bytes);
     const auto gathered = self.bootstrap->all_gather(summary.bytes());
 
     std::vector<RequestClaim> all_sends, all_receives;
     std::ostringstream problems;
     std::size_t problem_count = 0;
-    std::uint64_t chunk_bytes = UINT64_MAX;
+    std::uint64_t chunk_bytes = UINT64_MAX, min_chunk_bytes = UINT64_MAX;
     for (int pe = 0; pe < n; ++pe) {
       wire::Reader reader(gathered[pe]);
       for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_sends.push_back(c);
@@ -248,6 +345,7 @@ ScheduleReport CopyService::schedule() {
           reader.get_string();
       }
       chunk_bytes = std::min(chunk_bytes, reader.get<std::uint64_t>());
+      min_chunk_bytes = std::min(min_chunk_bytes, reader.get<std::uint64_t>());
     }
     if (problem_count > 0) {
       if (problem_count > 8) problems << "\n  - ... and " << problem_count - 8 << " more";
@@ -258,6 +356,7 @@ ScheduleReport CopyService::schedule() {
     const std::vector<Transfer> transfers = match_requests(all_sends, all_receives, n);
     SchedulerOptions options;
     options.chunk_bytes = std::min(chunk_bytes, env::chunk_bytes().value_or(chunk_bytes));
+    options.min_chunk_bytes = std::min(min_chunk_bytes, options.chunk_bytes);
     options.max_peers_per_round = self.transport->caps().max_peers_per_round;
     const Schedule schedule = build_schedule(transfers, n, options);
     self.plan = self.build_plan(schedule);
@@ -284,7 +383,20 @@ ScheduleReport CopyService::schedule() {
   }
 }
 
-void CopyService::run() {
+void CopyService::run() { run(nullptr); }
+
+void CopyService::synchronize() {
+  Impl& self = *impl_;
+  self.require(self.state == State::kScheduled || self.state == State::kInitialized,
+               "synchronize()");
+  try {
+    self.transport->synchronize();
+  } catch (const Error& error) {
+    self.fail(error);
+  }
+}
+
+void CopyService::run(void* cuda_stream) {
   Impl& self = *impl_;
   if (self.state == State::kInitialized) {
     throw_error(ErrorCode::kInvalidState,
@@ -292,7 +404,7 @@ void CopyService::run() {
   }
   self.require(self.state == State::kScheduled, "run()");
   try {
-    self.transport->run(self.plan);
+    self.transport->run(self.plan, cuda_stream);
   } catch (const Error& error) {
     self.fail(error);
   }

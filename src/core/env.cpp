@@ -57,4 +57,34 @@ std::optional<std::uint64_t> chunk_bytes() {
 
 std::optional<std::string> job_id() { return get("RESHARD_JOB_ID"); }
 
+std::optional<std::string> transport() { return get("RESHARD_TRANSPORT"); }
+
+std::optional<int> device() {
+  if (!get("RESHARD_DEVICE")) return std::nullopt;
+  return get_int("RESHARD_DEVICE", 0);
+}
+
+std::string cuda_engine() {
+  const std::string engine = get("RESHARD_CUDA_ENGINE").value_or("auto");
+  if (engine != "auto" && engine != "sm" && engine != "ce") {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_CUDA_ENGINE='" + engine + "' is not one of auto, sm, ce");
+  }
+  return engine;
+}
+
+std::uint64_t cuda_ce_min_bytes() {
+  auto value = get("RESHARD_CUDA_CE_MIN_BYTES");
+  return value ? parse_bytes(*value) : (16ull << 20);
+}
+
+int cuda_ctas_per_peer() {
+  const int ctas = get_int("RESHARD_CUDA_CTAS_PER_PEER", 32);
+  if (ctas < 1 || ctas > 1024) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_CUDA_CTAS_PER_PEER=" + std::to_string(ctas) + " is outside 1..1024");
+  }
+  return ctas;
+}
+
 }  // namespace reshard::env

@@ -23,6 +23,17 @@ std::optional<std::uint64_t> chunk_bytes();
 // RESHARD_JOB_ID: set by reshard-run so leftovers of a failed job can be found and removed.
 std::optional<std::string> job_id();
 
+// RESHARD_TRANSPORT: overrides the transport chosen in code ("auto", "host", "cuda", "nccl").
+std::optional<std::string> transport();
+// RESHARD_DEVICE: CUDA device of this PE (default: local rank modulo the visible devices).
+std::optional<int> device();
+// RESHARD_CUDA_ENGINE: "auto" (by per-peer size), "sm" or "ce" for the CUDA transport.
+std::string cuda_engine();
+// RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine.
+std::uint64_t cuda_ce_min_bytes();
+// RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 32).
+int cuda_ctas_per_peer();
+
 std::optional<std::string> get(const char* name);
 int get_int(const char* name, int fallback);
 

@@ -14,6 +14,9 @@ namespace reshard {
 struct TransportCaps {
   std::uint64_t chunk_bytes = 1 << 20;  // largest batch it moves at once
   int max_peers_per_round = 1;          // the scheduler's k
+  // Smallest chunk the scheduler may shrink to. Transports that copy straight into the
+  // destination gain nothing from small batches and set it to chunk_bytes.
+  std::uint64_t min_chunk_bytes = 64 << 10;
 };
 
 class Transport {
@@ -26,13 +29,22 @@ class Transport {
   virtual void check_buffer(const Buffer& buffer) const = 0;
   // Collective, at schedule(): anything the plan needs before the first run (mappings, handles).
   virtual void prepare(const ExecutionPlan& plan) = 0;
-  // Moves the plan's bytes once. Returns when this PE's sends are read and receives have landed.
-  virtual void run(const ExecutionPlan& plan) = 0;
+  // Moves the plan's bytes once. With stream == nullptr it returns when this PE's sends are read
+  // and its receives have landed. A GPU transport given a CUDA stream enqueues the work there
+  // instead (ordered after the work already queued) and returns at once.
+  virtual void run(const ExecutionPlan& plan, void* stream) = 0;
+  // Waits for runs enqueued on streams; throws the error a device-side wait recorded.
+  virtual void synchronize() {}
   // Tells peers this PE has failed, so they stop waiting for it at once.
   virtual void abort(const std::string& reason) noexcept = 0;
   virtual void finalize() noexcept = 0;
 };
 
 std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap);
+// Defined only in builds with CUDA (RESHARD_WITH_CUDA) and NCCL (RESHARD_WITH_NCCL).
+std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap);
+std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap);
+// Number of CUDA devices this process sees (0 without CUDA or without a GPU).
+int visible_cuda_devices() noexcept;
 
 }  // namespace reshard

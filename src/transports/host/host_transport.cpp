@@ -64,11 +64,11 @@ class HostTransport final : public Transport {
   ~HostTransport() override { finalize(); }
 
   const char* name() const override { return "host"; }
-  TransportCaps caps() const override { return {slot_bytes_, 1}; }
+  TransportCaps caps() const override { return {slot_bytes_, 1, 64 << 10}; }
   int device() const override { return -1; }
   void check_buffer(const Buffer& buffer) const override;
   void prepare(const ExecutionPlan& plan) override;
-  void run(const ExecutionPlan& plan) override;
+  void run(const ExecutionPlan& plan, void* stream) override;
   void abort(const std::string& reason) noexcept override;
   void finalize() noexcept override;
 
@@ -227,7 +227,7 @@ void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
   }
 }
 
-void HostTransport::run(const ExecutionPlan& plan) {
+void HostTransport::run(const ExecutionPlan& plan, void* /*stream: host memory needs none*/) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   for (const LocalCopy& copy : plan.local_copies) std::memmove(copy.dst, copy.src, copy.bytes);
 

@@ -1,0 +1,251 @@
+#include <cstdint>
+
+#include "transports/cuda/copy_kernels.hpp"
+#include "transports/cuda/cuda_check.hpp"
+
+namespace reshard::cuda {
+namespace {
+
+__device__ __forceinline__ std::uint64_t global_timer_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ std::uint64_t load_acquire(const std::uint64_t* flag) {
+  std::uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void store_release(std::uint64_t* flag, std::uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+__device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
+                               unsigned int phase) {
+  volatile DeviceStatus* status = a.status;
+  if (status->code != 0) return;
+  status->peer = peer;
+  status->phase = phase;
+  __threadfence_system();
+  status->code = code;
+}
+
+// Spins until *flag >= epoch. False when the wait ran out, was cancelled, or another wait of this
+// run already failed (then nothing more is written or awaited).
+__device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, const KernelArgs& a,
+                              int peer, unsigned int phase) {
+  const std::uint64_t start = global_timer_ns();
+  for (unsigned int spins = 1; load_acquire(flag) < epoch; ++spins) {
+    if (spins % 64 == 0) {
+      volatile DeviceStatus* status = a.status;
+      if (status->code != 0) return false;
+      if (status->cancel != 0) {
+        record_failure(a, kStatusCancelled, peer, phase);
+        return false;
+      }
+      if (global_timer_ns() - start > a.timeout_ns) {
+        record_failure(a, kStatusTimeout, peer, phase);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+__device__ __forceinline__ bool failed(const KernelArgs& a) {
+  return static_cast<volatile DeviceStatus*>(a.status)->code != 0;
+}
+
+// Copies n elements of V with kUnroll loads in flight per thread before their stores.
+template <typename V, int kUnroll>
+__device__ __forceinline__ void copy_vectors(const V* __restrict__ src, V* __restrict__ dst,
+                                             std::uint64_t n) {
+  const std::uint64_t stride = blockDim.x;
+  std::uint64_t i = threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
+    V values[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) values[k] = __ldg(src + i + k * stride);
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) dst[i + k * stride] = values[k];
+  }
+  for (; i < n; i += stride) dst[i] = __ldg(src + i);
+}
+
+template <typename V, int kUnroll>
+__device__ __forceinline__ void copy_aligned(const unsigned char* src, unsigned char* dst,
+                                             std::uint64_t bytes) {
+  constexpr std::uint64_t kSize = sizeof(V);
+  // Bytes before src (and so dst) reaches a multiple of the vector size, then the vectors, then
+  // the tail: every CTA stays on the vector path whatever the caller's offsets.
+  const std::uint64_t misalign = reinterpret_cast<std::uintptr_t>(src) % kSize;
+  const std::uint64_t head = misalign == 0 ? 0 : min(kSize - misalign, bytes);
+  for (std::uint64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+  const std::uint64_t vectors = (bytes - head) / kSize;
+  copy_vectors<V, kUnroll>(reinterpret_cast<const V*>(src + head), reinterpret_cast<V*>(dst + head),
+                           vectors);
+  const std::uint64_t done = head + vectors * kSize;
+  for (std::uint64_t i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+}
+
+__device__ void copy_piece(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
+  const std::uintptr_t relative =
+      reinterpret_cast<std::uintptr_t>(src) ^ reinterpret_cast<std::uintptr_t>(dst);
+  if (relative % 16 == 0) {
+    copy_aligned<uint4, 8>(src, dst, bytes);
+  } else if (relative % 8 == 0) {
+    copy_aligned<uint2, 8>(src, dst, bytes);
+  } else if (relative % 4 == 0) {
+    copy_aligned<unsigned int, 8>(src, dst, bytes);
+  } else {
+    copy_aligned<unsigned char, 8>(src, dst, bytes);
+  }
+}
+
+// This CTA's share of a group: a 256-byte aligned slice of the group's byte stream, which may
+// cross several descriptors.
+__device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uint32_t cta) {
+  const std::uint64_t per_cta = (group.bytes + group.cta_count - 1) / group.cta_count;
+  const std::uint64_t slice = (per_cta + 255) / 256 * 256;
+  const std::uint64_t begin = cta * slice;
+  const std::uint64_t end = min(group.bytes, begin + slice);
+  if (begin >= end) return;
+  const CopyDescriptor* first = a.descriptors + group.first_descriptor;
+  // Last descriptor starting at or before `begin`.
+  std::uint32_t lo = 0, hi = group.descriptor_count;
+  while (hi - lo > 1) {
+    const std::uint32_t mid = (lo + hi) / 2;
+    if (first[mid].offset <= begin)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  for (std::uint32_t d = lo; d < group.descriptor_count && first[d].offset < end; ++d) {
+    const CopyDescriptor& desc = first[d];
+    const std::uint64_t from = max(begin, desc.offset) - desc.offset;
+    const std::uint64_t to = min(end, desc.offset + desc.bytes) - desc.offset;
+    if (from < to) copy_piece(desc.src + from, desc.dst + from, to - from);
+  }
+}
+
+__device__ std::uint32_t find_group(const KernelArgs& a, std::uint32_t cta) {
+  std::uint32_t g = 0;
+  while (g + 1 < a.group_count && a.groups[g + 1].first_cta <= cta) ++g;
+  return g;
+}
+
+__global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) {
+  __shared__ std::uint64_t epoch;
+  __shared__ std::uint32_t group_index;
+  __shared__ bool may_write;
+  std::uint64_t* signals = a.signals;
+  if (threadIdx.x == 0) {
+    epoch =
+        *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+    if (blockIdx.x == 0) {
+      for (std::uint32_t s = 0; s < a.source_count; ++s) store_release(a.source_ready[s], epoch);
+    }
+    group_index = a.group_count == 0 ? 0 : find_group(a, blockIdx.x);
+    may_write = a.group_count > 0;
+    if (may_write && a.groups[group_index].peer >= 0) {
+      const PeerGroup& g = a.groups[group_index];
+      may_write = wait_at_least(g.local_ready, epoch, a, g.peer, kPhaseReady);
+    }
+  }
+  __syncthreads();
+  if (may_write) {
+    const PeerGroup& g = a.groups[group_index];
+    copy_share(a, g, blockIdx.x - g.first_cta);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (may_write) {
+    const PeerGroup& g = a.groups[group_index];
+    if (g.peer >= 0) {
+      // Cumulative fence: the CTA's stores (seen by this thread at the barrier) reach the peer
+      // before the arrival, and the last arrival publishes them all with its release store.
+      __threadfence_system();
+      unsigned int* arrivals = SignalLayout::group_arrivals(signals, a.n_pes) + group_index;
+      if (atomicAdd(arrivals, 1u) == g.cta_count - 1) {
+        *arrivals = 0;
+        __threadfence_system();
+        store_release(g.remote_done, epoch);
+      }
+    }
+  }
+  __threadfence();
+  unsigned int* grid = SignalLayout::grid_arrivals(signals, a.n_pes);
+  if (atomicAdd(grid, 1u) != a.cta_count - 1) return;
+  *grid = 0;
+  // The last CTA: the kernel ends only when every source's bytes have landed here.
+  for (std::uint32_t s = 0; s < a.source_count; ++s) {
+    if (!wait_at_least(SignalLayout::done(signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],
+                       kPhaseDone))
+      break;
+  }
+  *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) = epoch;
+}
+
+__global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) {
+  if (failed(a)) return;
+  const std::uint32_t g = find_group(a, blockIdx.x);
+  copy_share(a, a.groups[g], blockIdx.x - a.groups[g].first_cta);
+}
+
+__global__ void begin_kernel(KernelArgs a) {
+  std::uint64_t* signals = a.signals;
+  const std::uint64_t epoch =
+      *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+  for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x)
+    store_release(a.source_ready[s], epoch);
+  for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
+    if (a.groups[g].peer >= 0)
+      wait_at_least(a.groups[g].local_ready, epoch, a, a.groups[g].peer, kPhaseReady);
+  }
+}
+
+__global__ void end_kernel(KernelArgs a) {
+  std::uint64_t* signals = a.signals;
+  const std::uint64_t epoch =
+      *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+  if (!failed(a)) {
+    __threadfence_system();
+    for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
+      if (a.groups[g].peer >= 0) store_release(a.groups[g].remote_done, epoch);
+    }
+  }
+  for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x) {
+    wait_at_least(SignalLayout::done(signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],
+                  kPhaseDone);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) = epoch;
+}
+
+}  // namespace
+
+void launch_fused_copy(const KernelArgs& args, cudaStream_t stream) {
+  fused_copy_kernel<<<args.cta_count == 0 ? 1 : args.cta_count, kCopyThreads, 0, stream>>>(args);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_plain_copy(const KernelArgs& args, cudaStream_t stream) {
+  if (args.cta_count == 0) return;
+  plain_copy_kernel<<<args.cta_count, kCopyThreads, 0, stream>>>(args);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_begin(const KernelArgs& args, cudaStream_t stream) {
+  begin_kernel<<<1, 128, 0, stream>>>(args);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_end(const KernelArgs& args, cudaStream_t stream) {
+  end_kernel<<<1, 128, 0, stream>>>(args);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace reshard::cuda

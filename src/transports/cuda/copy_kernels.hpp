@@ -1,0 +1,25 @@
+// Launchers for the CUDA transport's kernels. Every wait on a peer inside them is bounded by
+// KernelArgs::timeout_ns and reported through KernelArgs::status.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "transports/cuda/device_work.hpp"
+
+namespace reshard::cuda {
+
+constexpr int kCopyThreads = 512;
+
+// SM engine, one launch per run: raises ready for the sources, waits until each destination is
+// ready, copies, raises done per destination from its last CTA, and the grid's last CTA waits
+// until every source's data has landed.
+void launch_fused_copy(const KernelArgs& args, cudaStream_t stream);
+// Copies the groups' descriptors and nothing else (no flags): the SM share of a mixed run, and
+// the copy out of a bounce buffer.
+void launch_plain_copy(const KernelArgs& args, cudaStream_t stream);
+// Copy-engine runs are framed by these single-CTA kernels: begin raises ready and waits until every
+// destination group's peer is ready; end raises done for every group and waits for every source.
+void launch_begin(const KernelArgs& args, cudaStream_t stream);
+void launch_end(const KernelArgs& args, cudaStream_t stream);
+
+}  // namespace reshard::cuda

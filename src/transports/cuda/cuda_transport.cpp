@@ -1,0 +1,588 @@
+// CUDA transport: PEs are processes on one machine, one GPU each, peers reachable over NVLink (or
+// PCIe) through CUDA IPC. At schedule() every PE exports the allocations holding its destination
+// ranges; senders map them and copy straight from their source into the peer's destination.
+// Ordering with the peers uses flags in device memory (see device_work.hpp), so run() involves no
+// host synchronisation and can be captured in a CUDA graph.
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "core/env.hpp"
+#include "core/transport.hpp"
+#include "core/wire.hpp"
+#include "reshard/error.hpp"
+#include "reshard/log.hpp"
+#include "transports/cuda/copy_kernels.hpp"
+#include "transports/cuda/cuda_check.hpp"
+#include "transports/cuda/cuda_device.hpp"
+#include "transports/cuda/ipc_memory.hpp"
+
+namespace reshard {
+namespace {
+
+using namespace cuda;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
+constexpr std::uint32_t kBounceHandle = UINT32_MAX;
+constexpr std::uint64_t kBytesPerCta = 64 << 10;
+constexpr int kCopyEngineStreams = 4;
+
+// Device memory holding a copy of a host vector; freed with the schedule that uploaded it.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() { reset(); }
+  const T* upload(const std::vector<T>& values) {
+    reset();
+    if (values.empty()) return nullptr;
+    RESHARD_CUDA_CHECK(cudaMalloc(&data_, values.size() * sizeof(T)));
+    RESHARD_CUDA_CHECK(
+        cudaMemcpy(data_, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return data_;
+  }
+  void reset() noexcept {
+    if (data_ != nullptr) cudaFree(data_);
+    data_ = nullptr;
+  }
+
+ private:
+  T* data_ = nullptr;
+};
+
+struct WireSpan {
+  std::uint32_t handle;  // kBounceHandle: into the receiver's bounce buffer
+  std::uint32_t reserved;
+  std::uint64_t offset;
+  std::uint64_t bytes;
+};
+
+struct WireBatch {
+  std::int32_t peer;
+  std::uint32_t span_count;
+};
+
+// Everything this PE copies to one destination, before it is laid out for the kernels.
+struct GroupPlan {
+  PeerGroup group{};
+  std::vector<CopyDescriptor> descriptors;
+  bool copy_engine = false;
+
+  void add(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
+    if (bytes == 0) return;
+    if (!descriptors.empty()) {
+      CopyDescriptor& last = descriptors.back();
+      if (last.src + last.bytes == src && last.dst + last.bytes == dst) {
+        last.bytes += bytes;
+        group.bytes += bytes;
+        return;
+      }
+    }
+    descriptors.push_back({src, dst, bytes, group.bytes});
+    group.bytes += bytes;
+  }
+};
+
+// Kernel inputs of one schedule, in device memory.
+struct PreparedRun {
+  DeviceArray<CopyDescriptor> copy_descriptors, unstage_descriptors;
+  DeviceArray<PeerGroup> copy_groups, signal_groups, unstage_groups;
+  DeviceArray<int> sources;
+  DeviceArray<std::uint64_t*> source_ready;
+  KernelArgs copy_args{};     // fused, or the SM share of a mixed run
+  KernelArgs signal_args{};   // begin/end of a mixed run
+  KernelArgs unstage_args{};  // bounce buffer -> destinations
+  bool fused = true;
+  std::vector<GroupPlan> copy_engine_groups;  // in start order, rotated by PE
+  void* bounce = nullptr;
+  std::uint64_t bounce_bytes = 0;
+
+  ~PreparedRun() {
+    if (bounce != nullptr) cudaFree(bounce);
+  }
+};
+
+class CudaTransport final : public Transport {
+ public:
+  explicit CudaTransport(Bootstrap& bootstrap);
+  ~CudaTransport() override { finalize(); }
+
+  const char* name() const override { return "cuda"; }
+  TransportCaps caps() const override { return {kUnbounded, n_pes_, kUnbounded}; }
+  int device() const override { return device_; }
+  void check_buffer(const Buffer& buffer) const override {
+    check_device_buffer(buffer, device_, "cuda");
+  }
+  void prepare(const ExecutionPlan& plan) override;
+  void run(const ExecutionPlan& plan, void* stream) override;
+  void synchronize() override;
+  void abort(const std::string& reason) noexcept override;
+  void finalize() noexcept override;
+
+ private:
+  std::vector<GroupPlan> exchange_destinations(const ExecutionPlan& plan, PreparedRun& prepared,
+                                               std::vector<CopyDescriptor>& unstage);
+  void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
+  void wait_for(cudaEvent_t event, const char* what);
+  void throw_device_failure();
+  int first_dead_peer() const;
+
+  Bootstrap& bootstrap_;
+  int me_ = 0;
+  int n_pes_ = 0;
+  int device_ = -1;
+  int sm_count_ = 0;
+  std::string engine_;
+  std::uint64_t copy_engine_min_bytes_ = 0;
+  int ctas_per_peer_ = 32;
+  std::uint64_t timeout_ns_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t copy_engine_streams_[kCopyEngineStreams] = {};
+  cudaEvent_t fork_ = nullptr;
+  cudaEvent_t joins_[kCopyEngineStreams] = {};
+  cudaEvent_t last_run_ = nullptr;
+  bool run_pending_ = false;
+  std::uint64_t* signals_ = nullptr;
+  std::vector<std::uint64_t*> peer_signals_;  // mapped; [me_] is signals_
+  DeviceStatus* status_ = nullptr;            // pinned host memory
+  DeviceStatus* status_device_ = nullptr;
+  std::vector<pid_t> pids_;
+  IpcImports signal_imports_;  // peers' flags, for the transport's lifetime
+  IpcImports imports_;         // peers' destinations, for the current schedule
+  std::unique_ptr<PreparedRun> prepared_;
+  bool aborted_ = false;
+  bool finalized_ = false;
+};
+
+CudaTransport::CudaTransport(Bootstrap& bootstrap)
+    : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
+  device_ = select_device(bootstrap);
+  engine_ = env::cuda_engine();
+  copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
+  ctas_per_peer_ = env::cuda_ctas_per_peer();
+  timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000ull;
+  RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
+  RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  for (int i = 0; i < kCopyEngineStreams; ++i) {
+    RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_engine_streams_[i], cudaStreamNonBlocking));
+    RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&joins_[i], cudaEventDisableTiming));
+  }
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
+  RESHARD_CUDA_CHECK(cudaHostAlloc(&status_, sizeof(DeviceStatus), cudaHostAllocMapped));
+  *status_ = DeviceStatus{};
+  RESHARD_CUDA_CHECK(cudaHostGetDevicePointer(&status_device_, status_, 0));
+
+  const std::uint64_t signal_bytes = SignalLayout::bytes(n_pes_);
+  RESHARD_CUDA_CHECK(cudaMalloc(&signals_, signal_bytes));
+  RESHARD_CUDA_CHECK(cudaMemset(signals_, 0, signal_bytes));
+  RESHARD_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaIpcMemHandle_t handle;
+  RESHARD_CUDA_CHECK(cudaIpcGetMemHandle(&handle, signals_));
+
+  wire::Writer mine;
+  mine.put<std::int32_t>(::getpid());
+  mine.put<std::int32_t>(device_);
+  mine.put(handle);
+  const auto all = bootstrap_.all_gather(mine.bytes());
+  peer_signals_.assign(n_pes_, nullptr);
+  pids_.assign(n_pes_, 0);
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    wire::Reader reader(all[pe]);
+    pids_[pe] = reader.get<std::int32_t>();
+    const int peer_device = reader.get<std::int32_t>();
+    const auto peer_handle = reader.get<cudaIpcMemHandle_t>();
+    if (pe == me_) {
+      peer_signals_[pe] = signals_;
+      continue;
+    }
+    if (peer_device == device_) {
+      RESHARD_LOG(kWarn, "PE " << pe << " shares CUDA device " << device_
+                               << " with this PE; copies between them contend for one GPU");
+    }
+    HandleBytes bytes;
+    std::memcpy(bytes.data(), &peer_handle, sizeof peer_handle);
+    peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
+  }
+  bootstrap_.barrier();  // every PE has mapped every other's flags before any run
+  RESHARD_LOG(kDebug, "cuda transport on device " << device_ << " (" << sm_count_
+                                                  << " SMs), engine " << engine_);
+}
+
+std::vector<GroupPlan> CudaTransport::exchange_destinations(const ExecutionPlan& plan,
+                                                            PreparedRun& prepared,
+                                                            std::vector<CopyDescriptor>& unstage) {
+  IpcExporter exporter;
+  std::vector<WireBatch> batches;
+  std::vector<WireSpan> spans;
+  struct Staged {
+    std::size_t wire_span;
+    const CopySpan* destination;
+  };
+  std::vector<Staged> staged;
+  for (const PlannedBatch& batch : plan.receives) {
+    batches.push_back({batch.peer, batch.span_count});
+    for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+      const CopySpan& span = plan.spans[batch.first_span + s];
+      const auto exported = exporter.export_pointer(span.data);
+      if (exported) {
+        spans.push_back({exported->handle, 0, exported->offset, span.bytes});
+      } else {
+        prepared.bounce_bytes = (prepared.bounce_bytes + 255) / 256 * 256;
+        spans.push_back({kBounceHandle, 0, prepared.bounce_bytes, span.bytes});
+        staged.push_back({spans.size() - 1, &span});
+        prepared.bounce_bytes += span.bytes;
+      }
+    }
+  }
+  if (!staged.empty()) {
+    RESHARD_CUDA_CHECK(cudaMalloc(&prepared.bounce, prepared.bounce_bytes));
+    const auto bounce = exporter.export_pointer(prepared.bounce);
+    if (!bounce)
+      throw_error(ErrorCode::kSystem, "cannot export the CUDA transport's bounce buffer");
+    for (const Staged& s : staged) {
+      WireSpan& span = spans[s.wire_span];
+      span.handle = bounce->handle;
+      span.offset += bounce->offset;
+      unstage.push_back(
+          {static_cast<unsigned char*>(prepared.bounce) + (span.offset - bounce->offset),
+           reinterpret_cast<unsigned char*>(s.destination->data), span.bytes, 0});
+    }
+    RESHARD_LOG(kInfo, staged.size()
+                           << " destination range(s), " << format_bytes(prepared.bounce_bytes)
+                           << ", cannot be shared through CUDA IPC (stream-ordered or "
+                              "virtual-memory allocations): staging them through a "
+                              "bounce buffer");
+  }
+
+  wire::Writer mine;
+  mine.put_array(std::span<const HandleBytes>(exporter.handles()));
+  mine.put_array(std::span<const WireBatch>(batches));
+  mine.put_array(std::span<const WireSpan>(spans));
+  const auto all = bootstrap_.all_gather(mine.bytes());
+
+  // My sends to each peer, in plan order, meet that peer's receives from me in its plan order.
+  std::vector<std::vector<const PlannedBatch*>> sends_to(n_pes_);
+  for (const PlannedBatch& batch : plan.sends) sends_to[batch.peer].push_back(&batch);
+
+  // Mappings the new schedule does not use again are closed once it is built.
+  imports_.mark_all_unused();
+  std::vector<GroupPlan> groups;
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (pe == me_ || sends_to[pe].empty()) continue;
+    wire::Reader reader(all[pe]);
+    const auto handles = reader.get_array<HandleBytes>();
+    const auto peer_batches = reader.get_array<WireBatch>();
+    const auto peer_spans = reader.get_array<WireSpan>();
+    GroupPlan group;
+    group.group.peer = pe;
+    std::size_t next_send = 0, span_index = 0;
+    for (const WireBatch& batch : peer_batches) {
+      const std::size_t first = span_index;
+      span_index += batch.span_count;
+      if (batch.peer != me_) continue;
+      if (next_send >= sends_to[pe].size()) {
+        throw_error(ErrorCode::kSystem, "internal: PE " + std::to_string(pe) +
+                                            " expects more batches from PE " + std::to_string(me_) +
+                                            " than it plans to send");
+      }
+      const PlannedBatch& send = *sends_to[pe][next_send++];
+      if (send.span_count != batch.span_count) {
+        throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
+                                            std::to_string(pe) + " split a batch differently");
+      }
+      for (std::uint32_t s = 0; s < send.span_count; ++s) {
+        const CopySpan& source = plan.spans[send.first_span + s];
+        const WireSpan& target = peer_spans.at(first + s);
+        if (target.bytes != source.bytes || target.handle >= handles.size()) {
+          throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
+                                              std::to_string(pe) + " disagree on a span");
+        }
+        unsigned char* base = imports_.map(pe, handles[target.handle]);
+        group.add(reinterpret_cast<const unsigned char*>(source.data), base + target.offset,
+                  source.bytes);
+      }
+    }
+    groups.push_back(std::move(group));
+  }
+  imports_.close_unmarked();
+  return groups;
+}
+
+void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const {
+  std::uint64_t wanted = 0;
+  std::vector<std::uint64_t> want(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    want[g] = std::clamp<std::uint64_t>((groups[g].bytes + kBytesPerCta - 1) / kBytesPerCta, 1,
+                                        ctas_per_peer_);
+    wanted += want[g];
+  }
+  // One resident wave at most, leaving the rest of the GPU to the caller's kernels.
+  const std::uint64_t cap = std::max(1, sm_count_);
+  total = 0;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const std::uint64_t ctas =
+        wanted <= cap ? want[g] : std::max<std::uint64_t>(1, want[g] * cap / wanted);
+    groups[g].first_cta = total;
+    groups[g].cta_count = static_cast<std::uint32_t>(ctas);
+    total += static_cast<std::uint32_t>(ctas);
+  }
+}
+
+void CudaTransport::prepare(const ExecutionPlan& plan) {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
+  if (run_pending_) wait_for(last_run_, "the previous schedule's runs");
+  throw_device_failure();
+  auto prepared = std::make_unique<PreparedRun>();
+  std::vector<CopyDescriptor> unstage;
+
+  std::vector<GroupPlan> groups = exchange_destinations(plan, *prepared, unstage);
+  GroupPlan local;
+  local.group.peer = -1;
+  for (const LocalCopy& copy : plan.local_copies) {
+    local.add(reinterpret_cast<const unsigned char*>(copy.src),
+              reinterpret_cast<unsigned char*>(copy.dst), copy.bytes);
+  }
+  if (local.group.bytes > 0) groups.push_back(std::move(local));
+
+  // Start with the next PE so that senders do not all reach one receiver first.
+  std::sort(groups.begin(), groups.end(), [&](const GroupPlan& a, const GroupPlan& b) {
+    auto order = [&](int peer) { return peer < 0 ? n_pes_ : (peer - me_ + n_pes_) % n_pes_; };
+    return order(a.group.peer) < order(b.group.peer);
+  });
+  for (GroupPlan& g : groups) {
+    g.copy_engine =
+        engine_ == "ce" || (engine_ == "auto" && g.group.bytes >= copy_engine_min_bytes_);
+    if (g.group.peer >= 0) {
+      g.group.remote_done = SignalLayout::done(peer_signals_[g.group.peer], n_pes_, me_);
+      g.group.local_ready = SignalLayout::ready(signals_, n_pes_, g.group.peer);
+    }
+  }
+
+  std::vector<int> sources;
+  std::vector<std::uint64_t*> source_ready;
+  for (const PlannedBatch& batch : plan.receives) {
+    if (std::find(sources.begin(), sources.end(), batch.peer) == sources.end())
+      sources.push_back(batch.peer);
+  }
+  std::sort(sources.begin(), sources.end());
+  for (int s : sources) source_ready.push_back(SignalLayout::ready(peer_signals_[s], n_pes_, me_));
+
+  KernelArgs base{};
+  base.sources = prepared->sources.upload(sources);
+  base.source_ready = prepared->source_ready.upload(source_ready);
+  base.source_count = static_cast<std::uint32_t>(sources.size());
+  base.signals = signals_;
+  base.n_pes = n_pes_;
+  base.status = status_device_;
+  base.timeout_ns = timeout_ns_;
+
+  std::vector<PeerGroup> sm_groups, signal_groups;
+  std::vector<CopyDescriptor> sm_descriptors;
+  for (GroupPlan& g : groups) {
+    if (g.group.peer >= 0) signal_groups.push_back(g.group);
+    if (g.copy_engine) {
+      prepared->copy_engine_groups.push_back(g);
+      continue;
+    }
+    g.group.first_descriptor = static_cast<std::uint32_t>(sm_descriptors.size());
+    g.group.descriptor_count = static_cast<std::uint32_t>(g.descriptors.size());
+    sm_descriptors.insert(sm_descriptors.end(), g.descriptors.begin(), g.descriptors.end());
+    sm_groups.push_back(g.group);
+  }
+  prepared->fused = prepared->copy_engine_groups.empty();
+
+  prepared->copy_args = base;
+  assign_ctas(sm_groups, prepared->copy_args.cta_count);
+  prepared->copy_args.descriptors = prepared->copy_descriptors.upload(sm_descriptors);
+  prepared->copy_args.groups = prepared->copy_groups.upload(sm_groups);
+  prepared->copy_args.group_count = static_cast<std::uint32_t>(sm_groups.size());
+  if (prepared->fused) prepared->copy_args.cta_count = std::max(1u, prepared->copy_args.cta_count);
+
+  prepared->signal_args = base;
+  prepared->signal_args.groups = prepared->signal_groups.upload(signal_groups);
+  prepared->signal_args.group_count = static_cast<std::uint32_t>(signal_groups.size());
+
+  if (!unstage.empty()) {
+    GroupPlan staged;
+    staged.group.peer = -1;
+    for (const CopyDescriptor& d : unstage) staged.add(d.src, d.dst, d.bytes);
+    std::vector<PeerGroup> unstage_groups{staged.group};
+    unstage_groups[0].descriptor_count = static_cast<std::uint32_t>(staged.descriptors.size());
+    prepared->unstage_args = base;
+    assign_ctas(unstage_groups, prepared->unstage_args.cta_count);
+    prepared->unstage_args.descriptors = prepared->unstage_descriptors.upload(staged.descriptors);
+    prepared->unstage_args.groups = prepared->unstage_groups.upload(unstage_groups);
+    prepared->unstage_args.group_count = 1;
+  }
+  prepared_ = std::move(prepared);
+  std::uint64_t ce_bytes = 0;
+  for (const GroupPlan& g : prepared_->copy_engine_groups) ce_bytes += g.group.bytes;
+  RESHARD_LOG(kDebug, "cuda plan: " << sm_groups.size() << " SM group(s) on "
+                                    << prepared_->copy_args.cta_count << " CTAs, "
+                                    << prepared_->copy_engine_groups.size()
+                                    << " copy-engine group(s) of " << format_bytes(ce_bytes));
+}
+
+void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
+  if (!prepared_) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
+  throw_device_failure();
+  if (const int dead = first_dead_peer(); dead >= 0) {
+    throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
+                                             std::to_string(dead) + " (pid " +
+                                             std::to_string(pids_[dead]) + ") has exited");
+  }
+  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
+  PreparedRun& p = *prepared_;
+  if (p.fused) {
+    launch_fused_copy(p.copy_args, stream);
+  } else {
+    launch_begin(p.signal_args, stream);
+    RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    const int used = std::min<int>(kCopyEngineStreams, p.copy_engine_groups.size());
+    for (int i = 0; i < used; ++i)
+      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(copy_engine_streams_[i], fork_, 0));
+    for (std::size_t g = 0; g < p.copy_engine_groups.size(); ++g) {
+      cudaStream_t side = copy_engine_streams_[g % kCopyEngineStreams];
+      for (const CopyDescriptor& d : p.copy_engine_groups[g].descriptors) {
+        RESHARD_CUDA_CHECK(cudaMemcpyAsync(d.dst, d.src, d.bytes, cudaMemcpyDeviceToDevice, side));
+      }
+    }
+    for (int i = 0; i < used; ++i) {
+      RESHARD_CUDA_CHECK(cudaEventRecord(joins_[i], copy_engine_streams_[i]));
+      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, joins_[i], 0));
+    }
+    launch_plain_copy(p.copy_args, stream);
+    launch_end(p.signal_args, stream);
+  }
+  if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
+
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) {
+    RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
+    run_pending_ = true;
+    if (stream_handle == nullptr) synchronize();
+  }
+}
+
+int CudaTransport::first_dead_peer() const {
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (pe != me_ && pids_[pe] > 0 && ::kill(pids_[pe], 0) != 0 && errno == ESRCH) return pe;
+  }
+  return -1;
+}
+
+void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
+  const auto start = Clock::now();
+  const auto limit = env::timeout() + std::chrono::seconds(10);
+  int dead = -1;
+  for (int polls = 0;; ++polls) {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaSuccess) break;
+    if (status != cudaErrorNotReady) throw_cuda_error(status, "cudaEventQuery");
+    if (polls > 1000) {
+      if (dead < 0 && (dead = first_dead_peer()) >= 0) {
+        // The kernels stop waiting for a peer that cannot answer any more.
+        reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
+      }
+      if (Clock::now() - start > limit) {
+        throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + what +
+                                             " did not finish on the GPU within " +
+                                             std::to_string(limit.count() / 1000) + " s");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
+    }
+  }
+  if (dead >= 0) {
+    throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
+                                             std::to_string(dead) + " (pid " +
+                                             std::to_string(pids_[dead]) + ") exited mid-run");
+  }
+}
+
+void CudaTransport::synchronize() {
+  if (!run_pending_) return throw_device_failure();
+  wait_for(last_run_, "run()");
+  run_pending_ = false;
+  throw_device_failure();
+}
+
+void CudaTransport::throw_device_failure() {
+  const volatile DeviceStatus* status = status_;
+  if (status == nullptr || status->code == 0) return;
+  const int peer = status->peer;
+  std::ostringstream text;
+  text << "run() on PE " << me_ << ": ";
+  if (status->code == kStatusCancelled) {
+    text << "cancelled while waiting for PE " << peer << " (a PE failed or exited)";
+    throw_error(ErrorCode::kPeerFailure, text.str());
+  }
+  const auto seconds = timeout_ns_ / 1000000000ull;
+  if (status->phase == kPhaseReady) {
+    text << "PE " << peer << " did not make its destination ready within " << seconds
+         << " s (is it calling run()? RESHARD_TIMEOUT_S sets the limit)";
+  } else {
+    text << "the data from PE " << peer << " did not arrive within " << seconds
+         << " s (is it calling run()? RESHARD_TIMEOUT_S sets the limit)";
+  }
+  throw_error(ErrorCode::kTimeout, text.str());
+}
+
+void CudaTransport::abort(const std::string& reason) noexcept {
+  aborted_ = true;
+  if (status_ != nullptr) reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
+  RESHARD_LOG(kDebug, "cuda transport aborted: " << reason);
+}
+
+void CudaTransport::finalize() noexcept {
+  if (finalized_) return;
+  finalized_ = true;
+  try {
+    if (run_pending_) wait_for(last_run_, "the last run()");
+  } catch (const Error& error) {
+    RESHARD_LOG(kWarn, "finalize: " << error.what());
+  }
+  if (!aborted_) {
+    // Peers may still write their last flags into this PE's memory until they finish too.
+    try {
+      bootstrap_.barrier();
+    } catch (const Error&) {
+    }
+  }
+  prepared_.reset();
+  imports_.close_all();
+  signal_imports_.close_all();
+  if (signals_ != nullptr) cudaFree(signals_);
+  if (status_ != nullptr) cudaFreeHost(status_);
+  signals_ = nullptr;
+  status_ = nullptr;
+  for (int i = 0; i < kCopyEngineStreams; ++i) {
+    if (copy_engine_streams_[i]) cudaStreamDestroy(copy_engine_streams_[i]);
+    if (joins_[i]) cudaEventDestroy(joins_[i]);
+  }
+  if (fork_) cudaEventDestroy(fork_);
+  if (last_run_) cudaEventDestroy(last_run_);
+  if (stream_) cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+  cudaGetLastError();
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap) {
+  return std::make_unique<CudaTransport>(bootstrap);
+}
+
+}  // namespace reshard

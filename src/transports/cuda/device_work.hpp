@@ -1,0 +1,86 @@
+// Plain structs shared by the CUDA transport (host code) and its kernels: what one run() copies,
+// where, and the flags that order it with the peers. Built once at schedule(), read by every run.
+#pragma once
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define RESHARD_HOST_DEVICE __host__ __device__
+#else
+#define RESHARD_HOST_DEVICE
+#endif
+
+namespace reshard::cuda {
+
+// One contiguous copy. `offset` is where it starts in its group's byte stream.
+struct CopyDescriptor {
+  const unsigned char* src;
+  unsigned char* dst;
+  std::uint64_t bytes;
+  std::uint64_t offset;
+};
+
+// Everything this PE copies to one destination (a peer, or itself for local copies), and the CTAs
+// of the SM engine that copy it.
+struct PeerGroup {
+  std::uint32_t first_descriptor;
+  std::uint32_t descriptor_count;
+  std::uint64_t bytes;
+  std::uint32_t first_cta;
+  std::uint32_t cta_count;
+  std::int32_t peer;                 // -1: local copies, no signalling
+  std::uint64_t* remote_done;        // the peer's done[me], mapped here
+  const std::uint64_t* local_ready;  // my ready[peer], raised by the peer when it may be written
+};
+
+// Per-PE flags in device memory, mapped by every peer. Values are run epochs and only grow.
+// ready[p]: PE p has reached run e, so this PE may write into p's destinations.
+// done[p]:  PE p finished writing this PE's destinations for run e.
+struct SignalLayout {
+  RESHARD_HOST_DEVICE static std::uint64_t* ready(std::uint64_t* base, int /*n*/, int pe) {
+    return base + pe;
+  }
+  RESHARD_HOST_DEVICE static std::uint64_t* done(std::uint64_t* base, int n, int pe) {
+    return base + n + pe;
+  }
+  RESHARD_HOST_DEVICE static std::uint64_t* run_count(std::uint64_t* base, int n) {
+    return base + 2 * n;
+  }
+  RESHARD_HOST_DEVICE static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
+    return reinterpret_cast<unsigned int*>(base + 2 * n + 1);
+  }
+  // One arrival counter per group (at most n + 1 groups).
+  RESHARD_HOST_DEVICE static unsigned int* group_arrivals(std::uint64_t* base, int n) {
+    return reinterpret_cast<unsigned int*>(base + 2 * n + 2);
+  }
+  static std::uint64_t bytes(int n) { return (2 * n + 2) * 8 + (n + 1) * 4; }
+};
+
+// Written by a kernel whose wait ran out (pinned host memory, read by the host after the run).
+struct DeviceStatus {
+  unsigned int code;    // 0 ok, kStatus*
+  int peer;             // whom it waited for
+  unsigned int phase;   // kPhase*
+  unsigned int cancel;  // set by the host: stop waiting (a peer process died, or abort())
+};
+constexpr unsigned int kStatusTimeout = 1;
+constexpr unsigned int kStatusCancelled = 2;
+constexpr unsigned int kPhaseReady = 1;  // waiting for a peer to be ready to receive
+constexpr unsigned int kPhaseDone = 2;   // waiting for a peer's data to land
+
+struct KernelArgs {
+  const CopyDescriptor* descriptors;
+  const PeerGroup* groups;
+  std::uint32_t group_count;
+  std::uint32_t cta_count;
+  // Receive side: the PEs that write into this PE, and their ready[me] flags mapped here.
+  const int* sources;
+  std::uint64_t* const* source_ready;
+  std::uint32_t source_count;
+  std::uint64_t* signals;  // this PE's SignalLayout
+  int n_pes;
+  DeviceStatus* status;  // device pointer of the pinned status
+  std::uint64_t timeout_ns;
+};
+
+}  // namespace reshard::cuda

@@ -1,0 +1,102 @@
+#include "transports/cuda/ipc_memory.hpp"
+
+#include <cuda.h>
+
+#include <cstring>
+#include <string>
+
+#include "reshard/log.hpp"
+#include "transports/cuda/cuda_check.hpp"
+
+namespace reshard::cuda {
+namespace {
+
+using GetAddressRange = CUresult (*)(CUdeviceptr*, std::size_t*, CUdeviceptr);
+
+// The driver entry point through the runtime, so reshard needs no link against libcuda.
+GetAddressRange get_address_range() {
+  static const GetAddressRange function = [] {
+    void* pointer = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    RESHARD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &pointer, 12000,
+                                                        cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || pointer == nullptr) {
+      throw_error(ErrorCode::kSystem, "the CUDA driver lacks cuMemGetAddressRange");
+    }
+    return reinterpret_cast<GetAddressRange>(pointer);
+  }();
+  return function;
+}
+
+}  // namespace
+
+std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) {
+  CUdeviceptr base = 0;
+  std::size_t size = 0;
+  const CUresult status = get_address_range()(&base, &size, reinterpret_cast<CUdeviceptr>(pointer));
+  if (status != CUDA_SUCCESS) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "cuMemGetAddressRange does not know the device pointer " +
+                    std::to_string(reinterpret_cast<std::uintptr_t>(pointer)) + " (error " +
+                    std::to_string(static_cast<int>(status)) + ")");
+  }
+  auto [entry, inserted] = by_base_.try_emplace(static_cast<std::uintptr_t>(base));
+  if (inserted) {
+    cudaIpcMemHandle_t handle;
+    if (cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)) == cudaSuccess) {
+      HandleBytes bytes;
+      std::memcpy(bytes.data(), &handle, sizeof handle);
+      entry->second = static_cast<std::uint32_t>(handles_.size());
+      handles_.push_back(bytes);
+    } else {
+      cudaGetLastError();  // not exportable: the caller stages through a bounce buffer
+    }
+  }
+  if (!entry->second) return std::nullopt;
+  return ExportedAddress{*entry->second, reinterpret_cast<std::uintptr_t>(pointer) -
+                                             static_cast<std::uintptr_t>(base)};
+}
+
+unsigned char* IpcImports::map(int peer, const HandleBytes& handle) {
+  Mapping& mapping = mappings_[{peer, handle}];
+  if (mapping.base == nullptr) {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof h);
+    const cudaError_t status =
+        cudaIpcOpenMemHandle(&mapping.base, h, cudaIpcMemLazyEnablePeerAccess);
+    if (status != cudaSuccess) {
+      mappings_.erase({peer, handle});
+      throw_error(
+          ErrorCode::kSystem,
+          "cannot map PE " + std::to_string(peer) +
+              "'s memory through CUDA IPC (cudaIpcOpenMemHandle: " + cudaGetErrorString(status) +
+              "); the cuda transport needs peer access between the PEs' GPUs");
+    }
+  }
+  mapping.used = true;
+  return static_cast<unsigned char*>(mapping.base);
+}
+
+void IpcImports::mark_all_unused() {
+  for (auto& [key, mapping] : mappings_) mapping.used = false;
+}
+
+void IpcImports::close_unmarked() {
+  for (auto it = mappings_.begin(); it != mappings_.end();) {
+    if (it->second.used) {
+      ++it;
+      continue;
+    }
+    if (cudaIpcCloseMemHandle(it->second.base) != cudaSuccess) cudaGetLastError();
+    it = mappings_.erase(it);
+  }
+}
+
+void IpcImports::close_all() noexcept {
+  for (auto& [key, mapping] : mappings_) {
+    if (cudaIpcCloseMemHandle(mapping.base) != cudaSuccess) cudaGetLastError();
+  }
+  mappings_.clear();
+}
+
+}  // namespace reshard::cuda

@@ -1,0 +1,54 @@
+// CUDA IPC for the CUDA transport: exporting the allocations that hold this PE's destination ranges
+// and mapping the ones peers export. Sub-allocations (a caching allocator's blocks) are exported
+// as (allocation handle, offset), so one handle serves every tensor in a block.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+namespace reshard::cuda {
+
+using HandleBytes = std::array<char, sizeof(cudaIpcMemHandle_t)>;
+
+struct ExportedAddress {
+  std::uint32_t handle = 0;  // index into IpcExporter::handles()
+  std::uint64_t offset = 0;  // from the allocation's base
+};
+
+class IpcExporter {
+ public:
+  // The allocation holding `pointer` as a handle and offset, or nothing when the allocation
+  // cannot be exported with cudaIpcGetMemHandle (stream-ordered pools, virtual-memory API).
+  std::optional<ExportedAddress> export_pointer(const void* pointer);
+  const std::vector<HandleBytes>& handles() const { return handles_; }
+
+ private:
+  std::vector<HandleBytes> handles_;
+  std::map<std::uintptr_t, std::optional<std::uint32_t>> by_base_;
+};
+
+// Mappings of peers' allocations, kept while a schedule uses them.
+class IpcImports {
+ public:
+  ~IpcImports() { close_all(); }
+  // Base address of the peer's allocation in this process; opens it on first use.
+  unsigned char* map(int peer, const HandleBytes& handle);
+  // Starts a new schedule: mappings not mapped again before close_unmarked() are closed.
+  void mark_all_unused();
+  void close_unmarked();
+  void close_all() noexcept;
+
+ private:
+  struct Mapping {
+    void* base = nullptr;
+    bool used = false;
+  };
+  std::map<std::pair<int, HandleBytes>, Mapping> mappings_;
+};
+
+}  // namespace reshard::cuda

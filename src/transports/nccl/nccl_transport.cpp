@@ -1,0 +1,214 @@
+// NCCL transport: grouped ncclSend/ncclRecv per round of the schedule. It reaches any GPU NCCL
+// reaches (NVLink, PCIe, sockets, InfiniBand), so it is the path across nodes and the baseline the
+// benchmark compares the CUDA transport against.
+#include <nccl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/env.hpp"
+#include "core/transport.hpp"
+#include "core/wire.hpp"
+#include "reshard/error.hpp"
+#include "reshard/log.hpp"
+#include "transports/cuda/cuda_check.hpp"
+#include "transports/cuda/cuda_device.hpp"
+
+namespace reshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::uint64_t kUnbounded = 1ull << 50;
+
+#define RESHARD_NCCL_CHECK(call)                                                                   \
+  do {                                                                                             \
+    const ncclResult_t reshard_nccl_status_ = (call);                                              \
+    if (reshard_nccl_status_ != ncclSuccess && reshard_nccl_status_ != ncclInProgress)             \
+      throw_error(ErrorCode::kSystem, std::string(#call) +                                         \
+                                          " failed: " + ncclGetErrorString(reshard_nccl_status_) + \
+                                          " (" + ncclGetLastError(nullptr) + ")");                 \
+  } while (0)
+
+class NcclTransport final : public Transport {
+ public:
+  explicit NcclTransport(Bootstrap& bootstrap);
+  ~NcclTransport() override { finalize(); }
+
+  const char* name() const override { return "nccl"; }
+  // NCCL pipelines large messages itself and runs every peer of a group at once.
+  TransportCaps caps() const override { return {kUnbounded, n_pes_, kUnbounded}; }
+  int device() const override { return device_; }
+  void check_buffer(const Buffer& buffer) const override {
+    cuda::check_device_buffer(buffer, device_, "nccl");
+  }
+  void prepare(const ExecutionPlan&) override {
+    if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
+  }
+  void run(const ExecutionPlan& plan, void* stream) override;
+  void synchronize() override;
+  void abort(const std::string& reason) noexcept override;
+  void finalize() noexcept override;
+
+ private:
+  int first_dead_local_peer() const;
+
+  Bootstrap& bootstrap_;
+  int me_ = 0;
+  int n_pes_ = 0;
+  int device_ = -1;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t last_run_ = nullptr;
+  bool run_pending_ = false;
+  std::vector<pid_t> local_pids_;  // 0 for PEs on other hosts
+  bool aborted_ = false;
+  bool finalized_ = false;
+};
+
+NcclTransport::NcclTransport(Bootstrap& bootstrap)
+    : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
+  device_ = cuda::select_device(bootstrap);
+  RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
+
+  ncclUniqueId id{};
+  if (me_ == 0) RESHARD_NCCL_CHECK(ncclGetUniqueId(&id));
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  wire::Writer mine;
+  mine.put(id);
+  mine.put<std::int32_t>(::getpid());
+  mine.put_string(host);
+  const auto all = bootstrap_.all_gather(mine.bytes());
+  local_pids_.assign(n_pes_, 0);
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    wire::Reader reader(all[pe]);
+    const auto peer_id = reader.get<ncclUniqueId>();
+    if (pe == 0) id = peer_id;
+    const auto pid = reader.get<std::int32_t>();
+    if (reader.get_string() == host && pe != me_) local_pids_[pe] = pid;
+  }
+  // Every PE reached this point alive, so the blocking init below meets all of them.
+  RESHARD_NCCL_CHECK(ncclCommInitRank(&comm_, n_pes_, id, me_));
+  int version = 0;
+  ncclGetVersion(&version);
+  RESHARD_LOG(kDebug, "nccl transport on device " << device_ << ", NCCL " << version);
+}
+
+void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
+  if (finalized_ || comm_ == nullptr)
+    throw_error(ErrorCode::kInvalidState, "run() after finalize()");
+  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
+  for (const LocalCopy& copy : plan.local_copies) {
+    RESHARD_CUDA_CHECK(
+        cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  std::size_t next_send = 0, next_receive = 0;
+  for (std::uint32_t round = 0; round < plan.rounds; ++round) {
+    RESHARD_NCCL_CHECK(ncclGroupStart());
+    for (; next_send < plan.sends.size() && plan.sends[next_send].round == round; ++next_send) {
+      const PlannedBatch& batch = plan.sends[next_send];
+      for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+        const CopySpan& span = plan.spans[batch.first_span + s];
+        RESHARD_NCCL_CHECK(ncclSend(span.data, span.bytes, ncclUint8, batch.peer, comm_, stream));
+      }
+    }
+    for (; next_receive < plan.receives.size() && plan.receives[next_receive].round == round;
+         ++next_receive) {
+      const PlannedBatch& batch = plan.receives[next_receive];
+      for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+        const CopySpan& span = plan.spans[batch.first_span + s];
+        RESHARD_NCCL_CHECK(ncclRecv(span.data, span.bytes, ncclUint8, batch.peer, comm_, stream));
+      }
+    }
+    RESHARD_NCCL_CHECK(ncclGroupEnd());
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) {
+    RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
+    run_pending_ = true;
+    if (stream_handle == nullptr) synchronize();
+  }
+}
+
+int NcclTransport::first_dead_local_peer() const {
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (local_pids_[pe] > 0 && ::kill(local_pids_[pe], 0) != 0 && errno == ESRCH) return pe;
+  }
+  return -1;
+}
+
+void NcclTransport::synchronize() {
+  if (!run_pending_) return;
+  const auto start = Clock::now();
+  const auto limit = env::timeout();
+  for (int polls = 0;; ++polls) {
+    const cudaError_t status = cudaEventQuery(last_run_);
+    if (status == cudaSuccess) break;
+    if (status != cudaErrorNotReady) cuda::throw_cuda_error(status, "cudaEventQuery");
+    if (polls < 1000) continue;
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &async);
+    const int dead = first_dead_local_peer();
+    std::string problem;
+    if (async != ncclSuccess && async != ncclInProgress) {
+      problem = std::string("NCCL reported ") + ncclGetErrorString(async);
+    } else if (dead >= 0) {
+      problem = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
+                ") exited mid-run";
+    } else if (Clock::now() - start > limit) {
+      problem = "the NCCL transfers did not finish within " + std::to_string(limit.count() / 1000) +
+                " s (is every PE calling run()? RESHARD_TIMEOUT_S sets the limit)";
+    }
+    if (!problem.empty()) {
+      // Aborting the communicator is the only way to stop NCCL kernels waiting on a lost peer.
+      abort(problem);
+      throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
+                  "run() on PE " + std::to_string(me_) + ": " + problem);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
+  }
+  run_pending_ = false;
+}
+
+void NcclTransport::abort(const std::string& reason) noexcept {
+  if (aborted_) return;
+  aborted_ = true;
+  RESHARD_LOG(kDebug, "nccl transport aborted: " << reason);
+  if (comm_ != nullptr) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+}
+
+void NcclTransport::finalize() noexcept {
+  if (finalized_) return;
+  finalized_ = true;
+  try {
+    synchronize();
+  } catch (const Error& error) {
+    RESHARD_LOG(kWarn, "finalize: " << error.what());
+  }
+  if (comm_ != nullptr) {
+    ncclCommDestroy(comm_);
+    comm_ = nullptr;
+  }
+  if (last_run_) cudaEventDestroy(last_run_);
+  if (stream_) cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+  last_run_ = nullptr;
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap) {
+  return std::make_unique<NcclTransport>(bootstrap);
+}
+
+}  // namespace reshard
