@@ -21,6 +21,8 @@ ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 \
 grep -E "Test +#|tests passed|Failure|FAILED|what\(\)" "$OUT/gpu-tests.log" | tail -40
 if [[ "${1:-}" == "--bench" ]]; then
   shift
-  build-gpu/reshard bench --transport cuda "$@" | tee "$OUT/bench.txt" || status=1
+  commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  build-gpu/reshard bench-gpu --np "$(nvidia-smi -L | wc -l)" --json "$OUT/bench-gpu.jsonl" \
+    --commit "$commit" "$@" 2>&1 | tee "$OUT/bench-gpu.txt" || status=1
 fi
 exit $status

@@ -59,6 +59,25 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 255));
   sched_cmd->add_option("--repeats", sched.repeats, "timed repetitions")->check(CLI::Range(1, 100));
 
+  reshard::bench::GpuBenchOptions gpu;
+  std::vector<std::string> gpu_sizes = {"4KiB", "16KiB", "64KiB", "256KiB", "1MiB",
+                                        "4MiB", "16MiB", "64MiB", "256MiB"};
+  auto* gpu_cmd = app.add_subcommand(
+      "bench-gpu",
+      "All-to-all size sweep on the GPU transports, NCCL and the copy-engine ceiling side by side");
+  gpu_cmd->add_option("-s,--sizes", gpu_sizes, "per-peer sizes")->delimiter(',');
+  gpu_cmd->add_option("-e,--engines", gpu.engines, "sm, ce, auto (CUDA transport) and nccl")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"sm", "ce", "auto", "nccl"}));
+  gpu_cmd->add_option("-n,--np", nprocs, "processes (one per GPU) when not under a launcher");
+  gpu_cmd->add_option("--repeats", gpu.repeats, "timed repeats (median reported)")
+      ->check(CLI::Range(1, 1000));
+  gpu_cmd->add_option("--warmup", gpu.warmup, "untimed runs first")->check(CLI::Range(0, 1000));
+  gpu_cmd->add_option("--max-iters", gpu.max_iterations, "most runs per timed repeat")
+      ->check(CLI::Range(1, 100000));
+  gpu_cmd->add_option("--json", gpu.json_path, "append results as JSON lines to this file");
+  gpu_cmd->add_option("--commit", gpu.commit, "source revision recorded in the JSON lines");
+
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -69,6 +88,7 @@ int main(int argc, char** argv) {
     }
     bench.size = reshard::parse_bytes(size_text);
     bench.transport = reshard::parse_transport_kind(transport);
+    for (const std::string& text : gpu_sizes) gpu.sizes.push_back(reshard::parse_bytes(text));
     const bool under_launcher = std::getenv("RANK") != nullptr ||
                                 std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
                                 std::getenv("PMI_SIZE") != nullptr;
@@ -83,7 +103,17 @@ int main(int argc, char** argv) {
       return result.exit_code;
     }
     std::shared_ptr<reshard::Bootstrap> bootstrap = reshard::make_default_bootstrap();
-    const std::uint64_t wrong = reshard::bench::run_copy_bench(bootstrap, bench);
+    std::uint64_t wrong = 0;
+    if (*gpu_cmd) {
+#ifdef RESHARD_WITH_CUDA
+      wrong = reshard::bench::run_gpu_bench(bootstrap, gpu);
+#else
+      std::fprintf(stderr, "reshard bench-gpu: this build has no CUDA transport\n");
+      return 1;
+#endif
+    } else {
+      wrong = reshard::bench::run_copy_bench(bootstrap, bench);
+    }
     if (wrong != 0) {
       std::fprintf(stderr, "reshard bench: %llu bytes were wrong\n",
                    static_cast<unsigned long long>(wrong));

@@ -40,9 +40,11 @@ bool all_pes(bool ok) {
 }
 
 struct DeviceBytes {
-  explicit DeviceBytes(std::size_t n, bool stream_ordered_pool = false) : size(n), pooled(stream_ordered_pool) {
+  explicit DeviceBytes(std::size_t n, bool stream_ordered_pool = false)
+      : size(n), pooled(stream_ordered_pool) {
     const std::size_t bytes = std::max<std::size_t>(n, 1);
-    const cudaError_t status = pooled ? cudaMallocAsync(&data, bytes, nullptr) : cudaMalloc(&data, bytes);
+    const cudaError_t status =
+        pooled ? cudaMallocAsync(&data, bytes, nullptr) : cudaMalloc(&data, bytes);
     if (status != cudaSuccess) throw std::runtime_error("device allocation failed");
     if (pooled) cudaStreamSynchronize(nullptr);
   }
@@ -71,8 +73,8 @@ struct GpuWorkload {
         host_recv(recv.size) {
     for (const bench::WorkItem& item : workload.items) {
       if (item.src == me)
-        service.register_send(item.task, send.buffer(service.device()), item.src_offset,
-                              item.bytes, item.dst);
+        service.register_send(item.task, send.buffer(service.device()), item.src_offset, item.bytes,
+                              item.dst);
       if (item.dst == me)
         service.register_receive(item.task, recv.buffer(service.device()), item.dst_offset,
                                  item.bytes, item.src);
@@ -118,14 +120,15 @@ TEST_P(Workloads, EveryByteArrivesOnEveryRun) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Gpu, Workloads,
-    testing::Combine(testing::Values("uniform", "random", "small", "refit"),
-                     testing::Values(std::uint64_t{4096}, std::uint64_t{(1 << 20) + 13},
-                                     std::uint64_t{(8 << 20) + 5})),
-    [](const auto& info) {
-      return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Gpu, Workloads,
+                         testing::Combine(testing::Values("uniform", "random", "small", "refit"),
+                                          testing::Values(std::uint64_t{4096},
+                                                          std::uint64_t{(1 << 20) + 13},
+                                                          std::uint64_t{(8 << 20) + 5})),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // Work queued before run() on the caller's stream (filling sources, poisoning destinations) must
 // finish before any byte moves, and work queued after must see the result — with no host sync.
@@ -209,8 +212,8 @@ TEST(Destinations, SubAllocationsOfOneAllocationArrive) {
   service->run();
   CUDA_OK(cudaMemcpy(host.data(), arena.data, host.size(), cudaMemcpyDeviceToHost));
   for (int peer = 0; peer < n; ++peer) {
-    EXPECT_EQ(bench::count_pattern_mismatches(std::span(host).subspan((n + peer) * piece + 7, piece),
-                                              peer * n + me, 0, 5),
+    EXPECT_EQ(bench::count_pattern_mismatches(
+                  std::span(host).subspan((n + peer) * piece + 7, piece), peer * n + me, 0, 5),
               0u)
         << "from PE " << peer;
   }

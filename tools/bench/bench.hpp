@@ -23,6 +23,20 @@ struct CopyBenchOptions {
 // Runs on every PE; rank 0 prints the table. Returns the number of wrong bytes found anywhere.
 std::uint64_t run_copy_bench(std::shared_ptr<Bootstrap> bootstrap, const CopyBenchOptions& options);
 
+struct GpuBenchOptions {
+  std::vector<std::uint64_t> sizes;  // per-peer bytes
+  std::vector<std::string> engines = {"sm", "ce", "auto", "nccl"};
+  int warmup = 5;
+  int repeats = 5;
+  int max_iterations = 200;
+  std::string json_path;
+  std::string commit;
+};
+
+// Builds with CUDA only. Runs on every PE (one GPU each); rank 0 prints the table. Returns the
+// number of wrong bytes found anywhere.
+std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBenchOptions& options);
+
 struct SchedulerBenchOptions {
   std::uint64_t requests = 1'000'000;
   int pes = 1024;

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -64,6 +65,11 @@ struct WireSpan {
   std::uint32_t reserved;
   std::uint64_t offset;
   std::uint64_t bytes;
+};
+
+struct PeerHandle {
+  std::int32_t owner;
+  std::uint32_t handle;
 };
 
 struct WireBatch {
@@ -129,8 +135,13 @@ class CudaTransport final : public Transport {
   void finalize() noexcept override;
 
  private:
-  std::vector<GroupPlan> exchange_destinations(const ExecutionPlan& plan, PreparedRun& prepared,
-                                               std::vector<CopyDescriptor>& unstage);
+  // Collective. Empty optional: some PE could not map an allocation; `refused` then lists, on
+  // each PE, its allocations to stage through the bounce buffer on the next attempt.
+  std::optional<std::vector<GroupPlan>> exchange_destinations(const ExecutionPlan& plan,
+                                                              PreparedRun& prepared,
+                                                              std::vector<CopyDescriptor>& unstage,
+                                                              std::vector<std::uintptr_t>& refused,
+                                                              bool last_attempt);
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
   void wait_for(cudaEvent_t event, const char* what);
   void throw_device_failure();
@@ -182,7 +193,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   *status_ = DeviceStatus{};
   RESHARD_CUDA_CHECK(cudaHostGetDevicePointer(&status_device_, status_, 0));
 
-  const std::uint64_t signal_bytes = SignalLayout::bytes(n_pes_);
+  // A whole 2 MiB page: small allocations sharing a page cannot both be mapped through IPC.
+  const std::uint64_t signal_bytes = std::max<std::uint64_t>(SignalLayout::bytes(n_pes_), 2 << 20);
   RESHARD_CUDA_CHECK(cudaMalloc(&signals_, signal_bytes));
   RESHARD_CUDA_CHECK(cudaMemset(signals_, 0, signal_bytes));
   RESHARD_CUDA_CHECK(cudaDeviceSynchronize());
@@ -218,10 +230,11 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
                                                   << " SMs), engine " << engine_);
 }
 
-std::vector<GroupPlan> CudaTransport::exchange_destinations(const ExecutionPlan& plan,
-                                                            PreparedRun& prepared,
-                                                            std::vector<CopyDescriptor>& unstage) {
+std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
+    const ExecutionPlan& plan, PreparedRun& prepared, std::vector<CopyDescriptor>& unstage,
+    std::vector<std::uintptr_t>& refused, bool last_attempt) {
   IpcExporter exporter;
+  for (std::uintptr_t base : refused) exporter.refuse(base);
   std::vector<WireBatch> batches;
   std::vector<WireSpan> spans;
   struct Staged {
@@ -245,7 +258,8 @@ std::vector<GroupPlan> CudaTransport::exchange_destinations(const ExecutionPlan&
     }
   }
   if (!staged.empty()) {
-    RESHARD_CUDA_CHECK(cudaMalloc(&prepared.bounce, prepared.bounce_bytes));
+    RESHARD_CUDA_CHECK(
+        cudaMalloc(&prepared.bounce, std::max<std::uint64_t>(prepared.bounce_bytes, 2 << 20)));
     const auto bounce = exporter.export_pointer(prepared.bounce);
     if (!bounce)
       throw_error(ErrorCode::kSystem, "cannot export the CUDA transport's bounce buffer");
@@ -277,6 +291,7 @@ std::vector<GroupPlan> CudaTransport::exchange_destinations(const ExecutionPlan&
   // Mappings the new schedule does not use again are closed once it is built.
   imports_.mark_all_unused();
   std::vector<GroupPlan> groups;
+  std::vector<PeerHandle> unmappable;  // (owner PE, handle index)
   for (int pe = 0; pe < n_pes_; ++pe) {
     if (pe == me_ || sends_to[pe].empty()) continue;
     wire::Reader reader(all[pe]);
@@ -307,7 +322,11 @@ std::vector<GroupPlan> CudaTransport::exchange_destinations(const ExecutionPlan&
           throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
                                               std::to_string(pe) + " disagree on a span");
         }
-        unsigned char* base = imports_.map(pe, handles[target.handle]);
+        unsigned char* base = imports_.map(pe, handles[target.handle], !last_attempt);
+        if (base == nullptr) {
+          unmappable.push_back({pe, target.handle});
+          continue;
+        }
         group.add(reinterpret_cast<const unsigned char*>(source.data), base + target.offset,
                   source.bytes);
       }
@@ -315,6 +334,18 @@ std::vector<GroupPlan> CudaTransport::exchange_destinations(const ExecutionPlan&
     groups.push_back(std::move(group));
   }
   imports_.close_unmarked();
+  // Every PE learns which of its allocations a peer could not map, and all retry together.
+  wire::Writer failures;
+  failures.put_array(std::span<const PeerHandle>(unmappable));
+  bool any = false;
+  for (const auto& part : bootstrap_.all_gather(failures.bytes())) {
+    wire::Reader reader(part);
+    for (const PeerHandle& failed : reader.get_array<PeerHandle>()) {
+      any = true;
+      if (failed.owner == me_) refused.push_back(exporter.base_of(failed.handle));
+    }
+  }
+  if (any) return std::nullopt;
   return groups;
 }
 
@@ -345,7 +376,16 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   auto prepared = std::make_unique<PreparedRun>();
   std::vector<CopyDescriptor> unstage;
 
-  std::vector<GroupPlan> groups = exchange_destinations(plan, *prepared, unstage);
+  std::vector<std::uintptr_t> refused;
+  auto exchanged = exchange_destinations(plan, *prepared, unstage, refused, false);
+  if (!exchanged) {
+    // Small allocations can share a driver page that a peer already maps under another handle;
+    // those are staged instead.
+    prepared = std::make_unique<PreparedRun>();
+    unstage.clear();
+    exchanged = exchange_destinations(plan, *prepared, unstage, refused, true);
+  }
+  std::vector<GroupPlan> groups = std::move(*exchanged);
   GroupPlan local;
   local.group.peer = -1;
   for (const LocalCopy& copy : plan.local_copies) {

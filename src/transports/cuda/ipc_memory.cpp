@@ -48,6 +48,7 @@ std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) 
       std::memcpy(bytes.data(), &handle, sizeof handle);
       entry->second = static_cast<std::uint32_t>(handles_.size());
       handles_.push_back(bytes);
+      bases_.push_back(static_cast<std::uintptr_t>(base));
     } else {
       cudaGetLastError();  // not exportable: the caller stages through a bounce buffer
     }
@@ -57,7 +58,7 @@ std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) 
                                              static_cast<std::uintptr_t>(base)};
 }
 
-unsigned char* IpcImports::map(int peer, const HandleBytes& handle) {
+unsigned char* IpcImports::map(int peer, const HandleBytes& handle, bool may_fail) {
   Mapping& mapping = mappings_[{peer, handle}];
   if (mapping.base == nullptr) {
     cudaIpcMemHandle_t h;
@@ -66,6 +67,8 @@ unsigned char* IpcImports::map(int peer, const HandleBytes& handle) {
         cudaIpcOpenMemHandle(&mapping.base, h, cudaIpcMemLazyEnablePeerAccess);
     if (status != cudaSuccess) {
       mappings_.erase({peer, handle});
+      cudaGetLastError();
+      if (may_fail) return nullptr;
       throw_error(
           ErrorCode::kSystem,
           "cannot map PE " + std::to_string(peer) +

@@ -25,10 +25,14 @@ class IpcExporter {
   // The allocation holding `pointer` as a handle and offset, or nothing when the allocation
   // cannot be exported with cudaIpcGetMemHandle (stream-ordered pools, virtual-memory API).
   std::optional<ExportedAddress> export_pointer(const void* pointer);
+  // Allocations to stage instead of exporting (by base address).
+  void refuse(std::uintptr_t base) { by_base_.emplace(base, std::nullopt); }
   const std::vector<HandleBytes>& handles() const { return handles_; }
+  std::uintptr_t base_of(std::uint32_t handle) const { return bases_.at(handle); }
 
  private:
   std::vector<HandleBytes> handles_;
+  std::vector<std::uintptr_t> bases_;
   std::map<std::uintptr_t, std::optional<std::uint32_t>> by_base_;
 };
 
@@ -36,8 +40,10 @@ class IpcExporter {
 class IpcImports {
  public:
   ~IpcImports() { close_all(); }
-  // Base address of the peer's allocation in this process; opens it on first use.
-  unsigned char* map(int peer, const HandleBytes& handle);
+  // Base address of the peer's allocation in this process; opens it on first use. Throws, or
+  // with `may_fail` returns nullptr, when CUDA cannot map it (small allocations that share a
+  // driver page with one already mapped are refused as "already mapped").
+  unsigned char* map(int peer, const HandleBytes& handle, bool may_fail = false);
   // Starts a new schedule: mappings not mapped again before close_unmarked() are closed.
   void mark_all_unused();
   void close_unmarked();

@@ -1,0 +1,252 @@
+// `reshard bench-gpu`: the all-to-all per-peer size sweep on the GPU transports, with NCCL (through
+// reshard's NCCL transport) and the copy-engine ceiling for one peer measured in the same run.
+// Times are CUDA-event times of many back-to-back run(stream) calls, the slowest PE's, as medians
+// over repeats; every destination byte is verified after the timed runs.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <memory>
+
+#include "bench/bench.hpp"
+#include "bench/workloads.hpp"
+#include "reshard/error.hpp"
+
+namespace reshard::bench {
+namespace {
+
+#define BENCH_CUDA(call)                                                                        \
+  do {                                                                                          \
+    const cudaError_t status_ = (call);                                                         \
+    if (status_ != cudaSuccess)                                                                 \
+      throw_error(ErrorCode::kSystem, std::string(#call) + ": " + cudaGetErrorString(status_)); \
+  } while (0)
+
+template <typename T>
+std::vector<T> gather(Bootstrap& bootstrap, T value) {
+  std::vector<T> values;
+  for (const auto& part : bootstrap.all_gather(std::as_bytes(std::span(&value, 1)))) {
+    T v;
+    std::memcpy(&v, part.data(), sizeof v);
+    values.push_back(v);
+  }
+  return values;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Timing {
+  double seconds = 0;       // median over repeats of the slowest PE's time per run
+  double spread = 0;        // (max - min) / median over repeats
+  double host_us = 0;       // host time to enqueue one run()
+  std::uint64_t wrong = 0;  // wrong destination bytes, all PEs
+};
+
+struct DeviceMemory {
+  explicit DeviceMemory(std::size_t bytes) {
+    BENCH_CUDA(cudaMalloc(&data, std::max<std::size_t>(bytes, 1)));
+  }
+  ~DeviceMemory() { cudaFree(data); }
+  void* data = nullptr;
+};
+
+// Times `body` (which enqueues `count` runs on `stream`) as the slowest PE's event time per run.
+template <typename Body>
+std::vector<double> time_repeats(Bootstrap& bootstrap, cudaStream_t stream, int repeats, int count,
+                                 double* host_us, Body&& body) {
+  cudaEvent_t start, stop;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  std::vector<double> per_repeat;
+  double host_total = 0;
+  for (int r = 0; r < repeats; ++r) {
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    bootstrap.barrier();
+    BENCH_CUDA(cudaEventRecord(start, stream));
+    const auto host_start = std::chrono::steady_clock::now();
+    body(count);
+    host_total +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count();
+    BENCH_CUDA(cudaEventRecord(stop, stream));
+    BENCH_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    const auto all = gather(bootstrap, static_cast<double>(ms) / 1000.0 / count);
+    per_repeat.push_back(*std::max_element(all.begin(), all.end()));
+  }
+  if (host_us) *host_us = host_total / (repeats * count) * 1e6;
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return per_repeat;
+}
+
+Timing summarize(std::vector<double> per_repeat) {
+  Timing t;
+  t.seconds = median(per_repeat);
+  const auto [lo, hi] = std::minmax_element(per_repeat.begin(), per_repeat.end());
+  t.spread = t.seconds > 0 ? (*hi - *lo) / t.seconds : 0;
+  return t;
+}
+
+// All-to-all: every PE sends `size` bytes to every other PE. Source range for peer j at j*size,
+// destination range from peer i at i*size.
+Timing time_all_to_all(std::shared_ptr<Bootstrap> bootstrap, CopyService& service,
+                       std::uint64_t size, const GpuBenchOptions& options, cudaStream_t stream,
+                       int iterations) {
+  service.clear_requests();
+  const int n = service.n_pes(), me = service.my_pe(), device = service.device();
+  DeviceMemory send(size * n), recv(size * n);
+  std::vector<std::byte> host(size * n);
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == me) continue;
+    const TaskId out = static_cast<TaskId>(me) * n + peer, in = static_cast<TaskId>(peer) * n + me;
+    fill_pattern(std::span(host).subspan(peer * size, size), out, 0, 1);
+    service.register_send(out, Buffer::cuda(send.data, size * n, device), peer * size, size, peer);
+    service.register_receive(in, Buffer::cuda(recv.data, size * n, device), peer * size, size,
+                             peer);
+  }
+  BENCH_CUDA(cudaMemcpy(send.data, host.data(), host.size(), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemset(recv.data, 0, size * n));
+  service.schedule();
+  for (int i = 0; i < options.warmup; ++i) service.run(stream);
+  double host_us = 0;
+  Timing t = summarize(
+      time_repeats(*bootstrap, stream, options.repeats, iterations, &host_us, [&](int count) {
+        for (int i = 0; i < count; ++i) service.run(stream);
+      }));
+  t.host_us = host_us;
+  service.synchronize();
+  BENCH_CUDA(cudaMemcpy(host.data(), recv.data, host.size(), cudaMemcpyDeviceToHost));
+  std::uint64_t wrong = 0;
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == me) continue;
+    wrong += count_pattern_mismatches(std::span(host).subspan(peer * size, size),
+                                      static_cast<TaskId>(peer) * n + me, 0, 1);
+  }
+  for (std::uint64_t w : gather(*bootstrap, wrong)) t.wrong += w;
+  service.clear_requests();
+  return t;
+}
+
+// The copy-engine ceiling: PE 0 copies `size` bytes into PE 1's memory with one cudaMemcpyAsync,
+// nobody else moving data.
+Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
+                                const GpuBenchOptions& options, cudaStream_t stream,
+                                int iterations) {
+  const int me = bootstrap.rank();
+  DeviceMemory buffer(size);
+  cudaIpcMemHandle_t handle{};
+  BENCH_CUDA(cudaIpcGetMemHandle(&handle, buffer.data));
+  const auto handles = gather(bootstrap, handle);
+  void* peer = nullptr;
+  if (me == 0) BENCH_CUDA(cudaIpcOpenMemHandle(&peer, handles[1], cudaIpcMemLazyEnablePeerAccess));
+  auto body = [&](int count) {
+    if (me != 0) return;
+    for (int i = 0; i < count; ++i)
+      BENCH_CUDA(cudaMemcpyAsync(peer, buffer.data, size, cudaMemcpyDeviceToDevice, stream));
+  };
+  body(options.warmup);
+  Timing t = summarize(time_repeats(bootstrap, stream, options.repeats, iterations, nullptr, body));
+  if (peer) cudaIpcCloseMemHandle(peer);
+  bootstrap.barrier();  // PE 1 keeps its buffer until PE 0 is done with it
+  return t;
+}
+
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%d", std::gmtime(&now));
+  return text;
+}
+
+}  // namespace
+
+std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBenchOptions& options) {
+  // One service per engine for the whole sweep; the CUDA engine is read when its transport starts.
+  std::vector<std::unique_ptr<CopyService>> services;
+  for (const std::string& engine : options.engines) {
+    const bool nccl = engine == "nccl";
+    if (!nccl) ::setenv("RESHARD_CUDA_ENGINE", engine.c_str(), 1);
+    services.push_back(std::make_unique<CopyService>(
+        bootstrap, nccl ? TransportKind::kNccl : TransportKind::kCuda));
+    services.back()->init(LogLevel::kWarn);
+  }
+  const int n = bootstrap->size(), me = bootstrap->rank();
+  if (n < 2) throw_error(ErrorCode::kInvalidArgument, "bench-gpu needs at least 2 PEs");
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::ofstream json;
+  if (me == 0 && !options.json_path.empty()) json.open(options.json_path, std::ios::app);
+
+  if (me == 0) {
+    std::printf(
+        "reshard bench-gpu: all-to-all, %d x %s, per-GPU egress GB/s (us per all-to-all), "
+        "median of %d repeats\n",
+        n, prop.name, options.repeats);
+    std::printf("%-9s", "per-peer");
+    for (const std::string& e : options.engines) std::printf(" | %-17s", e.c_str());
+    std::printf(" | %-10s | best/nccl | best/ceil | host us/run\n", "CE 1-peer");
+  }
+  std::uint64_t wrong_total = 0;
+  for (std::uint64_t size : options.sizes) {
+    const std::uint64_t egress = size * (n - 1);
+    const int iterations = static_cast<int>(std::clamp<std::uint64_t>(
+        (4ull << 30) / std::max<std::uint64_t>(egress, 1), 10, options.max_iterations));
+    std::vector<Timing> timings;
+    for (auto& service : services)
+      timings.push_back(time_all_to_all(bootstrap, *service, size, options, stream, iterations));
+    const Timing ceiling = time_copy_engine_ceiling(*bootstrap, size, options, stream, iterations);
+    if (me != 0) continue;
+    auto gbps = [&](const Timing& t, std::uint64_t bytes) { return bytes / t.seconds / 1e9; };
+    std::printf("%-9s", format_bytes(size).c_str());
+    double best = 0, nccl = 0, host_us = 0;
+    for (std::size_t e = 0; e < timings.size(); ++e) {
+      const double rate = gbps(timings[e], egress);
+      char cell[64];
+      std::snprintf(cell, sizeof cell, "%.1f (%.1f)%s", rate, timings[e].seconds * 1e6,
+                    timings[e].wrong ? " WRONG" : "");
+      std::printf(" | %-17s", cell);
+      if (options.engines[e] == "nccl")
+        nccl = rate;
+      else if (rate > best) {
+        best = rate;
+        host_us = timings[e].host_us;
+      }
+      wrong_total += timings[e].wrong;
+      if (json.is_open()) {
+        json << "{\"bench\":\"all_to_all\",\"date\":\"" << today() << "\",\"device\":\""
+             << prop.name << "\",\"gpus\":" << n << ",\"engine\":\"" << options.engines[e]
+             << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
+             << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
+             << ",\"host_us_per_run\":" << timings[e].host_us
+             << ",\"wrong_bytes\":" << timings[e].wrong << ",\"commit\":\"" << options.commit
+             << "\"}\n";
+      }
+    }
+    const double ceiling_rate = gbps(ceiling, size);
+    std::printf(" | %-10.1f | %9s | %9.2f | %.1f\n", ceiling_rate,
+                nccl > 0 ? (std::to_string(best / nccl).substr(0, 4) + "x").c_str() : "-",
+                best / ceiling_rate, host_us);
+    if (json.is_open()) {
+      json << "{\"bench\":\"ce_ceiling_one_peer\",\"date\":\"" << today() << "\",\"device\":\""
+           << prop.name << "\",\"gpus\":" << n << ",\"per_peer_bytes\":" << size
+           << ",\"seconds\":" << ceiling.seconds << ",\"gbps\":" << ceiling_rate << ",\"commit\":\""
+           << options.commit << "\"}\n";
+    }
+    std::fflush(stdout);
+  }
+  cudaStreamDestroy(stream);
+  return wrong_total;
+}
+
+}  // namespace reshard::bench
