@@ -75,7 +75,9 @@ std::string cuda_engine() {
 
 std::uint64_t cuda_ce_min_bytes() {
   auto value = get("RESHARD_CUDA_CE_MIN_BYTES");
-  return value ? parse_bytes(*value) : (16ull << 20);
+  // The SM engine measured ahead of the copy engine at every all-to-all size (4x H200,
+  // 2026-11-21), so auto uses copy engines only for transfers this large.
+  return value ? parse_bytes(*value) : (1ull << 30);
 }
 
 int cuda_ctas_per_peer() {
@@ -85,6 +87,19 @@ int cuda_ctas_per_peer() {
                 "RESHARD_CUDA_CTAS_PER_PEER=" + std::to_string(ctas) + " is outside 1..1024");
   }
   return ctas;
+}
+
+}  // namespace reshard::env
+
+namespace reshard::env {
+
+int cuda_unroll() {
+  const int unroll = get_int("RESHARD_CUDA_UNROLL", 8);
+  if (unroll != 4 && unroll != 8) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_CUDA_UNROLL=" + std::to_string(unroll) + " is not 4 or 8");
+  }
+  return unroll;
 }
 
 }  // namespace reshard::env

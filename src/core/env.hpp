@@ -33,6 +33,8 @@ std::string cuda_engine();
 std::uint64_t cuda_ce_min_bytes();
 // RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 32).
 int cuda_ctas_per_peer();
+// RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
+int cuda_unroll();
 
 std::optional<std::string> get(const char* name);
 int get_int(const char* name, int fallback);

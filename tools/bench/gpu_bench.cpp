@@ -88,6 +88,27 @@ std::vector<double> time_repeats(Bootstrap& bootstrap, cudaStream_t stream, int 
   return per_repeat;
 }
 
+// `runs` runs, then as many more as fill 50 ms: an idle GPU needs that long to reach its clocks,
+// and a fixed count of short runs would leave the first engine measured at a disadvantage.
+// Collective: every PE must run the same number of times, so the count is agreed on.
+template <typename Run>
+void warm_up(Bootstrap& bootstrap, cudaStream_t stream, int runs, Run&& run) {
+  runs = std::max(runs, 1);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < runs; ++i) run();
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  const double each =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / runs;
+  const auto all = gather(bootstrap, each);
+  const double slowest = *std::max_element(all.begin(), all.end());
+  const int more = static_cast<int>(std::min(0.05 / std::max(slowest, 1e-7), 5000.0));
+  for (int i = 0; i < more; ++i) {
+    run();
+    if (i % 32 == 31) BENCH_CUDA(cudaStreamSynchronize(stream));
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+}
+
 Timing summarize(std::vector<double> per_repeat) {
   Timing t;
   t.seconds = median(per_repeat);
@@ -116,7 +137,7 @@ Timing time_all_to_all(std::shared_ptr<Bootstrap> bootstrap, CopyService& servic
   BENCH_CUDA(cudaMemcpy(send.data, host.data(), host.size(), cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemset(recv.data, 0, size * n));
   service.schedule();
-  for (int i = 0; i < options.warmup; ++i) service.run(stream);
+  warm_up(*bootstrap, stream, options.warmup, [&] { service.run(stream); });
   double host_us = 0;
   Timing t = summarize(
       time_repeats(*bootstrap, stream, options.repeats, iterations, &host_us, [&](int count) {
@@ -153,7 +174,7 @@ Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
     for (int i = 0; i < count; ++i)
       BENCH_CUDA(cudaMemcpyAsync(peer, buffer.data, size, cudaMemcpyDeviceToDevice, stream));
   };
-  body(options.warmup);
+  warm_up(bootstrap, stream, options.warmup, [&] { body(1); });
   Timing t = summarize(time_repeats(bootstrap, stream, options.repeats, iterations, nullptr, body));
   if (peer) cudaIpcCloseMemHandle(peer);
   bootstrap.barrier();  // PE 1 keeps its buffer until PE 0 is done with it

@@ -90,11 +90,15 @@ __device__ __forceinline__ void copy_aligned(const unsigned char* src, unsigned 
   for (std::uint64_t i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
 }
 
-__device__ void copy_piece(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
+__device__ void copy_piece(const unsigned char* src, unsigned char* dst, std::uint64_t bytes,
+                           int unroll) {
   const std::uintptr_t relative =
       reinterpret_cast<std::uintptr_t>(src) ^ reinterpret_cast<std::uintptr_t>(dst);
   if (relative % 16 == 0) {
-    copy_aligned<uint4, 8>(src, dst, bytes);
+    if (unroll == 4)
+      copy_aligned<uint4, 4>(src, dst, bytes);
+    else
+      copy_aligned<uint4, 8>(src, dst, bytes);
   } else if (relative % 8 == 0) {
     copy_aligned<uint2, 8>(src, dst, bytes);
   } else if (relative % 4 == 0) {
@@ -126,7 +130,7 @@ __device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uin
     const CopyDescriptor& desc = first[d];
     const std::uint64_t from = max(begin, desc.offset) - desc.offset;
     const std::uint64_t to = min(end, desc.offset + desc.bytes) - desc.offset;
-    if (from < to) copy_piece(desc.src + from, desc.dst + from, to - from);
+    if (from < to) copy_piece(desc.src + from, desc.dst + from, to - from, a.unroll);
   }
 }
 

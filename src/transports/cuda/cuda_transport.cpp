@@ -155,6 +155,7 @@ class CudaTransport final : public Transport {
   std::string engine_;
   std::uint64_t copy_engine_min_bytes_ = 0;
   int ctas_per_peer_ = 32;
+  int unroll_ = 8;
   std::uint64_t timeout_ns_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_engine_streams_[kCopyEngineStreams] = {};
@@ -180,6 +181,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   engine_ = env::cuda_engine();
   copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
   ctas_per_peer_ = env::cuda_ctas_per_peer();
+  unroll_ = env::cuda_unroll();
   timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -425,6 +427,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   base.n_pes = n_pes_;
   base.status = status_device_;
   base.timeout_ns = timeout_ns_;
+  base.unroll = unroll_;
 
   std::vector<PeerGroup> sm_groups, signal_groups;
   std::vector<CopyDescriptor> sm_descriptors;

@@ -81,6 +81,7 @@ struct KernelArgs {
   int n_pes;
   DeviceStatus* status;  // device pointer of the pinned status
   std::uint64_t timeout_ns;
+  int unroll;  // 16-byte loads in flight per thread before the stores: 4 or 8
 };
 
 }  // namespace reshard::cuda
