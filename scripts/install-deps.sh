@@ -30,3 +30,13 @@ if ! cmake_ok || ! command -v ninja >/dev/null; then
   echo "reshard: installing cmake and ninja with pip"
   python3 -m pip install -q "cmake>=3.24" ninja
 fi
+
+# With a CUDA compiler, the NCCL transport is built too: NCCL's headers and library come from the
+# system or from the nvidia-nccl-cu13 wheel.
+have_nccl() {
+  [[ -f /usr/include/nccl.h ]] || python3 -c "import nvidia.nccl" 2>/dev/null
+}
+if command -v nvcc >/dev/null && ! have_nccl; then
+  echo "reshard: installing NCCL (nvidia-nccl-cu13) with pip"
+  python3 -m pip install -q nvidia-nccl-cu13 || echo "reshard: NCCL not installed; the NCCL transport will be skipped" >&2
+fi

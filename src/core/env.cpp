@@ -81,7 +81,7 @@ std::uint64_t cuda_ce_min_bytes() {
 }
 
 int cuda_ctas_per_peer() {
-  const int ctas = get_int("RESHARD_CUDA_CTAS_PER_PEER", 32);
+  const int ctas = get_int("RESHARD_CUDA_CTAS_PER_PEER", 64);
   if (ctas < 1 || ctas > 1024) {
     throw_error(ErrorCode::kInvalidArgument,
                 "RESHARD_CUDA_CTAS_PER_PEER=" + std::to_string(ctas) + " is outside 1..1024");

@@ -31,7 +31,7 @@ std::optional<int> device();
 std::string cuda_engine();
 // RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine.
 std::uint64_t cuda_ce_min_bytes();
-// RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 32).
+// RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 64; the total stays within one wave).
 int cuda_ctas_per_peer();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();

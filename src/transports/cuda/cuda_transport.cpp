@@ -154,7 +154,7 @@ class CudaTransport final : public Transport {
   int sm_count_ = 0;
   std::string engine_;
   std::uint64_t copy_engine_min_bytes_ = 0;
-  int ctas_per_peer_ = 32;
+  int ctas_per_peer_ = 64;
   int unroll_ = 8;
   std::uint64_t timeout_ns_ = 0;
   cudaStream_t stream_ = nullptr;
