@@ -1,7 +1,10 @@
 // The benchmarks behind `reshard bench` and `reshard bench-scheduler`.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -9,6 +12,24 @@
 #include "reshard/copy_service.hpp"
 
 namespace reshard::bench {
+
+// Collective: every PE's `value`, in PE order.
+template <typename T>
+std::vector<T> gather_from_pes(Bootstrap& bootstrap, T value) {
+  std::vector<T> values;
+  for (const auto& part : bootstrap.all_gather(std::as_bytes(std::span(&value, 1)))) {
+    T v;
+    std::memcpy(&v, part.data(), sizeof v);
+    values.push_back(v);
+  }
+  return values;
+}
+
+template <typename T>
+T max_over_pes(Bootstrap& bootstrap, T value) {
+  const std::vector<T> values = gather_from_pes(bootstrap, value);
+  return *std::max_element(values.begin(), values.end());
+}
 
 struct CopyBenchOptions {
   std::vector<std::string> workloads;

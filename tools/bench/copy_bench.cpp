@@ -41,24 +41,6 @@ struct Row {
   std::uint64_t wrong_bytes = 0;
 };
 
-// Collective: every PE's `value`, in PE order.
-template <typename T>
-std::vector<T> gather_from_pes(Bootstrap& bootstrap, T value) {
-  std::vector<T> values;
-  for (const auto& part : bootstrap.all_gather(std::as_bytes(std::span(&value, 1)))) {
-    T v;
-    std::memcpy(&v, part.data(), sizeof v);
-    values.push_back(v);
-  }
-  return values;
-}
-
-template <typename T>
-T max_over_pes(Bootstrap& bootstrap, T value) {
-  const std::vector<T> values = gather_from_pes(bootstrap, value);
-  return *std::max_element(values.begin(), values.end());
-}
-
 // Progress for long runs, from rank 0, at most every two seconds.
 class Progress {
  public:

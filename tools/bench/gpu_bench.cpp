@@ -27,17 +27,6 @@ namespace {
       throw_error(ErrorCode::kSystem, std::string(#call) + ": " + cudaGetErrorString(status_)); \
   } while (0)
 
-template <typename T>
-std::vector<T> gather(Bootstrap& bootstrap, T value) {
-  std::vector<T> values;
-  for (const auto& part : bootstrap.all_gather(std::as_bytes(std::span(&value, 1)))) {
-    T v;
-    std::memcpy(&v, part.data(), sizeof v);
-    values.push_back(v);
-  }
-  return values;
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -79,8 +68,7 @@ std::vector<double> time_repeats(Bootstrap& bootstrap, cudaStream_t stream, int 
     BENCH_CUDA(cudaEventSynchronize(stop));
     float ms = 0;
     BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    const auto all = gather(bootstrap, static_cast<double>(ms) / 1000.0 / count);
-    per_repeat.push_back(*std::max_element(all.begin(), all.end()));
+    per_repeat.push_back(max_over_pes(bootstrap, static_cast<double>(ms) / 1000.0 / count));
   }
   if (host_us) *host_us = host_total / (repeats * count) * 1e6;
   cudaEventDestroy(start);
@@ -99,8 +87,7 @@ void warm_up(Bootstrap& bootstrap, cudaStream_t stream, int runs, Run&& run) {
   BENCH_CUDA(cudaStreamSynchronize(stream));
   const double each =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / runs;
-  const auto all = gather(bootstrap, each);
-  const double slowest = *std::max_element(all.begin(), all.end());
+  const double slowest = max_over_pes(bootstrap, each);
   const int more = static_cast<int>(std::min(0.05 / std::max(slowest, 1e-7), 5000.0));
   for (int i = 0; i < more; ++i) {
     run();
@@ -152,7 +139,7 @@ Timing time_all_to_all(std::shared_ptr<Bootstrap> bootstrap, CopyService& servic
     wrong += count_pattern_mismatches(std::span(host).subspan(peer * size, size),
                                       static_cast<TaskId>(peer) * n + me, 0, 1);
   }
-  for (std::uint64_t w : gather(*bootstrap, wrong)) t.wrong += w;
+  for (std::uint64_t w : gather_from_pes(*bootstrap, wrong)) t.wrong += w;
   service.clear_requests();
   return t;
 }
@@ -166,7 +153,7 @@ Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
   DeviceMemory buffer(size);
   cudaIpcMemHandle_t handle{};
   BENCH_CUDA(cudaIpcGetMemHandle(&handle, buffer.data));
-  const auto handles = gather(bootstrap, handle);
+  const auto handles = gather_from_pes(bootstrap, handle);
   void* peer = nullptr;
   if (me == 0) BENCH_CUDA(cudaIpcOpenMemHandle(&peer, handles[1], cudaIpcMemLazyEnablePeerAccess));
   auto body = [&](int count) {
