@@ -80,15 +80,25 @@ std::vector<std::string> available_transports() {
   return names;
 }
 
+namespace {
+
+// "host, cuda, nccl": the transports of this build, for error messages.
+std::string built_transports() {
+  std::string names;
+  for (const std::string& n : available_transports()) names += (names.empty() ? "" : ", ") + n;
+  return names;
+}
+
+}  // namespace
+
 TransportKind parse_transport_kind(const std::string& name) {
   for (TransportKind kind :
        {TransportKind::kAuto, TransportKind::kHost, TransportKind::kCuda, TransportKind::kNccl}) {
     if (name == transport_kind_name(kind)) return kind;
   }
-  std::string offered = "auto";
-  for (const std::string& n : available_transports()) offered += ", " + n;
-  throw_error(ErrorCode::kInvalidArgument,
-              "unknown transport '" + name + "' (this build offers: " + offered + ")");
+  throw_error(
+      ErrorCode::kInvalidArgument,
+      "unknown transport '" + name + "' (this build offers: auto, " + built_transports() + ")");
 }
 
 const char* transport_kind_name(TransportKind kind) {
@@ -137,12 +147,9 @@ TransportKind resolve_auto(Bootstrap& bootstrap) {
 
 std::unique_ptr<Transport> make_transport(TransportKind kind, Bootstrap& bootstrap) {
   if (!is_available(kind)) {
-    std::string offered;
-    for (const std::string& n : available_transports())
-      offered += (offered.empty() ? "" : ", ") + n;
     throw_error(ErrorCode::kUnsupported,
                 std::string("the ") + transport_kind_name(kind) +
-                    " transport is not part of this build (it has: " + offered + ")");
+                    " transport is not part of this build (it has: " + built_transports() + ")");
   }
   switch (kind) {
 #ifdef RESHARD_WITH_CUDA

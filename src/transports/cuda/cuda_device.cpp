@@ -1,5 +1,9 @@
 #include "transports/cuda/cuda_device.hpp"
 
+#include <signal.h>
+
+#include <cerrno>
+
 #include "core/env.hpp"
 #include "core/transport.hpp"
 #include "reshard/error.hpp"
@@ -62,6 +66,21 @@ void check_device_buffer(const Buffer& buffer, int device, const char* transport
                     (on_device ? "memory of CUDA device " + std::to_string(attributes.device)
                                : std::string("not device memory")));
   }
+}
+
+int first_exited_process(std::span<const pid_t> pids) {
+  for (std::size_t i = 0; i < pids.size(); ++i) {
+    if (pids[i] > 0 && ::kill(pids[i], 0) != 0 && errno == ESRCH) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return false;
+  RESHARD_CUDA_CHECK(cudaEventRecord(event, stream));
+  return true;
 }
 
 }  // namespace cuda

@@ -1,6 +1,11 @@
 // Device selection and buffer checks shared by the GPU transports.
 #pragma once
 
+#include <cuda_runtime_api.h>
+#include <sys/types.h>
+
+#include <span>
+
 #include "reshard/bootstrap.hpp"
 #include "reshard/types.hpp"
 
@@ -10,5 +15,10 @@ namespace reshard::cuda {
 int select_device(const Bootstrap& bootstrap);
 // Throws kInvalidArgument unless `buffer` is CUDA memory of `device`, and says what it is instead.
 void check_device_buffer(const Buffer& buffer, int device, const char* transport);
+// Index of the first process in `pids` that no longer exists (entries <= 0 are not checked), or -1.
+int first_exited_process(std::span<const pid_t> pids);
+// Records `event` on `stream` after a run and returns true, unless the stream is being captured
+// into a graph (then the run only exists in the graph and there is nothing to wait for).
+bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);
 
 }  // namespace reshard::cuda

@@ -145,7 +145,6 @@ class CudaTransport final : public Transport {
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
   void wait_for(cudaEvent_t event, const char* what);
   void throw_device_failure();
-  int first_dead_peer() const;
 
   Bootstrap& bootstrap_;
   int me_ = 0;
@@ -212,7 +211,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   pids_.assign(n_pes_, 0);
   for (int pe = 0; pe < n_pes_; ++pe) {
     wire::Reader reader(all[pe]);
-    pids_[pe] = reader.get<std::int32_t>();
+    const auto pid = reader.get<std::int32_t>();
+    pids_[pe] = pe == me_ ? 0 : pid;  // only peers are watched
     const int peer_device = reader.get<std::int32_t>();
     const auto peer_handle = reader.get<cudaIpcMemHandle_t>();
     if (pe == me_) {
@@ -480,7 +480,7 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   if (!prepared_) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
   throw_device_failure();
-  if (const int dead = first_dead_peer(); dead >= 0) {
+  if (const int dead = first_exited_process(pids_); dead >= 0) {
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
                                              std::to_string(dead) + " (pid " +
                                              std::to_string(pids_[dead]) + ") has exited");
@@ -511,20 +511,10 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
   }
   if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
 
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture == cudaStreamCaptureStatusNone) {
-    RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
+  if (record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
     if (stream_handle == nullptr) synchronize();
   }
-}
-
-int CudaTransport::first_dead_peer() const {
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    if (pe != me_ && pids_[pe] > 0 && ::kill(pids_[pe], 0) != 0 && errno == ESRCH) return pe;
-  }
-  return -1;
 }
 
 void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
@@ -536,7 +526,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
     if (status == cudaSuccess) break;
     if (status != cudaErrorNotReady) throw_cuda_error(status, "cudaEventQuery");
     if (polls > 1000) {
-      if (dead < 0 && (dead = first_dead_peer()) >= 0) {
+      if (dead < 0 && (dead = first_exited_process(pids_)) >= 0) {
         // The kernels stop waiting for a peer that cannot answer any more.
         reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
       }

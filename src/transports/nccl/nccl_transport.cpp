@@ -54,8 +54,6 @@ class NcclTransport final : public Transport {
   void finalize() noexcept override;
 
  private:
-  int first_dead_local_peer() const;
-
   Bootstrap& bootstrap_;
   int me_ = 0;
   int n_pes_ = 0;
@@ -128,20 +126,10 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
     }
     RESHARD_NCCL_CHECK(ncclGroupEnd());
   }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture == cudaStreamCaptureStatusNone) {
-    RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
+  if (cuda::record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
     if (stream_handle == nullptr) synchronize();
   }
-}
-
-int NcclTransport::first_dead_local_peer() const {
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    if (local_pids_[pe] > 0 && ::kill(local_pids_[pe], 0) != 0 && errno == ESRCH) return pe;
-  }
-  return -1;
 }
 
 void NcclTransport::synchronize() {
@@ -155,7 +143,7 @@ void NcclTransport::synchronize() {
     if (polls < 1000) continue;
     ncclResult_t async = ncclSuccess;
     ncclCommGetAsyncError(comm_, &async);
-    const int dead = first_dead_local_peer();
+    const int dead = cuda::first_exited_process(local_pids_);
     std::string problem;
     if (async != ncclSuccess && async != ncclInProgress) {
       problem = std::string("NCCL reported ") + ncclGetErrorString(async);
