@@ -59,6 +59,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 255));
   sched_cmd->add_option("--repeats", sched.repeats, "timed repetitions")->check(CLI::Range(1, 100));
 
+  reshard::bench::PlanBenchOptions plan;
+  auto* plan_cmd = app.add_subcommand(
+      "bench-plan", "Time the planner on a 1-trillion-parameter MoE layout change on one core");
+  plan_cmd->add_option("--layers", plan.layers, "transformer layers")->check(CLI::Range(1, 1000));
+  plan_cmd->add_option("--experts", plan.experts, "experts per layer")->check(CLI::Range(1, 4096));
+  plan_cmd->add_option("--repeats", plan.repeats, "timed repetitions")->check(CLI::Range(1, 100));
+
   reshard::bench::GpuBenchOptions gpu;
   std::vector<std::string> gpu_sizes = {"4KiB", "16KiB", "64KiB", "256KiB", "1MiB",
                                         "4MiB", "16MiB", "64MiB", "256MiB"};
@@ -81,6 +88,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (*plan_cmd) {
+      reshard::bench::run_plan_bench(plan);
+      return 0;
+    }
     if (*sched_cmd) {
       sched.chunk_bytes = reshard::parse_bytes(chunk_text);
       reshard::bench::run_scheduler_bench(sched);

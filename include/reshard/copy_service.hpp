@@ -82,6 +82,13 @@ class CopyService {
   // Releases everything. Safe to call twice; the destructor calls it.
   void finalize();
 
+  // Changes whenever a request is registered or the requests are cleared: lets a helper that
+  // registered a set of requests know whether its schedule is still the service's.
+  std::uint64_t generation() const;
+  // A slot for helpers built on the service (execute_reshard_plan keeps its executors there);
+  // emptied by finalize().
+  std::shared_ptr<void>& attachment();
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -2,8 +2,10 @@
 // what is wrong (task id, PEs, sizes), so callers never have to parse logs to find the cause.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace reshard {
 
@@ -21,11 +23,15 @@ const char* error_code_name(ErrorCode code);
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  Error(ErrorCode code, const std::string& message, std::vector<std::uint64_t> tasks = {})
+      : std::runtime_error(message), code_(code), tasks_(std::move(tasks)) {}
   ErrorCode code() const noexcept { return code_; }
+  // Validation errors: the task ids the problems name (so layers above can say what they are).
+  const std::vector<std::uint64_t>& tasks() const noexcept { return tasks_; }
 
  private:
   ErrorCode code_;
+  std::vector<std::uint64_t> tasks_;
 };
 
 [[noreturn]] void throw_error(ErrorCode code, const std::string& message);

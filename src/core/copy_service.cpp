@@ -179,6 +179,8 @@ struct CopyService::Impl {
   std::vector<Registration> sends;
   std::vector<Registration> receives;
   ExecutionPlan plan;
+  std::uint64_t generation = 0;
+  std::shared_ptr<void> attachment;
 
   void require(bool ok, const char* call) const {
     if (!ok) {
@@ -306,6 +308,7 @@ void CopyService::register_send(TaskId task_id, const Buffer& src, std::size_t s
                                 std::size_t size, PeId dest_pe) {
   impl_->check_request("register_send", task_id, src, src_pos, size, dest_pe, "destination PE");
   impl_->sends.push_back({task_id, src, src_pos, size, dest_pe});
+  ++impl_->generation;
   impl_->state = State::kInitialized;  // a new request invalidates an existing plan
 }
 
@@ -313,6 +316,7 @@ void CopyService::register_receive(TaskId task_id, const Buffer& dst, std::size_
                                    std::size_t size, PeId src_pe) {
   impl_->check_request("register_receive", task_id, dst, dst_pos, size, src_pe, "source PE");
   impl_->receives.push_back({task_id, dst, dst_pos, size, src_pe});
+  ++impl_->generation;
   impl_->state = State::kInitialized;
 }
 
@@ -423,10 +427,15 @@ void CopyService::clear_requests() {
   impl_->receives.clear();
   impl_->plan = ExecutionPlan{};
   impl_->state = State::kInitialized;
+  ++impl_->generation;
 }
+
+std::uint64_t CopyService::generation() const { return impl_->generation; }
+std::shared_ptr<void>& CopyService::attachment() { return impl_->attachment; }
 
 void CopyService::finalize() {
   if (!impl_ || impl_->state == State::kFinalized) return;
+  impl_->attachment.reset();  // executors may hold staging that needs the transport's device
   if (impl_->transport) impl_->transport->finalize();
   impl_->transport.reset();
   impl_->sends.clear();

@@ -14,6 +14,11 @@ constexpr std::size_t kMaxListedProblems = 8;
 class ProblemList {
  public:
   template <typename... Parts>
+  void add_for(TaskId task, const Parts&... parts) {
+    tasks_.push_back(task);
+    add(parts...);
+  }
+  template <typename... Parts>
   void add(const Parts&... parts) {
     ++count_;
     if (count_ > kMaxListedProblems) return;
@@ -29,10 +34,11 @@ class ProblemList {
     if (count_ > kMaxListedProblems) {
       message << "\n  - ... and " << count_ - kMaxListedProblems << " more";
     }
-    throw_error(ErrorCode::kValidation, message.str());
+    throw Error(ErrorCode::kValidation, message.str(), tasks_);
   }
 
  private:
+  std::vector<TaskId> tasks_;
   std::size_t count_ = 0;
   std::string text_;
 };
@@ -87,24 +93,25 @@ std::vector<Transfer> match_requests(std::span<const RequestClaim> sends,
   while (s < send_list.size() || r < recv_list.size()) {
     if (r == recv_list.size() || (s < send_list.size() && send_list[s].task < recv_list[r].task)) {
       const RequestClaim& send = send_list[s++];
-      problems.add("task ", send.task, ": send of ", send.bytes, " bytes from PE ", send.owner,
-                   " to PE ", send.peer, " has no matching receive");
+      problems.add_for(send.task, "task ", send.task, ": send of ", send.bytes, " bytes from PE ",
+                       send.owner, " to PE ", send.peer, " has no matching receive");
       continue;
     }
     if (s == send_list.size() || recv_list[r].task < send_list[s].task) {
       const RequestClaim& recv = recv_list[r++];
-      problems.add("task ", recv.task, ": receive of ", recv.bytes, " bytes on PE ", recv.owner,
-                   " from PE ", recv.peer, " has no matching send");
+      problems.add_for(recv.task, "task ", recv.task, ": receive of ", recv.bytes, " bytes on PE ",
+                       recv.owner, " from PE ", recv.peer, " has no matching send");
       continue;
     }
     const RequestClaim& send = send_list[s++];
     const RequestClaim& recv = recv_list[r++];
     if (send.peer != recv.owner || recv.peer != send.owner) {
-      problems.add("task ", send.task, ": PE ", send.owner, " sends to PE ", send.peer,
-                   " but the receive is registered on PE ", recv.owner, " from PE ", recv.peer);
+      problems.add_for(send.task, "task ", send.task, ": PE ", send.owner, " sends to PE ",
+                       send.peer, " but the receive is registered on PE ", recv.owner, " from PE ",
+                       recv.peer);
     } else if (send.bytes != recv.bytes) {
-      problems.add("task ", send.task, ": PE ", send.owner, " sends ", send.bytes, " bytes but PE ",
-                   recv.owner, " expects ", recv.bytes, " bytes");
+      problems.add_for(send.task, "task ", send.task, ": PE ", send.owner, " sends ", send.bytes,
+                       " bytes but PE ", recv.owner, " expects ", recv.bytes, " bytes");
     } else {
       transfers.push_back({send.task, send.owner, recv.owner, send.bytes});
     }

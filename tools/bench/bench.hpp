@@ -10,6 +10,7 @@
 
 #include "reshard/bootstrap.hpp"
 #include "reshard/copy_service.hpp"
+#include "reshard/model_layouts.hpp"
 
 namespace reshard::bench {
 
@@ -69,5 +70,18 @@ struct SchedulerBenchOptions {
 
 // Times build_schedule on one core and prints time and makespan/bound; returns the best seconds.
 double run_scheduler_bench(const SchedulerBenchOptions& options);
+
+struct PlanBenchOptions {
+  int layers = 61;
+  int experts = 384;
+  // A 1,024-GPU trainer (PP 16, TP 8, DP 8, EP 64) feeding a 512-GPU engine (16 replicas of TP 32,
+  // EP 32) on other GPUs.
+  Parallelism src{.tp = 8, .dp = 8, .pp = 16, .ep = 64};
+  Parallelism dst{.tp = 32, .replicas = 16, .ep = 32, .rank_offset = 1024};
+  int repeats = 3;
+};
+
+// Times make_reshard_plan on a 1-trillion-parameter MoE layout change; returns the best seconds.
+double run_plan_bench(const PlanBenchOptions& options);
 
 }  // namespace reshard::bench

@@ -1,0 +1,72 @@
+// Layout builders for the common cases: Megatron-style training (TP, PP, EP, DP replicas, packed
+// partitions) and vLLM/SGLang-style inference (TP, EP, replicas), on shared or disjoint ranks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reshard/layout.hpp"
+
+namespace reshard {
+
+// Where a parameter lives along the pipeline.
+enum class Stage : std::uint8_t {
+  kLayer,  // the stage that owns `layer`
+  kFirst,  // the first stage (embeddings)
+  kLast,   // the last stage (final norm, output head)
+};
+
+struct ModelParam {
+  ParamSpec spec;
+  int tp_dim = -1;  // dimension split by tensor parallelism; -1 = replicated on every TP rank
+  // Packed partitions along tp_dim (fused QKV: {q, k, v} rows; gate/up: {ffn, ffn}). Each is split
+  // across the TP ranks separately and a rank holds its slices one after the other. Empty = one.
+  std::vector<std::int64_t> packed;
+  Stage stage = Stage::kLayer;
+  int layer = 0;
+  int expert = -1;  // >= 0: an expert weight, owned by one expert-parallel rank
+};
+
+struct ModelSpec {
+  std::string name;
+  int layers = 0;
+  int experts = 0;  // routed experts per MoE layer, 0 for a dense model
+  std::vector<ModelParam> params;
+
+  std::uint64_t total_bytes() const;
+};
+
+// How one side shards the model. Ranks are numbered tensor-parallel fastest, then dp, then
+// pipeline stage, then replica, starting at rank_offset (Megatron's "tp-dp-pp" order; for
+// inference, dp = 1 and replicas = engine instances). Within one stage, the tp * dp ranks are
+// re-split for expert weights as etp (fastest) x ep x expert-dp.
+struct Parallelism {
+  int tp = 1;
+  int dp = 1;
+  int pp = 1;
+  int replicas = 1;
+  int ep = 1;
+  int etp = 1;
+  PeId rank_offset = 0;
+
+  int world() const { return tp * dp * pp * replicas; }
+  std::string str() const;  // "tp4 dp2 pp1 ep1 etp1 x1 @0"
+};
+
+// Builds the layout of `model` under `parallel`; throws naming the parameter when a dimension does
+// not divide (e.g. 5 heads over TP 2).
+Layout build_layout(const ModelSpec& model, const Parallelism& parallel);
+
+// Model shapes used by the benchmarks and tests (bf16, real dimensions; weights only).
+ModelSpec llama3_8b_model(int layers = 32);
+ModelSpec qwen3_30b_a3b_model(int layers = 48);
+// A Kimi-K2 / DeepSeek-V3 sized MoE: 61 layers, 384 experts of 7168 x 2048, about 1 trillion
+// parameters.
+ModelSpec moe_1t_model(int layers = 61, int experts = 384);
+
+// A model for tests: `layers` layers of fused QKV, output, gate/up, down and norms, with
+// `experts` experts per layer when nonzero; every dimension divides 8.
+ModelSpec toy_model(int layers, int hidden, int experts = 0);
+
+}  // namespace reshard

@@ -1,0 +1,53 @@
+// Executing a reshard plan on a copy service: register once, schedule once, run every refit.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "reshard/copy_service.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/transform.hpp"
+
+namespace reshard {
+
+// This rank's local tensors by parameter name.
+using TensorMap = std::unordered_map<std::string, LocalTensor>;
+
+struct ReshardReport {
+  bool rescheduled = false;      // this call registered and scheduled (first call, new buffers)
+  std::uint64_t bytes_sent = 0;  // on the wire from this rank, local copies excluded
+  std::uint64_t bytes_received = 0;
+  std::uint64_t packed_bytes = 0;  // copied through staging because a slice was not contiguous
+};
+
+class Resharder {
+ public:
+  // The plan's ranks are the service's PEs. The transform, if any, applies to the parameters it
+  // selects with should_transform().
+  Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& service,
+            std::shared_ptr<ReshardTransform> transform = nullptr);
+  ~Resharder();
+  Resharder(const Resharder&) = delete;
+  Resharder& operator=(const Resharder&) = delete;
+
+  // Collective: every PE calls it once per refit. Moves this rank's source slices into the
+  // destination tensors of every rank. The first call (and any call whose buffers changed)
+  // registers and schedules; later calls only run. With a CUDA stream, packing, the transfers and
+  // the conversions are queued on it; otherwise the call returns when the bytes have landed.
+  // Refused before any byte moves when a tensor is missing or too small (naming it).
+  ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One call per refit: keeps a Resharder for (plan, transform) on the service, so the second call
+// with the same plan and buffers reuses the schedule. clear_requests() on the service drops it.
+ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
+                                   const TensorMap& src, const TensorMap& dst, CopyService& service,
+                                   std::shared_ptr<ReshardTransform> transform = nullptr,
+                                   void* cuda_stream = nullptr);
+
+}  // namespace reshard

@@ -1,0 +1,84 @@
+// Transforms change what travels on the wire for some parameters: a cast, or FP8 with scales.
+// The hooks follow Megatron's ReshardTransform so its users recognise them.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "reshard/layout.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/types.hpp"
+
+namespace reshard {
+
+// A rank's local tensor of one parameter: contiguous, row-major, of the shard's local shape.
+struct LocalTensor {
+  Buffer data;
+  DType dtype =
+      DType::kBFloat16;  // of `data` (a transform may make it differ from the parameter's)
+  // Scales for block-scaled formats (MXFP8: E8M0, shape [..., K / 32]; 128x128 FP8: float32,
+  // shape [..., ceil(M / 128), ceil(K / 128)]); empty otherwise.
+  Buffer scale;
+};
+
+// What one transfer operation moves, seen from this rank.
+struct OpSlice {
+  const ParamSpec& param;
+  const TransferOp& op;
+  Box local;  // the block in this rank's local tensor (the op's source or destination box)
+  const std::vector<std::int64_t>& local_shape;
+};
+
+class ReshardTransform {
+ public:
+  virtual ~ReshardTransform() = default;
+  virtual std::string name() const = 0;
+  virtual bool should_transform(const ParamSpec& param) const = 0;
+  // Sender: fills and returns the buffers to put on the wire. Return the same buffers at every
+  // refit (the transform owns them) and the schedule is reused; new ones make it reschedule.
+  virtual std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
+                                           void* stream) = 0;
+  // Receiver: the buffers the wire lands in, as many and as large as the sender's.
+  virtual std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) = 0;
+  // Receiver, once the bytes landed: writes the slice of the destination tensor.
+  virtual void finalize_recv(const OpSlice& slice, const LocalTensor& dst,
+                             std::span<const Buffer> buffers, void* stream) = 0;
+};
+
+// Most wire buffers one op may use (the executor numbers them in the task id's low bits).
+constexpr int kMaxWireBuffers = 15;
+
+// Casts on the wire: the sender converts its dtype to `wire`, the receiver `wire` to its tensor's
+// dtype (float32, bfloat16, float16). Applies to floating-point parameters.
+std::shared_ptr<ReshardTransform> make_cast_transform(DType wire);
+
+enum class MxScaleRounding {
+  kOcp,      // floor(log2(amax)) - 8: the OCP MX v1.0 rule; the largest elements may saturate
+  kRoundUp,  // the smallest power of two keeping amax / scale <= 448: never saturates
+};
+
+enum class QuantizeSide {
+  kReceiver,  // BF16 on the wire, converted on arrival
+  kSender,    // FP8 data and scales on the wire: about half the bytes
+};
+
+// OCP MXFP8: FP8 E4M3 elements, one E8M0 scale per 32 consecutive elements of the last dimension.
+// Destination tensors are the caller's FP8 data and E8M0 scale buffers, written in place.
+// Applies to parameters of 2 or more dimensions whose name passes `filter` (empty = all).
+std::shared_ptr<ReshardTransform> make_mxfp8_transform(QuantizeSide side, MxScaleRounding rounding,
+                                                       std::string name_filter = {});
+
+// FP8 E4M3 with a float32 scale (amax / 448) per 128x128 block of the last two dimensions, as
+// DeepSeek-V3 and Kimi-K2 checkpoints store their weights.
+std::shared_ptr<ReshardTransform> make_fp8_block_transform(QuantizeSide side,
+                                                           std::string name_filter = {});
+
+// CPU references of the conversions, for callers and tests: `rows` x `cols` row-major inputs.
+void reference_mxfp8_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
+                              MxScaleRounding rounding, std::uint8_t* data, std::uint8_t* scales);
+void reference_fp8_block_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
+                                  std::uint8_t* data, float* scales);
+
+}  // namespace reshard

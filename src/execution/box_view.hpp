@@ -1,0 +1,84 @@
+// A block of a row-major tensor seen as rows of contiguous elements: what the pack, unpack and
+// conversion loops (host and CUDA) walk. Plain data, so kernels take it by value.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "reshard/layout.hpp"
+#include "transforms/number_formats.hpp"
+
+namespace reshard::exec {
+
+struct BoxView {
+  int outer_dims = 0;  // dimensions before the row dimension
+  // Plain arrays rather than Extents: std::array's accessors are host-only in device code.
+  std::int64_t outer_extent[kMaxDims] = {};  // their extents in the box
+  std::int64_t outer_stride[kMaxDims] = {};  // their strides in the tensor, in elements
+  std::int64_t base = 0;                     // element offset of the box's first element
+  std::int64_t rows = 1;                     // product of outer_extent
+  std::int64_t cols = 0;                     // elements per row (contiguous in the tensor)
+
+  // Element offset of the first element of `row`.
+  RESHARD_HD std::int64_t row_start(std::int64_t row) const {
+    std::int64_t offset = base;
+    for (int d = outer_dims - 1; d >= 0; --d) {
+      const std::int64_t extent = outer_extent[d];
+      offset += (row % extent) * outer_stride[d];
+      row /= extent;
+    }
+    return offset;
+  }
+  bool contiguous() const { return rows == 1 || cols == 0; }
+  std::int64_t elements() const { return rows * cols; }
+};
+
+// `box` of a tensor of `shape`. With merge_full_dims, trailing dimensions the box spans fully
+// fold into longer rows (for plain copies); without, a row is exactly the last dimension (for
+// conversions whose blocks run along it).
+inline BoxView view_of(const Box& box, const std::vector<std::int64_t>& shape,
+                       bool merge_full_dims) {
+  BoxView view;
+  const int n = box.ndim;
+  if (n == 0) {
+    view.cols = 1;
+    return view;
+  }
+  Extents stride{};
+  std::int64_t s = 1;
+  for (int d = n - 1; d >= 0; --d) {
+    stride[d] = s;
+    s *= shape[d];
+    view.base += box.offset[d] * stride[d];
+  }
+  int row_dim = n - 1;
+  view.cols = box.extent[n - 1];
+  if (merge_full_dims) {
+    while (row_dim > 0 && box.extent[row_dim] == shape[row_dim]) {
+      --row_dim;
+      view.cols *= box.extent[row_dim];
+    }
+  }
+  view.outer_dims = row_dim;
+  for (int d = 0; d < row_dim; ++d) {
+    view.outer_extent[d] = box.extent[d];
+    view.outer_stride[d] = stride[d];
+    view.rows *= box.extent[d];
+  }
+  // Leading extents of 1 do not make a block non-contiguous.
+  if (view.rows == 1) {
+    view.cols = box.elements();
+    view.outer_dims = 0;
+  }
+  return view;
+}
+
+// A dense buffer holding exactly the box, in row-major order (a wire or staging buffer).
+inline BoxView dense_view(const Box& box) {
+  std::vector<std::int64_t> shape(box.extent.begin(), box.extent.begin() + box.ndim);
+  Box at_origin = box;
+  at_origin.offset = {};
+  return view_of(at_origin, shape, false);
+}
+
+}  // namespace reshard::exec

@@ -1,0 +1,119 @@
+#include "transforms/conversions.hpp"
+
+#include "reshard/error.hpp"
+#include "transforms/element_access.hpp"
+
+namespace reshard::exec {
+namespace {
+
+using namespace formats;
+
+void convert_host(const BlockRef& src, const BlockRef& dst) {
+  for (std::int64_t row = 0; row < src.view.rows; ++row) {
+    const std::int64_t from = src.view.row_start(row);
+    const std::int64_t to = dst.view.row_start(row);
+    for (std::int64_t col = 0; col < src.view.cols; ++col) {
+      store_float(dst.data, dst.dtype, to + col, load_float(src.data, src.dtype, from + col));
+    }
+  }
+}
+
+void mx_quantize_host(const BlockRef& src, const BlockRef& data, const BlockRef& scale,
+                      bool round_up) {
+  auto* out = static_cast<std::uint8_t*>(data.data);
+  auto* scales = static_cast<std::uint8_t*>(scale.data);
+  for (std::int64_t row = 0; row < src.view.rows; ++row) {
+    const std::int64_t from = src.view.row_start(row);
+    const std::int64_t to = data.view.row_start(row);
+    const std::int64_t scale_at = scale.view.row_start(row);
+    for (std::int64_t block = 0; block * kMxBlock < src.view.cols; ++block) {
+      float amax = 0.0f;
+      for (int i = 0; i < kMxBlock; ++i) {
+        amax = abs_max(amax, load_float(src.data, src.dtype, from + block * kMxBlock + i));
+      }
+      const std::uint8_t bits = mx_scale_bits(amax, round_up);
+      scales[scale_at + block] = bits;
+      for (int i = 0; i < kMxBlock; ++i) {
+        const std::int64_t col = block * kMxBlock + i;
+        out[to + col] = mx_encode(load_float(src.data, src.dtype, from + col), bits);
+      }
+    }
+  }
+}
+
+void block_quantize_host(const BlockRef& src, std::int64_t rows_per_matrix, const BlockRef& data,
+                         const BlockRef& scale) {
+  auto* out = static_cast<std::uint8_t*>(data.data);
+  auto* scales = static_cast<float*>(scale.data);
+  const std::int64_t matrices = src.view.rows / rows_per_matrix;
+  const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
+  const std::int64_t cols = src.view.cols;
+  for (std::int64_t m = 0; m < matrices; ++m) {
+    for (std::int64_t tr = 0; tr < tile_rows; ++tr) {
+      const std::int64_t row_begin = m * rows_per_matrix + tr * kFp8Block;
+      const std::int64_t row_end =
+          m * rows_per_matrix + std::min<std::int64_t>(rows_per_matrix, (tr + 1) * kFp8Block);
+      for (std::int64_t c0 = 0; c0 < cols; c0 += kFp8Block) {
+        const std::int64_t c1 = std::min<std::int64_t>(cols, c0 + kFp8Block);
+        float amax = 0.0f;
+        for (std::int64_t r = row_begin; r < row_end; ++r) {
+          const std::int64_t from = src.view.row_start(r);
+          for (std::int64_t c = c0; c < c1; ++c) {
+            amax = abs_max(amax, load_float(src.data, src.dtype, from + c));
+          }
+        }
+        const float s = block_scale(amax);
+        scales[scale.view.row_start(m * tile_rows + tr) + c0 / kFp8Block] = s;
+        for (std::int64_t r = row_begin; r < row_end; ++r) {
+          const std::int64_t from = src.view.row_start(r);
+          const std::int64_t to = data.view.row_start(r);
+          for (std::int64_t c = c0; c < c1; ++c) {
+            out[to + c] = block_encode(load_float(src.data, src.dtype, from + c), s);
+          }
+        }
+      }
+    }
+  }
+}
+
+#ifndef RESHARD_WITH_CUDA
+[[noreturn]] void no_cuda() {
+  throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
+}
+#endif
+
+}  // namespace
+
+void convert_block(const BlockRef& src, const BlockRef& dst, MemoryKind where, void* stream) {
+  if (where == MemoryKind::kHost) return convert_host(src, dst);
+#ifdef RESHARD_WITH_CUDA
+  cuda::convert_block(src, dst, stream);
+#else
+  (void)stream;
+  no_cuda();
+#endif
+}
+
+void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scale, bool round_up,
+                 MemoryKind where, void* stream) {
+  if (where == MemoryKind::kHost) return mx_quantize_host(src, data, scale, round_up);
+#ifdef RESHARD_WITH_CUDA
+  cuda::mx_quantize(src, data, scale, round_up, stream);
+#else
+  (void)stream;
+  no_cuda();
+#endif
+}
+
+void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const BlockRef& data,
+                    const BlockRef& scale, MemoryKind where, void* stream) {
+  if (where == MemoryKind::kHost) return block_quantize_host(src, rows_per_matrix, data, scale);
+#ifdef RESHARD_WITH_CUDA
+  cuda::block_quantize(src, rows_per_matrix, data, scale, stream);
+#else
+  (void)stream;
+  no_cuda();
+#endif
+}
+
+}  // namespace reshard::exec

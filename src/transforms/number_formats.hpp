@@ -1,0 +1,181 @@
+// Number-format conversions shared by the CPU reference and the CUDA kernels: one source, so the
+// GPU results are bit-identical to the reference by construction and the tests check the kernels'
+// indexing, reductions and scale placement. Scaling is done in double, where multiplying by a
+// power of two is exact, so each value is rounded once (round to nearest even).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define RESHARD_HD __host__ __device__ __forceinline__
+#else
+#define RESHARD_HD inline
+#endif
+
+namespace reshard::formats {
+
+RESHARD_HD std::uint32_t float_bits(float value) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(value);
+#else
+  std::uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+#endif
+}
+
+RESHARD_HD float bits_float(std::uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+#endif
+}
+
+RESHARD_HD bool is_nan(double value) { return value != value; }
+
+RESHARD_HD bool has_sign_bit(double value) {
+#if defined(__CUDA_ARCH__)
+  return signbit(value);
+#else
+  return std::signbit(value);
+#endif
+}
+
+// ---- bfloat16 and float16 (stored as uint16) ----
+
+RESHARD_HD float bf16_to_float(std::uint16_t bits) {
+  return bits_float(static_cast<std::uint32_t>(bits) << 16);
+}
+
+RESHARD_HD std::uint16_t float_to_bf16(float value) {
+  const std::uint32_t bits = float_bits(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep the sign, make it quiet
+    return static_cast<std::uint16_t>((bits >> 16) | 0x0040u);
+  }
+  const std::uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);  // to nearest, ties to even
+  return static_cast<std::uint16_t>((bits + rounding) >> 16);
+}
+
+RESHARD_HD float fp16_to_float(std::uint16_t bits) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x8000u) << 16;
+  const std::uint32_t exponent = (bits >> 10) & 0x1fu;
+  const std::uint32_t mantissa = bits & 0x3ffu;
+  if (exponent == 0x1f) return bits_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+RESHARD_HD std::uint16_t float_to_fp16(float value) {
+  const std::uint32_t bits = float_bits(value);
+  const std::uint16_t sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
+  const std::uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);   // NaN
+  if (magnitude >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // overflow
+  if (magnitude < 0x38800000u) {  // below the smallest normal (2^-14): subnormal steps of 2^-24
+    const double scaled = static_cast<double>(bits_float(magnitude)) * 16777216.0;
+    return static_cast<std::uint16_t>(sign | static_cast<std::uint16_t>(rint(scaled)));
+  }
+  const std::uint32_t rounding = 0xfffu + ((magnitude >> 13) & 1u);
+  return static_cast<std::uint16_t>(sign | ((magnitude - 0x38000000u + rounding) >> 13));
+}
+
+// ---- FP8 E4M3 (OCP "fn": bias 7, no infinities, max 448, NaN = S.1111.111) ----
+
+constexpr double kE4m3Max = 448.0;
+
+RESHARD_HD float e4m3_to_float(std::uint8_t bits) {
+  const float sign = (bits & 0x80u) ? -1.0f : 1.0f;
+  const int exponent = (bits >> 3) & 0xf;
+  const int mantissa = bits & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return bits_float(0x7fc00000u);
+  if (exponent == 0) return sign * static_cast<float>(mantissa) * 0.001953125f;  // m * 2^-9
+  return sign * ldexpf(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+}
+
+// Rounds to nearest even, saturating to +-448 (NaN stays NaN; infinities saturate).
+RESHARD_HD std::uint8_t double_to_e4m3(double value) {
+  if (is_nan(value)) return 0x7f;
+  const bool negative = has_sign_bit(value);  // -0.0 keeps its sign
+  const std::uint8_t sign = negative ? 0x80 : 0x00;
+  const double magnitude = negative ? -value : value;
+  if (magnitude >= kE4m3Max) return sign | 0x7e;
+  if (magnitude < 0.015625) {  // below 2^-6: subnormal steps of 2^-9; 8 steps = the first normal
+    return sign | static_cast<std::uint8_t>(rint(magnitude * 512.0));
+  }
+  int exponent = 0;
+  frexp(magnitude, &exponent);  // magnitude = f * 2^exponent, f in [0.5, 1)
+  exponent -= 1;                // magnitude in [2^exponent, 2^(exponent + 1))
+  const double steps = rint(ldexp(magnitude, 3 - exponent));  // 8..16 (mantissa + implicit one)
+  int code = ((exponent + 7) << 3) + static_cast<int>(steps) - 8;
+  if (code > 0x7e) code = 0x7e;
+  return sign | static_cast<std::uint8_t>(code);
+}
+
+// ---- MX scales (E8M0: value 2^(bits - 127), 0xff = NaN) ----
+
+constexpr int kMxBlock = 32;
+constexpr std::uint8_t kE8m0Nan = 0xff;
+
+// floor(log2(magnitude)) for a finite, positive float.
+RESHARD_HD int floor_log2(float magnitude) {
+  int exponent = 0;
+  frexpf(magnitude, &exponent);
+  return exponent - 1;
+}
+
+// The shared exponent of a block from its largest magnitude. OCP (v1.0, section 6.3):
+// floor(log2(amax)) - emax(E4M3) = -8, which may saturate the largest elements; the round-up rule
+// picks the smallest exponent with amax / 2^e <= 448, which never does.
+RESHARD_HD std::uint8_t mx_scale_bits(float amax, bool round_up) {
+  if (!(amax == amax) || amax > 3.4028234663852886e38f) return kE8m0Nan;  // NaN or Inf in block
+  if (amax == 0.0f) return 0;  // an all-zero block: smallest scale, elements encode as zeros
+  int exponent = floor_log2(amax) - 8;
+  if (round_up && ldexp(static_cast<double>(amax), -exponent) > kE4m3Max) exponent += 1;
+  if (exponent < -127) exponent = -127;
+  if (exponent > 127) exponent = 127;
+  return static_cast<std::uint8_t>(exponent + 127);
+}
+
+RESHARD_HD double mx_scale_value(std::uint8_t bits) {
+  return ldexp(1.0, static_cast<int>(bits) - 127);
+}
+
+RESHARD_HD std::uint8_t mx_encode(float value, std::uint8_t scale_bits) {
+  if (scale_bits == kE8m0Nan) return 0x7f;
+  return double_to_e4m3(ldexp(static_cast<double>(value), 127 - static_cast<int>(scale_bits)));
+}
+
+RESHARD_HD float mx_decode(std::uint8_t value, std::uint8_t scale_bits) {
+  if (scale_bits == kE8m0Nan) return bits_float(0x7fc00000u);
+  return static_cast<float>(static_cast<double>(e4m3_to_float(value)) * mx_scale_value(scale_bits));
+}
+
+// ---- 128x128 block-scaled FP8 (DeepSeek-V3 style: float32 scale = amax / 448 per block) ----
+
+constexpr int kFp8Block = 128;
+
+RESHARD_HD float block_scale(float amax) {
+  if (amax == 0.0f) return 1.0f;  // keeps zeros zero without dividing by zero
+  return static_cast<float>(static_cast<double>(amax) / kE4m3Max);
+}
+
+RESHARD_HD std::uint8_t block_encode(float value, float scale) {
+  return double_to_e4m3(static_cast<double>(value) / static_cast<double>(scale));
+}
+
+// |value| for the amax reductions; NaN propagates (a NaN anywhere makes the block's scale NaN).
+RESHARD_HD float abs_max(float running, float value) {
+  const float magnitude = value < 0 ? -value : value;
+  if (!(magnitude == magnitude) || !(running == running)) return bits_float(0x7fc00000u);
+  return magnitude > running ? magnitude : running;
+}
+
+}  // namespace reshard::formats

@@ -1,0 +1,404 @@
+// The built-in transforms: casts, MXFP8 and 128x128 block FP8, each in a sender-side or a
+// receiver-side variant. They own their wire buffers (kept per op, so every refit returns the same
+// ones and the schedule is reused) and write the caller's destination buffers in place.
+#include <map>
+#include <tuple>
+
+#include "execution/staging.hpp"
+#include "reshard/error.hpp"
+#include "reshard/transform.hpp"
+#include "transforms/conversions.hpp"
+
+namespace reshard {
+namespace {
+
+using exec::BlockRef;
+using exec::BoxView;
+
+bool is_float(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
+}
+
+std::byte* at_byte(const Buffer& buffer) { return static_cast<std::byte*>(buffer.data); }
+
+[[noreturn]] void refuse(const std::string& transform, const OpSlice& slice,
+                         const std::string& why) {
+  throw_error(ErrorCode::kInvalidArgument, transform + " transform, '" + slice.param.name + "' " +
+                                               slice.op.region.str() + " (rank " +
+                                               std::to_string(slice.op.src_rank) + " -> rank " +
+                                               std::to_string(slice.op.dst_rank) + "): " + why);
+}
+
+// Wire buffers owned by a transform, one set per (side, op), reallocated only when their size or
+// memory changes.
+class WireBuffers {
+ public:
+  Buffer get(bool sending, const TransferOp& op, int index, std::size_t bytes, const Buffer& like) {
+    exec::Staging& staging = buffers_[{sending, op.task_id, index}];
+    const Buffer& have = staging.buffer();
+    if (have.data == nullptr || have.bytes != bytes || have.kind != like.kind ||
+        have.device != like.device) {
+      staging = exec::Staging(like.kind, like.device, bytes);
+    }
+    return staging.buffer();
+  }
+
+ private:
+  std::map<std::tuple<bool, TaskId, int>, exec::Staging> buffers_;
+};
+
+class TransformBase : public ReshardTransform {
+ public:
+  explicit TransformBase(std::string filter) : filter_(std::move(filter)) {}
+
+ protected:
+  bool name_selected(const ParamSpec& param) const {
+    return filter_.empty() || param.name.find(filter_) != std::string::npos;
+  }
+  // The source slice as a block of its tensor (a view, or packed into a wire buffer when the
+  // slice is not contiguous: the wire carries the region densely).
+  Buffer source_slice(const OpSlice& slice, const LocalTensor& src, void* stream, int index) {
+    const BoxView view = exec::view_of(slice.local, slice.local_shape, true);
+    const std::size_t element = dtype_size(src.dtype);
+    const std::size_t bytes = static_cast<std::size_t>(slice.local.elements()) * element;
+    if (view.contiguous()) {
+      Buffer part = src.data;
+      part.data = at_byte(src.data) + view.base * element;
+      part.bytes = bytes;
+      return part;
+    }
+    Buffer wire = wire_.get(true, slice.op, index, bytes, src.data);
+    exec::pack_block(src.data, view, element, wire, stream);
+    return wire;
+  }
+  void require_scale(const std::string& name, const OpSlice& slice, const LocalTensor& dst,
+                     std::size_t scale_bytes) const {
+    if (dst.dtype != DType::kFloat8E4M3) {
+      refuse(name, slice,
+             std::string("the destination tensor must be float8_e4m3fn, not ") +
+                 dtype_name(dst.dtype));
+    }
+    if (dst.scale.data == nullptr || dst.scale.bytes < scale_bytes) {
+      refuse(name, slice,
+             "the destination needs a scale buffer of " + std::to_string(scale_bytes) +
+                 " bytes, got " + std::to_string(dst.scale.bytes));
+    }
+    if (dst.scale.kind != dst.data.kind) {
+      refuse(name, slice, "scale and data buffers must both be on the host or both on the GPU");
+    }
+  }
+  void require_float_source(const std::string& name, const OpSlice& slice,
+                            const LocalTensor& src) const {
+    if (src.dtype != DType::kBFloat16 && src.dtype != DType::kFloat32) {
+      refuse(name, slice,
+             std::string("the source must be bfloat16 or float32, not ") + dtype_name(src.dtype));
+    }
+  }
+
+  WireBuffers wire_;
+
+ private:
+  std::string filter_;
+};
+
+// ---- casts ----
+
+class CastTransform final : public TransformBase {
+ public:
+  explicit CastTransform(DType wire) : TransformBase({}), wire_dtype_(wire) {
+    if (!is_float(wire)) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  std::string("cast transform: wire dtype must be float32, bfloat16 or float16, "
+                              "not ") +
+                      dtype_name(wire));
+    }
+  }
+  std::string name() const override { return std::string("cast-") + dtype_name(wire_dtype_); }
+  bool should_transform(const ParamSpec& param) const override { return is_float(param.dtype); }
+
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
+                                   void* stream) override {
+    check_dtype(slice, src.dtype, "source");
+    if (src.dtype == wire_dtype_) return {source_slice(slice, src, stream, 0)};
+    Buffer wire = wire_.get(true, slice.op, 0, wire_bytes(slice), src.data);
+    exec::convert_block(
+        {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
+        {wire.data, wire_dtype_, exec::dense_view(slice.local)}, src.data.kind, stream);
+    return {wire};
+  }
+  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
+    check_dtype(slice, dst.dtype, "destination");
+    return {wire_.get(false, slice.op, 0, wire_bytes(slice), dst.data)};
+  }
+  void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
+                     void* stream) override {
+    exec::convert_block(
+        {wire[0].data, wire_dtype_, exec::dense_view(slice.local)},
+        {dst.data.data, dst.dtype, exec::view_of(slice.local, slice.local_shape, false)},
+        dst.data.kind, stream);
+  }
+
+ private:
+  std::size_t wire_bytes(const OpSlice& slice) const {
+    return static_cast<std::size_t>(slice.local.elements()) * dtype_size(wire_dtype_);
+  }
+  void check_dtype(const OpSlice& slice, DType dtype, const char* role) const {
+    if (!is_float(dtype)) {
+      refuse(name(), slice,
+             std::string("the ") + role +
+                 " tensor must be float32, bfloat16 or "
+                 "float16, not " +
+                 dtype_name(dtype));
+    }
+  }
+  DType wire_dtype_;
+};
+
+// ---- MXFP8 ----
+
+class Mxfp8Transform final : public TransformBase {
+ public:
+  Mxfp8Transform(QuantizeSide side, MxScaleRounding rounding, std::string filter)
+      : TransformBase(std::move(filter)),
+        side_(side),
+        round_up_(rounding == MxScaleRounding::kRoundUp) {}
+
+  std::string name() const override {
+    return std::string("mxfp8-") + (side_ == QuantizeSide::kSender ? "sender" : "receiver") +
+           (round_up_ ? "-roundup" : "");
+  }
+  bool should_transform(const ParamSpec& param) const override {
+    return param.shape.size() >= 2 &&
+           (param.dtype == DType::kBFloat16 || param.dtype == DType::kFloat32) &&
+           name_selected(param);
+  }
+
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
+                                   void* stream) override {
+    check_alignment(slice);
+    require_float_source(name(), slice, src);
+    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, stream, 0)};
+    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
+    Buffer data = wire_.get(true, slice.op, 0, n, src.data);
+    Buffer scale = wire_.get(true, slice.op, 1, n / formats::kMxBlock, src.data);
+    exec::mx_quantize(
+        {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
+        {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
+        {scale.data, DType::kFloat8E8M0, exec::dense_view(scale_box(slice.local))}, round_up_,
+        src.data.kind, stream);
+    return {data, scale};
+  }
+
+  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
+    check_alignment(slice);
+    require_scale(name(), slice, dst, scale_elements(slice.local_shape));
+    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
+    if (side_ == QuantizeSide::kReceiver) {
+      return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
+    }
+    return {wire_.get(false, slice.op, 0, n, dst.data),
+            wire_.get(false, slice.op, 1, n / formats::kMxBlock, dst.data)};
+  }
+
+  void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
+                     void* stream) override {
+    const Box scales = scale_box(slice.local);
+    const std::vector<std::int64_t> scale_shape = scale_shape_of(slice.local_shape);
+    if (side_ == QuantizeSide::kReceiver) {
+      exec::mx_quantize(
+          {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)},
+          {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
+          {dst.scale.data, DType::kFloat8E8M0, exec::view_of(scales, scale_shape, false)},
+          round_up_, dst.data.kind, stream);
+      return;
+    }
+    exec::unpack_block(wire[0], dst.data, exec::view_of(slice.local, slice.local_shape, true), 1,
+                       stream);
+    exec::unpack_block(wire[1], dst.scale, exec::view_of(scales, scale_shape, true), 1, stream);
+  }
+
+ private:
+  static Box scale_box(const Box& box) {
+    Box scales = box;
+    const int last = box.ndim - 1;
+    scales.offset[last] /= formats::kMxBlock;
+    scales.extent[last] /= formats::kMxBlock;
+    return scales;
+  }
+  static std::vector<std::int64_t> scale_shape_of(const std::vector<std::int64_t>& shape) {
+    std::vector<std::int64_t> scales = shape;
+    scales.back() /= formats::kMxBlock;
+    return scales;
+  }
+  static std::size_t scale_elements(const std::vector<std::int64_t>& shape) {
+    return static_cast<std::size_t>(Box::whole(scale_shape_of(shape)).elements());
+  }
+  void check_alignment(const OpSlice& slice) const {
+    const int last = slice.op.region.ndim - 1;
+    const auto& region = slice.op.region;
+    if (region.offset[last] % formats::kMxBlock != 0 ||
+        region.extent[last] % formats::kMxBlock != 0 ||
+        slice.local.offset[last] % formats::kMxBlock != 0 ||
+        slice.local_shape.back() % formats::kMxBlock != 0) {
+      refuse(name(), slice,
+             "the last dimension of every slice must start and end on multiples of 32 (MX "
+             "blocks), here " +
+                 std::to_string(region.offset[last]) + ".." +
+                 std::to_string(region.offset[last] + region.extent[last]) + " in the parameter, " +
+                 std::to_string(slice.local.offset[last]) + ".. of a local dimension of " +
+                 std::to_string(slice.local_shape.back()));
+    }
+  }
+
+  QuantizeSide side_;
+  bool round_up_;
+};
+
+// ---- 128 x 128 block FP8 ----
+
+class Fp8BlockTransform final : public TransformBase {
+ public:
+  Fp8BlockTransform(QuantizeSide side, std::string filter)
+      : TransformBase(std::move(filter)), side_(side) {}
+
+  std::string name() const override {
+    return std::string("fp8-block-") + (side_ == QuantizeSide::kSender ? "sender" : "receiver");
+  }
+  bool should_transform(const ParamSpec& param) const override {
+    return param.shape.size() >= 2 &&
+           (param.dtype == DType::kBFloat16 || param.dtype == DType::kFloat32) &&
+           name_selected(param);
+  }
+
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
+                                   void* stream) override {
+    check_alignment(slice);
+    require_float_source(name(), slice, src);
+    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, stream, 0)};
+    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
+    const Box tiles = tile_box(slice.local);
+    Buffer data = wire_.get(true, slice.op, 0, n, src.data);
+    Buffer scale = wire_.get(true, slice.op, 1, tiles.elements() * sizeof(float), src.data);
+    exec::block_quantize(
+        {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
+        rows_per_matrix(slice.local),
+        {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
+        {scale.data, DType::kFloat32, exec::dense_view(tiles)}, src.data.kind, stream);
+    return {data, scale};
+  }
+
+  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
+    check_alignment(slice);
+    const std::vector<std::int64_t> scale_shape = tile_shape(slice.local_shape);
+    require_scale(name(), slice, dst, Box::whole(scale_shape).elements() * sizeof(float));
+    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
+    if (side_ == QuantizeSide::kReceiver) {
+      return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
+    }
+    return {
+        wire_.get(false, slice.op, 0, n, dst.data),
+        wire_.get(false, slice.op, 1, tile_box(slice.local).elements() * sizeof(float), dst.data)};
+  }
+
+  void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
+                     void* stream) override {
+    const Box tiles = tile_box(slice.local);
+    const std::vector<std::int64_t> scale_shape = tile_shape(slice.local_shape);
+    if (side_ == QuantizeSide::kReceiver) {
+      exec::block_quantize(
+          {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)},
+          rows_per_matrix(slice.local),
+          {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
+          {dst.scale.data, DType::kFloat32, exec::view_of(tiles, scale_shape, false)},
+          dst.data.kind, stream);
+      return;
+    }
+    exec::unpack_block(wire[0], dst.data, exec::view_of(slice.local, slice.local_shape, true), 1,
+                       stream);
+    exec::unpack_block(wire[1], dst.scale, exec::view_of(tiles, scale_shape, true), sizeof(float),
+                       stream);
+  }
+
+ private:
+  static constexpr std::int64_t kTile = formats::kFp8Block;
+  static std::int64_t tiles_of(std::int64_t n) { return (n + kTile - 1) / kTile; }
+  static std::int64_t rows_per_matrix(const Box& box) { return box.extent[box.ndim - 2]; }
+  // The tiles a block covers, in a tensor of tiles (its last two dimensions divided by 128).
+  static Box tile_box(const Box& box) {
+    Box tiles = box;
+    for (int d = box.ndim - 2; d < box.ndim; ++d) {
+      tiles.offset[d] = box.offset[d] / kTile;
+      tiles.extent[d] = tiles_of(box.extent[d]);
+    }
+    return tiles;
+  }
+  static std::vector<std::int64_t> tile_shape(const std::vector<std::int64_t>& shape) {
+    std::vector<std::int64_t> tiles = shape;
+    for (std::size_t d = shape.size() - 2; d < shape.size(); ++d) tiles[d] = tiles_of(shape[d]);
+    return tiles;
+  }
+  // Tiles must stay whole: slices start on a tile boundary and end on one or at the dimension's
+  // end, in the parameter and in the local tensor alike.
+  void check_alignment(const OpSlice& slice) const {
+    const Box& region = slice.op.region;
+    for (int d = region.ndim - 2; d < region.ndim; ++d) {
+      const std::int64_t end = region.offset[d] + region.extent[d];
+      const std::int64_t local_end = slice.local.offset[d] + slice.local.extent[d];
+      const bool whole = region.offset[d] % kTile == 0 &&
+                         (end % kTile == 0 || end == slice.param.shape[d]) &&
+                         slice.local.offset[d] % kTile == 0 &&
+                         (local_end % kTile == 0 || local_end == slice.local_shape[d]);
+      if (!whole) {
+        refuse(name(), slice,
+               "dimension " + std::to_string(d) + " of the slice cuts 128 x 128 tiles (parameter " +
+                   std::to_string(region.offset[d]) + ".." + std::to_string(end) + ", local " +
+                   std::to_string(slice.local.offset[d]) + ".." + std::to_string(local_end) +
+                   " of " + std::to_string(slice.local_shape[d]) + ")");
+      }
+    }
+  }
+
+  QuantizeSide side_;
+};
+
+}  // namespace
+
+std::shared_ptr<ReshardTransform> make_cast_transform(DType wire) {
+  return std::make_shared<CastTransform>(wire);
+}
+
+std::shared_ptr<ReshardTransform> make_mxfp8_transform(QuantizeSide side, MxScaleRounding rounding,
+                                                       std::string name_filter) {
+  return std::make_shared<Mxfp8Transform>(side, rounding, std::move(name_filter));
+}
+
+std::shared_ptr<ReshardTransform> make_fp8_block_transform(QuantizeSide side,
+                                                           std::string name_filter) {
+  return std::make_shared<Fp8BlockTransform>(side, std::move(name_filter));
+}
+
+void reference_mxfp8_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
+                              MxScaleRounding rounding, std::uint8_t* data, std::uint8_t* scales) {
+  if (cols % formats::kMxBlock != 0) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "MXFP8 rows need a multiple of 32 elements, got " + std::to_string(cols));
+  }
+  const Box box = Box::whole({rows, cols});
+  const Box scale_box = Box::whole({rows, cols / formats::kMxBlock});
+  exec::mx_quantize({const_cast<std::uint16_t*>(bf16), DType::kBFloat16, exec::dense_view(box)},
+                    {data, DType::kFloat8E4M3, exec::dense_view(box)},
+                    {scales, DType::kFloat8E8M0, exec::dense_view(scale_box)},
+                    rounding == MxScaleRounding::kRoundUp, MemoryKind::kHost, nullptr);
+}
+
+void reference_fp8_block_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
+                                  std::uint8_t* data, float* scales) {
+  const Box box = Box::whole({rows, cols});
+  const Box tiles = Box::whole({(rows + 127) / 128, (cols + 127) / 128});
+  exec::block_quantize({const_cast<std::uint16_t*>(bf16), DType::kBFloat16, exec::dense_view(box)},
+                       rows, {data, DType::kFloat8E4M3, exec::dense_view(box)},
+                       {scales, DType::kFloat32, exec::dense_view(tiles)}, MemoryKind::kHost,
+                       nullptr);
+}
+
+}  // namespace reshard

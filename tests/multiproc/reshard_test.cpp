@@ -1,0 +1,543 @@
+// End to end: build two model layouts, plan, execute on the copy service, verify every destination
+// byte (plain moves bit for bit; transforms against the CPU reference applied to the whole
+// parameter). Runs on the host transport under reshard-run, and on GPUs (tensors in device memory)
+// when RESHARD_TEST_TRANSPORT names a GPU transport.
+#include "reshard/reshard.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "reshard/model_layouts.hpp"
+#include "reshard/resharder.hpp"
+#include "support/pe_tests.hpp"
+#include "transforms/number_formats.hpp"
+
+#ifdef RESHARD_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace reshard {
+namespace {
+
+using testing_support::all_pes;
+using testing_support::bootstrap;
+
+std::string transport_under_test() {
+  const char* name = std::getenv("RESHARD_TEST_TRANSPORT");
+  return name ? name : "host";
+}
+bool on_gpu() { return transport_under_test() != "host"; }
+
+std::unique_ptr<CopyService> make_service() {
+  auto service =
+      std::make_unique<CopyService>(bootstrap(), parse_transport_kind(transport_under_test()));
+  service->init(LogLevel::kWarn);
+  return service;
+}
+
+// A tensor in host or device memory, filled and read back through host vectors.
+class TestMemory {
+ public:
+  TestMemory(std::size_t bytes, int device) : bytes_(bytes), device_(device) {
+    if (!on_gpu()) {
+      host_.assign(bytes, std::byte{0xcd});
+      return;
+    }
+#ifdef RESHARD_WITH_CUDA
+    cudaMalloc(&gpu_, bytes == 0 ? 1 : bytes);
+    cudaMemset(gpu_, 0xcd, bytes);
+#endif
+  }
+  ~TestMemory() {
+#ifdef RESHARD_WITH_CUDA
+    if (gpu_) cudaFree(gpu_);
+#endif
+  }
+  TestMemory(const TestMemory&) = delete;
+  Buffer buffer() {
+    return on_gpu() ? Buffer::cuda(gpu_, bytes_, device_) : Buffer::host(host_.data(), bytes_);
+  }
+  void upload(const std::vector<std::byte>& data) {
+    if (!on_gpu()) {
+      host_ = data;
+      return;
+    }
+#ifdef RESHARD_WITH_CUDA
+    cudaMemcpy(gpu_, data.data(), data.size(), cudaMemcpyHostToDevice);
+#endif
+  }
+  std::vector<std::byte> download() const {
+    if (!on_gpu()) return host_;
+    std::vector<std::byte> out(bytes_);
+#ifdef RESHARD_WITH_CUDA
+    cudaMemcpy(out.data(), gpu_, bytes_, cudaMemcpyDeviceToHost);
+#endif
+    return out;
+  }
+
+ private:
+  std::size_t bytes_;
+  int device_;
+  std::vector<std::byte> host_;
+  void* gpu_ = nullptr;
+};
+
+// Parameter `p`'s element at global linear index i, as bf16 bits: a spread of magnitudes
+// (including zeros and values that need MX scales far from 1) that differs between parameters.
+std::uint16_t source_value(std::uint32_t p, std::int64_t i) {
+  const std::uint64_t h = (static_cast<std::uint64_t>(i) * 2654435761u) ^ (p * 40503u);
+  const int exponent = static_cast<int>(h % 29) - 14;
+  const float mantissa = static_cast<float>((h >> 8) % 2001) / 1000.0f - 1.0f;
+  return formats::float_to_bf16(std::ldexp(mantissa, exponent));
+}
+
+std::int64_t linear(const Extents& at, const std::vector<std::int64_t>& shape) {
+  std::int64_t index = 0;
+  for (std::size_t d = 0; d < shape.size(); ++d) index = index * shape[d] + at[d];
+  return index;
+}
+
+template <typename Fn>
+void for_each_position(const Box& box, Fn fn) {
+  if (box.empty()) return;
+  Extents at = box.offset;
+  while (true) {
+    fn(at);
+    int d = box.ndim - 1;
+    for (; d >= 0; --d) {
+      if (++at[d] < box.offset[d] + box.extent[d]) break;
+      at[d] = box.offset[d];
+    }
+    if (d < 0) return;
+  }
+}
+
+// Calls fn(global position, local position) for every element this shard holds.
+template <typename Fn>
+void for_each_element(const Shard& shard, Fn fn) {
+  for (const Piece& piece : shard.pieces) {
+    for_each_position(piece.global, [&](const Extents& g) {
+      Extents l = g;
+      for (int d = 0; d < piece.global.ndim; ++d) {
+        l[d] = g[d] - piece.global.offset[d] + piece.local_at[d];
+      }
+      fn(g, l);
+    });
+  }
+}
+
+enum class Mode { kPlain, kCastFp32, kMxReceiver, kMxSender, kBlockReceiver, kBlockSender };
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kPlain:
+      return "plain";
+    case Mode::kCastFp32:
+      return "cast-fp32";
+    case Mode::kMxReceiver:
+      return "mxfp8-receiver";
+    case Mode::kMxSender:
+      return "mxfp8-sender";
+    case Mode::kBlockReceiver:
+      return "fp8-block-receiver";
+    case Mode::kBlockSender:
+      return "fp8-block-sender";
+  }
+  return "?";
+}
+
+std::shared_ptr<ReshardTransform> transform_for(Mode mode) {
+  switch (mode) {
+    case Mode::kPlain:
+      return nullptr;
+    case Mode::kCastFp32:
+      return make_cast_transform(DType::kBFloat16);
+    case Mode::kMxReceiver:
+      return make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp);
+    case Mode::kMxSender:
+      return make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kRoundUp);
+    case Mode::kBlockReceiver:
+      return make_fp8_block_transform(QuantizeSide::kReceiver, "mlp.");
+    case Mode::kBlockSender:
+      return make_fp8_block_transform(QuantizeSide::kSender, "mlp.");
+  }
+  return nullptr;
+}
+
+// What the destination holds for a parameter: the bf16 source, its fp32 cast, or FP8 + scales
+// from the reference applied to the whole parameter.
+struct Expected {
+  DType dtype = DType::kBFloat16;
+  std::vector<std::uint16_t> bf16;      // plain
+  std::vector<float> fp32;              // cast
+  std::vector<std::uint8_t> fp8;        // MX or block data, per global element
+  std::vector<std::uint8_t> mx_scales;  // [rows, cols / 32]
+  std::vector<float> block_scales;      // [rows / 128, cols / 128] (rounded up)
+};
+
+Expected expected_for(const ParamSpec& param, std::uint32_t p, Mode mode,
+                      const ReshardTransform* transform) {
+  Expected out;
+  const std::int64_t n = param.elements();
+  std::vector<std::uint16_t> source(n);
+  for (std::int64_t i = 0; i < n; ++i) source[i] = source_value(p, i);
+  const bool converted = transform && transform->should_transform(param);
+  const std::int64_t cols = param.shape.back();
+  const std::int64_t rows = n / std::max<std::int64_t>(1, cols);
+  if (!converted) {
+    out.bf16 = std::move(source);
+  } else if (mode == Mode::kCastFp32) {
+    out.dtype = DType::kFloat32;
+    for (std::uint16_t v : source) out.fp32.push_back(formats::bf16_to_float(v));
+  } else if (mode == Mode::kMxReceiver || mode == Mode::kMxSender) {
+    out.dtype = DType::kFloat8E4M3;
+    out.fp8.resize(n);
+    out.mx_scales.resize(n / 32);
+    reference_mxfp8_quantize(
+        source.data(), rows, cols,
+        mode == Mode::kMxSender ? MxScaleRounding::kRoundUp : MxScaleRounding::kOcp, out.fp8.data(),
+        out.mx_scales.data());
+  } else {
+    out.dtype = DType::kFloat8E4M3;
+    out.fp8.resize(n);
+    out.block_scales.resize(((rows + 127) / 128) * ((cols + 127) / 128));
+    reference_fp8_block_quantize(source.data(), rows, cols, out.fp8.data(),
+                                 out.block_scales.data());
+  }
+  return out;
+}
+
+struct RankTensors {
+  std::map<std::string, std::unique_ptr<TestMemory>> src, dst, dst_scale;
+  TensorMap src_map, dst_map;
+};
+
+RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device, Mode mode,
+                         const ReshardTransform* transform,
+                         const std::map<std::string, Expected>& expected) {
+  RankTensors t;
+  const Layout& src = plan.src_layout();
+  for (std::uint32_t p = 0; p < src.params().size(); ++p) {
+    const Shard* shard = src.find_shard(me, p);
+    if (shard == nullptr) continue;
+    const ParamSpec& param = src.params()[p];
+    std::vector<std::byte> bytes(Box::whole(shard->local_shape).elements() * 2);
+    auto* values = reinterpret_cast<std::uint16_t*>(bytes.data());
+    for_each_element(*shard, [&](const Extents& g, const Extents& l) {
+      values[linear(l, shard->local_shape)] = source_value(p, linear(g, param.shape));
+    });
+    auto memory = std::make_unique<TestMemory>(bytes.size(), device);
+    memory->upload(bytes);
+    t.src_map[param.name] = {memory->buffer(), DType::kBFloat16, {}};
+    t.src[param.name] = std::move(memory);
+  }
+  const Layout& dst = plan.dst_layout();
+  for (std::uint32_t p = 0; p < dst.params().size(); ++p) {
+    const Shard* shard = dst.find_shard(me, p);
+    if (shard == nullptr) continue;
+    const ParamSpec& param = dst.params()[p];
+    const Expected& want = expected.at(param.name);
+    const std::int64_t n = Box::whole(shard->local_shape).elements();
+    auto memory = std::make_unique<TestMemory>(n * dtype_size(want.dtype), device);
+    LocalTensor tensor{memory->buffer(), want.dtype, {}};
+    std::size_t scale_bytes = 0;
+    if (!want.mx_scales.empty()) scale_bytes = n / 32;
+    if (!want.block_scales.empty()) {
+      const auto& s = shard->local_shape;
+      scale_bytes = n / (s[s.size() - 1] * s[s.size() - 2]) * ((s[s.size() - 2] + 127) / 128) *
+                    ((s.back() + 127) / 128) * sizeof(float);
+    }
+    if (scale_bytes > 0) {
+      auto scales = std::make_unique<TestMemory>(scale_bytes, device);
+      tensor.scale = scales->buffer();
+      t.dst_scale[param.name] = std::move(scales);
+    }
+    t.dst_map[param.name] = tensor;
+    t.dst[param.name] = std::move(memory);
+  }
+  (void)mode;
+  (void)transform;
+  return t;
+}
+
+// Compares every element (and scale) this rank's destination holds; returns the mismatches.
+std::size_t verify(const ReshardPlan& plan, PeId me, RankTensors& t,
+                   const std::map<std::string, Expected>& expected) {
+  std::size_t wrong = 0;
+  const Layout& dst = plan.dst_layout();
+  for (std::uint32_t p = 0; p < dst.params().size(); ++p) {
+    const Shard* shard = dst.find_shard(me, p);
+    if (shard == nullptr) continue;
+    const ParamSpec& param = dst.params()[p];
+    const Expected& want = expected.at(param.name);
+    const std::vector<std::byte> got = t.dst[param.name]->download();
+    std::vector<std::byte> scales;
+    if (t.dst_scale.count(param.name)) scales = t.dst_scale[param.name]->download();
+    const auto& local_shape = shard->local_shape;
+    const std::int64_t cols = param.shape.back(), local_cols = local_shape.back();
+    auto report = [&](const Extents& g, const std::string& what) {
+      if (wrong++ < 3) {
+        ADD_FAILURE()
+            << "rank " << me << " '" << param.name << "' at "
+            << Box{param.shape.empty() ? 0 : static_cast<int>(param.shape.size()), g, {}}.str()
+            << ": " << what;
+      }
+    };
+    for_each_element(*shard, [&](const Extents& g, const Extents& l) {
+      const std::int64_t gi = linear(g, param.shape), li = linear(l, local_shape);
+      switch (want.dtype) {
+        case DType::kBFloat16: {
+          std::uint16_t v;
+          std::memcpy(&v, got.data() + 2 * li, 2);
+          if (v != want.bf16[gi]) report(g, "bf16 bits differ");
+          break;
+        }
+        case DType::kFloat32: {
+          float v;
+          std::memcpy(&v, got.data() + 4 * li, 4);
+          if (std::memcmp(&v, &want.fp32[gi], 4) != 0) report(g, "fp32 bits differ");
+          break;
+        }
+        default: {
+          if (static_cast<std::uint8_t>(got[li]) != want.fp8[gi]) report(g, "fp8 bits differ");
+          const std::int64_t g_row = gi / cols, l_row = li / local_cols;
+          const std::int64_t g_col = g[param.shape.size() - 1], l_col = l[param.shape.size() - 1];
+          if (!want.mx_scales.empty() && g_col % 32 == 0 &&
+              static_cast<std::uint8_t>(scales[l_row * (local_cols / 32) + l_col / 32]) !=
+                  want.mx_scales[g_row * (cols / 32) + g_col / 32]) {
+            report(g, "MX scale differs");
+          }
+          if (!want.block_scales.empty() && g_col % 128 == 0 && g_row % 128 == 0) {
+            const std::int64_t g_tiles = (cols + 127) / 128, l_tiles = (local_cols + 127) / 128;
+            const std::int64_t rows_m = param.shape[param.shape.size() - 2];
+            const std::int64_t local_rows_m = local_shape[local_shape.size() - 2];
+            const std::int64_t g_tile_rows = (rows_m + 127) / 128;
+            const std::int64_t l_tile_rows = (local_rows_m + 127) / 128;
+            const std::int64_t g_tile =
+                (g_row / rows_m * g_tile_rows + (g_row % rows_m) / 128) * g_tiles + g_col / 128;
+            const std::int64_t l_tile =
+                (l_row / local_rows_m * l_tile_rows + (l_row % local_rows_m) / 128) * l_tiles +
+                l_col / 128;
+            float v;
+            std::memcpy(&v, scales.data() + 4 * l_tile, 4);
+            if (std::memcmp(&v, &want.block_scales[g_tile], 4) != 0)
+              report(g, "tile scale differs");
+          }
+        }
+      }
+    });
+  }
+  return wrong;
+}
+
+struct Case {
+  std::string name;
+  Parallelism src, dst;
+};
+
+// Layout changes that fit the job's PE count: colocated (both sides on every PE) and disjoint
+// (each side on half the PEs).
+std::vector<Case> cases_for(int n) {
+  std::vector<Case> cases;
+  auto add = [&](Parallelism a, Parallelism b) {
+    cases.push_back({a.str() + " -> " + b.str(), a, b});
+  };
+  const int p2 = n & -n;  // the largest power of two dividing n: the TP sizes that fit
+  const int half_p2 = std::max(1, p2 / 2);
+  add({.tp = p2, .dp = n / p2}, {.tp = half_p2, .replicas = n / half_p2});
+  if (p2 >= 2) add({.tp = half_p2, .dp = n / p2, .pp = 2}, {.tp = p2, .replicas = n / p2});
+  add({.dp = n}, {.tp = p2, .replicas = n / p2});
+  if (n % 2 == 0) {
+    const int half = n / 2, q = half & -half;
+    add({.tp = q, .dp = half / q},
+        {.tp = std::max(1, q / 2), .replicas = half / std::max(1, q / 2), .rank_offset = half});
+  }
+  if (n % 4 == 0) add({.tp = 2, .dp = n / 2, .ep = 2}, {.tp = 4, .replicas = n / 4, .ep = 4});
+  return cases;
+}
+
+int my_device() {
+#ifdef RESHARD_WITH_CUDA
+  if (on_gpu()) {
+    int device = 0;
+    cudaGetDevice(&device);
+    return device;
+  }
+#endif
+  return -1;
+}
+
+void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode mode) {
+  SCOPED_TRACE(c.name + " " + mode_name(mode));
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
+  auto transform = transform_for(mode);
+  std::map<std::string, Expected> expected;
+  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+    expected[plan->params()[p].name] = expected_for(plan->params()[p], p, mode, transform.get());
+  }
+  const PeId me = service.my_pe();
+  RankTensors tensors = make_tensors(*plan, me, my_device(), mode, transform.get(), expected);
+  for (int refit = 0; refit < 2; ++refit) {
+    const ReshardReport report =
+        execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, service, transform);
+    EXPECT_EQ(report.rescheduled, refit == 0) << "refit " << refit;
+    EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "refit " << refit;
+    // Poison the destination so the second refit must write it again.
+    for (auto& [name, memory] : tensors.dst) {
+      memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
+    }
+  }
+}
+
+ModelSpec test_model(bool moe) { return toy_model(2, 256, moe ? 4 : 0); }
+
+class Reshard : public testing::TestWithParam<Mode> {};
+
+TEST_P(Reshard, EveryDestinationElementMatchesItsReference) {
+  auto service = make_service();
+  for (const Case& c : cases_for(service->n_pes())) {
+    const bool moe = c.src.ep > 1 || c.dst.ep > 1;
+    // 128 x 128 tiles of the toy MLP weights stay whole up to 4-way splits.
+    const bool block = GetParam() == Mode::kBlockReceiver || GetParam() == Mode::kBlockSender;
+    if (block && (c.src.tp > 4 || c.dst.tp > 4)) continue;
+    run_case(*service, test_model(moe), c, GetParam());
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, Reshard,
+                         testing::Values(Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver,
+                                         Mode::kMxSender, Mode::kBlockReceiver, Mode::kBlockSender),
+                         [](const auto& info) {
+                           std::string name = mode_name(info.param);
+                           for (char& ch : name) ch = ch == '-' ? '_' : ch;
+                           return name;
+                         });
+
+TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
+  auto service = make_service();
+  const ModelSpec model = test_model(false);
+  // Every rank copies its own replica of every weight, so every rank refuses on its own.
+  const int n = service->n_pes();
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, {.replicas = n})));
+  std::map<std::string, Expected> expected;
+  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+    expected[plan->params()[p].name] = expected_for(plan->params()[p], p, Mode::kPlain, nullptr);
+  }
+  RankTensors t =
+      make_tensors(*plan, service->my_pe(), my_device(), Mode::kPlain, nullptr, expected);
+  t.src_map.erase("layers.1.mlp.down_proj.weight");
+  try {
+    execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what())
+                  .find("no source tensor for "
+                        "'layers.1.mlp.down_proj.weight'"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+TEST(ReshardErrors, MisalignedMxSlicesAreRefusedNamingTheRegion) {
+  auto service = make_service();
+  const int tp = service->n_pes() & -service->n_pes();
+  if (tp < 2) GTEST_SKIP() << "needs a tensor-parallel split";
+  const ModelSpec model = toy_model(1, 32);  // o_proj [32, 32] split on its last dimension
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.tp = tp}), build_layout(model, {.tp = 1})));
+  auto transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp, "o_proj");
+  std::map<std::string, Expected> expected;
+  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+    expected[plan->params()[p].name] =
+        expected_for(plan->params()[p], p, Mode::kMxSender, transform.get());
+  }
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), Mode::kMxSender,
+                               transform.get(), expected);
+  try {
+    execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("multiples of 32"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("o_proj"), std::string::npos) << error.what();
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Sends two wire buffers per op but receives into one: both sides reach schedule(), which must
+// refuse naming the parameter and the mismatch rather than move anything.
+class LopsidedTransform final : public ReshardTransform {
+ public:
+  std::string name() const override { return "lopsided"; }
+  bool should_transform(const ParamSpec& param) const override {
+    return param.name == "norm.weight";
+  }
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src, void*) override {
+    const std::size_t half = slice.op.bytes / 2;
+    return {Buffer{src.data.data, half, src.data.kind, src.data.device},
+            Buffer{static_cast<std::byte*>(src.data.data) + half, slice.op.bytes - half,
+                   src.data.kind, src.data.device}};
+  }
+  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
+    return {Buffer{dst.data.data, slice.op.bytes, dst.data.kind, dst.data.device}};
+  }
+  void finalize_recv(const OpSlice&, const LocalTensor&, std::span<const Buffer>, void*) override {}
+};
+
+TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
+  auto service = make_service();
+  if (service->n_pes() < 2) GTEST_SKIP() << "needs two ranks";
+  const ModelSpec model = test_model(false);
+  // norm.weight lives on the last stage (rank 1) and moves to rank 0.
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.pp = 2}), build_layout(model, {.rank_offset = 0})));
+  std::map<std::string, Expected> expected;
+  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+    expected[plan->params()[p].name] = expected_for(plan->params()[p], p, Mode::kPlain, nullptr);
+  }
+  RankTensors t =
+      make_tensors(*plan, service->my_pe(), my_device(), Mode::kPlain, nullptr, expected);
+  try {
+    execute_reshard_plan(plan, t.src_map, t.dst_map, *service,
+                         std::make_shared<LopsidedTransform>());
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kValidation);
+    const std::string text = error.what();
+    EXPECT_NE(text.find("wire buffer 1 of 2 of 'norm.weight'"), std::string::npos) << text;
+    EXPECT_NE(text.find("wire buffer 1 of 1 of 'norm.weight'"), std::string::npos) << text;
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+}  // namespace
+}  // namespace reshard
+
+int main(int argc, char** argv) {
+  using namespace reshard;
+  if (on_gpu()) {
+    // GPU runs need the transport in this build and a GPU per PE; otherwise every PE skips (77).
+    const auto names = available_transports();
+    if (std::find(names.begin(), names.end(), transport_under_test()) == names.end()) {
+      std::printf("skipped: this build has no %s transport\n", transport_under_test().c_str());
+      return 77;
+    }
+    int devices = 0;
+#ifdef RESHARD_WITH_CUDA
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+#endif
+    const char* expected = std::getenv("RESHARD_EXPECT_PES");
+    if (devices < (expected ? std::atoi(expected) : 1)) {
+      std::printf("skipped: needs a CUDA device per PE, this machine has %d\n", devices);
+      return 77;
+    }
+  }
+  return testing_support::run_pe_tests(argc, argv);
+}

@@ -1,0 +1,114 @@
+// The scalar conversions every transform is built on, against values worked out by hand and
+// exhaustive round trips.
+#include "transforms/number_formats.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "reshard/error.hpp"
+#include "reshard/transform.hpp"
+
+namespace reshard::formats {
+namespace {
+
+TEST(NumberFormats, E4m3RoundTripsEveryCode) {
+  for (int code = 0; code < 256; ++code) {
+    const auto bits = static_cast<std::uint8_t>(code);
+    const float value = e4m3_to_float(bits);
+    if ((code & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(value)) << code;
+      EXPECT_EQ(double_to_e4m3(value) & 0x7f, 0x7f);
+      continue;
+    }
+    EXPECT_EQ(double_to_e4m3(value), bits) << "code " << code << " value " << value;
+  }
+}
+
+TEST(NumberFormats, E4m3RoundsToNearestEvenAndSaturates) {
+  EXPECT_EQ(e4m3_to_float(0x7e), 448.0f);
+  EXPECT_EQ(e4m3_to_float(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(double_to_e4m3(1000.0), 0x7e);
+  EXPECT_EQ(double_to_e4m3(-1e30), 0xfe);
+  EXPECT_EQ(double_to_e4m3(std::numeric_limits<double>::infinity()), 0x7e);
+  EXPECT_EQ(double_to_e4m3(1.0625), 0x38);  // halfway between 1 and 1.125: even (1.0)
+  EXPECT_EQ(double_to_e4m3(1.1875), 0x3a);  // halfway between 1.125 and 1.25: even (1.25)
+  EXPECT_EQ(double_to_e4m3(std::ldexp(1.0, -10)), 0x00);  // half the smallest subnormal: even
+  EXPECT_EQ(double_to_e4m3(std::ldexp(3.0, -10)), 0x02);  // 1.5 steps: even (2)
+  EXPECT_EQ(double_to_e4m3(-0.0), 0x80);
+}
+
+TEST(NumberFormats, Bf16AndFp16MatchHandWorkedValues) {
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(float_to_bf16(bits_float(0x3f808000u)), 0x3f80);  // tie: even
+  EXPECT_EQ(float_to_bf16(bits_float(0x3f818000u)), 0x3f82);  // tie: even (up)
+  EXPECT_EQ(float_to_bf16(bits_float(0x3f808001u)), 0x3f81);
+  EXPECT_EQ(float_to_bf16(std::numeric_limits<float>::quiet_NaN()) & 0x7fc0, 0x7fc0);
+  EXPECT_EQ(float_to_fp16(1.0f), 0x3c00);
+  EXPECT_EQ(float_to_fp16(65504.0f), 0x7bff);
+  EXPECT_EQ(float_to_fp16(65520.0f), 0x7c00);  // rounds past the largest half: infinity
+  EXPECT_EQ(float_to_fp16(std::ldexp(1.0f, -24)), 0x0001);
+  EXPECT_EQ(float_to_fp16(std::ldexp(1.0f, -25)), 0x0000);  // tie: even
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff) != 0) continue;  // NaN payloads
+    EXPECT_EQ(float_to_fp16(fp16_to_float(static_cast<std::uint16_t>(h))), h) << h;
+    EXPECT_EQ(float_to_bf16(bf16_to_float(static_cast<std::uint16_t>(h))), h & 0xffff)
+        << h;  // bf16 NaN codes keep the quiet bit set already for 0x7fc0..
+    if (HasFailure()) break;
+  }
+}
+
+TEST(NumberFormats, MxScaleRulesDifferOnlyWhereOcpWouldSaturate) {
+  // 448 = 1.75 * 2^8: both rules give 2^0.
+  EXPECT_EQ(mx_scale_bits(448.0f, false), 127);
+  EXPECT_EQ(mx_scale_bits(448.0f, true), 127);
+  // 500 = 1.95 * 2^8: OCP keeps 2^0 (500 saturates to 448), round-up moves to 2^1.
+  EXPECT_EQ(mx_scale_bits(500.0f, false), 127);
+  EXPECT_EQ(mx_scale_bits(500.0f, true), 128);
+  EXPECT_EQ(mx_encode(500.0f, 127), 0x7e);
+  EXPECT_EQ(e4m3_to_float(mx_encode(500.0f, 128)) * 2.0f, 512.0f);  // nearest E4M3 of 250 = 256
+  EXPECT_EQ(mx_scale_bits(0.0f, false), 0);
+  EXPECT_EQ(mx_scale_bits(std::numeric_limits<float>::infinity(), false), kE8m0Nan);
+  EXPECT_EQ(mx_scale_bits(std::numeric_limits<float>::quiet_NaN(), true), kE8m0Nan);
+  EXPECT_EQ(mx_scale_bits(1e-40f, false), 0);  // subnormal amax: the smallest scale, clamped
+  EXPECT_TRUE(std::isnan(mx_decode(0x10, kE8m0Nan)));
+}
+
+TEST(NumberFormats, ReferenceMxfp8QuantizesBlocksOfThirtyTwo) {
+  std::vector<std::uint16_t> row(64);
+  for (int i = 0; i < 32; ++i) row[i] = float_to_bf16(static_cast<float>(i));  // amax 31
+  for (int i = 32; i < 64; ++i) row[i] = float_to_bf16(0.001f * (i - 32));
+  std::vector<std::uint8_t> data(64), scales(2);
+  reference_mxfp8_quantize(row.data(), 1, 64, MxScaleRounding::kOcp, data.data(), scales.data());
+  EXPECT_EQ(scales[0], 127 + 4 - 8);  // floor(log2 31) = 4
+  // Elements are i * 2^4 in E4M3: exact up to 16 * 16, then rounded; 31 * 16 = 496 saturates.
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(mx_decode(data[i], scales[0]), static_cast<float>(i));
+  EXPECT_EQ(mx_decode(data[17], scales[0]), 16.0f);  // 272: a tie between 256 and 288, even
+  EXPECT_EQ(mx_decode(data[31], scales[0]), 28.0f);  // 448 / 16
+  EXPECT_LT(scales[1], scales[0]);
+  EXPECT_THROW(reference_mxfp8_quantize(row.data(), 1, 48, MxScaleRounding::kOcp, data.data(),
+                                        scales.data()),
+               reshard::Error);
+}
+
+TEST(NumberFormats, ReferenceBlockFp8ScalesEachTileByItsMaximum) {
+  const std::int64_t rows = 130, cols = 200;  // partial tiles at both edges
+  std::vector<std::uint16_t> values(rows * cols);
+  for (std::int64_t i = 0; i < rows * cols; ++i) {
+    values[i] = float_to_bf16(static_cast<float>((i % 97) - 48) * (i / cols < 128 ? 1.0f : 8.0f));
+  }
+  std::vector<std::uint8_t> data(rows * cols);
+  std::vector<float> scales(4);
+  reference_fp8_block_quantize(values.data(), rows, cols, data.data(), scales.data());
+  EXPECT_FLOAT_EQ(scales[0], 48.0f / 448.0f);
+  EXPECT_FLOAT_EQ(scales[2], 8.0f * 48.0f / 448.0f);  // the two-row tile below
+  for (std::int64_t i = 0; i < rows * cols; i += 37) {
+    const float scale = scales[(i / cols) / 128 * 2 + (i % cols) / 128];
+    const float back = e4m3_to_float(data[i]) * scale;
+    EXPECT_NEAR(back, bf16_to_float(values[i]), std::fabs(bf16_to_float(values[i])) / 8 + 1e-6);
+  }
+}
+
+}  // namespace
+}  // namespace reshard::formats
