@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: builds reshard with its GPU transports, runs the GPU test suite (every
-# transport and engine at 2 and 4 GPUs) and, with --bench, the GPU benchmark. Logs go to $OUT
+# transport and engine at 2 and 4 GPUs) and, with --bench, the GPU benchmark, with --refit the
+# model refit benchmark (every GPU transport, with and without MXFP8). Logs go to $OUT
 # (default build-gpu/logs). GoogleTest and CLI11 may come from .deps/ where the machine lacks them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,17 @@ status=0
 ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 \
   >"$OUT/gpu-tests.log" 2>&1 || status=$?
 grep -E "Test +#|tests passed|Failure|FAILED|what\(\)" "$OUT/gpu-tests.log" | tail -40
+if [[ "${1:-}" == "--refit" ]]; then
+  shift
+  gpus=$(nvidia-smi -L | wc -l)
+  for model in llama3-8b qwen3-30b-a3b; do
+    for run in "cuda none" "nccl none" "cuda mxfp8" "nccl mxfp8"; do
+      set -- $run
+      timeout 240 build-gpu/reshard bench-refit -n "$gpus" -m "$model" -t "$1" --transform "$2" \
+        --json "$OUT/bench-refit.jsonl" 2>&1 | tee -a "$OUT/bench-refit.txt" || status=1
+    done
+  done
+fi
 if [[ "${1:-}" == "--bench" ]]; then
   shift
   commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

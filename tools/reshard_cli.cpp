@@ -59,6 +59,22 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 255));
   sched_cmd->add_option("--repeats", sched.repeats, "timed repetitions")->check(CLI::Range(1, 100));
 
+  reshard::bench::RefitBenchOptions refit;
+  std::string refit_transport = "auto";
+  auto* refit_cmd = app.add_subcommand(
+      "bench-refit", "Refit a model shape through the planner and executor; time vs lower bound");
+  refit_cmd->add_option("-m,--model", refit.model, "llama3-8b or qwen3-30b-a3b")
+      ->check(CLI::IsMember({"llama3-8b", "qwen3-30b-a3b"}));
+  refit_cmd->add_option("--layers", refit.layers, "layers (default: the model's)")
+      ->check(CLI::Range(0, 1000));
+  refit_cmd->add_option("--transform", refit.transform, "none or mxfp8")
+      ->check(CLI::IsMember({"none", "mxfp8"}));
+  refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda or nccl");
+  refit_cmd->add_option("-i,--iters", refit.iterations, "timed refits")->check(CLI::Range(1, 1000));
+  refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")->check(CLI::Range(0, 100));
+  refit_cmd->add_option("-n,--np", nprocs, "processes when not under a launcher");
+  refit_cmd->add_option("--json", refit.json_path, "append the result as a JSON line");
+
   reshard::bench::PlanBenchOptions plan;
   auto* plan_cmd = app.add_subcommand(
       "bench-plan", "Time the planner on a 1-trillion-parameter MoE layout change on one core");
@@ -115,7 +131,10 @@ int main(int argc, char** argv) {
     }
     std::shared_ptr<reshard::Bootstrap> bootstrap = reshard::make_default_bootstrap();
     std::uint64_t wrong = 0;
-    if (*gpu_cmd) {
+    if (*refit_cmd) {
+      refit.transport = reshard::parse_transport_kind(refit_transport);
+      wrong = reshard::bench::run_refit_bench(bootstrap, refit);
+    } else if (*gpu_cmd) {
 #ifdef RESHARD_WITH_CUDA
       wrong = reshard::bench::run_gpu_bench(bootstrap, gpu);
 #else

@@ -71,6 +71,21 @@ struct SchedulerBenchOptions {
 // Times build_schedule on one core and prints time and makespan/bound; returns the best seconds.
 double run_scheduler_bench(const SchedulerBenchOptions& options);
 
+struct RefitBenchOptions {
+  std::string model = "llama3-8b";  // or "qwen3-30b-a3b"
+  int layers = 0;                    // 0: the model's own count
+  std::string transform = "none";    // or "mxfp8" (sender side: FP8 + scales on the wire)
+  TransportKind transport = TransportKind::kAuto;
+  int iterations = 5;
+  int warmup = 2;
+  std::string json_path;
+};
+
+// Times refits of a model through make_reshard_plan and execute_reshard_plan; returns the wrong
+// bytes found in a sample of the destination (0 when all is well).
+std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
+                              const RefitBenchOptions& options);
+
 struct PlanBenchOptions {
   int layers = 61;
   int experts = 384;

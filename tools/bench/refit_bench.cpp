@@ -1,0 +1,244 @@
+// `reshard bench-refit`: one refit of a real model shape (Llama-3-8B TP 4 -> TP 2 x 2 replicas,
+// or Qwen3-30B-A3B EP 4 -> EP 2 x expert-TP 2) through the planner and the executor, timed per
+// refit on the slowest PE, against the plan's lower bound.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include "bench/bench.hpp"
+#include "reshard/reshard.hpp"
+
+#ifdef RESHARD_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace reshard::bench {
+namespace {
+
+std::uint16_t pattern(std::int64_t global) {
+  return static_cast<std::uint16_t>(((static_cast<std::uint64_t>(global) * 0x9e3779b1u) >> 7) &
+                                    0x3fff);
+}
+
+struct Tensor {
+  Buffer buffer;
+  std::vector<std::byte> host;  // host transport: the memory itself
+  ~Tensor() {
+#ifdef RESHARD_WITH_CUDA
+    if (buffer.kind == MemoryKind::kCuda) cudaFree(buffer.data);
+#endif
+  }
+};
+
+std::unique_ptr<Tensor> allocate(std::size_t bytes, bool gpu) {
+  auto t = std::make_unique<Tensor>();
+  if (!gpu) {
+    t->host.resize(bytes);
+    t->buffer = Buffer::host(t->host.data(), bytes);
+    return t;
+  }
+#ifdef RESHARD_WITH_CUDA
+  void* p = nullptr;
+  int device = 0;
+  cudaGetDevice(&device);
+  if (cudaMalloc(&p, bytes == 0 ? 1 : bytes) != cudaSuccess) {
+    throw_error(ErrorCode::kSystem, "cudaMalloc of " + format_bytes(bytes) + " failed");
+  }
+  cudaMemset(p, 0, bytes);
+  t->buffer = Buffer::cuda(p, bytes, device);
+#endif
+  return t;
+}
+
+void upload(Tensor& t, const std::vector<std::uint16_t>& values) {
+  const std::size_t bytes = values.size() * 2;
+  if (t.buffer.kind == MemoryKind::kHost) {
+    std::memcpy(t.buffer.data, values.data(), bytes);
+    return;
+  }
+#ifdef RESHARD_WITH_CUDA
+  cudaMemcpy(t.buffer.data, values.data(), bytes, cudaMemcpyHostToDevice);
+#endif
+}
+
+std::vector<std::byte> download(const Tensor& t) {
+  if (t.buffer.kind == MemoryKind::kHost) return t.host;
+  std::vector<std::byte> out(t.buffer.bytes);
+#ifdef RESHARD_WITH_CUDA
+  cudaMemcpy(out.data(), t.buffer.data, out.size(), cudaMemcpyDeviceToHost);
+#endif
+  return out;
+}
+
+// The shard's local tensor filled with the pattern of its elements' global indices, row by row.
+std::vector<std::uint16_t> source_values(const ParamSpec& param, const Shard& shard) {
+  std::vector<std::uint16_t> values(Box::whole(shard.local_shape).elements());
+  const int n = static_cast<int>(param.shape.size());
+  for (const Piece& piece : shard.pieces) {
+    const Box& g = piece.global;
+    const std::int64_t cols = g.extent[n - 1];
+    Box rows = g;
+    rows.extent[n - 1] = 1;
+    Extents at = rows.offset;
+    for (std::int64_t r = 0; r < rows.elements(); ++r) {
+      std::int64_t global = 0, local = 0;
+      for (int d = 0; d < n; ++d) {
+        global = global * param.shape[d] + at[d];
+        local = local * shard.local_shape[d] + (at[d] - g.offset[d] + piece.local_at[d]);
+      }
+      for (std::int64_t c = 0; c < cols; ++c) values[local + c] = pattern(global + c);
+      for (int d = n - 2; d >= 0; --d) {
+        if (++at[d] < g.offset[d] + g.extent[d]) break;
+        at[d] = g.offset[d];
+      }
+    }
+  }
+  return values;
+}
+
+// Checks every 4099th element of the shard (all of small ones); returns the wrong ones.
+std::uint64_t verify_sample(const ParamSpec& param, const Shard& shard,
+                            const std::vector<std::byte>& bytes) {
+  const auto* got = reinterpret_cast<const std::uint16_t*>(bytes.data());
+  const int n = static_cast<int>(param.shape.size());
+  const std::int64_t total = Box::whole(shard.local_shape).elements();
+  std::uint64_t wrong = 0;
+  for (std::int64_t li = 0; li < total; li += 4099) {
+    Extents l{};
+    for (std::int64_t rest = li, d = n - 1; d >= 0; --d) {
+      l[d] = rest % shard.local_shape[d];
+      rest /= shard.local_shape[d];
+    }
+    for (const Piece& piece : shard.pieces) {
+      if (!shard.local_box(piece).contains(Box{n, l, [&] {
+            Extents one{};
+            for (int d = 0; d < n; ++d) one[d] = 1;
+            return one;
+          }()})) {
+        continue;
+      }
+      std::int64_t global = 0;
+      for (int d = 0; d < n; ++d) {
+        global = global * param.shape[d] + (l[d] - piece.local_at[d] + piece.global.offset[d]);
+      }
+      if (got[li] != pattern(global)) ++wrong;
+    }
+  }
+  return wrong;
+}
+
+std::pair<Parallelism, Parallelism> layouts_for(const std::string& model, int n) {
+  if (n < 2 || n % 2 != 0) {
+    throw_error(ErrorCode::kInvalidArgument, "bench-refit needs an even number of PEs, got " +
+                                                 std::to_string(n));
+  }
+  if (model == "qwen3-30b-a3b") {
+    return {{.tp = n / 2, .dp = 2, .ep = n}, {.tp = n, .ep = n / 2, .etp = 2}};
+  }
+  return {{.tp = n}, {.tp = n / 2, .replicas = 2}};
+}
+
+}  // namespace
+
+std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
+                              const RefitBenchOptions& options) {
+  CopyService service(bootstrap, options.transport);
+  service.init(LogLevel::kWarn);
+  const PeId me = service.my_pe();
+  const int n = service.n_pes();
+  const bool gpu = service.transport_name() != "host";
+  const ModelSpec model = options.model == "qwen3-30b-a3b"
+                              ? qwen3_30b_a3b_model(options.layers > 0 ? options.layers : 48)
+                              : llama3_8b_model(options.layers > 0 ? options.layers : 32);
+  const auto [from, to] = layouts_for(options.model, n);
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, from), build_layout(model, to)));
+  std::shared_ptr<ReshardTransform> transform;
+  if (options.transform == "mxfp8") {
+    transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp);
+  }
+
+  std::vector<std::unique_ptr<Tensor>> memory;
+  TensorMap src, dst;
+  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+    const ParamSpec& param = plan->params()[p];
+    if (const Shard* shard = plan->src_layout().find_shard(me, p)) {
+      auto t = allocate(Box::whole(shard->local_shape).elements() * 2, gpu);
+      upload(*t, source_values(param, *shard));
+      src[param.name] = {t->buffer, DType::kBFloat16, {}};
+      memory.push_back(std::move(t));
+    }
+    if (const Shard* shard = plan->dst_layout().find_shard(me, p)) {
+      const std::size_t elements = Box::whole(shard->local_shape).elements();
+      LocalTensor tensor;
+      if (transform && transform->should_transform(param)) {
+        auto data = allocate(elements, gpu);
+        auto scale = allocate(elements / 32, gpu);
+        tensor = {data->buffer, DType::kFloat8E4M3, scale->buffer};
+        memory.push_back(std::move(data));
+        memory.push_back(std::move(scale));
+      } else {
+        auto data = allocate(elements * 2, gpu);
+        tensor = {data->buffer, DType::kBFloat16, {}};
+        memory.push_back(std::move(data));
+      }
+      dst[param.name] = tensor;
+    }
+  }
+
+  std::vector<double> times;
+  ReshardReport report;
+  for (int i = 0; i < options.warmup + options.iterations; ++i) {
+    bootstrap->barrier();
+    const auto start = std::chrono::steady_clock::now();
+    report = execute_reshard_plan(plan, src, dst, service, transform);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double slowest = max_over_pes(*bootstrap, seconds);
+    if (i >= options.warmup) times.push_back(slowest);
+  }
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+
+  std::uint64_t wrong = 0;
+  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+    const ParamSpec& param = plan->params()[p];
+    const Shard* shard = plan->dst_layout().find_shard(me, p);
+    if (shard == nullptr || dst[param.name].dtype != DType::kBFloat16) continue;
+    const auto it = std::find_if(memory.begin(), memory.end(), [&](const auto& t) {
+      return t->buffer.data == dst[param.name].data.data;
+    });
+    wrong += verify_sample(param, *shard, download(**it));
+  }
+  wrong = max_over_pes(*bootstrap, wrong);
+
+  const PlanStats& stats = plan->stats();
+  if (me == 0) {
+    const double remote = static_cast<double>(stats.total_bytes - stats.local_bytes);
+    std::printf("refit: %s (%d layers, %s), %s -> %s on %d PEs, transport %s, transform %s\n",
+                model.name.c_str(), model.layers, format_bytes(model.total_bytes()).c_str(),
+                from.str().c_str(), to.str().c_str(), n, service.transport_name().c_str(),
+                transform ? transform->name().c_str() : "none");
+    std::printf("  plan: %s\n", plan->summary().c_str());
+    // The busiest PE's bytes over the time: the rate at which the plan's lower bound was met.
+    std::printf("  median of %d refits: %.2f ms | %.1f GB/s over the links (all PEs) | busiest PE "
+                "%.1f GB/s%s\n",
+                options.iterations, median * 1e3, remote / median / 1e9,
+                stats.lower_bound_bytes / median / 1e9, wrong ? "  WRONG BYTES" : "");
+    if (!options.json_path.empty()) {
+      std::ofstream json(options.json_path, std::ios::app);
+      json << "{\"bench\":\"refit\",\"model\":\"" << model.name << "\",\"layers\":" << model.layers
+           << ",\"src\":\"" << from.str() << "\",\"dst\":\"" << to.str() << "\",\"pes\":" << n
+           << ",\"transport\":\"" << service.transport_name() << "\",\"transform\":\""
+           << (transform ? transform->name() : "none") << "\",\"median_s\":" << median
+           << ",\"total_bytes\":" << stats.total_bytes << ",\"local_bytes\":" << stats.local_bytes
+           << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
+           << ",\"busiest_pe_gbps\":" << stats.lower_bound_bytes / median / 1e9
+           << ",\"wrong\":" << wrong << "}\n";
+    }
+  }
+  return wrong;
+}
+
+}  // namespace reshard::bench
