@@ -164,6 +164,8 @@ constexpr int kFp8Block = 128;
 
 RESHARD_HD float block_scale(float amax) {
   if (amax == 0.0f) return 1.0f;  // keeps zeros zero without dividing by zero
+  // One NaN for both sides: GPU arithmetic would return its own canonical NaN payload.
+  if (!(amax == amax)) return bits_float(0x7fc00000u);
   return static_cast<float>(static_cast<double>(amax) / kE4m3Max);
 }
 
