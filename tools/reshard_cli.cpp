@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "mxfp8"}));
   refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda or nccl");
   refit_cmd->add_option("-i,--iters", refit.iterations, "timed refits")->check(CLI::Range(1, 1000));
-  refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")->check(CLI::Range(0, 100));
+  refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")
+      ->check(CLI::Range(0, 100));
   refit_cmd->add_option("-n,--np", nprocs, "processes when not under a launcher");
   refit_cmd->add_option("--json", refit.json_path, "append the result as a JSON line");
 

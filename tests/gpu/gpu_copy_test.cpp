@@ -11,12 +11,14 @@
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
+#include "support/pe_tests.hpp"
 
 namespace reshard {
 namespace {
 
 constexpr int kSkipped = 77;
-std::shared_ptr<Bootstrap> g_bootstrap;
+using testing_support::all_pes;
+using testing_support::bootstrap;
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
@@ -26,17 +28,9 @@ TransportKind transport_under_test() {
 }
 
 std::unique_ptr<CopyService> make_service() {
-  auto service = std::make_unique<CopyService>(g_bootstrap, transport_under_test());
+  auto service = std::make_unique<CopyService>(bootstrap(), transport_under_test());
   service->init(LogLevel::kWarn);
   return service;
-}
-
-bool all_pes(bool ok) {
-  const std::byte mine{static_cast<unsigned char>(ok ? 1 : 0)};
-  for (const auto& part : g_bootstrap->all_gather(std::span(&mine, 1))) {
-    if (part.at(0) != std::byte{1}) return false;
-  }
-  return true;
 }
 
 struct DeviceBytes {
@@ -110,7 +104,7 @@ TEST_P(Workloads, EveryByteArrivesOnEveryRun) {
     for (std::uint32_t iteration = 0; iteration < 3; ++iteration) {
       w.stage(iteration, nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      g_bootstrap->barrier();
+      bootstrap()->barrier();
       service->run();
       EXPECT_EQ(w.check(iteration, nullptr), 0u)
           << kind << " size " << size << " seed " << seed << " iteration " << iteration;
@@ -208,7 +202,7 @@ TEST(Destinations, SubAllocationsOfOneAllocationArrive) {
   for (int peer = 0; peer < n; ++peer)
     bench::fill_pattern(std::span(host).subspan(peer * piece + 3, piece), me * n + peer, 0, 5);
   CUDA_OK(cudaMemcpy(arena.data, host.data(), host.size(), cudaMemcpyHostToDevice));
-  g_bootstrap->barrier();
+  bootstrap()->barrier();
   service->run();
   CUDA_OK(cudaMemcpy(host.data(), arena.data, host.size(), cudaMemcpyDeviceToHost));
   for (int peer = 0; peer < n; ++peer) {
@@ -242,15 +236,6 @@ TEST(BadInput, HostAndForeignDeviceBuffersAreRefusedAtRegistration) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
-class FailurePrinter : public testing::EmptyTestEventListener {
-  void OnTestPartResult(const testing::TestPartResult& result) override {
-    if (result.failed()) {
-      std::printf("%s:%d: Failure on this PE\n%s\n", result.file_name() ? result.file_name() : "?",
-                  result.line_number(), result.message());
-    }
-  }
-};
-
 }  // namespace
 }  // namespace reshard
 
@@ -270,14 +255,5 @@ int main(int argc, char** argv) {
     std::printf("skipped: this build has no %s transport\n", transport);
     return kSkipped;
   }
-  testing::InitGoogleTest(&argc, argv);
-  g_bootstrap = make_default_bootstrap();
-  if (g_bootstrap->rank() != 0) {
-    auto& listeners = testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new FailurePrinter);
-  }
-  const int result = RUN_ALL_TESTS();
-  g_bootstrap.reset();
-  return result;
+  return testing_support::run_pe_tests(argc, argv);
 }

@@ -7,34 +7,18 @@
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
+#include "support/pe_tests.hpp"
 
 namespace reshard {
 namespace {
 
-std::shared_ptr<Bootstrap> g_bootstrap;
-
-class FailurePrinter : public testing::EmptyTestEventListener {
-  void OnTestPartResult(const testing::TestPartResult& result) override {
-    if (result.failed()) {
-      std::printf("%s:%d: Failure on this PE\n%s\n", result.file_name() ? result.file_name() : "?",
-                  result.line_number(), result.message());
-    }
-  }
-};
+using testing_support::all_pes;
+using testing_support::bootstrap;
 
 std::unique_ptr<CopyService> make_service() {
-  auto service = std::make_unique<CopyService>(g_bootstrap, TransportKind::kHost);
+  auto service = std::make_unique<CopyService>(bootstrap(), TransportKind::kHost);
   service->init(LogLevel::kWarn);
   return service;
-}
-
-// Collective: true when `ok` holds on every PE.
-bool all_pes(bool ok) {
-  const std::byte mine{static_cast<unsigned char>(ok ? 1 : 0)};
-  for (const auto& part : g_bootstrap->all_gather(std::span(&mine, 1))) {
-    if (part.at(0) != std::byte{1}) return false;
-  }
-  return true;
 }
 
 struct Buffers {
@@ -61,9 +45,9 @@ Buffers register_workload(CopyService& service, const bench::Workload& w) {
 std::uint64_t run_and_verify(CopyService& service, const bench::Workload& w, Buffers& b,
                              std::uint32_t iteration) {
   bench::prepare_buffers(w, service.my_pe(), iteration, b.send, b.recv);
-  g_bootstrap->barrier();
+  bootstrap()->barrier();
   service.run();
-  g_bootstrap->barrier();
+  bootstrap()->barrier();
   return bench::verify_receive_buffer(w, service.my_pe(), iteration, b.recv);
 }
 
@@ -107,8 +91,8 @@ TEST(CopyService, ManySchedulesOfRandomWorkloadsOnOneService) {
 TEST(CopyService, ReportsProperties) {
   auto service = make_service();
   EXPECT_TRUE(service->initialized());
-  EXPECT_EQ(service->my_pe(), g_bootstrap->rank());
-  EXPECT_EQ(service->n_pes(), g_bootstrap->size());
+  EXPECT_EQ(service->my_pe(), bootstrap()->rank());
+  EXPECT_EQ(service->n_pes(), bootstrap()->size());
   EXPECT_EQ(service->device(), -1);
   service->finalize();
   EXPECT_FALSE(service->initialized());
@@ -199,7 +183,7 @@ TEST(CopyServiceValidation, RefusesBadArgumentsAtRegistration) {
 TEST(CopyServiceValidation, RefusesCallsOutOfOrder) {
   std::vector<std::byte> memory(100);
   const Buffer buffer = Buffer::host(memory.data(), memory.size());
-  CopyService uninitialised(g_bootstrap, TransportKind::kHost);
+  CopyService uninitialised(bootstrap(), TransportKind::kHost);
   EXPECT_THROW(uninitialised.register_send(1, buffer, 0, 1, 0), Error);
   EXPECT_THROW(uninitialised.schedule(), Error);
 
@@ -221,24 +205,4 @@ TEST(CopyServiceValidation, RefusesCallsOutOfOrder) {
 }  // namespace
 }  // namespace reshard
 
-int main(int argc, char** argv) {
-  testing::InitGoogleTest(&argc, argv);
-  reshard::g_bootstrap = reshard::make_default_bootstrap();
-  // Guards against a launcher mix-up that would leave every process a job of one PE.
-  if (const char* expected = std::getenv("RESHARD_EXPECT_PES");
-      expected && std::atoi(expected) != reshard::g_bootstrap->size()) {
-    std::fprintf(stderr, "expected %s PEs, the bootstrap found %d\n", expected,
-                 reshard::g_bootstrap->size());
-    return 1;
-  }
-  // Rank 0 reports every test; the others only their failures.
-  if (reshard::g_bootstrap->rank() != 0) {
-    auto& listeners = testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new reshard::FailurePrinter);
-  }
-  const int result = RUN_ALL_TESTS();
-  const bool all_passed = reshard::all_pes(result == 0);
-  reshard::g_bootstrap.reset();
-  return all_passed ? 0 : 1;
-}
+int main(int argc, char** argv) { return reshard::testing_support::run_pe_tests(argc, argv); }

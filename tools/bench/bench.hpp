@@ -73,8 +73,8 @@ double run_scheduler_bench(const SchedulerBenchOptions& options);
 
 struct RefitBenchOptions {
   std::string model = "llama3-8b";  // or "qwen3-30b-a3b"
-  int layers = 0;                    // 0: the model's own count
-  std::string transform = "none";    // or "mxfp8" (sender side: FP8 + scales on the wire)
+  int layers = 0;                   // 0: the model's own count
+  std::string transform = "none";   // or "mxfp8" (sender side: FP8 + scales on the wire)
   TransportKind transport = TransportKind::kAuto;
   int iterations = 5;
   int warmup = 2;

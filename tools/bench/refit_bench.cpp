@@ -112,10 +112,10 @@ std::uint64_t verify_sample(const ParamSpec& param, const Shard& shard,
     }
     for (const Piece& piece : shard.pieces) {
       if (!shard.local_box(piece).contains(Box{n, l, [&] {
-            Extents one{};
-            for (int d = 0; d < n; ++d) one[d] = 1;
-            return one;
-          }()})) {
+                                                 Extents one{};
+                                                 for (int d = 0; d < n; ++d) one[d] = 1;
+                                                 return one;
+                                               }()})) {
         continue;
       }
       std::int64_t global = 0;
@@ -130,8 +130,8 @@ std::uint64_t verify_sample(const ParamSpec& param, const Shard& shard,
 
 std::pair<Parallelism, Parallelism> layouts_for(const std::string& model, int n) {
   if (n < 2 || n % 2 != 0) {
-    throw_error(ErrorCode::kInvalidArgument, "bench-refit needs an even number of PEs, got " +
-                                                 std::to_string(n));
+    throw_error(ErrorCode::kInvalidArgument,
+                "bench-refit needs an even number of PEs, got " + std::to_string(n));
   }
   if (model == "qwen3-30b-a3b") {
     return {{.tp = n / 2, .dp = 2, .ep = n}, {.tp = n, .ep = n / 2, .etp = 2}};
@@ -222,10 +222,11 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                 transform ? transform->name().c_str() : "none");
     std::printf("  plan: %s\n", plan->summary().c_str());
     // The busiest PE's bytes over the time: the rate at which the plan's lower bound was met.
-    std::printf("  median of %d refits: %.2f ms | %.1f GB/s over the links (all PEs) | busiest PE "
-                "%.1f GB/s%s\n",
-                options.iterations, median * 1e3, remote / median / 1e9,
-                stats.lower_bound_bytes / median / 1e9, wrong ? "  WRONG BYTES" : "");
+    std::printf(
+        "  median of %d refits: %.2f ms | %.1f GB/s over the links (all PEs) | busiest PE "
+        "%.1f GB/s%s\n",
+        options.iterations, median * 1e3, remote / median / 1e9,
+        stats.lower_bound_bytes / median / 1e9, wrong ? "  WRONG BYTES" : "");
     if (!options.json_path.empty()) {
       std::ofstream json(options.json_path, std::ios::app);
       json << "{\"bench\":\"refit\",\"model\":\"" << model.name << "\",\"layers\":" << model.layers
