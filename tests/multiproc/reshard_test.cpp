@@ -12,6 +12,7 @@
 
 #include "reshard/model_layouts.hpp"
 #include "reshard/resharder.hpp"
+#include "support/boxes.hpp"
 #include "support/pe_tests.hpp"
 #include "transforms/number_formats.hpp"
 
@@ -21,6 +22,9 @@
 
 namespace reshard {
 namespace {
+
+using testing_support::for_each_position;
+using testing_support::linear;
 
 using testing_support::all_pes;
 using testing_support::bootstrap;
@@ -92,27 +96,6 @@ std::uint16_t source_value(std::uint32_t p, std::int64_t i) {
   const int exponent = static_cast<int>(h % 29) - 14;
   const float mantissa = static_cast<float>((h >> 8) % 2001) / 1000.0f - 1.0f;
   return formats::float_to_bf16(std::ldexp(mantissa, exponent));
-}
-
-std::int64_t linear(const Extents& at, const std::vector<std::int64_t>& shape) {
-  std::int64_t index = 0;
-  for (std::size_t d = 0; d < shape.size(); ++d) index = index * shape[d] + at[d];
-  return index;
-}
-
-template <typename Fn>
-void for_each_position(const Box& box, Fn fn) {
-  if (box.empty()) return;
-  Extents at = box.offset;
-  while (true) {
-    fn(at);
-    int d = box.ndim - 1;
-    for (; d >= 0; --d) {
-      if (++at[d] < box.offset[d] + box.extent[d]) break;
-      at[d] = box.offset[d];
-    }
-    if (d < 0) return;
-  }
 }
 
 // Calls fn(global position, local position) for every element this shard holds.

@@ -11,31 +11,13 @@
 #include "reshard/error.hpp"
 #include "reshard/model_layouts.hpp"
 #include "reshard/plan.hpp"
+#include "support/boxes.hpp"
 
 namespace reshard {
 namespace {
 
-std::int64_t linear(const Extents& at, const std::vector<std::int64_t>& shape) {
-  std::int64_t index = 0;
-  for (std::size_t d = 0; d < shape.size(); ++d) index = index * shape[d] + at[d];
-  return index;
-}
-
-// Calls fn(position) for every position inside box.
-template <typename Fn>
-void for_each_position(const Box& box, Fn fn) {
-  if (box.empty()) return;
-  Extents at = box.offset;
-  while (true) {
-    fn(at);
-    int d = box.ndim - 1;
-    for (; d >= 0; --d) {
-      if (++at[d] < box.offset[d] + box.extent[d]) break;
-      at[d] = box.offset[d];
-    }
-    if (d < 0) return;
-  }
-}
+using testing_support::for_each_position;
+using testing_support::linear;
 
 // Executes the plan element by element: every destination element must be written exactly once
 // with the global index it stands for. Returns the number of problems (and reports the first).
