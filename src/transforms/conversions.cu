@@ -24,29 +24,29 @@ __global__ void convert_kernel(BlockRef src, BlockRef dst) {
   }
 }
 
-// One thread per 32-element block.
+// One warp per 32-element block, one element per lane: loads are coalesced and the block's
+// maximum is a butterfly of shuffles (max is order-independent, NaN propagates either way).
 __global__ void mx_quantize_kernel(BlockRef src, BlockRef data, BlockRef scale, bool round_up) {
   const std::int64_t per_row = src.view.cols / kMxBlock;
   const std::int64_t blocks = src.view.rows * per_row;
+  const unsigned lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   auto* out = static_cast<std::uint8_t*>(data.data);
   auto* scales = static_cast<std::uint8_t*>(scale.data);
-  for (std::int64_t b = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       b < blocks; b += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+  for (std::int64_t b = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
+       b < blocks; b += warps) {
     const std::int64_t row = b / per_row;
     const std::int64_t block = b % per_row;
-    const std::int64_t from = src.view.row_start(row) + block * kMxBlock;
-    float values[kMxBlock];
-    float amax = 0.0f;
+    const float value =
+        load_float(src.data, src.dtype, src.view.row_start(row) + block * kMxBlock + lane);
+    float amax = abs_max(0.0f, value);
 #pragma unroll
-    for (int i = 0; i < kMxBlock; ++i) {
-      values[i] = load_float(src.data, src.dtype, from + i);
-      amax = abs_max(amax, values[i]);
+    for (int offset = 16; offset > 0; offset /= 2) {
+      amax = abs_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
     const std::uint8_t bits = mx_scale_bits(amax, round_up);
-    scales[scale.view.row_start(row) + block] = bits;
-    const std::int64_t to = data.view.row_start(row) + block * kMxBlock;
-#pragma unroll
-    for (int i = 0; i < kMxBlock; ++i) out[to + i] = mx_encode(values[i], bits);
+    if (lane == 0) scales[scale.view.row_start(row) + block] = bits;
+    out[data.view.row_start(row) + block * kMxBlock + lane] = mx_encode(value, bits);
   }
 }
 
@@ -107,7 +107,8 @@ void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scal
                  void* stream) {
   const std::int64_t blocks = src.view.rows * (src.view.cols / kMxBlock);
   if (blocks == 0) return;
-  mx_quantize_kernel<<<grid_for(blocks, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(
+  // Every warp stays whole (blocks * 32 threads in 256-thread CTAs), so the shuffles are legal.
+  mx_quantize_kernel<<<grid_for(blocks * 32, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       src, data, scale, round_up);
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
