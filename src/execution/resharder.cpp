@@ -133,15 +133,6 @@ struct Resharder::Impl {
 #endif
   }
 
-  exec::Staging& staging_for(bool sending, const TransferOp& op, const Buffer& like) {
-    auto [it, fresh] = staging.try_emplace({sending, op.task_id});
-    if (fresh || it->second.buffer().bytes != op.bytes || it->second.buffer().kind != like.kind ||
-        it->second.buffer().device != like.device) {
-      it->second = exec::Staging(like.kind, like.device, op.bytes);
-    }
-    return it->second;
-  }
-
   Side prepare_side(const TransferOp& op, const TensorMap& tensors, bool sending, void* stream,
                     ReshardReport& report) {
     const Layout& layout = sending ? plan->src_layout() : plan->dst_layout();
@@ -170,7 +161,8 @@ struct Resharder::Impl {
           {tensor.data, static_cast<std::size_t>(side.view.base) * element, op.bytes});
       return side;
     }
-    side.staging = &staging_for(sending, op, tensor.data);
+    side.staging = &staging[{sending, op.task_id}];
+    side.staging->fit(tensor.data, op.bytes);
     side.wire.push_back({side.staging->buffer(), 0, op.bytes});
     report.packed_bytes += op.bytes;
     if (sending) exec::pack_block(tensor.data, side.view, element, side.staging->buffer(), stream);

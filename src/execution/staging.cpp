@@ -71,6 +71,14 @@ Staging::Staging(MemoryKind kind, int device, std::size_t bytes) {
 
 Staging::~Staging() { release(); }
 
+const Buffer& Staging::fit(const Buffer& like, std::size_t bytes) {
+  if (buffer_.data == nullptr || buffer_.bytes != bytes || buffer_.kind != like.kind ||
+      buffer_.device != like.device) {
+    *this = Staging(like.kind, like.device, bytes);
+  }
+  return buffer_;
+}
+
 Staging::Staging(Staging&& other) noexcept : buffer_(std::exchange(other.buffer_, Buffer{})) {}
 
 Staging& Staging::operator=(Staging&& other) noexcept {

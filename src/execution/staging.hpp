@@ -21,6 +21,10 @@ class Staging {
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
 
+  // Keeps the memory when it already holds `bytes` in the same place as `like` (kind and device),
+  // reallocates otherwise: what lets every refit return the same buffers. Returns the buffer.
+  const Buffer& fit(const Buffer& like, std::size_t bytes);
+
   const Buffer& buffer() const { return buffer_; }
   std::byte* data() const { return static_cast<std::byte*>(buffer_.data); }
 

@@ -34,13 +34,7 @@ std::byte* at_byte(const Buffer& buffer) { return static_cast<std::byte*>(buffer
 class WireBuffers {
  public:
   Buffer get(bool sending, const TransferOp& op, int index, std::size_t bytes, const Buffer& like) {
-    exec::Staging& staging = buffers_[{sending, op.task_id, index}];
-    const Buffer& have = staging.buffer();
-    if (have.data == nullptr || have.bytes != bytes || have.kind != like.kind ||
-        have.device != like.device) {
-      staging = exec::Staging(like.kind, like.device, bytes);
-    }
-    return staging.buffer();
+    return buffers_[{sending, op.task_id, index}].fit(like, bytes);
   }
 
  private:
