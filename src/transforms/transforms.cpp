@@ -148,19 +148,16 @@ class CastTransform final : public TransformBase {
   DType wire_dtype_;
 };
 
-// ---- MXFP8 ----
+// ---- FP8 with scales: MXFP8 and 128 x 128 block FP8 ----
 
-class Mxfp8Transform final : public TransformBase {
+// The hooks both scaled-FP8 formats share; a format says how its slices must align, where a
+// slice's scales sit and how it quantizes. Sender side: FP8 data (wire buffer 0) and scales (1);
+// receiver side: the source dtype on the wire, quantized on arrival.
+class ScaledFp8Transform : public TransformBase {
  public:
-  Mxfp8Transform(QuantizeSide side, MxScaleRounding rounding, std::string filter)
-      : TransformBase(std::move(filter)),
-        side_(side),
-        round_up_(rounding == MxScaleRounding::kRoundUp) {}
+  ScaledFp8Transform(QuantizeSide side, std::string filter)
+      : TransformBase(std::move(filter)), side_(side) {}
 
-  std::string name() const override {
-    return std::string("mxfp8-") + (side_ == QuantizeSide::kSender ? "sender" : "receiver") +
-           (round_up_ ? "-roundup" : "");
-  }
   bool should_transform(const ParamSpec& param) const override {
     return param.shape.size() >= 2 &&
            (param.dtype == DType::kBFloat16 || param.dtype == DType::kFloat32) &&
@@ -172,62 +169,98 @@ class Mxfp8Transform final : public TransformBase {
     check_alignment(slice);
     require_float_source(name(), slice, src);
     if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, stream, 0)};
-    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
-    Buffer data = wire_.get(true, slice.op, 0, n, src.data);
-    Buffer scale = wire_.get(true, slice.op, 1, n / formats::kMxBlock, src.data);
-    exec::mx_quantize(
-        {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
-        {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
-        {scale.data, DType::kFloat8E8M0, exec::dense_view(scale_box(slice.local))}, round_up_,
-        src.data.kind, stream);
+    const Box scales = scale_box(slice.local);
+    Buffer data = wire_.get(true, slice.op, 0, elements(slice.local), src.data);
+    Buffer scale = wire_.get(true, slice.op, 1, scale_bytes(scales), src.data);
+    quantize({src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
+             {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
+             {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data.kind,
+             stream);
     return {data, scale};
   }
 
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
     check_alignment(slice);
-    require_scale(name(), slice, dst, scale_elements(slice.local_shape));
-    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
+    require_scale(name(), slice, dst, scale_bytes(Box::whole(scale_shape(slice.local_shape))));
+    const std::size_t n = elements(slice.local);
     if (side_ == QuantizeSide::kReceiver) {
       return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
     }
     return {wire_.get(false, slice.op, 0, n, dst.data),
-            wire_.get(false, slice.op, 1, n / formats::kMxBlock, dst.data)};
+            wire_.get(false, slice.op, 1, scale_bytes(scale_box(slice.local)), dst.data)};
   }
 
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
                      void* stream) override {
     const Box scales = scale_box(slice.local);
-    const std::vector<std::int64_t> scale_shape = scale_shape_of(slice.local_shape);
+    const std::vector<std::int64_t> shape = scale_shape(slice.local_shape);
     if (side_ == QuantizeSide::kReceiver) {
-      exec::mx_quantize(
+      quantize(
           {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)},
           {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
-          {dst.scale.data, DType::kFloat8E8M0, exec::view_of(scales, scale_shape, false)},
-          round_up_, dst.data.kind, stream);
+          {dst.scale.data, scale_dtype(), exec::view_of(scales, shape, false)}, slice.local,
+          dst.data.kind, stream);
       return;
     }
     exec::unpack_block(wire[0], dst.data, exec::view_of(slice.local, slice.local_shape, true), 1,
                        stream);
-    exec::unpack_block(wire[1], dst.scale, exec::view_of(scales, scale_shape, true), 1, stream);
+    exec::unpack_block(wire[1], dst.scale, exec::view_of(scales, shape, true),
+                       dtype_size(scale_dtype()), stream);
+  }
+
+ protected:
+  const char* side_name() const { return side_ == QuantizeSide::kSender ? "sender" : "receiver"; }
+
+ private:
+  // Refuses (naming the region) a slice that would cut the format's blocks.
+  virtual void check_alignment(const OpSlice& slice) const = 0;
+  virtual DType scale_dtype() const = 0;
+  // The scales of `box` (a block of a tensor), as a block of that tensor's scale tensor.
+  virtual Box scale_box(const Box& box) const = 0;
+  virtual std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const = 0;
+  // `block` is the slice in local coordinates, for formats whose blocks span rows.
+  virtual void quantize(const exec::BlockRef& src, const exec::BlockRef& data,
+                        const exec::BlockRef& scale, const Box& block, MemoryKind where,
+                        void* stream) const = 0;
+
+  static std::size_t elements(const Box& box) { return static_cast<std::size_t>(box.elements()); }
+  std::size_t scale_bytes(const Box& scales) const {
+    return elements(scales) * dtype_size(scale_dtype());
+  }
+
+  QuantizeSide side_;
+};
+
+// OCP MXFP8: one E8M0 scale per 32 consecutive elements of the last dimension.
+class Mxfp8Transform final : public ScaledFp8Transform {
+ public:
+  Mxfp8Transform(QuantizeSide side, MxScaleRounding rounding, std::string filter)
+      : ScaledFp8Transform(side, std::move(filter)),
+        round_up_(rounding == MxScaleRounding::kRoundUp) {}
+
+  std::string name() const override {
+    return std::string("mxfp8-") + side_name() + (round_up_ ? "-roundup" : "");
   }
 
  private:
-  static Box scale_box(const Box& box) {
+  DType scale_dtype() const override { return DType::kFloat8E8M0; }
+  Box scale_box(const Box& box) const override {
     Box scales = box;
     const int last = box.ndim - 1;
     scales.offset[last] /= formats::kMxBlock;
     scales.extent[last] /= formats::kMxBlock;
     return scales;
   }
-  static std::vector<std::int64_t> scale_shape_of(const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const override {
     std::vector<std::int64_t> scales = shape;
     scales.back() /= formats::kMxBlock;
     return scales;
   }
-  static std::size_t scale_elements(const std::vector<std::int64_t>& shape) {
-    return static_cast<std::size_t>(Box::whole(scale_shape_of(shape)).elements());
+  void quantize(const exec::BlockRef& src, const exec::BlockRef& data, const exec::BlockRef& scale,
+                const Box&, MemoryKind where, void* stream) const override {
+    exec::mx_quantize(src, data, scale, round_up_, where, stream);
   }
-  void check_alignment(const OpSlice& slice) const {
+  void check_alignment(const OpSlice& slice) const override {
     const int last = slice.op.region.ndim - 1;
     const auto& region = slice.op.region;
     if (region.offset[last] % formats::kMxBlock != 0 ||
@@ -244,81 +277,24 @@ class Mxfp8Transform final : public TransformBase {
     }
   }
 
-  QuantizeSide side_;
   bool round_up_;
 };
 
-// ---- 128 x 128 block FP8 ----
-
-class Fp8BlockTransform final : public TransformBase {
+// FP8 with a float32 scale (amax / 448) per 128 x 128 tile of the last two dimensions.
+class Fp8BlockTransform final : public ScaledFp8Transform {
  public:
   Fp8BlockTransform(QuantizeSide side, std::string filter)
-      : TransformBase(std::move(filter)), side_(side) {}
+      : ScaledFp8Transform(side, std::move(filter)) {}
 
-  std::string name() const override {
-    return std::string("fp8-block-") + (side_ == QuantizeSide::kSender ? "sender" : "receiver");
-  }
-  bool should_transform(const ParamSpec& param) const override {
-    return param.shape.size() >= 2 &&
-           (param.dtype == DType::kBFloat16 || param.dtype == DType::kFloat32) &&
-           name_selected(param);
-  }
-
-  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
-                                   void* stream) override {
-    check_alignment(slice);
-    require_float_source(name(), slice, src);
-    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, stream, 0)};
-    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
-    const Box tiles = tile_box(slice.local);
-    Buffer data = wire_.get(true, slice.op, 0, n, src.data);
-    Buffer scale = wire_.get(true, slice.op, 1, tiles.elements() * sizeof(float), src.data);
-    exec::block_quantize(
-        {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
-        rows_per_matrix(slice.local),
-        {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
-        {scale.data, DType::kFloat32, exec::dense_view(tiles)}, src.data.kind, stream);
-    return {data, scale};
-  }
-
-  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
-    check_alignment(slice);
-    const std::vector<std::int64_t> scale_shape = tile_shape(slice.local_shape);
-    require_scale(name(), slice, dst, Box::whole(scale_shape).elements() * sizeof(float));
-    const std::size_t n = static_cast<std::size_t>(slice.local.elements());
-    if (side_ == QuantizeSide::kReceiver) {
-      return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
-    }
-    return {
-        wire_.get(false, slice.op, 0, n, dst.data),
-        wire_.get(false, slice.op, 1, tile_box(slice.local).elements() * sizeof(float), dst.data)};
-  }
-
-  void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
-                     void* stream) override {
-    const Box tiles = tile_box(slice.local);
-    const std::vector<std::int64_t> scale_shape = tile_shape(slice.local_shape);
-    if (side_ == QuantizeSide::kReceiver) {
-      exec::block_quantize(
-          {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)},
-          rows_per_matrix(slice.local),
-          {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
-          {dst.scale.data, DType::kFloat32, exec::view_of(tiles, scale_shape, false)},
-          dst.data.kind, stream);
-      return;
-    }
-    exec::unpack_block(wire[0], dst.data, exec::view_of(slice.local, slice.local_shape, true), 1,
-                       stream);
-    exec::unpack_block(wire[1], dst.scale, exec::view_of(tiles, scale_shape, true), sizeof(float),
-                       stream);
-  }
+  std::string name() const override { return std::string("fp8-block-") + side_name(); }
 
  private:
   static constexpr std::int64_t kTile = formats::kFp8Block;
   static std::int64_t tiles_of(std::int64_t n) { return (n + kTile - 1) / kTile; }
-  static std::int64_t rows_per_matrix(const Box& box) { return box.extent[box.ndim - 2]; }
+
+  DType scale_dtype() const override { return DType::kFloat32; }
   // The tiles a block covers, in a tensor of tiles (its last two dimensions divided by 128).
-  static Box tile_box(const Box& box) {
+  Box scale_box(const Box& box) const override {
     Box tiles = box;
     for (int d = box.ndim - 2; d < box.ndim; ++d) {
       tiles.offset[d] = box.offset[d] / kTile;
@@ -326,14 +302,18 @@ class Fp8BlockTransform final : public TransformBase {
     }
     return tiles;
   }
-  static std::vector<std::int64_t> tile_shape(const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const override {
     std::vector<std::int64_t> tiles = shape;
     for (std::size_t d = shape.size() - 2; d < shape.size(); ++d) tiles[d] = tiles_of(shape[d]);
     return tiles;
   }
+  void quantize(const exec::BlockRef& src, const exec::BlockRef& data, const exec::BlockRef& scale,
+                const Box& block, MemoryKind where, void* stream) const override {
+    exec::block_quantize(src, block.extent[block.ndim - 2], data, scale, where, stream);
+  }
   // Tiles must stay whole: slices start on a tile boundary and end on one or at the dimension's
   // end, in the parameter and in the local tensor alike.
-  void check_alignment(const OpSlice& slice) const {
+  void check_alignment(const OpSlice& slice) const override {
     const Box& region = slice.op.region;
     for (int d = region.ndim - 2; d < region.ndim; ++d) {
       const std::int64_t end = region.offset[d] + region.extent[d];
@@ -351,8 +331,6 @@ class Fp8BlockTransform final : public TransformBase {
       }
     }
   }
-
-  QuantizeSide side_;
 };
 
 }  // namespace
