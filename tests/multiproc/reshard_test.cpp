@@ -193,13 +193,22 @@ Expected expected_for(const ParamSpec& param, std::uint32_t p, Mode mode,
   return out;
 }
 
+// What every parameter's destination must hold, by name.
+std::map<std::string, Expected> expectations(const ReshardPlan& plan, Mode mode,
+                                             const ReshardTransform* transform) {
+  std::map<std::string, Expected> out;
+  for (std::uint32_t p = 0; p < plan.params().size(); ++p) {
+    out[plan.params()[p].name] = expected_for(plan.params()[p], p, mode, transform);
+  }
+  return out;
+}
+
 struct RankTensors {
   std::map<std::string, std::unique_ptr<TestMemory>> src, dst, dst_scale;
   TensorMap src_map, dst_map;
 };
 
-RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device, Mode mode,
-                         const ReshardTransform* transform,
+RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device,
                          const std::map<std::string, Expected>& expected) {
   RankTensors t;
   const Layout& src = plan.src_layout();
@@ -241,8 +250,6 @@ RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device, Mode mode
     t.dst_map[param.name] = tensor;
     t.dst[param.name] = std::move(memory);
   }
-  (void)mode;
-  (void)transform;
   return t;
 }
 
@@ -358,12 +365,9 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
   auto transform = transform_for(mode);
-  std::map<std::string, Expected> expected;
-  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-    expected[plan->params()[p].name] = expected_for(plan->params()[p], p, mode, transform.get());
-  }
+  const std::map<std::string, Expected> expected = expectations(*plan, mode, transform.get());
   const PeId me = service.my_pe();
-  RankTensors tensors = make_tensors(*plan, me, my_device(), mode, transform.get(), expected);
+  RankTensors tensors = make_tensors(*plan, me, my_device(), expected);
   for (int refit = 0; refit < 2; ++refit) {
     const ReshardReport report =
         execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, service, transform);
@@ -408,12 +412,8 @@ TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
   const int n = service->n_pes();
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, {.replicas = n})));
-  std::map<std::string, Expected> expected;
-  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-    expected[plan->params()[p].name] = expected_for(plan->params()[p], p, Mode::kPlain, nullptr);
-  }
-  RankTensors t =
-      make_tensors(*plan, service->my_pe(), my_device(), Mode::kPlain, nullptr, expected);
+  const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected);
   t.src_map.erase("layers.1.mlp.down_proj.weight");
   try {
     execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
@@ -437,13 +437,9 @@ TEST(ReshardErrors, MisalignedMxSlicesAreRefusedNamingTheRegion) {
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, {.tp = tp}), build_layout(model, {.tp = 1})));
   auto transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp, "o_proj");
-  std::map<std::string, Expected> expected;
-  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-    expected[plan->params()[p].name] =
-        expected_for(plan->params()[p], p, Mode::kMxSender, transform.get());
-  }
-  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), Mode::kMxSender,
-                               transform.get(), expected);
+  const std::map<std::string, Expected> expected =
+      expectations(*plan, Mode::kMxSender, transform.get());
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected);
   try {
     execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform);
     ADD_FAILURE() << "expected a refusal";
@@ -481,12 +477,8 @@ TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
   // norm.weight lives on the last stage (rank 1) and moves to rank 0.
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, {.pp = 2}), build_layout(model, {.rank_offset = 0})));
-  std::map<std::string, Expected> expected;
-  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-    expected[plan->params()[p].name] = expected_for(plan->params()[p], p, Mode::kPlain, nullptr);
-  }
-  RankTensors t =
-      make_tensors(*plan, service->my_pe(), my_device(), Mode::kPlain, nullptr, expected);
+  const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected);
   try {
     execute_reshard_plan(plan, t.src_map, t.dst_map, *service,
                          std::make_shared<LopsidedTransform>());
