@@ -110,14 +110,10 @@ std::uint64_t verify_sample(const ParamSpec& param, const Shard& shard,
       l[d] = rest % shard.local_shape[d];
       rest /= shard.local_shape[d];
     }
+    Box element{n, l, {}};  // the one element at l
+    for (int d = 0; d < n; ++d) element.extent[d] = 1;
     for (const Piece& piece : shard.pieces) {
-      if (!shard.local_box(piece).contains(Box{n, l, [&] {
-                                                 Extents one{};
-                                                 for (int d = 0; d < n; ++d) one[d] = 1;
-                                                 return one;
-                                               }()})) {
-        continue;
-      }
+      if (!shard.local_box(piece).contains(element)) continue;
       std::int64_t global = 0;
       for (int d = 0; d < n; ++d) {
         global = global * param.shape[d] + (l[d] - piece.local_at[d] + piece.global.offset[d]);
