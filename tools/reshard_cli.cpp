@@ -67,8 +67,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"llama3-8b", "qwen3-30b-a3b"}));
   refit_cmd->add_option("--layers", refit.layers, "layers (default: the model's)")
       ->check(CLI::Range(0, 1000));
-  refit_cmd->add_option("--transform", refit.transform, "none or mxfp8")
-      ->check(CLI::IsMember({"none", "mxfp8"}));
+  refit_cmd
+      ->add_option("--transform", refit.transform,
+                   "none, mxfp8 (quantized by the sender: FP8 on the wire) or mxfp8-receiver "
+                   "(bf16 on the wire, quantized on arrival)")
+      ->check(CLI::IsMember({"none", "mxfp8", "mxfp8-receiver"}));
   refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda or nccl");
   refit_cmd->add_option("-i,--iters", refit.iterations, "timed refits")->check(CLI::Range(1, 1000));
   refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")

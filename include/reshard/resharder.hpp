@@ -19,6 +19,10 @@ struct ReshardReport {
   std::uint64_t bytes_sent = 0;  // on the wire from this rank, local copies excluded
   std::uint64_t bytes_received = 0;
   std::uint64_t packed_bytes = 0;  // copied through staging because a slice was not contiguous
+  // With RESHARD_PHASE_TIMING=1 only (each phase is then waited for): packing and send-side
+  // transforms, the copy service's run, unpacking and receive-side transforms.
+  double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;
+  double issue_seconds = 0;  // of those, the host's own time queuing the work
 };
 
 class Resharder {

@@ -93,6 +93,8 @@ int cuda_ctas_per_peer() {
 
 namespace reshard::env {
 
+bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
+
 int cuda_unroll() {
   const int unroll = get_int("RESHARD_CUDA_UNROLL", 8);
   if (unroll != 4 && unroll != 8) {

@@ -31,10 +31,15 @@ std::optional<int> device();
 std::string cuda_engine();
 // RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine.
 std::uint64_t cuda_ce_min_bytes();
-// RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 64; the total stays within one wave).
+// RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 64; the total stays
+// within one wave).
 int cuda_ctas_per_peer();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
+
+// RESHARD_PHASE_TIMING=1: execute_reshard_plan waits for each phase (prepare, transfer,
+// finalize) and reports its time; the waits slow the refit, so this is for diagnosis.
+bool phase_timing();
 
 std::optional<std::string> get(const char* name);
 int get_int(const char* name, int fallback);

@@ -3,10 +3,12 @@
 #include "reshard/resharder.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <sstream>
 #include <tuple>
 
+#include "core/env.hpp"
 #include "execution/staging.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
@@ -32,8 +34,7 @@ struct Side {
   const Shard* shard = nullptr;  // this rank's shard of the parameter
   bool transformed = false;
   std::vector<WireRef> wire;
-  exec::Staging* staging = nullptr;  // set when the slice is packed through staging
-  exec::BoxView view;                // the slice in the local tensor (rows merged)
+  exec::BoxView view;  // the slice in the local tensor (rows merged)
 };
 
 using RegistrationKey = std::tuple<bool, TaskId, const void*, std::size_t, std::size_t, PeId>;
@@ -53,7 +54,16 @@ struct Resharder::Impl {
   std::shared_ptr<ReshardTransform> transform;
   PeId me;
   std::vector<const TransferOp*> send_ops, recv_ops;
-  std::map<std::pair<bool, TaskId>, exec::Staging> staging;  // (is send, op task) -> memory
+  std::vector<const std::string*> send_params, recv_params;  // each once, in op order
+  exec::StagingPool staging;
+  // This rank's sides of the ops, as registered and scheduled for `tensors`.
+  struct Prepared {
+    bool valid = false;
+    std::vector<Side> sends, receives;
+    exec::BlockCopyBatch packs, unpacks;
+    std::vector<LocalTensor> tensors;
+    ReshardReport report;  // the byte counts, the same at every refit
+  } prepared;
   std::vector<RegistrationKey> registered;
   std::uint64_t registered_generation = UINT64_MAX;
   void* own_stream = nullptr;
@@ -70,6 +80,15 @@ struct Resharder::Impl {
       }
       if (op.src_rank == me) send_ops.push_back(&op);
       if (op.dst_rank == me) recv_ops.push_back(&op);
+    }
+    for (auto [ops, names] :
+         {std::pair{&send_ops, &send_params}, std::pair{&recv_ops, &recv_params}}) {
+      std::vector<bool> seen(plan->params().size());
+      for (const TransferOp* op : *ops) {
+        if (seen[op->param]) continue;
+        seen[op->param] = true;
+        names->push_back(&plan->params()[op->param].name);
+      }
     }
   }
 
@@ -133,39 +152,54 @@ struct Resharder::Impl {
 #endif
   }
 
+  // The wire buffers the transform returns for a transformed side (its hooks run at every refit:
+  // the sender's converts the data now).
+  std::vector<WireRef> transform_wire(const Side& side, const LocalTensor& tensor, bool sending,
+                                      void* stream) const {
+    const TransferOp& op = *side.op;
+    const Box local = sending ? op.src_box() : op.dst_box();
+    const OpSlice slice{plan->params()[op.param], op, local, side.shard->local_shape};
+    std::vector<Buffer> buffers = sending ? transform->prepare_send(slice, tensor, stream)
+                                          : transform->prepare_recv(slice, tensor);
+    if (buffers.empty() || buffers.size() > static_cast<std::size_t>(kMaxWireBuffers)) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "transform '" + transform->name() + "' returned " +
+                      std::to_string(buffers.size()) + " wire buffers for " + where(*plan, op) +
+                      " (1.." + std::to_string(kMaxWireBuffers) + " allowed)");
+    }
+    std::vector<WireRef> wire;
+    for (const Buffer& buffer : buffers) wire.push_back({buffer, 0, buffer.bytes});
+    return wire;
+  }
+
+  // How this rank takes part in `op`: its wire buffers, and the pack (sending) or unpack
+  // (receiving) a non-contiguous slice needs, added to `copies`.
   Side prepare_side(const TransferOp& op, const TensorMap& tensors, bool sending, void* stream,
-                    ReshardReport& report) {
+                    exec::BlockCopyBatch& copies, ReshardReport& report) {
     const Layout& layout = sending ? plan->src_layout() : plan->dst_layout();
     Side side;
     side.op = &op;
     const LocalTensor& tensor = tensor_for(tensors, layout, op, sending, side.shard);
-    const Box local = sending ? op.src_box() : op.dst_box();
     side.transformed = transforms(op);
     if (side.transformed) {
-      const OpSlice slice{plan->params()[op.param], op, local, side.shard->local_shape};
-      std::vector<Buffer> buffers = sending ? transform->prepare_send(slice, tensor, stream)
-                                            : transform->prepare_recv(slice, tensor);
-      if (buffers.empty() || buffers.size() > static_cast<std::size_t>(kMaxWireBuffers)) {
-        throw_error(ErrorCode::kInvalidArgument,
-                    "transform '" + transform->name() + "' returned " +
-                        std::to_string(buffers.size()) + " wire buffers for " + where(*plan, op) +
-                        " (1.." + std::to_string(kMaxWireBuffers) + " allowed)");
-      }
-      for (const Buffer& buffer : buffers) side.wire.push_back({buffer, 0, buffer.bytes});
+      side.wire = transform_wire(side, tensor, sending, stream);
       return side;
     }
-    side.view = exec::view_of(local, side.shard->local_shape, true);
+    side.view = exec::view_of(sending ? op.src_box() : op.dst_box(), side.shard->local_shape, true);
     const std::size_t element = dtype_size(tensor.dtype);
     if (side.view.contiguous()) {
       side.wire.push_back(
           {tensor.data, static_cast<std::size_t>(side.view.base) * element, op.bytes});
       return side;
     }
-    side.staging = &staging[{sending, op.task_id}];
-    side.staging->fit(tensor.data, op.bytes);
-    side.wire.push_back({side.staging->buffer(), 0, op.bytes});
+    const Buffer& packed = staging.slot({sending, op.task_id, 0}, tensor.data, op.bytes);
+    side.wire.push_back({packed, 0, op.bytes});
     report.packed_bytes += op.bytes;
-    if (sending) exec::pack_block(tensor.data, side.view, element, side.staging->buffer(), stream);
+    if (sending) {
+      copies.add_pack(tensor.data, side.view, element, packed);
+    } else {
+      copies.add_unpack(packed, tensor.data, side.view, element);
+    }
     return side;
   }
 
@@ -229,51 +263,150 @@ struct Resharder::Impl {
     return text.str();
   }
 
-  ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
-    ReshardReport report;
-    void* stream = stream_for(src, dst, cuda_stream);
-    std::vector<Side> sends, receives;
-    sends.reserve(send_ops.size());
-    receives.reserve(recv_ops.size());
+  // What a prepared refit depends on: every tensor this rank's ops touch, in op order.
+  std::vector<LocalTensor> tensors_used(const TensorMap& src, const TensorMap& dst) const {
+    std::vector<LocalTensor> used;
+    used.reserve(send_params.size() + recv_params.size());
+    for (const auto& [params, map] :
+         {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
+      for (const std::string* name : *params) {
+        auto it = map->find(*name);
+        used.push_back(it == map->end() ? LocalTensor{} : it->second);
+      }
+    }
+    return used;
+  }
+
+  static bool same_tensors(const std::vector<LocalTensor>& a, const std::vector<LocalTensor>& b) {
+    auto same_buffer = [](const Buffer& x, const Buffer& y) {
+      return x.data == y.data && x.bytes == y.bytes && x.kind == y.kind && x.device == y.device;
+    };
+    return std::equal(
+        a.begin(), a.end(), b.begin(), b.end(), [&](const LocalTensor& x, const LocalTensor& y) {
+          return x.dtype == y.dtype && same_buffer(x.data, y.data) && same_buffer(x.scale, y.scale);
+        });
+  }
+
+  // Re-runs the transform hooks of a prepared refit; false when a transform returned other wire
+  // buffers than those scheduled (the refit is then prepared again).
+  bool rerun_transforms(const TensorMap& src, const TensorMap& dst, void* stream) {
+    for (auto [sides, map, sending] :
+         {std::tuple{&prepared.sends, &src, true}, std::tuple{&prepared.receives, &dst, false}}) {
+      for (Side& side : *sides) {
+        if (!side.transformed) continue;
+        const LocalTensor& tensor = map->at(plan->params()[side.op->param].name);
+        const std::vector<WireRef> wire = transform_wire(side, tensor, sending, stream);
+        const bool same = std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
+                                     [](const WireRef& a, const WireRef& b) {
+                                       return a.buffer.data == b.buffer.data && a.size == b.size;
+                                     });
+        if (!same) return false;
+      }
+    }
+    return true;
+  }
+
+  void prepare(const TensorMap& src, const TensorMap& dst, void* stream, ReshardReport& report) {
+    prepared.sends.clear();
+    prepared.receives.clear();
+    prepared.packs.clear();
+    prepared.unpacks.clear();
+    prepared.report = ReshardReport{};
+    ReshardReport& counts = prepared.report;
     for (const TransferOp* op : send_ops) {
-      sends.push_back(prepare_side(*op, src, true, stream, report));
-      if (!op->local()) report.bytes_sent += op->bytes;
+      prepared.sends.push_back(prepare_side(*op, src, true, stream, prepared.packs, counts));
+      if (!op->local()) counts.bytes_sent += op->bytes;
     }
     for (const TransferOp* op : recv_ops) {
-      receives.push_back(prepare_side(*op, dst, false, stream, report));
-      if (!op->local()) report.bytes_received += op->bytes;
+      prepared.receives.push_back(prepare_side(*op, dst, false, stream, prepared.unpacks, counts));
+      if (!op->local()) counts.bytes_received += op->bytes;
     }
-    std::vector<RegistrationKey> keys = registration_keys(sends, receives);
-    if (keys != registered || service.generation() != registered_generation) {
+    // New tensors always mean a new schedule, even where the registrations happen to match
+    // (buffers a transform owns): whether a rank schedules must not depend on what its
+    // transform returns, since every rank that changed its tensors schedules together.
+    std::vector<RegistrationKey> keys = registration_keys(prepared.sends, prepared.receives);
+    std::vector<LocalTensor> tensors = tensors_used(src, dst);
+    const bool new_tensors = !prepared.tensors.empty() && !same_tensors(tensors, prepared.tensors);
+    if (new_tensors || keys != registered || service.generation() != registered_generation) {
       if (registered.empty()) {
         RESHARD_LOG(kDebug, "scheduling the reshard plan: " << keys.size() << " requests here");
       } else {
         RESHARD_LOG(kInfo, "reshard buffers changed since the last schedule: rescheduling "
                                << keys.size() << " requests");
       }
+      const bool first = registered.empty() && registered_generation == UINT64_MAX;
       registered.clear();
-      register_and_schedule(sends, receives);
+      try {
+        register_and_schedule(prepared.sends, prepared.receives);
+      } catch (const Error& error) {
+        if (first || error.code() != ErrorCode::kTimeout) throw;
+        throw Error(ErrorCode::kTimeout,
+                    std::string(error.what()) + "\n(rank " + std::to_string(me) +
+                        " scheduled again because its tensors or wire buffers changed since the "
+                        "last refit; scheduling is collective, so every rank must pass its new "
+                        "tensors in the same refit)");
+      }
       registered = std::move(keys);
       registered_generation = service.generation();
       report.rescheduled = true;
     }
+    prepared.tensors = std::move(tensors);
+    prepared.valid = true;
+  }
+
+  // With RESHARD_PHASE_TIMING, waits for the work queued so far and adds the time since the
+  // last mark to `phase`.
+  struct PhaseClock {
+    bool enabled = env::phase_timing();
+    void* stream = nullptr;
+    double* issued = nullptr;
+    std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+    void mark(double& phase) {
+      if (!enabled) return;
+      *issued += std::chrono::duration<double>(std::chrono::steady_clock::now() - last).count();
+#ifdef RESHARD_WITH_CUDA
+      if (stream != nullptr) exec::cuda::synchronize_stream(stream);
+#endif
+      const auto now = std::chrono::steady_clock::now();
+      phase += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
+  };
+
+  ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
+    ReshardReport report;
+    void* stream = stream_for(src, dst, cuda_stream);
+    PhaseClock clock{.stream = stream, .issued = &report.issue_seconds};
+    // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
+    // the transforms' hooks run again.
+    const bool reuse = prepared.valid && service.generation() == registered_generation &&
+                       same_tensors(tensors_used(src, dst), prepared.tensors) &&
+                       rerun_transforms(src, dst, stream);
+    if (!reuse) {
+      prepared.valid = false;
+      prepare(src, dst, stream, report);
+    }
+    prepared.packs.run(stream);
+    clock.mark(report.prepare_seconds);
     service.run(stream);
-    for (const Side& side : receives) {
+    clock.mark(report.transfer_seconds);
+    prepared.unpacks.run(stream);
+    for (const Side& side : prepared.receives) {
+      if (!side.transformed) continue;
       const TransferOp& op = *side.op;
       const LocalTensor& tensor = dst.at(plan->params()[op.param].name);
-      if (side.transformed) {
-        std::vector<Buffer> buffers;
-        for (const WireRef& w : side.wire) buffers.push_back(w.buffer);
-        const OpSlice slice{plan->params()[op.param], op, op.dst_box(), side.shard->local_shape};
-        transform->finalize_recv(slice, tensor, buffers, stream);
-      } else if (side.staging != nullptr) {
-        exec::unpack_block(side.staging->buffer(), tensor.data, side.view, dtype_size(tensor.dtype),
-                           stream);
-      }
+      std::vector<Buffer> buffers;
+      for (const WireRef& w : side.wire) buffers.push_back(w.buffer);
+      const OpSlice slice{plan->params()[op.param], op, op.dst_box(), side.shard->local_shape};
+      transform->finalize_recv(slice, tensor, buffers, stream);
     }
+    clock.mark(report.finalize_seconds);
 #ifdef RESHARD_WITH_CUDA
     if (cuda_stream == nullptr && stream != nullptr) exec::cuda::synchronize_stream(stream);
 #endif
+    report.bytes_sent = prepared.report.bytes_sent;
+    report.bytes_received = prepared.report.bytes_received;
+    report.packed_bytes = prepared.report.packed_bytes;
     return report;
   }
 };

@@ -1,5 +1,6 @@
 #include "execution/staging.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -11,12 +12,11 @@ namespace reshard::exec {
 namespace {
 
 // Host loop shared by pack and unpack: rows of the source view to rows of the destination view.
-void copy_block_host(const std::byte* src, const BoxView& src_view, std::byte* dst,
-                     const BoxView& dst_view, std::size_t element_bytes) {
-  const std::size_t row_bytes = static_cast<std::size_t>(src_view.cols) * element_bytes;
-  for (std::int64_t row = 0; row < src_view.rows; ++row) {
-    std::memcpy(dst + dst_view.row_start(row) * element_bytes,
-                src + src_view.row_start(row) * element_bytes, row_bytes);
+void copy_block_host(const BlockCopy& copy) {
+  const std::size_t row_bytes = static_cast<std::size_t>(copy.src_view.cols) * copy.element_bytes;
+  for (std::int64_t row = 0; row < copy.src_view.rows; ++row) {
+    std::memcpy(copy.dst + copy.dst_view.row_start(row) * copy.element_bytes,
+                copy.src + copy.src_view.row_start(row) * copy.element_bytes, row_bytes);
   }
 }
 
@@ -31,20 +31,25 @@ BoxView dense_rows(const BoxView& view) {
   return dense;
 }
 
-void copy_block(const Buffer& src, const BoxView& src_view, const Buffer& dst,
-                const BoxView& dst_view, std::size_t element_bytes, void* stream) {
+BlockCopy block_copy(const Buffer& src, const BoxView& src_view, const Buffer& dst,
+                     const BoxView& dst_view, std::size_t element_bytes) {
   if (src.kind != dst.kind) {
     throw_error(ErrorCode::kInvalidArgument, "staging copy between host and GPU memory: " +
                                                  describe(src) + " -> " + describe(dst));
   }
-  const auto* from = static_cast<const std::byte*>(src.data);
-  auto* to = static_cast<std::byte*>(dst.data);
+  return {static_cast<const std::byte*>(src.data), src_view, static_cast<std::byte*>(dst.data),
+          dst_view, static_cast<std::uint32_t>(element_bytes)};
+}
+
+void copy_block(const Buffer& src, const BoxView& src_view, const Buffer& dst,
+                const BoxView& dst_view, std::size_t element_bytes, void* stream) {
+  const BlockCopy copy = block_copy(src, src_view, dst, dst_view, element_bytes);
   if (src.kind == MemoryKind::kHost) {
-    copy_block_host(from, src_view, to, dst_view, element_bytes);
+    copy_block_host(copy);
     return;
   }
 #ifdef RESHARD_WITH_CUDA
-  cuda::copy_block(from, src_view, to, dst_view, element_bytes, stream);
+  cuda::copy_block(copy, stream);
 #else
   (void)stream;
   throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
@@ -71,12 +76,56 @@ Staging::Staging(MemoryKind kind, int device, std::size_t bytes) {
 
 Staging::~Staging() { release(); }
 
-const Buffer& Staging::fit(const Buffer& like, std::size_t bytes) {
-  if (buffer_.data == nullptr || buffer_.bytes != bytes || buffer_.kind != like.kind ||
-      buffer_.device != like.device) {
-    *this = Staging(like.kind, like.device, bytes);
+namespace {
+
+constexpr std::size_t kSlotAlignment = 256;  // keeps every slot on the 16-byte vector path
+constexpr std::size_t kFirstChunk = std::size_t{64} << 20;
+constexpr std::size_t kLargestChunk = std::size_t{1} << 30;
+
+std::size_t aligned(std::size_t bytes) {
+  return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+}
+
+bool same_place(const Buffer& a, const Buffer& b) {
+  return a.kind == b.kind && (a.kind == MemoryKind::kHost || a.device == b.device);
+}
+
+}  // namespace
+
+const Buffer& StagingPool::slot(const Key& key, const Buffer& like, std::size_t bytes) {
+  Slot& slot = slots_[key];
+  if (slot.buffer.data == nullptr || slot.capacity < bytes || !same_place(slot.buffer, like)) {
+    slot.buffer = like.kind == MemoryKind::kHost
+                      ? Buffer::host(carve(like, bytes), bytes)
+                      : Buffer::cuda(carve(like, bytes), bytes, like.device);
+    slot.capacity = aligned(bytes);
   }
-  return buffer_;
+  slot.buffer.bytes = bytes;
+  return slot.buffer;
+}
+
+std::byte* StagingPool::carve(const Buffer& like, std::size_t bytes) {
+  const std::size_t need = aligned(std::max<std::size_t>(bytes, 1));
+  std::size_t last_size = 0;
+  for (Chunk& chunk : chunks_) {
+    if (!same_place(chunk.memory.buffer(), like)) continue;
+    last_size = chunk.memory.buffer().bytes;
+    if (chunk.memory.buffer().bytes - chunk.used >= need) {
+      std::byte* at = chunk.memory.data() + chunk.used;
+      chunk.used += need;
+      return at;
+    }
+  }
+  // Chunks double up to a cap, so a refit of any size takes a handful of allocations.
+  const std::size_t size = std::max(need, std::clamp(2 * last_size, kFirstChunk, kLargestChunk));
+  chunks_.push_back({Staging(like.kind, like.device, size), need});
+  return chunks_.back().memory.data();
+}
+
+std::size_t StagingPool::reserved_bytes() const {
+  std::size_t total = 0;
+  for (const Chunk& chunk : chunks_) total += chunk.memory.buffer().bytes;
+  return total;
 }
 
 Staging::Staging(Staging&& other) noexcept : buffer_(std::exchange(other.buffer_, Buffer{})) {}
@@ -99,6 +148,68 @@ void Staging::release() {
 #endif
   }
   buffer_ = Buffer{};
+}
+
+BlockCopyBatch::~BlockCopyBatch() { release_device_list(); }
+
+void BlockCopyBatch::add_pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
+                              const Buffer& out) {
+  add(tensor, view, out, dense_rows(view), element_bytes);
+}
+
+void BlockCopyBatch::add_unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
+                                std::size_t element_bytes) {
+  add(in, dense_rows(view), tensor, view, element_bytes);
+}
+
+void BlockCopyBatch::add(const Buffer& src, const BoxView& src_view, const Buffer& dst,
+                         const BoxView& dst_view, std::size_t element_bytes) {
+  if (!copies_.empty() &&
+      (src.kind != kind_ || (kind_ == MemoryKind::kCuda && src.device != device_))) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "one rank's tensors must all be host memory or all on one GPU; found " +
+                    describe(src) + " beside memory on " +
+                    (kind_ == MemoryKind::kHost ? std::string("the host")
+                                                : "GPU " + std::to_string(device_)));
+  }
+  copies_.push_back(block_copy(src, src_view, dst, dst_view, element_bytes));
+  kind_ = src.kind;
+  device_ = src.device;
+  uploaded_ = false;
+}
+
+void BlockCopyBatch::clear() {
+  copies_.clear();
+  uploaded_ = false;
+}
+
+void BlockCopyBatch::run(void* stream) {
+  if (copies_.empty()) return;
+  if (kind_ == MemoryKind::kHost) {
+    for (const BlockCopy& copy : copies_) copy_block_host(copy);
+    return;
+  }
+#ifdef RESHARD_WITH_CUDA
+  if (!uploaded_) {
+    release_device_list();
+    const cuda::DeviceBlockCopies uploaded = cuda::upload_block_copies(device_, copies_);
+    device_list_ = uploaded.list;
+    device_items_ = uploaded.items;
+    uploaded_ = true;
+  }
+  cuda::run_block_copies({device_list_, static_cast<std::uint32_t>(copies_.size()), device_items_},
+                         stream);
+#else
+  (void)stream;
+  throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
+#endif
+}
+
+void BlockCopyBatch::release_device_list() {
+#ifdef RESHARD_WITH_CUDA
+  if (device_list_ != nullptr) cuda::release(device_, device_list_);
+#endif
+  device_list_ = nullptr;
 }
 
 void pack_block(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,

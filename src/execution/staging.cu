@@ -1,4 +1,7 @@
 // GPU side of the executor's staging: allocation on the tensor's device and block copies.
+#include <cstring>
+#include <vector>
+
 #include "execution/staging.hpp"
 #include "transports/cuda/cuda_check.hpp"
 
@@ -17,25 +20,98 @@ class DeviceScope {
   int previous_ = 0;
 };
 
-// One CTA per row (grid-stride); 16-byte vectors when both rows allow it.
-__global__ void copy_block_kernel(const std::byte* src, BoxView src_view, std::byte* dst,
-                                  BoxView dst_view, unsigned element_bytes) {
-  const std::size_t row_bytes = static_cast<std::size_t>(src_view.cols) * element_bytes;
-  for (std::int64_t row = blockIdx.x; row < src_view.rows; row += gridDim.x) {
-    const std::byte* from = src + src_view.row_start(row) * element_bytes;
-    std::byte* to = dst + dst_view.row_start(row) * element_bytes;
-    const bool vector = ((reinterpret_cast<std::uintptr_t>(from) |
-                          reinterpret_cast<std::uintptr_t>(to) | row_bytes) &
-                         15) == 0;
-    if (vector) {
-      const auto* in = reinterpret_cast<const uint4*>(from);
-      auto* out = reinterpret_cast<uint4*>(to);
-      for (std::size_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) out[i] = in[i];
-    } else {
-      for (std::size_t i = threadIdx.x; i < row_bytes; i += blockDim.x) to[i] = from[i];
+// A warp's share of a copy: up to 4 KiB of one row, 8 16-byte loads in flight per lane before
+// the stores when both ends allow vectors. Splitting rows into chunks keeps a long contiguous
+// slice (one row) spread over the whole GPU, and short rows cost one warp each, not a CTA.
+constexpr std::uint64_t kChunkBytes = 4096;
+constexpr int kVectorsPerLane = static_cast<int>(kChunkBytes / 16 / 32);
+constexpr int kThreads = 256;
+
+__host__ __device__ std::uint64_t chunks_per_row(const BlockCopy& copy) {
+  const std::uint64_t row_bytes =
+      static_cast<std::uint64_t>(copy.src_view.cols) * copy.element_bytes;
+  return (row_bytes + kChunkBytes - 1) / kChunkBytes;
+}
+
+__host__ __device__ std::uint64_t items_of(const BlockCopy& copy) {
+  return static_cast<std::uint64_t>(copy.src_view.rows) * chunks_per_row(copy);
+}
+
+__device__ void copy_chunk(const BlockCopy& copy, std::uint64_t item, unsigned lane) {
+  const std::uint64_t row_bytes =
+      static_cast<std::uint64_t>(copy.src_view.cols) * copy.element_bytes;
+  const std::uint64_t chunks = chunks_per_row(copy);
+  const auto row = static_cast<std::int64_t>(item / chunks);
+  const std::uint64_t begin = (item % chunks) * kChunkBytes;
+  const std::uint64_t bytes = min(kChunkBytes, row_bytes - begin);
+  const std::byte* from = copy.src + copy.src_view.row_start(row) * copy.element_bytes + begin;
+  std::byte* to = copy.dst + copy.dst_view.row_start(row) * copy.element_bytes + begin;
+  if (((reinterpret_cast<std::uintptr_t>(from) | reinterpret_cast<std::uintptr_t>(to) | bytes) &
+       15) == 0) {
+    const auto* in = reinterpret_cast<const uint4*>(from);
+    auto* out = reinterpret_cast<uint4*>(to);
+    const std::uint64_t vectors = bytes / 16;
+    uint4 held[kVectorsPerLane];
+#pragma unroll
+    for (int i = 0; i < kVectorsPerLane; ++i) {
+      const std::uint64_t at = lane + 32u * i;
+      if (at < vectors) held[i] = in[at];
     }
+#pragma unroll
+    for (int i = 0; i < kVectorsPerLane; ++i) {
+      const std::uint64_t at = lane + 32u * i;
+      if (at < vectors) out[at] = held[i];
+    }
+    return;
+  }
+  for (std::uint64_t i = lane; i < bytes; i += 32) to[i] = from[i];
+}
+
+__global__ void copy_block_kernel(BlockCopy copy, std::uint64_t items) {
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::uint64_t item =
+           (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
+       item < items; item += warps) {
+    copy_chunk(copy, item, threadIdx.x % 32);
   }
 }
+
+// Work items are numbered across the copies; `first_item[i]` is copy i's first (ascending), so
+// a warp finds its copy by binary search.
+__global__ void copy_blocks_kernel(const BlockCopy* copies, const std::uint64_t* first_item,
+                                   std::uint32_t count, std::uint64_t items) {
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::uint64_t item =
+           (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
+       item < items; item += warps) {
+    std::uint32_t low = 0, high = count - 1;
+    while (low < high) {
+      const std::uint32_t middle = (low + high + 1) / 2;
+      if (first_item[middle] <= item) {
+        low = middle;
+      } else {
+        high = middle - 1;
+      }
+    }
+    copy_chunk(copies[low], item - first_item[low], threadIdx.x % 32);
+  }
+}
+
+unsigned grid_for_items(std::uint64_t items) {
+  const std::uint64_t warps_per_cta = kThreads / 32;
+  return static_cast<unsigned>(std::max<std::uint64_t>(
+      1, std::min<std::uint64_t>((items + warps_per_cta - 1) / warps_per_cta, 4096)));
+}
+
+// The device list: the copies, then the item counts' prefix (8-byte aligned after the copies),
+// then the total.
+struct ListLayout {
+  std::size_t prefix_offset;
+  std::size_t bytes;
+  explicit ListLayout(std::size_t count)
+      : prefix_offset((count * sizeof(BlockCopy) + 7) / 8 * 8),
+        bytes(prefix_offset + (count + 1) * sizeof(std::uint64_t)) {}
+};
 
 }  // namespace
 
@@ -51,12 +127,36 @@ void release(int device, void* pointer) {
   cudaFree(pointer);
 }
 
-void copy_block(const std::byte* src, const BoxView& src_view, std::byte* dst,
-                const BoxView& dst_view, std::size_t element_bytes, void* stream) {
-  if (src_view.rows == 0 || src_view.cols == 0) return;
-  const auto grid = static_cast<unsigned>(std::min<std::int64_t>(src_view.rows, 4096));
-  copy_block_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      src, src_view, dst, dst_view, static_cast<unsigned>(element_bytes));
+void copy_block(const BlockCopy& copy, void* stream) {
+  const std::uint64_t items = items_of(copy);
+  if (items == 0) return;
+  copy_block_kernel<<<grid_for_items(items), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      copy, items);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+}
+
+DeviceBlockCopies upload_block_copies(int device, const std::vector<BlockCopy>& copies) {
+  const ListLayout layout(copies.size());
+  std::vector<std::byte> host(layout.bytes);
+  std::memcpy(host.data(), copies.data(), copies.size() * sizeof(BlockCopy));
+  auto* prefix = reinterpret_cast<std::uint64_t*>(host.data() + layout.prefix_offset);
+  prefix[0] = 0;
+  for (std::size_t i = 0; i < copies.size(); ++i) prefix[i + 1] = prefix[i] + items_of(copies[i]);
+  void* list = allocate(device, layout.bytes);
+  DeviceScope scope(device);
+  RESHARD_CUDA_CHECK(cudaMemcpy(list, host.data(), layout.bytes, cudaMemcpyHostToDevice));
+  return {list, static_cast<std::uint32_t>(copies.size()), prefix[copies.size()]};
+}
+
+void run_block_copies(const DeviceBlockCopies& copies, void* stream) {
+  if (copies.items == 0) return;
+  const ListLayout layout(copies.count);
+  auto* base = static_cast<std::byte*>(copies.list);
+  copy_blocks_kernel<<<grid_for_items(copies.items), kThreads, 0,
+                       static_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const BlockCopy*>(base),
+      reinterpret_cast<const std::uint64_t*>(base + layout.prefix_offset), copies.count,
+      copies.items);
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstddef>
+#include <map>
+#include <tuple>
+#include <vector>
 
 #include "execution/box_view.hpp"
 #include "reshard/types.hpp"
@@ -21,16 +24,83 @@ class Staging {
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
 
-  // Keeps the memory when it already holds `bytes` in the same place as `like` (kind and device),
-  // reallocates otherwise: what lets every refit return the same buffers. Returns the buffer.
-  const Buffer& fit(const Buffer& like, std::size_t bytes);
-
   const Buffer& buffer() const { return buffer_; }
   std::byte* data() const { return static_cast<std::byte*>(buffer_.data); }
 
  private:
   void release();
   Buffer buffer_;
+};
+
+// Buffers the executor and the transforms keep per op and side, carved from a few large
+// allocations: a refit's wire buffers then cost one CUDA IPC export per allocation instead of one
+// per op (small separate cudaMallocs also share driver pages, which IPC cannot map twice), and
+// every refit gets the same buffer back for the same key, so the schedule is reused.
+class StagingPool {
+ public:
+  using Key = std::tuple<bool, TaskId, int>;  // (sending, op task id, buffer index)
+
+  // The buffer for `key`, of `bytes` in the same place as `like` (kind and device): the one
+  // returned last time when it still fits, carved from the pool otherwise. Space a key outgrows
+  // is reclaimed only with the pool.
+  const Buffer& slot(const Key& key, const Buffer& like, std::size_t bytes);
+
+  std::size_t reserved_bytes() const;
+
+ private:
+  struct Chunk {
+    Staging memory;
+    std::size_t used = 0;
+  };
+  struct Slot {
+    Buffer buffer;
+    std::size_t capacity = 0;
+  };
+  std::byte* carve(const Buffer& like, std::size_t bytes);
+
+  std::vector<Chunk> chunks_;
+  std::map<Key, Slot> slots_;
+};
+
+// One block copy between row views (`element_bytes` per element; the views' rows and columns
+// agree). Plain data, so kernels take it by value or from device memory.
+struct BlockCopy {
+  const std::byte* src = nullptr;
+  BoxView src_view;
+  std::byte* dst = nullptr;
+  BoxView dst_view;
+  std::uint32_t element_bytes = 1;
+};
+
+// Block copies listed once and replayed at every refit: on the GPU one kernel launch runs all of
+// them (the list is uploaded at the first run after a change), on the host a loop of memcpys.
+class BlockCopyBatch {
+ public:
+  BlockCopyBatch() = default;
+  ~BlockCopyBatch();
+  BlockCopyBatch(const BlockCopyBatch&) = delete;
+  BlockCopyBatch& operator=(const BlockCopyBatch&) = delete;
+
+  // The block `view` of `tensor` into the dense buffer `out`, and back.
+  void add_pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
+                const Buffer& out);
+  void add_unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
+                  std::size_t element_bytes);
+  void clear();
+  bool empty() const { return copies_.empty(); }
+  void run(void* stream);
+
+ private:
+  void add(const Buffer& src, const BoxView& src_view, const Buffer& dst, const BoxView& dst_view,
+           std::size_t element_bytes);
+  void release_device_list();
+
+  std::vector<BlockCopy> copies_;
+  MemoryKind kind_ = MemoryKind::kHost;
+  int device_ = -1;
+  void* device_list_ = nullptr;  // cuda::DeviceBlockCopies, once uploaded
+  std::uint64_t device_items_ = 0;
+  bool uploaded_ = false;
 };
 
 // Copies the block `view` of `tensor` into the dense buffer `out` (pack) or back (unpack), with
@@ -44,8 +114,15 @@ void unpack_block(const Buffer& in, const Buffer& tensor, const BoxView& view,
 namespace cuda {
 void* allocate(int device, std::size_t bytes);
 void release(int device, void* pointer);
-void copy_block(const std::byte* src, const BoxView& src_view, std::byte* dst,
-                const BoxView& dst_view, std::size_t element_bytes, void* stream);
+void copy_block(const BlockCopy& copy, void* stream);
+// Block copies in device memory (one allocation, freed with release(device, list)).
+struct DeviceBlockCopies {
+  void* list = nullptr;
+  std::uint32_t count = 0;
+  std::uint64_t items = 0;  // warp work items over all copies
+};
+DeviceBlockCopies upload_block_copies(int device, const std::vector<BlockCopy>& copies);
+void run_block_copies(const DeviceBlockCopies& copies, void* stream);
 void* create_stream(int device);
 void destroy_stream(int device, void* stream);
 void synchronize_stream(void* stream);

@@ -24,42 +24,108 @@ __global__ void convert_kernel(BlockRef src, BlockRef dst) {
   }
 }
 
-// One warp per 32-element block, one element per lane: loads are coalesced and the block's
-// maximum is a butterfly of shuffles (max is order-independent, NaN propagates either way).
+// Eight consecutive elements per thread: one 16-byte load for bfloat16 (two for float32) where the
+// address allows, element by element otherwise or for the `count` < 8 at a ragged edge.
+constexpr int kPerThread = 8;
+
+__device__ __forceinline__ void load_elements(const BlockRef& src, std::int64_t index, int count,
+                                              float (&v)[kPerThread]) {
+  const auto address = [&](std::size_t element) {
+    return reinterpret_cast<std::uintptr_t>(src.data) +
+           static_cast<std::uintptr_t>(index) * element;
+  };
+  if (count == kPerThread && src.dtype == DType::kBFloat16 && (address(2) & 15) == 0) {
+    const uint4 word = *reinterpret_cast<const uint4*>(address(2));
+    const unsigned words[4] = {word.x, word.y, word.z, word.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = bf16_to_float(static_cast<std::uint16_t>(words[i] & 0xffffu));
+      v[2 * i + 1] = bf16_to_float(static_cast<std::uint16_t>(words[i] >> 16));
+    }
+    return;
+  }
+  if (count == kPerThread && src.dtype == DType::kFloat32 && (address(4) & 15) == 0) {
+    const auto* quads = reinterpret_cast<const float4*>(address(4));
+    const float4 a = quads[0], b = quads[1];
+    const float values[kPerThread] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) v[i] = values[i];
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i)
+    v[i] = i < count ? load_float(src.data, src.dtype, index + i) : 0.0f;
+}
+
+// Stores `count` FP8 bytes: one 8-byte store where the address allows.
+__device__ __forceinline__ void store_bytes(void* data, std::int64_t index, int count,
+                                            const std::uint8_t (&bytes)[kPerThread]) {
+  auto* out = static_cast<std::uint8_t*>(data) + index;
+  if (count == kPerThread && (reinterpret_cast<std::uintptr_t>(out) & 7) == 0) {
+    std::uint64_t word = 0;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) word |= static_cast<std::uint64_t>(bytes[i]) << (8 * i);
+    *reinterpret_cast<std::uint64_t*>(out) = word;
+    return;
+  }
+  for (int i = 0; i < count; ++i) out[i] = bytes[i];
+}
+
+// A warp covers 256 elements of one row (8 MX blocks, 4 lanes of 8 elements each), so the row's
+// position is computed once per 256 elements and the loads are 16-byte vectors. The block maximum
+// is two shuffles inside each group of 4 lanes (max is order-independent, NaN propagates).
+constexpr int kLanesPerMxBlock = kMxBlock / kPerThread;
+constexpr int kPerWarp = 32 * kPerThread;
+
 __global__ void mx_quantize_kernel(BlockRef src, BlockRef data, BlockRef scale, bool round_up) {
-  const std::int64_t per_row = src.view.cols / kMxBlock;
-  const std::int64_t blocks = src.view.rows * per_row;
+  const std::int64_t per_row = (src.view.cols + kPerWarp - 1) / kPerWarp;
+  const std::int64_t tasks = src.view.rows * per_row;
   const unsigned lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
-  auto* out = static_cast<std::uint8_t*>(data.data);
   auto* scales = static_cast<std::uint8_t*>(scale.data);
-  for (std::int64_t b = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
-       b < blocks; b += warps) {
-    const std::int64_t row = b / per_row;
-    const std::int64_t block = b % per_row;
-    const float value =
-        load_float(src.data, src.dtype, src.view.row_start(row) + block * kMxBlock + lane);
-    float amax = abs_max(0.0f, value);
+  for (std::int64_t t = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
+       t < tasks; t += warps) {
+    const std::int64_t row = t / per_row;
+    const std::int64_t col = (t % per_row) * kPerWarp + lane * kPerThread;
+    // Rows hold whole MX blocks, so the 4 lanes of a block are active together.
+    const bool active = col < src.view.cols;
+    float v[kPerThread];
+    load_elements(src, src.view.row_start(row) + col, active ? kPerThread : 0, v);
+    float amax = 0.0f;
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
+    for (int i = 0; i < kPerThread; ++i) amax = abs_max(amax, v[i]);
+#pragma unroll
+    for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
       amax = abs_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
+    if (!active) continue;
     const std::uint8_t bits = mx_scale_bits(amax, round_up);
-    if (lane == 0) scales[scale.view.row_start(row) + block] = bits;
-    out[data.view.row_start(row) + block * kMxBlock + lane] = mx_encode(value, bits);
+    if (lane % kLanesPerMxBlock == 0) scales[scale.view.row_start(row) + col / kMxBlock] = bits;
+    std::uint8_t encoded[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) encoded[i] = mx_encode(v[i], bits);
+    store_bytes(data.data, data.view.row_start(row) + col, kPerThread, encoded);
   }
 }
 
-// One CTA per 128 x 128 tile: a NaN-propagating max reduction, then the encode.
-__global__ void block_quantize_kernel(BlockRef src, std::int64_t rows_per_matrix, BlockRef data,
-                                      BlockRef scale) {
-  __shared__ float partial[256];
+// One CTA per 128 x 128 tile: 16 threads of 8 elements span a tile row, 16 rows per pass, 8
+// passes; the values stay in registers between the maximum and the encode.
+constexpr int kTileThreads = 256;
+constexpr int kThreadsPerTileRow = kFp8Block / kPerThread;
+constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
+constexpr int kTilePasses = kFp8Block / kTileRowsPerPass;
+
+__global__ void __launch_bounds__(kTileThreads)
+    block_quantize_kernel(BlockRef src, std::int64_t rows_per_matrix, BlockRef data,
+                          BlockRef scale) {
+  __shared__ float warp_amax[kTileThreads / 32];
   const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
   const std::int64_t tile_cols = (src.view.cols + kFp8Block - 1) / kFp8Block;
   const std::int64_t matrices = src.view.rows / rows_per_matrix;
   const std::int64_t tiles = matrices * tile_rows * tile_cols;
-  auto* out = static_cast<std::uint8_t*>(data.data);
   auto* scales = static_cast<float*>(scale.data);
+  const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerThread;
+  const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
   for (std::int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const std::int64_t m = t / (tile_rows * tile_cols);
     const std::int64_t tr = (t / tile_cols) % tile_rows;
@@ -68,29 +134,40 @@ __global__ void block_quantize_kernel(BlockRef src, std::int64_t rows_per_matrix
     const std::int64_t rows =
         min(static_cast<std::int64_t>(kFp8Block), rows_per_matrix - tr * kFp8Block);
     const std::int64_t c0 = tc * kFp8Block;
-    const std::int64_t cols = min(static_cast<std::int64_t>(kFp8Block), src.view.cols - c0);
+    const int count =
+        static_cast<int>(max(static_cast<std::int64_t>(0),
+                             min(static_cast<std::int64_t>(kPerThread), src.view.cols - c0 - col)));
+    float v[kTilePasses][kPerThread];
     float amax = 0.0f;
-    for (std::int64_t i = threadIdx.x; i < rows * cols; i += blockDim.x) {
-      const std::int64_t r = row_begin + i / cols;
-      amax = abs_max(amax, load_float(src.data, src.dtype, src.view.row_start(r) + c0 + i % cols));
+#pragma unroll
+    for (int p = 0; p < kTilePasses; ++p) {
+      const int r = p * kTileRowsPerPass + first_row;
+      const int n = r < rows ? count : 0;
+      load_elements(src, n > 0 ? src.view.row_start(row_begin + r) + c0 + col : 0, n, v[p]);
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) amax = abs_max(amax, v[p][i]);
     }
-    partial[threadIdx.x] = amax;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      amax = abs_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    }
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
     __syncthreads();
-    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-      if (threadIdx.x < half) {
-        partial[threadIdx.x] = abs_max(partial[threadIdx.x], partial[threadIdx.x + half]);
-      }
-      __syncthreads();
-    }
-    const float s = block_scale(partial[0]);
+    amax = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kTileThreads / 32; ++w) amax = abs_max(amax, warp_amax[w]);
+    const float s = block_scale(amax);
     if (threadIdx.x == 0) scales[scale.view.row_start(m * tile_rows + tr) + tc] = s;
-    for (std::int64_t i = threadIdx.x; i < rows * cols; i += blockDim.x) {
-      const std::int64_t r = row_begin + i / cols;
-      const std::int64_t c = c0 + i % cols;
-      out[data.view.row_start(r) + c] =
-          block_encode(load_float(src.data, src.dtype, src.view.row_start(r) + c), s);
+#pragma unroll
+    for (int p = 0; p < kTilePasses; ++p) {
+      const int r = p * kTileRowsPerPass + first_row;
+      if (r >= rows || count == 0) continue;
+      std::uint8_t encoded[kPerThread];
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) encoded[i] = block_encode(v[p][i], s);
+      store_bytes(data.data, data.view.row_start(row_begin + r) + c0 + col, count, encoded);
     }
-    __syncthreads();  // partial[] is reused by the next tile
+    __syncthreads();  // warp_amax is reused by the next tile
   }
 }
 
@@ -107,8 +184,9 @@ void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scal
                  void* stream) {
   const std::int64_t blocks = src.view.rows * (src.view.cols / kMxBlock);
   if (blocks == 0) return;
-  // Every warp stays whole (blocks * 32 threads in 256-thread CTAs), so the shuffles are legal.
-  mx_quantize_kernel<<<grid_for(blocks * 32, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  // Whole warps only (256-thread CTAs), so the shuffles are legal.
+  const std::int64_t warp_tasks = src.view.rows * ((src.view.cols + kPerWarp - 1) / kPerWarp);
+  mx_quantize_kernel<<<grid_for(warp_tasks * 32, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       src, data, scale, round_up);
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
@@ -119,7 +197,7 @@ void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const Blo
   const std::int64_t tiles = (src.view.rows / rows_per_matrix) *
                              ((rows_per_matrix + kFp8Block - 1) / kFp8Block) *
                              ((src.view.cols + kFp8Block - 1) / kFp8Block);
-  block_quantize_kernel<<<grid_for(tiles, 1), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  block_quantize_kernel<<<grid_for(tiles, 1), kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       src, rows_per_matrix, data, scale);
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,8 +1,6 @@
 // The built-in transforms: casts, MXFP8 and 128x128 block FP8, each in a sender-side or a
 // receiver-side variant. They own their wire buffers (kept per op, so every refit returns the same
 // ones and the schedule is reused) and write the caller's destination buffers in place.
-#include <map>
-#include <tuple>
 
 #include "execution/staging.hpp"
 #include "reshard/error.hpp"
@@ -29,16 +27,15 @@ std::byte* at_byte(const Buffer& buffer) { return static_cast<std::byte*>(buffer
                                                std::to_string(slice.op.dst_rank) + "): " + why);
 }
 
-// Wire buffers owned by a transform, one set per (side, op), reallocated only when their size or
-// memory changes.
+// Wire buffers owned by a transform, one set per (side, op), the same ones at every refit.
 class WireBuffers {
  public:
   Buffer get(bool sending, const TransferOp& op, int index, std::size_t bytes, const Buffer& like) {
-    return buffers_[{sending, op.task_id, index}].fit(like, bytes);
+    return pool_.slot({sending, op.task_id, index}, like, bytes);
   }
 
  private:
-  std::map<std::tuple<bool, TaskId, int>, exec::Staging> buffers_;
+  exec::StagingPool pool_;
 };
 
 class TransformBase : public ReshardTransform {

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <random>
+#include <string>
 
 #include "execution/box_view.hpp"
 #include "transforms/conversions.hpp"
@@ -53,54 +54,121 @@ struct DeviceCopy {
 const std::vector<std::int64_t> kShape = {2, 300, 384};
 const Box kBlock{3, {1, 40, 64}, {1, 257, 256}};
 
+// One quantization case: a tensor of `shape` and `dtype`, seen from `shift` elements past a
+// 256-byte boundary (so the kernels' vector and element paths both run), and a block of it.
+struct QuantizeCase {
+  std::vector<std::int64_t> shape;
+  Box block;
+  DType dtype;
+  std::int64_t shift;
+};
+
+std::string describe(const QuantizeCase& c) {
+  return std::string(dtype_name(c.dtype)) + " block " + c.block.str() + " shift " +
+         std::to_string(c.shift);
+}
+
+// Salted bf16 values, widened to float32 when asked (then with low mantissa bits set too).
+std::vector<std::uint8_t> salted_tensor(std::size_t n, DType dtype, std::uint32_t seed) {
+  const auto bf16 = salted_bf16(n, seed);
+  std::vector<std::uint8_t> out(n * dtype_size(dtype));
+  std::mt19937 rng(seed + 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (dtype == DType::kBFloat16) {
+      std::memcpy(out.data() + 2 * i, &bf16[i], 2);
+    } else {
+      std::uint32_t bits = static_cast<std::uint32_t>(bf16[i]) << 16;
+      if ((bits & 0x7f800000u) != 0x7f800000u) bits |= rng() & 0xffff;
+      std::memcpy(out.data() + 4 * i, &bits, 4);
+    }
+  }
+  return out;
+}
+
+std::int64_t elements_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) n *= d;
+  return n;
+}
+
 TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
-  const auto src = salted_bf16(2 * 300 * 384, 7);
-  for (bool round_up : {false, true}) {
-    std::vector<std::uint8_t> data(src.size(), 0xab), scales(src.size() / 32, 0xab);
-    std::vector<std::int64_t> scale_shape = {2, 300, 384 / 32};
-    Box scale_block = kBlock;
-    scale_block.offset[2] /= 32;
-    scale_block.extent[2] /= 32;
-    const BoxView v = view_of(kBlock, kShape, false);
+  const std::vector<QuantizeCase> cases = {
+      {kShape, kBlock, DType::kBFloat16, 0},
+      {kShape, kBlock, DType::kBFloat16, 1},  // no 16-byte loads
+      {kShape, kBlock, DType::kFloat32, 0},
+      {{3, 5, 96}, Box{3, {0, 1, 32}, {3, 4, 64}}, DType::kFloat32, 3},
+      {{7, 608}, Box{2, {2, 64}, {5, 352}}, DType::kBFloat16, 0},  // rows not multiples of 256
+  };
+  std::uint32_t seed = 7;
+  for (const QuantizeCase& c : cases) {
+    const std::size_t n = static_cast<std::size_t>(elements_of(c.shape));
+    const std::size_t size = dtype_size(c.dtype);
+    const auto src = salted_tensor(n + c.shift, c.dtype, seed++);
+    std::vector<std::int64_t> scale_shape = c.shape;
+    scale_shape.back() /= 32;
+    Box scale_block = c.block;
+    scale_block.offset[c.block.ndim - 1] /= 32;
+    scale_block.extent[c.block.ndim - 1] /= 32;
+    const BoxView v = view_of(c.block, c.shape, false);
     const BoxView sv = view_of(scale_block, scale_shape, false);
-    mx_quantize({const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, v},
-                {data.data(), DType::kFloat8E4M3, v}, {scales.data(), DType::kFloat8E8M0, sv},
-                round_up, MemoryKind::kHost, nullptr);
-    DeviceCopy d_src(src.data(), src.size() * 2), d_data(data.size()), d_scales(scales.size());
-    cudaMemset(d_data.pointer, 0xab, data.size());
-    cudaMemset(d_scales.pointer, 0xab, scales.size());
-    mx_quantize({d_src.pointer, DType::kBFloat16, v}, {d_data.pointer, DType::kFloat8E4M3, v},
-                {d_scales.pointer, DType::kFloat8E8M0, sv}, round_up, MemoryKind::kCuda, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(d_data.download(), data) << "round_up " << round_up;
-    EXPECT_EQ(d_scales.download(), scales) << "round_up " << round_up;
+    DeviceCopy d_src(src.data(), src.size());
+    void* shifted = static_cast<std::uint8_t*>(d_src.pointer) + c.shift * size;
+    for (bool round_up : {false, true}) {
+      std::vector<std::uint8_t> data(n, 0xab), scales(n / 32, 0xab);
+      mx_quantize({const_cast<std::uint8_t*>(src.data()) + c.shift * size, c.dtype, v},
+                  {data.data(), DType::kFloat8E4M3, v}, {scales.data(), DType::kFloat8E8M0, sv},
+                  round_up, MemoryKind::kHost, nullptr);
+      DeviceCopy d_data(data.size()), d_scales(scales.size());
+      mx_quantize({shifted, c.dtype, v}, {d_data.pointer, DType::kFloat8E4M3, v},
+                  {d_scales.pointer, DType::kFloat8E8M0, sv}, round_up, MemoryKind::kCuda, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(d_data.download(), data) << describe(c) << " round_up " << round_up;
+      EXPECT_EQ(d_scales.download(), scales) << describe(c) << " round_up " << round_up;
+    }
   }
 }
 
 TEST(TransformKernels, BlockQuantizeMatchesTheReferenceBitForBit) {
-  const auto src = salted_bf16(2 * 300 * 384, 11);
-  // Whole matrices, so tiles include a partial one at the bottom edge (300 = 2 * 128 + 44).
-  const Box block{3, {0, 0, 128}, {2, 300, 256}};
-  const std::vector<std::int64_t> tile_shape = {2, 3, 3};
-  const Box tiles{3, {0, 0, 1}, {2, 3, 2}};
-  const BoxView v = view_of(block, kShape, false);
-  const BoxView tv = view_of(tiles, tile_shape, false);
-  std::vector<std::uint8_t> data(src.size(), 0xab);
-  std::vector<float> scales(2 * 3 * 3, -1.0f);
-  block_quantize({const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, v}, 300,
-                 {data.data(), DType::kFloat8E4M3, v}, {scales.data(), DType::kFloat32, tv},
-                 MemoryKind::kHost, nullptr);
-  DeviceCopy d_src(src.data(), src.size() * 2), d_data(data.size()), d_scales(scales.size() * 4);
-  cudaMemset(d_data.pointer, 0xab, data.size());
-  std::vector<float> minus_one(scales.size(), -1.0f);
-  cudaMemcpy(d_scales.pointer, minus_one.data(), scales.size() * 4, cudaMemcpyHostToDevice);
-  block_quantize({d_src.pointer, DType::kBFloat16, v}, 300, {d_data.pointer, DType::kFloat8E4M3, v},
-                 {d_scales.pointer, DType::kFloat32, tv}, MemoryKind::kCuda, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(d_data.download(), data);
-  std::vector<std::uint8_t> host_scales(scales.size() * 4);
-  std::memcpy(host_scales.data(), scales.data(), host_scales.size());
-  EXPECT_EQ(d_scales.download(), host_scales);
+  // Whole matrices, so tiles include partial ones at the bottom edge (300 = 2 * 128 + 44) and,
+  // in the last cases, at the right edge (300 columns, 44 of them in a ragged tile).
+  const std::vector<QuantizeCase> cases = {
+      {kShape, Box{3, {0, 0, 128}, {2, 300, 256}}, DType::kBFloat16, 0},
+      {kShape, Box{3, {0, 0, 128}, {2, 300, 256}}, DType::kBFloat16, 1},
+      {kShape, Box{3, {0, 0, 128}, {2, 300, 256}}, DType::kFloat32, 0},
+      {{2, 300, 300}, Box{3, {0, 0, 0}, {2, 300, 300}}, DType::kBFloat16, 0},
+      {{1, 200, 428}, Box{3, {0, 0, 128}, {1, 200, 300}}, DType::kFloat32, 2},
+  };
+  std::uint32_t seed = 11;
+  for (const QuantizeCase& c : cases) {
+    const std::size_t n = static_cast<std::size_t>(elements_of(c.shape));
+    const std::size_t size = dtype_size(c.dtype);
+    const auto src = salted_tensor(n + c.shift, c.dtype, seed++);
+    const std::int64_t rows = c.shape[1];
+    auto tiles_of = [](std::int64_t e) { return (e + 127) / 128; };
+    const std::vector<std::int64_t> tile_shape = {c.shape[0], tiles_of(rows), tiles_of(c.shape[2])};
+    const Box tiles{3,
+                    {0, 0, c.block.offset[2] / 128},
+                    {c.shape[0], tiles_of(rows), tiles_of(c.block.extent[2])}};
+    const BoxView v = view_of(c.block, c.shape, false);
+    const BoxView tv = view_of(tiles, tile_shape, false);
+    const std::size_t tile_count = static_cast<std::size_t>(elements_of(tile_shape));
+    std::vector<std::uint8_t> data(n, 0xab);
+    std::vector<float> scales(tile_count, -1.0f);
+    block_quantize({const_cast<std::uint8_t*>(src.data()) + c.shift * size, c.dtype, v}, rows,
+                   {data.data(), DType::kFloat8E4M3, v}, {scales.data(), DType::kFloat32, tv},
+                   MemoryKind::kHost, nullptr);
+    DeviceCopy d_src(src.data(), src.size()), d_data(data.size()), d_scales(tile_count * 4);
+    std::vector<float> minus_one(tile_count, -1.0f);
+    cudaMemcpy(d_scales.pointer, minus_one.data(), tile_count * 4, cudaMemcpyHostToDevice);
+    block_quantize({static_cast<std::uint8_t*>(d_src.pointer) + c.shift * size, c.dtype, v}, rows,
+                   {d_data.pointer, DType::kFloat8E4M3, v}, {d_scales.pointer, DType::kFloat32, tv},
+                   MemoryKind::kCuda, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(d_data.download(), data) << describe(c);
+    std::vector<std::uint8_t> host_scales(tile_count * 4);
+    std::memcpy(host_scales.data(), scales.data(), host_scales.size());
+    EXPECT_EQ(d_scales.download(), host_scales) << describe(c);
+  }
 }
 
 TEST(TransformKernels, CastsMatchTheReferenceBitForBit) {

@@ -367,13 +367,18 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
   auto transform = transform_for(mode);
   const std::map<std::string, Expected> expected = expectations(*plan, mode, transform.get());
   const PeId me = service.my_pe();
-  RankTensors tensors = make_tensors(*plan, me, my_device(), expected);
-  for (int refit = 0; refit < 2; ++refit) {
+  // The third refit gets new tensors on every rank (the old ones stay alive, so the addresses
+  // differ): the executor must notice and schedule again.
+  std::vector<RankTensors> generations;
+  generations.push_back(make_tensors(*plan, me, my_device(), expected));
+  for (int refit = 0; refit < 3; ++refit) {
+    if (refit == 2) generations.push_back(make_tensors(*plan, me, my_device(), expected));
+    RankTensors& tensors = generations.back();
     const ReshardReport report =
         execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, service, transform);
-    EXPECT_EQ(report.rescheduled, refit == 0) << "refit " << refit;
+    EXPECT_EQ(report.rescheduled, refit != 1) << "refit " << refit;
     EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "refit " << refit;
-    // Poison the destination so the second refit must write it again.
+    // Poison the destination so the next refit must write it again.
     for (auto& [name, memory] : tensors.dst) {
       memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
     }

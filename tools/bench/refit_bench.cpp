@@ -153,6 +153,8 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   std::shared_ptr<ReshardTransform> transform;
   if (options.transform == "mxfp8") {
     transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp);
+  } else if (options.transform == "mxfp8-receiver") {
+    transform = make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp);
   }
 
   std::vector<std::unique_ptr<Tensor>> memory;
@@ -223,6 +225,13 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         "%.1f GB/s%s\n",
         options.iterations, median * 1e3, remote / median / 1e9,
         stats.lower_bound_bytes / median / 1e9, wrong ? "  WRONG BYTES" : "");
+    if (report.prepare_seconds + report.transfer_seconds + report.finalize_seconds > 0) {
+      std::printf(
+          "  last refit on PE 0, phases waited for: prepare %.2f ms, transfer %.2f ms, "
+          "finalize %.2f ms (host queuing %.2f ms of it)\n",
+          report.prepare_seconds * 1e3, report.transfer_seconds * 1e3,
+          report.finalize_seconds * 1e3, report.issue_seconds * 1e3);
+    }
     if (!options.json_path.empty()) {
       std::ofstream json(options.json_path, std::ios::app);
       json << "{\"bench\":\"refit\",\"model\":\"" << model.name << "\",\"layers\":" << model.layers
