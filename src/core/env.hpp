@@ -29,7 +29,8 @@ std::optional<std::string> transport();
 std::optional<int> device();
 // RESHARD_CUDA_ENGINE: "auto" (by per-peer size), "sm" or "ce" for the CUDA transport.
 std::string cuda_engine();
-// RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine.
+// RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine
+// (when its copies also average a quarter of that).
 std::uint64_t cuda_ce_min_bytes();
 // RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 64; the total stays
 // within one wave).
