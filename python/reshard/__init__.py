@@ -1,0 +1,71 @@
+"""reshard: fast, verifiable movement of tensor shards between processes and GPUs.
+
+The copy service moves registered byte ranges between processes (``register_send`` /
+``register_receive`` under task ids, ``schedule()`` once, ``run()`` every refit). The planner turns
+two layouts of named parameters into transfer operations, and ``execute_reshard_plan`` moves every
+weight into place, optionally converting it on the way (casts, MXFP8, block FP8).
+
+Tensors are passed as any DLPack or buffer-protocol object (PyTorch CPU/CUDA tensors, CuPy, NumPy,
+JAX arrays); reshard reads and writes their memory in place and never copies them, so they must be
+contiguous and must stay alive while registered.
+"""
+
+from __future__ import annotations
+
+from ._core import (
+    Layout,
+    ModelParam,
+    ModelSpec,
+    Parallelism,
+    ParamSpec,
+    PlanStats,
+    ReshardError,
+    ReshardPlan,
+    ReshardReport,
+    ReshardTransform,
+    ScheduleReport,
+    TransferOp,
+    available_transports,
+    build_layout,
+    llama3_8b_model,
+    make_cast_transform,
+    make_fp8_block_transform,
+    make_mxfp8_transform,
+    make_reshard_plan,
+    moe_1t_model,
+    qwen3_30b_a3b_model,
+    toy_model,
+)
+from .copy_service import CopyService, make_bootstrap
+from .execution import LocalTensor, execute_reshard_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CopyService",
+    "Layout",
+    "LocalTensor",
+    "ModelParam",
+    "ModelSpec",
+    "Parallelism",
+    "ParamSpec",
+    "PlanStats",
+    "ReshardError",
+    "ReshardPlan",
+    "ReshardReport",
+    "ReshardTransform",
+    "ScheduleReport",
+    "TransferOp",
+    "available_transports",
+    "build_layout",
+    "execute_reshard_plan",
+    "llama3_8b_model",
+    "make_bootstrap",
+    "make_cast_transform",
+    "make_fp8_block_transform",
+    "make_mxfp8_transform",
+    "make_reshard_plan",
+    "moe_1t_model",
+    "qwen3_30b_a3b_model",
+    "toy_model",
+]

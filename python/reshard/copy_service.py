@@ -1,0 +1,218 @@
+"""The copy service and the ways a job's processes find each other (its bootstrap)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, Optional, Union
+
+from . import _core
+
+__all__ = ["CopyService", "make_bootstrap", "stream_handle"]
+
+StreamLike = Union[int, Any, None]
+
+
+def stream_handle(stream: StreamLike) -> Optional[int]:
+    """A CUDA stream as the integer ``cudaStream_t``: accepts an int, a ``torch.cuda.Stream``
+    (``.cuda_stream``), a CuPy stream (``.ptr``) or None."""
+    if stream is None or isinstance(stream, int):
+        return stream
+    for attribute in ("cuda_stream", "ptr"):
+        handle = getattr(stream, attribute, None)
+        if isinstance(handle, int):
+            return handle
+    raise TypeError(f"cannot use {type(stream).__name__} as a CUDA stream (pass an int handle)")
+
+
+def _rendezvous_host() -> str:
+    """Where rank 0 listens when the bootstrap is built from an existing communicator: the
+    torchrun master address when set, else this machine's address."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _from_process_group(group: Any, device: Optional[int]) -> "_core.Bootstrap":
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    box = [_core.make_unique_id(_rendezvous_host()) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    host, port = box[0].rsplit(":", 1)
+    return _core.tcp_bootstrap(host, int(port), rank, size, _local_rank(rank, device))
+
+
+def _from_mpi(comm: Any, device: Optional[int]) -> "_core.Bootstrap":
+    rank, size = comm.Get_rank(), comm.Get_size()
+    unique_id = comm.bcast(_core.make_unique_id(_rendezvous_host()) if rank == 0 else None, root=0)
+    host, port = unique_id.rsplit(":", 1)
+    if device is None:
+        from mpi4py import MPI
+
+        device = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    return _core.tcp_bootstrap(host, int(port), rank, size, device)
+
+
+def _local_rank(rank: int, device: Optional[int]) -> int:
+    if device is not None:
+        return device
+    if os.environ.get("LOCAL_RANK"):
+        return int(os.environ["LOCAL_RANK"])
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return rank
+
+
+def make_bootstrap(
+    source: Any = None,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    device: Optional[int] = None,
+) -> "_core.Bootstrap":
+    """How the job's processes find each other.
+
+    ``source`` may be:
+
+    * ``None``: torchrun variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+      ``MASTER_PORT``) when set, MPI when started by an MPI launcher, a single process otherwise;
+    * a ``torch.distributed`` process group (or ``"torch"`` for the default one);
+    * an ``mpi4py`` communicator;
+    * an address ``"host:port"`` where rank 0 listens, with ``rank`` and ``world_size``.
+
+    ``device`` is this process's CUDA device (by default the local rank).
+    """
+    if isinstance(source, _core.Bootstrap):
+        return source
+    if source is None:
+        if device is not None:
+            os.environ.setdefault("RESHARD_DEVICE", str(device))
+        return _core.default_bootstrap()
+    if isinstance(source, str) and source != "torch":
+        if rank is None or world_size is None:
+            raise ValueError("an address bootstrap needs rank= and world_size=")
+        host, _, port = source.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bootstrap address {source!r} is not of the form host:port")
+        return _core.tcp_bootstrap(host, int(port), rank, world_size, _local_rank(rank, device))
+    if hasattr(source, "Get_rank") and hasattr(source, "bcast"):
+        return _from_mpi(source, device)
+    if source == "torch":
+        return _from_process_group(None, device)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(source, torch.distributed.ProcessGroup):
+        return _from_process_group(source, device)
+    raise TypeError(
+        f"cannot bootstrap from {type(source).__name__}: pass None, a torch.distributed process "
+        "group, an mpi4py communicator or a 'host:port' address"
+    )
+
+
+class CopyService:
+    """Moves registered byte ranges between the job's processes (PEs).
+
+    >>> svc = CopyService(transport="auto")    # bootstrap from torchrun variables by default
+    >>> svc.init(log_level="INFO")
+    >>> svc.register_send(task_id, src_tensor, src_pos, size, dest_pe)  # bytes
+    >>> svc.register_receive(task_id, dst_tensor, dst_pos, size, src_pe)
+    >>> svc.schedule(); svc.run(); svc.run()
+    >>> svc.clear_requests(); svc.finalize()
+
+    ``transport`` is ``"auto"``, ``"host"``, ``"cuda"`` or ``"nccl"``; ``bootstrap`` is anything
+    :func:`make_bootstrap` accepts. Registered tensors are kept alive by the service until
+    ``clear_requests()`` or ``finalize()``.
+    """
+
+    def __init__(
+        self,
+        transport: str = "auto",
+        bootstrap: Any = None,
+        *,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        device: Optional[int] = None,
+    ) -> None:
+        self._service = _core.CopyService(
+            transport, make_bootstrap(bootstrap, rank=rank, world_size=world_size, device=device)
+        )
+        self._registered: list = []
+
+    def init(self, log_level: str = "INFO") -> "CopyService":
+        """Collective: sets up the transport. ``RESHARD_LOG_LEVEL`` overrides ``log_level``."""
+        self._service.init(log_level)
+        return self
+
+    @property
+    def my_pe(self) -> int:
+        return self._service.my_pe
+
+    @property
+    def n_pes(self) -> int:
+        return self._service.n_pes
+
+    @property
+    def device(self) -> int:
+        """CUDA device of this PE, -1 on the host transport."""
+        return self._service.device
+
+    @property
+    def initialized(self) -> bool:
+        return self._service.initialized
+
+    @property
+    def transport(self) -> str:
+        """The transport in use after init(): "host", "cuda" or "nccl"."""
+        return self._service.transport_name
+
+    def register_send(self, task_id: int, src_tensor: Any, src_pos: int, size: int,
+                      dest_pe: int) -> None:
+        """Sends ``size`` bytes of ``src_tensor`` from byte ``src_pos`` to ``dest_pe``."""
+        self._service.register_send(task_id, src_tensor, src_pos, size, dest_pe)
+        self._registered.append(src_tensor)
+
+    def register_receive(self, task_id: int, dst_tensor: Any, dst_pos: int, size: int,
+                         src_pe: int) -> None:
+        """Receives ``size`` bytes from ``src_pe`` into ``dst_tensor`` at byte ``dst_pos``."""
+        self._service.register_receive(task_id, dst_tensor, dst_pos, size, src_pe)
+        self._registered.append(dst_tensor)
+
+    def schedule(self) -> "_core.ScheduleReport":
+        """Collective: validates every request on every PE (before any byte moves) and plans."""
+        return self._service.schedule()
+
+    def run(self, stream: StreamLike = None) -> None:
+        """Moves the registered bytes. Without a stream it returns when this PE's sends were read
+        and its receives landed; with a CUDA stream (int, torch or CuPy stream) it is queued there
+        and returns at once."""
+        self._service.run(stream_handle(stream))
+
+    def synchronize(self) -> None:
+        """Waits for every queued run and reports a device-side failure, if any."""
+        self._service.synchronize()
+
+    def clear_requests(self) -> None:
+        """Forgets requests and plan; the service stays initialised."""
+        self._service.clear_requests()
+        self._registered.clear()
+
+    def finalize(self) -> None:
+        """Releases everything; safe to call twice."""
+        self._service.finalize()
+        self._registered.clear()
+
+    def __enter__(self) -> "CopyService":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.finalize()
+
+    @property
+    def core(self) -> "_core.CopyService":
+        """The underlying C++ service (what execute_reshard_plan runs on)."""
+        return self._service

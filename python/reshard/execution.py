@@ -1,0 +1,60 @@
+"""execute_reshard_plan over Python tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from . import _core
+from .copy_service import CopyService, StreamLike, stream_handle
+
+__all__ = ["LocalTensor", "execute_reshard_plan"]
+
+
+@dataclass
+class LocalTensor:
+    """A rank's local tensor of one parameter, with what reshard cannot read from it.
+
+    ``scale`` holds the scales of block-scaled formats (MXFP8: E8M0, shape ``[..., K / 32]``;
+    128x128 FP8: float32, shape ``[..., ceil(M / 128), ceil(K / 128)]``). ``dtype`` names the
+    element type when the array's own does not say it (e.g. a ``uint8`` view of FP8 data:
+    ``"float8_e4m3"``).
+    """
+
+    data: Any
+    scale: Any = None
+    dtype: Optional[str] = None
+
+
+TensorLike = Union[Any, LocalTensor]
+
+
+def _entries(tensors: Mapping[str, TensorLike]) -> list:
+    entries = []
+    for name, tensor in tensors.items():
+        if isinstance(tensor, LocalTensor):
+            entries.append((name, tensor.data, tensor.scale, tensor.dtype))
+        else:
+            entries.append((name, tensor, None, None))
+    return entries
+
+
+def execute_reshard_plan(
+    plan: "_core.ReshardPlan",
+    src: Mapping[str, TensorLike],
+    dst: Mapping[str, TensorLike],
+    service: Union[CopyService, "_core.CopyService"],
+    transform: Optional["_core.ReshardTransform"] = None,
+    stream: StreamLike = None,
+) -> "_core.ReshardReport":
+    """Moves this rank's source slices into every rank's destination tensors (collective).
+
+    ``src`` and ``dst`` map parameter names to this rank's local tensors (arrays, or
+    :class:`LocalTensor` for scales and explicit dtypes). The first call registers and schedules;
+    later calls with the same tensors only run, so call it once per refit. With a CUDA ``stream``
+    the work is queued there; otherwise the call returns when the bytes have landed.
+    """
+    core = service.core if isinstance(service, CopyService) else service
+    return _core.execute_reshard_plan(
+        plan, _entries(src), _entries(dst), core, transform, stream_handle(stream)
+    )

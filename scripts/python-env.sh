@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Makes build/pyenv, a virtual environment holding what the Python package builds and tests with
+# (scikit-build-core, nanobind, pytest, NumPy; NCCL's wheel where CUDA is present), and installs
+# the package into it from this checkout. Prints nothing on success.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+env_dir=build/pyenv
+if [[ ! -x $env_dir/bin/python ]]; then
+  if ! python3 -m venv "$env_dir" >/dev/null 2>&1; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+      rm -rf "$env_dir"
+      apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+      python3 -m venv "$env_dir"
+    else
+      echo "reshard: python3 -m venv failed; install python3-venv" >&2
+      exit 1
+    fi
+  fi
+  wheels=("scikit-build-core>=0.10" "nanobind>=2.4" pytest numpy)
+  command -v nvcc >/dev/null && wheels+=(nvidia-nccl-cu13)
+  "$env_dir/bin/python" -m pip install -q --upgrade pip >/dev/null
+  "$env_dir/bin/python" -m pip install -q "${wheels[@]}"
+fi
+# Without build isolation the build sees the environment's NCCL wheel; PATH puts its Python first
+# for CMake.
+PATH="$PWD/$env_dir/bin:$PATH" "$env_dir/bin/python" -m pip install -q --no-build-isolation .

@@ -1,0 +1,525 @@
+// reshard._core: the C++ library as seen from Python. Tensors arrive through DLPack or the buffer
+// protocol (PyTorch, CuPy, NumPy, JAX), are never copied, and must be contiguous; everything
+// long-running releases the GIL. The Python package (python/reshard) wraps this module with
+// keyword arguments, lifetime handling and docstrings.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/env.hpp"
+#include "reshard/bootstrap.hpp"
+#include "reshard/copy_service.hpp"
+#include "reshard/error.hpp"
+#include "reshard/layout.hpp"
+#include "reshard/model_layouts.hpp"
+#include "reshard/plan.hpp"
+#include "reshard/resharder.hpp"
+#include "reshard/transform.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace reshard::python {
+namespace {
+
+using Array = nb::ndarray<>;                // memory reshard writes
+using ReadOnlyArray = nb::ndarray<nb::ro>;  // memory reshard only reads
+
+// The element type of an array, as reshard names it.
+DType dtype_of(const nb::dlpack::dtype& type, const std::string& what) {
+  using Code = nb::dlpack::dtype_code;
+  const auto code = static_cast<Code>(type.code);
+  if (type.lanes == 1) {
+    if (code == Code::Float && type.bits == 32) return DType::kFloat32;
+    if (code == Code::Float && type.bits == 64) return DType::kFloat64;
+    if (code == Code::Float && type.bits == 16) return DType::kFloat16;
+    if (code == Code::Bfloat && type.bits == 16) return DType::kBFloat16;
+    if (code == Code::Float8_E4M3FN && type.bits == 8) return DType::kFloat8E4M3;
+    if (code == Code::Float8_E8M0FNU && type.bits == 8) return DType::kFloat8E8M0;
+    if (code == Code::Int && type.bits == 8) return DType::kInt8;
+    if (code == Code::UInt && type.bits == 8) return DType::kUInt8;
+    if (code == Code::Int && type.bits == 32) return DType::kInt32;
+    if (code == Code::Int && type.bits == 64) return DType::kInt64;
+  }
+  throw_error(ErrorCode::kInvalidArgument, what + ": unsupported element type (DLPack code " +
+                                               std::to_string(type.code) + ", " +
+                                               std::to_string(type.bits) +
+                                               " bits); pass a uint8 view and name the "
+                                               "dtype explicitly");
+}
+
+// The memory of a contiguous array. Non-contiguous arrays are refused rather than copied: reshard
+// reads and writes the caller's memory in place.
+template <typename AnyArray>
+Buffer buffer_of(const AnyArray& array, const std::string& what) {
+  std::int64_t expected = 1;
+  for (std::size_t d = array.ndim(); d-- > 0;) {
+    if (array.shape(d) != 1 && array.stride(d) != expected) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  what + " is not contiguous (dimension " + std::to_string(d) + " has stride " +
+                      std::to_string(array.stride(d)) + " elements, expected " +
+                      std::to_string(expected) + "); pass .contiguous() memory");
+    }
+    expected *= static_cast<std::int64_t>(array.shape(d));
+  }
+  void* data = const_cast<void*>(array.data());
+  const std::size_t bytes = array.nbytes();
+  switch (array.device_type()) {
+    case nb::device::cpu::value:
+    case nb::device::cuda_host::value:
+      return Buffer::host(data, bytes);
+    case nb::device::cuda::value:
+      return Buffer::cuda(data, bytes, array.device_id());
+    default:
+      throw_error(ErrorCode::kInvalidArgument,
+                  what + " lives on a device reshard does not handle (DLPack device type " +
+                      std::to_string(array.device_type()) + "); use host or CUDA memory");
+  }
+}
+
+void* stream_of(std::optional<std::uintptr_t> stream) {
+  return stream ? reinterpret_cast<void*>(*stream) : nullptr;
+}
+
+// One entry of a tensor map: (name, data, scale or None, dtype name or None).
+template <typename AnyArray>
+using TensorEntry =
+    std::tuple<std::string, AnyArray, std::optional<AnyArray>, std::optional<std::string>>;
+
+template <typename AnyArray>
+TensorMap tensor_map(const std::vector<TensorEntry<AnyArray>>& entries, const char* role) {
+  TensorMap map;
+  for (const auto& [name, data, scale, dtype] : entries) {
+    const std::string what = std::string(role) + " tensor '" + name + "'";
+    LocalTensor tensor;
+    tensor.data = buffer_of(data, what);
+    tensor.dtype = dtype ? parse_dtype(*dtype) : dtype_of(data.dtype(), what);
+    if (scale) tensor.scale = buffer_of(*scale, what + " (scale)");
+    map[name] = tensor;
+  }
+  return map;
+}
+
+std::vector<std::int64_t> extents(const Box& box) {
+  return {box.extent.begin(), box.extent.begin() + box.ndim};
+}
+std::vector<std::int64_t> offsets(const Box& box) {
+  return {box.offset.begin(), box.offset.begin() + box.ndim};
+}
+
+Box box_of(const std::vector<std::int64_t>& offset, const std::vector<std::int64_t>& extent) {
+  if (offset.size() != extent.size() || offset.size() > static_cast<std::size_t>(kMaxDims)) {
+    throw_error(ErrorCode::kInvalidArgument, "a block needs as many offsets as extents (at most " +
+                                                 std::to_string(kMaxDims) + " dimensions), got " +
+                                                 std::to_string(offset.size()) + " and " +
+                                                 std::to_string(extent.size()));
+  }
+  Box box;
+  box.ndim = static_cast<int>(offset.size());
+  for (int d = 0; d < box.ndim; ++d) {
+    box.offset[d] = offset[d];
+    box.extent[d] = extent[d];
+  }
+  return box;
+}
+
+void bind_errors(nb::module_& m) {
+  static nb::object error_type = nb::steal(
+      PyErr_NewExceptionWithDoc("reshard._core.ReshardError",
+                                "An error raised by reshard; `code` names its kind and `tasks` "
+                                "lists the task ids involved, if any.",
+                                PyExc_RuntimeError, nullptr));
+  m.attr("ReshardError") = error_type;
+  nb::register_exception_translator([](const std::exception_ptr& thrown, void*) {
+    try {
+      std::rethrow_exception(thrown);
+    } catch (const Error& error) {
+      nb::object instance = error_type(nb::str(error.what()));
+      instance.attr("code") = nb::str(error_code_name(error.code()));
+      instance.attr("tasks") = nb::cast(error.tasks());
+      PyErr_SetObject(error_type.ptr(), instance.ptr());
+    }
+  });
+}
+
+void bind_bootstrap(nb::module_& m) {
+  nb::class_<Bootstrap>(m, "Bootstrap")
+      .def_prop_ro("rank", &Bootstrap::rank)
+      .def_prop_ro("size", &Bootstrap::size)
+      .def_prop_ro("local_rank", &Bootstrap::local_rank)
+      .def("barrier", &Bootstrap::barrier, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "all_gather",
+          [](Bootstrap& self, nb::bytes mine) {
+            std::vector<std::vector<std::byte>> parts;
+            {
+              nb::gil_scoped_release released;
+              parts =
+                  self.all_gather({reinterpret_cast<const std::byte*>(mine.c_str()), mine.size()});
+            }
+            nb::list out;
+            for (const auto& part : parts) {
+              out.append(nb::bytes(reinterpret_cast<const char*>(part.data()), part.size()));
+            }
+            return out;
+          },
+          "mine"_a);
+  m.def(
+      "tcp_bootstrap",
+      [](const std::string& address, int port, int rank, int size, int local_rank) {
+        TcpBootstrapOptions options;
+        options.address = address;
+        options.port = port;
+        options.rank = rank;
+        options.size = size;
+        options.local_rank = local_rank;
+        options.timeout = env::timeout();
+        return std::shared_ptr<Bootstrap>(std::make_shared<TcpBootstrap>(options));
+      },
+      "address"_a, "port"_a, "rank"_a, "size"_a, "local_rank"_a,
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def("make_unique_id", &TcpBootstrap::make_unique_id, "host"_a = "127.0.0.1");
+  m.def(
+      "default_bootstrap", [] { return std::shared_ptr<Bootstrap>(make_default_bootstrap()); },
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "mpi_bootstrap", [] { return std::shared_ptr<Bootstrap>(make_mpi_bootstrap()); },
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def("mpi_bootstrap_available", &mpi_bootstrap_available);
+}
+
+void bind_copy_service(nb::module_& m) {
+  m.def("available_transports", &available_transports);
+  nb::class_<ScheduleReport>(m, "ScheduleReport")
+      .def_ro("transfers", &ScheduleReport::transfers)
+      .def_ro("batches", &ScheduleReport::batches)
+      .def_ro("rounds", &ScheduleReport::rounds)
+      .def_ro("lower_bound_bytes", &ScheduleReport::lower_bound_bytes)
+      .def_ro("makespan_bytes", &ScheduleReport::makespan_bytes)
+      .def_ro("bytes_sent", &ScheduleReport::bytes_sent)
+      .def_ro("bytes_received", &ScheduleReport::bytes_received)
+      .def_ro("bytes_local", &ScheduleReport::bytes_local)
+      .def_prop_ro("bound_ratio", &ScheduleReport::bound_ratio);
+
+  using GilFree = nb::call_guard<nb::gil_scoped_release>;
+  nb::class_<CopyService>(m, "CopyService")
+      .def(
+          "__init__",
+          [](CopyService* self, const std::string& transport,
+             std::shared_ptr<Bootstrap> bootstrap) {
+            const TransportKind kind = parse_transport_kind(transport);
+            nb::gil_scoped_release released;
+            if (bootstrap) {
+              new (self) CopyService(std::move(bootstrap), kind);
+            } else {
+              new (self) CopyService(kind);
+            }
+          },
+          "transport"_a = "auto", "bootstrap"_a = nb::none())
+      .def("init", nb::overload_cast<const std::string&>(&CopyService::init), "log_level"_a,
+           GilFree())
+      .def_prop_ro("my_pe", &CopyService::my_pe)
+      .def_prop_ro("n_pes", &CopyService::n_pes)
+      .def_prop_ro("device", &CopyService::device)
+      .def_prop_ro("initialized", &CopyService::initialized)
+      .def_prop_ro("transport_name", &CopyService::transport_name)
+      .def_prop_ro("generation", &CopyService::generation)
+      .def(
+          "register_send",
+          [](CopyService& self, TaskId task, const ReadOnlyArray& src, std::size_t pos,
+             std::size_t size, PeId dest) {
+            self.register_send(task, buffer_of(src, "send buffer of task " + std::to_string(task)),
+                               pos, size, dest);
+          },
+          "task_id"_a, "src"_a, "src_pos"_a, "size"_a, "dest_pe"_a)
+      .def(
+          "register_receive",
+          [](CopyService& self, TaskId task, const Array& dst, std::size_t pos, std::size_t size,
+             PeId src) {
+            self.register_receive(task,
+                                  buffer_of(dst, "receive buffer of task " + std::to_string(task)),
+                                  pos, size, src);
+          },
+          "task_id"_a, "dst"_a, "dst_pos"_a, "size"_a, "src_pe"_a)
+      .def("schedule", &CopyService::schedule, GilFree())
+      .def(
+          "run",
+          [](CopyService& self, std::optional<std::uintptr_t> stream) {
+            if (stream) {
+              self.run(stream_of(stream));
+            } else {
+              self.run();
+            }
+          },
+          "stream"_a = nb::none(), GilFree())
+      .def("synchronize", &CopyService::synchronize, GilFree())
+      .def("clear_requests", &CopyService::clear_requests, GilFree())
+      .def("finalize", &CopyService::finalize, GilFree());
+}
+
+void bind_layouts(nb::module_& m) {
+  nb::class_<ParamSpec>(m, "ParamSpec")
+      .def(
+          "__init__",
+          [](ParamSpec* self, std::string name, std::vector<std::int64_t> shape,
+             const std::string& dtype) {
+            new (self) ParamSpec{std::move(name), std::move(shape), parse_dtype(dtype)};
+          },
+          "name"_a, "shape"_a, "dtype"_a = "bfloat16")
+      .def_ro("name", &ParamSpec::name)
+      .def_ro("shape", &ParamSpec::shape)
+      .def_prop_ro("dtype", [](const ParamSpec& p) { return std::string(dtype_name(p.dtype)); })
+      .def_prop_ro("bytes", &ParamSpec::bytes)
+      .def("__repr__", [](const ParamSpec& p) {
+        std::string shape;
+        for (std::int64_t d : p.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+        return "ParamSpec('" + p.name + "', [" + shape + "], " + dtype_name(p.dtype) + ")";
+      });
+
+  nb::class_<Layout>(m, "Layout")
+      .def(nb::init<>())
+      .def("add_param", &Layout::add_param, "param"_a)
+      .def(
+          "add_shard",
+          [](Layout& self, PeId rank, const std::string& param, std::vector<std::int64_t> offset,
+             std::vector<std::int64_t> extent) {
+            self.add_shard(rank, param, box_of(offset, extent));
+          },
+          "rank"_a, "param"_a, "offset"_a, "extent"_a)
+      .def(
+          "add_packed_shard",
+          [](Layout& self, PeId rank, const std::string& param,
+             std::vector<std::int64_t> local_shape,
+             const std::vector<std::tuple<std::vector<std::int64_t>, std::vector<std::int64_t>,
+                                          std::vector<std::int64_t>>>& pieces) {
+            std::vector<Piece> converted;
+            for (const auto& [offset, extent, local_at] : pieces) {
+              Piece piece{box_of(offset, extent), {}};
+              if (local_at.size() != offset.size()) {
+                throw_error(ErrorCode::kInvalidArgument,
+                            "a piece's local position needs one coordinate per dimension");
+              }
+              for (std::size_t d = 0; d < local_at.size(); ++d) piece.local_at[d] = local_at[d];
+              converted.push_back(piece);
+            }
+            self.add_shard(rank, param, std::move(local_shape), std::move(converted));
+          },
+          "rank"_a, "param"_a, "local_shape"_a, "pieces"_a)
+      .def_prop_ro("params", &Layout::params)
+      .def_prop_ro("max_rank", &Layout::max_rank)
+      .def(
+          "local_shape",
+          [](const Layout& self, PeId rank,
+             const std::string& param) -> std::optional<std::vector<std::int64_t>> {
+            const Shard* shard = self.find_shard(rank, self.param_index(param));
+            if (shard == nullptr) return std::nullopt;
+            return shard->local_shape;
+          },
+          "rank"_a, "param"_a)
+      .def(
+          "pieces",
+          [](const Layout& self, PeId rank, const std::string& param) {
+            std::vector<std::tuple<std::vector<std::int64_t>, std::vector<std::int64_t>,
+                                   std::vector<std::int64_t>>>
+                out;
+            const Shard* shard = self.find_shard(rank, self.param_index(param));
+            if (shard == nullptr) return out;
+            for (const Piece& piece : shard->pieces) {
+              const Box local = shard->local_box(piece);
+              out.emplace_back(offsets(piece.global), extents(piece.global), offsets(local));
+            }
+            return out;
+          },
+          "rank"_a, "param"_a,
+          "The blocks of `param` that `rank` holds: (offset, extent) in the parameter and the "
+          "offset of each in the rank's local tensor; empty when it holds none.");
+
+  nb::class_<ModelParam>(m, "ModelParam")
+      .def(
+          "__init__",
+          [](ModelParam* self, ParamSpec spec, int tp_dim, std::vector<std::int64_t> packed,
+             const std::string& stage, int layer, int expert) {
+            Stage where = Stage::kLayer;
+            if (stage == "first") {
+              where = Stage::kFirst;
+            } else if (stage == "last") {
+              where = Stage::kLast;
+            } else if (stage != "layer") {
+              throw_error(ErrorCode::kInvalidArgument,
+                          "stage must be 'layer', 'first' or 'last', not '" + stage + "'");
+            }
+            new (self) ModelParam{std::move(spec), tp_dim, std::move(packed), where, layer, expert};
+          },
+          "spec"_a, "tp_dim"_a = -1, "packed"_a = std::vector<std::int64_t>{}, "stage"_a = "layer",
+          "layer"_a = 0, "expert"_a = -1)
+      .def_ro("spec", &ModelParam::spec)
+      .def_ro("tp_dim", &ModelParam::tp_dim)
+      .def_ro("layer", &ModelParam::layer)
+      .def_ro("expert", &ModelParam::expert);
+
+  nb::class_<ModelSpec>(m, "ModelSpec")
+      .def(
+          "__init__",
+          [](ModelSpec* self, std::string name, int layers, int experts,
+             std::vector<ModelParam> params) {
+            new (self) ModelSpec{std::move(name), layers, experts, std::move(params)};
+          },
+          "name"_a, "layers"_a, "experts"_a, "params"_a)
+      .def_ro("name", &ModelSpec::name)
+      .def_ro("layers", &ModelSpec::layers)
+      .def_ro("experts", &ModelSpec::experts)
+      .def_ro("params", &ModelSpec::params)
+      .def_prop_ro("total_bytes", &ModelSpec::total_bytes);
+
+  nb::class_<Parallelism>(m, "Parallelism")
+      .def(
+          "__init__",
+          [](Parallelism* self, int tp, int dp, int pp, int replicas, int ep, int etp,
+             PeId rank_offset) {
+            new (self) Parallelism{tp, dp, pp, replicas, ep, etp, rank_offset};
+          },
+          "tp"_a = 1, "dp"_a = 1, "pp"_a = 1, "replicas"_a = 1, "ep"_a = 1, "etp"_a = 1,
+          "rank_offset"_a = 0)
+      .def_rw("tp", &Parallelism::tp)
+      .def_rw("dp", &Parallelism::dp)
+      .def_rw("pp", &Parallelism::pp)
+      .def_rw("replicas", &Parallelism::replicas)
+      .def_rw("ep", &Parallelism::ep)
+      .def_rw("etp", &Parallelism::etp)
+      .def_rw("rank_offset", &Parallelism::rank_offset)
+      .def_prop_ro("world", &Parallelism::world)
+      .def("__repr__", &Parallelism::str);
+
+  m.def("build_layout", &build_layout, "model"_a, "parallelism"_a);
+  m.def("llama3_8b_model", &llama3_8b_model, "layers"_a = 32);
+  m.def("qwen3_30b_a3b_model", &qwen3_30b_a3b_model, "layers"_a = 48);
+  m.def("moe_1t_model", &moe_1t_model, "layers"_a = 61, "experts"_a = 384);
+  m.def("toy_model", &toy_model, "layers"_a, "hidden"_a, "experts"_a = 0);
+}
+
+void bind_plan(nb::module_& m) {
+  nb::class_<TransferOp>(m, "TransferOp")
+      .def_ro("param", &TransferOp::param)
+      .def_ro("src_rank", &TransferOp::src_rank)
+      .def_ro("dst_rank", &TransferOp::dst_rank)
+      .def_ro("bytes", &TransferOp::bytes)
+      .def_ro("task_id", &TransferOp::task_id)
+      .def_prop_ro("offset", [](const TransferOp& op) { return offsets(op.region); })
+      .def_prop_ro("extent", [](const TransferOp& op) { return extents(op.region); })
+      .def_prop_ro("src_offset", [](const TransferOp& op) { return offsets(op.src_box()); })
+      .def_prop_ro("dst_offset", [](const TransferOp& op) { return offsets(op.dst_box()); });
+
+  nb::class_<PlanStats>(m, "PlanStats")
+      .def_ro("total_bytes", &PlanStats::total_bytes)
+      .def_ro("local_bytes", &PlanStats::local_bytes)
+      .def_ro("max_egress_bytes", &PlanStats::max_egress_bytes)
+      .def_ro("max_ingress_bytes", &PlanStats::max_ingress_bytes)
+      .def_ro("lower_bound_bytes", &PlanStats::lower_bound_bytes)
+      .def_ro("ops", &PlanStats::ops)
+      .def_ro("local_ops", &PlanStats::local_ops);
+
+  nb::class_<ReshardPlan>(m, "ReshardPlan")
+      .def_prop_ro("params", &ReshardPlan::params)
+      .def_prop_ro("ops", &ReshardPlan::ops)
+      .def_prop_ro("stats", &ReshardPlan::stats)
+      .def_prop_ro("src_layout", &ReshardPlan::src_layout)
+      .def_prop_ro("dst_layout", &ReshardPlan::dst_layout)
+      .def_prop_ro("fingerprint", &ReshardPlan::fingerprint)
+      .def("summary", &ReshardPlan::summary)
+      .def("__repr__", [](const ReshardPlan& p) { return "ReshardPlan(" + p.summary() + ")"; });
+
+  m.def(
+      "make_reshard_plan",
+      [](const Layout& src, const Layout& dst, std::uint64_t split_min_bytes,
+         std::int64_t split_row_align) {
+        PlanOptions options;
+        options.split_min_bytes = split_min_bytes;
+        options.split_row_align = split_row_align;
+        auto a = std::make_shared<const Layout>(src);
+        auto b = std::make_shared<const Layout>(dst);
+        nb::gil_scoped_release released;
+        return std::make_shared<const ReshardPlan>(make_reshard_plan(a, b, options));
+      },
+      "src"_a, "dst"_a, "split_min_bytes"_a = PlanOptions{}.split_min_bytes,
+      "split_row_align"_a = PlanOptions{}.split_row_align);
+}
+
+void bind_execution(nb::module_& m) {
+  nb::class_<ReshardTransform>(m, "ReshardTransform")
+      .def_prop_ro("name", &ReshardTransform::name)
+      .def("should_transform", &ReshardTransform::should_transform, "param"_a);
+
+  m.def(
+      "make_cast_transform",
+      [](const std::string& wire) { return make_cast_transform(parse_dtype(wire)); }, "wire"_a);
+  auto side_of = [](const std::string& side) {
+    if (side == "sender") return QuantizeSide::kSender;
+    if (side == "receiver") return QuantizeSide::kReceiver;
+    throw_error(ErrorCode::kInvalidArgument,
+                "side must be 'sender' or 'receiver', not '" + side + "'");
+  };
+  m.def(
+      "make_mxfp8_transform",
+      [side_of](const std::string& side, const std::string& rounding, std::string filter) {
+        MxScaleRounding rule = MxScaleRounding::kOcp;
+        if (rounding == "round_up") {
+          rule = MxScaleRounding::kRoundUp;
+        } else if (rounding != "ocp") {
+          throw_error(ErrorCode::kInvalidArgument,
+                      "rounding must be 'ocp' or 'round_up', not '" + rounding + "'");
+        }
+        return make_mxfp8_transform(side_of(side), rule, std::move(filter));
+      },
+      "side"_a = "sender", "rounding"_a = "ocp", "name_filter"_a = "");
+  m.def(
+      "make_fp8_block_transform",
+      [side_of](const std::string& side, std::string filter) {
+        return make_fp8_block_transform(side_of(side), std::move(filter));
+      },
+      "side"_a = "sender", "name_filter"_a = "");
+
+  nb::class_<ReshardReport>(m, "ReshardReport")
+      .def_ro("rescheduled", &ReshardReport::rescheduled)
+      .def_ro("bytes_sent", &ReshardReport::bytes_sent)
+      .def_ro("bytes_received", &ReshardReport::bytes_received)
+      .def_ro("packed_bytes", &ReshardReport::packed_bytes)
+      .def_ro("prepare_seconds", &ReshardReport::prepare_seconds)
+      .def_ro("transfer_seconds", &ReshardReport::transfer_seconds)
+      .def_ro("finalize_seconds", &ReshardReport::finalize_seconds);
+
+  m.def(
+      "execute_reshard_plan",
+      [](const std::shared_ptr<const ReshardPlan>& plan,
+         const std::vector<TensorEntry<ReadOnlyArray>>& src,
+         const std::vector<TensorEntry<Array>>& dst, CopyService& service,
+         std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream) {
+        const TensorMap src_map = tensor_map(src, "source");
+        const TensorMap dst_map = tensor_map(dst, "destination");
+        nb::gil_scoped_release released;
+        return execute_reshard_plan(plan, src_map, dst_map, service, std::move(transform),
+                                    stream_of(stream));
+      },
+      "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none());
+}
+
+}  // namespace
+}  // namespace reshard::python
+
+NB_MODULE(_core, m) {
+  m.doc() = "reshard's C++ core; use the `reshard` package rather than this module directly.";
+  reshard::python::bind_errors(m);
+  reshard::python::bind_bootstrap(m);
+  reshard::python::bind_copy_service(m);
+  reshard::python::bind_layouts(m);
+  reshard::python::bind_plan(m);
+  reshard::python::bind_execution(m);
+}

@@ -1,0 +1,223 @@
+"""The Python package: the copy service, the planner and execute_reshard_plan through NumPy (and,
+where present, PyTorch) tensors; multi-process jobs go through `python -m reshard.launch`. GPU
+cases skip unless CUDA and enough GPUs are present."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import reshard
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "workers"
+EXAMPLES = HERE.parent.parent / "examples" / "python"
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def launch(n, script, *args, timeout=240):
+    """Runs `script` as n processes through reshard.launch; returns the completed process."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(Path(reshard.__file__).parent.parent), os.environ.get("PYTHONPATH")])))
+    env.setdefault("RESHARD_TIMEOUT_S", "20")
+    return subprocess.run([sys.executable, "-m", "reshard.launch", "-n", str(n), "--timeout",
+                           str(timeout - 10), str(script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+# ---- one process ----
+
+def test_host_transport_is_always_available():
+    assert "host" in reshard.available_transports()
+
+
+@pytest.fixture
+def service():
+    svc = reshard.CopyService(transport="host").init("WARN")
+    yield svc
+    svc.finalize()
+
+
+def test_single_pe_copies_bytes_in_place(service):
+    assert (service.my_pe, service.n_pes, service.initialized) == (0, 1, True)
+    src = np.arange(100, dtype=np.float32)
+    dst = np.zeros(100, dtype=np.float32)
+    service.register_send(5, src, 40, 200, 0)
+    service.register_receive(5, dst, 0, 200, 0)
+    assert service.schedule().transfers == 1
+    for shift in range(2):
+        src += shift
+        service.run()
+        np.testing.assert_array_equal(dst[:50], src[10:60])
+        assert not dst[50:].any()
+
+
+def test_read_only_source_is_accepted(service):
+    src = np.arange(8, dtype=np.uint8)
+    src.setflags(write=False)
+    dst = np.zeros(8, dtype=np.uint8)
+    service.register_send(1, src, 0, 8, 0)
+    service.register_receive(1, dst, 0, 8, 0)
+    service.schedule()
+    service.run()
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_range_outside_the_buffer_is_refused_naming_the_task(service):
+    with pytest.raises(reshard.ReshardError, match="task 3") as error:
+        service.register_send(3, np.zeros(16, np.uint8), 10, 8, 0)
+    assert error.value.code == "invalid argument"
+
+
+def test_non_contiguous_memory_is_refused_not_copied(service):
+    with pytest.raises(reshard.ReshardError, match="not contiguous"):
+        service.register_send(4, np.zeros((8, 8), np.float32)[:, ::2], 0, 4, 0)
+
+
+def test_read_only_destination_is_refused(service):
+    dst = np.zeros(8, np.uint8)
+    dst.setflags(write=False)
+    with pytest.raises((TypeError, reshard.ReshardError)):
+        service.register_receive(1, dst, 0, 8, 0)
+
+
+def test_peer_out_of_range_is_refused(service):
+    with pytest.raises(reshard.ReshardError, match="PE"):
+        service.register_send(1, np.zeros(8, np.uint8), 0, 8, 5)
+
+
+def test_unknown_transport_is_refused():
+    with pytest.raises(reshard.ReshardError, match="transport"):
+        reshard.CopyService(transport="carrier-pigeon")
+
+
+def test_bad_bootstrap_is_refused():
+    with pytest.raises(TypeError):
+        reshard.make_bootstrap(3.5)
+    with pytest.raises(ValueError):
+        reshard.make_bootstrap("no-port-here", rank=0, world_size=1)
+
+
+def test_plan_is_deterministic_and_conserves_bytes():
+    model = reshard.toy_model(2, 256, 4)
+    a = reshard.build_layout(model, reshard.Parallelism(tp=2, dp=2, ep=2))
+    b = reshard.build_layout(model, reshard.Parallelism(tp=4, ep=4))
+    plan, again = reshard.make_reshard_plan(a, b), reshard.make_reshard_plan(a, b)
+    assert plan.fingerprint == again.fingerprint
+    assert [op.task_id for op in plan.ops] == [op.task_id for op in again.ops]
+    # Every destination element once: the ops' bytes add up to the destination layout's bytes.
+    dst_bytes = 0
+    for param in plan.params:
+        for rank in range(4):
+            for _, extent, _ in b.pieces(rank, param.name):
+                dst_bytes += int(np.prod(extent)) * (param.bytes // int(np.prod(param.shape)))
+    assert sum(op.bytes for op in plan.ops) == dst_bytes == plan.stats.total_bytes
+    assert len({op.task_id for op in plan.ops}) == len(plan.ops)
+
+
+def test_plan_refuses_uncovered_destination():
+    model = reshard.toy_model(1, 128)
+    src = reshard.Layout()
+    for param in model.params:
+        src.add_param(param.spec)
+    dst = reshard.build_layout(model, reshard.Parallelism(tp=2))
+    with pytest.raises(reshard.ReshardError, match=model.params[0].spec.name):
+        reshard.make_reshard_plan(src, dst)
+
+
+def test_bad_transform_options_are_refused():
+    with pytest.raises(reshard.ReshardError, match="side"):
+        reshard.make_mxfp8_transform(side="middle")
+    with pytest.raises(reshard.ReshardError, match="rounding"):
+        reshard.make_mxfp8_transform(rounding="nearest")
+
+
+# ---- several processes, host transport ----
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_copy_service_random_workloads(n):
+    assert_ok(launch(n, WORKERS / "copy_service_worker.py", 11 * n))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_reshard_layout_changes_and_transforms(n):
+    assert_ok(launch(n, WORKERS / "reshard_worker.py"))
+
+
+def test_example_refits_tp4_into_tp2():
+    result = launch(4, EXAMPLES / "refit_tp4_to_tp2.py")
+    assert_ok(result)
+    assert "all elements match" in result.stdout
+
+
+@pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
+def test_megatron_adapter_on_cpu_tensors():
+    assert_ok(launch(3, WORKERS / "megatron_worker.py", "cpu"))
+
+
+def test_launch_stops_the_job_when_a_rank_fails(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1': sys.exit(3)\n"
+                      "time.sleep(120)\n")
+    start = time.monotonic()
+    result = launch(3, script, timeout=60)
+    assert result.returncode == 3
+    assert time.monotonic() - start < 30
+    assert "rank 1 exited with status 3" in result.stderr
+
+
+def test_launch_gives_each_rank_torchrun_variables(tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text("import os, pathlib\n"
+                      "e = os.environ\n"
+                      f"pathlib.Path({str(tmp_path)!r}, 'rank' + e['RANK']).write_text("
+                      "' '.join([e['WORLD_SIZE'], e['LOCAL_RANK'], e['MASTER_ADDR'],"
+                      " str(e['MASTER_PORT'].isdigit())]))\n")
+    assert_ok(launch(2, script))
+    assert (tmp_path / "rank0").read_text() == "2 0 127.0.0.1 True"
+    assert (tmp_path / "rank1").read_text() == "2 1 127.0.0.1 True"
+
+
+# ---- GPUs ----
+
+@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+@pytest.mark.parametrize("n", [2, 4])
+def test_gpu_copy_service_random_workloads(n):
+    if gpu_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+    assert_ok(launch(n, WORKERS / "copy_service_worker.py", 5 * n, "torch-cuda"))
+
+
+@pytest.mark.skipif(gpu_count() < 4, reason="needs PyTorch with 4 GPUs")
+def test_gpu_example_refits_tp4_into_tp2():
+    result = launch(4, EXAMPLES / "refit_tp4_to_tp2.py", "--device", "cuda")
+    assert_ok(result)
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+def test_gpu_megatron_adapter():
+    assert_ok(launch(2, WORKERS / "megatron_worker.py", "cuda"))

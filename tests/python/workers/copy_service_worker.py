@@ -1,0 +1,102 @@
+"""One PE of a copy-service test job (started by reshard.launch): a random workload that every PE
+derives from the same seed, run twice and checked byte for byte, then a request without a partner
+that schedule() must refuse on every PE.
+
+    worker.py SEED [numpy|torch-cuda]
+"""
+
+import sys
+
+import numpy as np
+
+import reshard
+
+
+def main() -> int:
+    seed, memory = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "numpy")
+    transport = "host" if memory == "numpy" else "cuda"
+    svc = reshard.CopyService(transport=transport).init("WARN")
+    me, n = svc.my_pe, svc.n_pes
+    rng = np.random.default_rng(seed)
+    # Every PE draws the whole job's requests, so sender and receiver agree on them.
+    requests = []
+    for task in range(int(rng.integers(1, 40))):
+        src, dst = int(rng.integers(n)), int(rng.integers(n))
+        size = int(rng.choice([1, 3, 64, 4099, 1 << 16, 1 << 20]))
+        requests.append((task * 7 + 1, src, dst, size, int(rng.integers(0, 17)),
+                         int(rng.integers(0, 17))))
+    send_bytes = sum(r[4] + r[3] for r in requests if r[1] == me) + 1
+    recv_bytes = sum(r[5] + r[3] for r in requests if r[2] == me) + 1
+    source = (np.arange(send_bytes, dtype=np.int64) * 31 + me * 7 + seed).astype(np.uint8)
+    target = np.zeros(recv_bytes, dtype=np.uint8)
+    expected = np.zeros_like(target)
+    if memory == "torch-cuda":
+        import torch
+
+        torch.cuda.set_device(svc.device)
+        device_source = torch.from_numpy(source).cuda()
+        device_target = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
+    send_at = recv_at = 0
+    senders_data = {}
+    for task, src, dst, size, send_pad, recv_pad in requests:
+        if src == me:
+            send_at += send_pad
+            svc.register_send(task, device_source if memory != "numpy" else source, send_at, size,
+                              dst)
+            send_at += size
+        if dst == me:
+            recv_at += recv_pad
+            svc.register_receive(task, device_target if memory != "numpy" else target, recv_at,
+                                 size, src)
+            senders_data[task] = (recv_at, src)
+            recv_at += size
+    # What each sender's bytes are, recomputed here from the same formula and offsets.
+    offsets = {}
+    for pe in range(n):
+        at = 0
+        for task, src, dst, size, send_pad, recv_pad in requests:
+            if src == pe:
+                at += send_pad
+                offsets[task] = at
+                at += size
+    for task, src, dst, size, _, _ in requests:
+        if dst == me:
+            start = offsets[task]
+            values = ((np.arange(start, start + size, dtype=np.int64) * 31 + src * 7 + seed)
+                      .astype(np.uint8))
+            expected[senders_data[task][0]:senders_data[task][0] + size] = values
+    svc.schedule()
+    for _ in range(2):
+        if memory == "numpy":
+            target[:] = 0
+            svc.run()
+            got = target
+        else:
+            device_target.zero_()
+            svc.run(torch.cuda.current_stream())
+            svc.synchronize()
+            got = device_target.cpu().numpy()
+        if not np.array_equal(got, expected):
+            print(f"PE {me}: {np.count_nonzero(got != expected)} wrong bytes", file=sys.stderr)
+            return 1
+
+    # A send nobody receives: every PE must refuse it at schedule(), naming the task.
+    svc.clear_requests()
+    lonely = 999_999
+    if me == 0:
+        svc.register_send(lonely, source, 0, 1, n - 1)
+    try:
+        svc.schedule()
+    except reshard.ReshardError as error:
+        if error.code != "validation" or lonely not in error.tasks:
+            print(f"PE {me}: wrong error {error.code} {error.tasks}: {error}", file=sys.stderr)
+            return 1
+    else:
+        print(f"PE {me}: schedule() accepted a send without a receive", file=sys.stderr)
+        return 1
+    svc.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""One rank of a job driving reshard through Megatron's CopyService interface (torch tensors):
+every rank sends a contiguous tensor and a strided view to its right neighbour, with and without
+task ids, over three refits (the later ones must not reschedule), checking what arrives.
+
+    megatron_worker.py [cpu|cuda]
+"""
+
+import sys
+
+import torch
+
+import reshard
+from reshard.megatron import ReshardCopyService
+
+
+def main():
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    svc = reshard.CopyService(transport="host" if device == "cpu" else "cuda")
+    adapter = ReshardCopyService(service=svc)
+    me, n = adapter.rank, adapter.world_size
+    if device == "cuda":
+        torch.cuda.set_device(svc.device)
+    right, left = (me + 1) % n, (me - 1) % n
+    for refit in range(3):
+        plain = torch.arange(1000, dtype=torch.float32, device=device) + 1000 * me + refit
+        matrix = (torch.arange(64 * 48, dtype=torch.bfloat16, device=device).reshape(64, 48)
+                  + me + refit)
+        column_block = matrix[:, 16:32]  # not contiguous
+        got_plain = torch.zeros(1000, dtype=torch.float32, device=device)
+        got_matrix = torch.zeros(64, 48, dtype=torch.bfloat16, device=device)
+        adapter.submit_send(plain, right, task_id=1000 * me + 1)
+        adapter.submit_recv(got_plain, left, task_id=1000 * left + 1)
+        adapter.submit_send(column_block, right)  # no task id: matched in submission order
+        adapter.submit_recv(got_matrix[:, 0:16], left)
+        generation = svc.core.generation
+        adapter.run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if refit > 0 and svc.core.generation != generation:
+            print(f"rank {me}: refit {refit} rescheduled", file=sys.stderr)
+            return 1
+        want_plain = torch.arange(1000, dtype=torch.float32, device=device) + 1000 * left + refit
+        want_block = (torch.arange(64 * 48, dtype=torch.bfloat16, device=device).reshape(64, 48)
+                      + left + refit)[:, 16:32]
+        if not torch.equal(got_plain, want_plain) or not torch.equal(got_matrix[:, 0:16],
+                                                                     want_block):
+            print(f"rank {me}: refit {refit}: wrong data", file=sys.stderr)
+            return 1
+        if torch.count_nonzero(got_matrix[:, 16:]) != 0:
+            print(f"rank {me}: wrote outside the receive view", file=sys.stderr)
+            return 1
+    adapter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

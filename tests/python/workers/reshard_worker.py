@@ -1,0 +1,134 @@
+"""One rank of a reshard test job (started by reshard.launch): every layout change of a small
+model that fits the job, through execute_reshard_plan with NumPy tensors on the host transport,
+each element checked against the full weight; then the two MXFP8 modes must agree bit for bit
+(both are checked against the C++ reference in the C++ suite), and a missing tensor is refused.
+"""
+
+import sys
+
+import numpy as np
+
+import reshard
+
+
+
+def element_values(param_index, offset, extent, shape):
+    grids = np.meshgrid(*[np.arange(o, o + e, dtype=np.int64) for o, e in zip(offset, extent)],
+                        indexing="ij")
+    linear = np.zeros(tuple(extent), dtype=np.int64)
+    for grid, size in zip(grids, shape):
+        linear = linear * size + grid
+    # Finite bf16 values of moderate size (exponent bits 0x3c..0x43), distinct per position.
+    mantissa = (linear * 2654435761 + param_index * 40503) % 128
+    exponent = 120 + (linear % 16)
+    sign = (linear % 3 == 0).astype(np.int64) << 15
+    return (sign | (exponent << 7) | mantissa).astype(np.uint16)
+
+
+def tensors_for(layout, rank, plan, fill):
+    out = {}
+    for index, param in enumerate(plan.params):
+        shape = layout.local_shape(rank, param.name)
+        if shape is None:
+            continue
+        tensor = np.zeros(shape, dtype=np.uint16)
+        if fill:
+            for offset, extent, local_at in layout.pieces(rank, param.name):
+                where = tuple(slice(a, a + e) for a, e in zip(local_at, extent))
+                tensor[where] = element_values(index, offset, extent, param.shape)
+        out[param.name] = tensor
+    return out
+
+
+def bf16(tensors):
+    return {k: reshard.LocalTensor(v, dtype="bfloat16") for k, v in tensors.items()}
+
+
+def cases(n):
+    P = reshard.Parallelism
+    p2 = n & -n
+    half = max(1, p2 // 2)
+    out = [(P(tp=p2, dp=n // p2), P(tp=half, replicas=n // half)), (P(dp=n), P(tp=p2, replicas=n // p2))]
+    if p2 >= 2:
+        out.append((P(tp=half, dp=n // p2, pp=2), P(tp=p2, replicas=n // p2)))
+    if n % 4 == 0:
+        out.append((P(tp=2, dp=n // 2, ep=2), P(tp=4, replicas=n // 4, ep=4)))
+    return out
+
+
+def main():
+    svc = reshard.CopyService(transport="host").init("WARN")
+    me, n = svc.my_pe, svc.n_pes
+    failures = 0
+    for src_par, dst_par in cases(n):
+        moe = src_par.ep > 1 or dst_par.ep > 1
+        model = reshard.toy_model(2, 256, 4 if moe else 0)
+        src_layout = reshard.build_layout(model, src_par)
+        dst_layout = reshard.build_layout(model, dst_par)
+        plan = reshard.make_reshard_plan(src_layout, dst_layout)
+        src = tensors_for(src_layout, me, plan, True)
+        want = tensors_for(dst_layout, me, plan, True)
+        dst = tensors_for(dst_layout, me, plan, False)
+        for refit in range(2):
+            report = reshard.execute_reshard_plan(plan, bf16(src), bf16(dst), svc)
+            assert report.rescheduled == (refit == 0), (refit, report.rescheduled)
+            for name in want:
+                if not np.array_equal(dst[name], want[name]):
+                    print(f"rank {me}: {src_par} -> {dst_par}: '{name}' differs", file=sys.stderr)
+                    failures += 1
+                dst[name][...] = 0
+
+        # MXFP8 sender side (FP8 on the wire) and receiver side (bf16 on the wire) must agree.
+        results = []
+        for side in ("sender", "receiver"):
+            transform = reshard.make_mxfp8_transform(side=side)
+            fp8 = {}
+            for name, tensor in tensors_for(dst_layout, me, plan, False).items():
+                param = next(p for p in plan.params if p.name == name)
+                if transform.should_transform(param):
+                    fp8[name] = reshard.LocalTensor(
+                        np.full(tensor.shape, 0xAB, dtype=np.uint8),
+                        scale=np.full(tensor.shape[:-1] + (tensor.shape[-1] // 32,), 0xCD, np.uint8),
+                        dtype="float8_e4m3")
+                else:
+                    fp8[name] = reshard.LocalTensor(tensor, dtype="bfloat16")
+            reshard.execute_reshard_plan(plan, bf16(src), fp8, svc, transform)
+            results.append({k: (v.data.copy(), None if v.scale is None else v.scale.copy())
+                            for k, v in fp8.items()})
+            untouched = [k for k, v in fp8.items() if v.scale is not None and
+                         (np.all(v.data == 0xAB) or np.all(v.scale == 0xCD))]
+            if untouched:
+                print(f"rank {me}: MXFP8 {side} left {untouched[:3]} unwritten", file=sys.stderr)
+                failures += 1
+        for name in results[0]:
+            for a, b in zip(results[0][name], results[1][name]):
+                if a is not None and not np.array_equal(a, b):
+                    print(f"rank {me}: MXFP8 sender and receiver differ on '{name}'",
+                          file=sys.stderr)
+                    failures += 1
+        svc.clear_requests()
+
+    # A destination tensor missing on one rank is refused there, naming it, before any byte moves.
+    model = reshard.toy_model(1, 128)
+    plan = reshard.make_reshard_plan(reshard.build_layout(model, reshard.Parallelism(dp=n)),
+                                     reshard.build_layout(model, reshard.Parallelism(tp=1, replicas=n)))
+    layout = plan.dst_layout
+    dst = tensors_for(layout, me, plan, False)
+    missing = sorted(dst)[0]
+    del dst[missing]
+    try:
+        reshard.execute_reshard_plan(plan, bf16(tensors_for(plan.src_layout, me, plan, True)),
+                                     bf16(dst), svc)
+    except reshard.ReshardError as error:
+        if missing not in str(error) or error.code != "invalid argument":
+            print(f"rank {me}: unexpected error: {error}", file=sys.stderr)
+            failures += 1
+    else:
+        print(f"rank {me}: a missing destination tensor was not refused", file=sys.stderr)
+        failures += 1
+    svc.finalize()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
