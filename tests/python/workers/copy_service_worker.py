@@ -84,7 +84,7 @@ def main() -> int:
     svc.clear_requests()
     lonely = 999_999
     if me == 0:
-        svc.register_send(lonely, source, 0, 1, n - 1)
+        svc.register_send(lonely, device_source if memory != "numpy" else source, 0, 1, n - 1)
     try:
         svc.schedule()
     except reshard.ReshardError as error:

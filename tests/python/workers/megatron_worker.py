@@ -21,13 +21,18 @@ def main():
     if device == "cuda":
         torch.cuda.set_device(svc.device)
     right, left = (me + 1) % n, (me - 1) % n
+    # Persistent tensors, as a model's weights are: refits after the first reuse the schedule.
+    plain = torch.empty(1000, dtype=torch.float32, device=device)
+    matrix = torch.empty(64, 48, dtype=torch.bfloat16, device=device)
+    column_block = matrix[:, 16:32]  # not contiguous
+    got_plain = torch.zeros(1000, dtype=torch.float32, device=device)
+    got_matrix = torch.zeros(64, 48, dtype=torch.bfloat16, device=device)
     for refit in range(3):
-        plain = torch.arange(1000, dtype=torch.float32, device=device) + 1000 * me + refit
-        matrix = (torch.arange(64 * 48, dtype=torch.bfloat16, device=device).reshape(64, 48)
-                  + me + refit)
-        column_block = matrix[:, 16:32]  # not contiguous
-        got_plain = torch.zeros(1000, dtype=torch.float32, device=device)
-        got_matrix = torch.zeros(64, 48, dtype=torch.bfloat16, device=device)
+        plain.copy_(torch.arange(1000, dtype=torch.float32, device=device) + 1000 * me + refit)
+        matrix.copy_(torch.arange(64 * 48, dtype=torch.bfloat16, device=device).reshape(64, 48)
+                     + me + refit)
+        got_plain.zero_()
+        got_matrix.zero_()
         adapter.submit_send(plain, right, task_id=1000 * me + 1)
         adapter.submit_recv(got_plain, left, task_id=1000 * left + 1)
         adapter.submit_send(column_block, right)  # no task id: matched in submission order
