@@ -22,7 +22,6 @@ from ._core import (
     ReshardError,
     ReshardPlan,
     ReshardReport,
-    ReshardTransform,
     ScheduleReport,
     TransferOp,
     available_transports,
@@ -38,6 +37,7 @@ from ._core import (
 )
 from .copy_service import CopyService, make_bootstrap
 from .execution import LocalTensor, execute_reshard_plan
+from .transforms import ReshardTransform, SliceInfo
 
 __version__ = "0.1.0"
 
@@ -55,6 +55,7 @@ __all__ = [
     "ReshardReport",
     "ReshardTransform",
     "ScheduleReport",
+    "SliceInfo",
     "TransferOp",
     "available_transports",
     "build_layout",

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional, Union
 
 from . import _core
 from .copy_service import CopyService, StreamLike, stream_handle
+from .transforms import ReshardTransform, native_transform
 
 __all__ = ["LocalTensor", "execute_reshard_plan"]
 
@@ -44,7 +45,7 @@ def execute_reshard_plan(
     src: Mapping[str, TensorLike],
     dst: Mapping[str, TensorLike],
     service: Union[CopyService, "_core.CopyService"],
-    transform: Optional["_core.ReshardTransform"] = None,
+    transform: Optional[Union["_core.ReshardTransform", ReshardTransform]] = None,
     stream: StreamLike = None,
 ) -> "_core.ReshardReport":
     """Moves this rank's source slices into every rank's destination tensors (collective).
@@ -53,8 +54,11 @@ def execute_reshard_plan(
     :class:`LocalTensor` for scales and explicit dtypes). The first call registers and schedules;
     later calls with the same tensors only run, so call it once per refit. With a CUDA ``stream``
     the work is queued there; otherwise the call returns when the bytes have landed.
+    ``transform`` is a built-in (``make_mxfp8_transform(...)``, ...) or an instance of a
+    :class:`ReshardTransform` subclass.
     """
     core = service.core if isinstance(service, CopyService) else service
     return _core.execute_reshard_plan(
-        plan, _entries(src), _entries(dst), core, transform, stream_handle(stream)
+        plan, _entries(src), _entries(dst), core, native_transform(transform, src, dst),
+        stream_handle(stream)
     )

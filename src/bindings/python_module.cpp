@@ -13,6 +13,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "core/env.hpp"
@@ -453,6 +454,94 @@ void bind_plan(nb::module_& m) {
       "split_row_align"_a = PlanOptions{}.split_row_align);
 }
 
+// An op's slice as Python sees it: plain values, valid after the hook returns.
+struct SliceInfo {
+  std::string param;
+  std::vector<std::int64_t> offset, extent;  // the block in the full parameter
+  std::vector<std::int64_t> local_offset;    // where it sits in this rank's local tensor
+  std::vector<std::int64_t> local_shape;     // of this rank's local tensor
+  PeId src_rank = 0, dst_rank = 0;
+  TaskId task_id = 0;
+};
+
+SliceInfo slice_info(const OpSlice& slice) {
+  return {slice.param.name,     offsets(slice.op.region), extents(slice.op.region),
+          offsets(slice.local), slice.local_shape,        slice.op.src_rank,
+          slice.op.dst_rank,    slice.op.task_id};
+}
+
+// A transform written in Python (a subclass of reshard.ReshardTransform): the engine's hooks call
+// its _hook_* methods with the GIL held. It refers to the Python object weakly (that object holds
+// this one, and a cycle through C++ would never be collected); the caller keeps it alive by
+// passing it to every refit.
+class PythonTransform final : public ReshardTransform {
+ public:
+  explicit PythonTransform(const nb::object& transform)
+      : transform_(nb::module_::import_("weakref").attr("ref")(transform)),
+        name_(nb::cast<std::string>(nb::str(transform.attr("name")))) {}
+  ~PythonTransform() override {
+    if (!Py_IsInitialized()) {
+      transform_.release();  // the interpreter is gone: nothing left to decrement
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    transform_.reset();
+  }
+
+  std::string name() const override { return name_; }
+  bool should_transform(const ParamSpec& param) const override {
+    nb::gil_scoped_acquire gil;
+    return nb::cast<bool>(self().attr("should_transform")(param));
+  }
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor&,
+                                   void* stream) override {
+    nb::gil_scoped_acquire gil;
+    return buffers(self().attr("_hook_prepare_send")(slice_info(slice), handle(stream)), slice);
+  }
+  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor&) override {
+    nb::gil_scoped_acquire gil;
+    return buffers(self().attr("_hook_prepare_recv")(slice_info(slice)), slice);
+  }
+  void finalize_recv(const OpSlice& slice, const LocalTensor&, std::span<const Buffer>,
+                     void* stream) override {
+    nb::gil_scoped_acquire gil;
+    self().attr("_hook_finalize_recv")(slice_info(slice), handle(stream));
+  }
+
+ private:
+  nb::object self() const {
+    nb::object transform = transform_();
+    if (transform.is_none()) {
+      throw_error(ErrorCode::kInvalidState,
+                  "the Python transform '" + name_ +
+                      "' was garbage-collected while reshard "
+                      "still uses it; keep a reference and pass it to every refit");
+    }
+    return transform;
+  }
+  static nb::object handle(void* stream) {
+    if (stream == nullptr) return nb::none();
+    return nb::int_(reinterpret_cast<std::uintptr_t>(stream));
+  }
+  std::vector<Buffer> buffers(const nb::handle& result, const OpSlice& slice) const {
+    std::vector<Buffer> out;
+    std::size_t index = 0;
+    for (nb::handle item : result) {
+      const std::string what = "wire buffer " + std::to_string(index++) + " that transform '" +
+                               name_ + "' returned for '" + slice.param.name + "'";
+      Array array;
+      if (!nb::try_cast(item, array)) {
+        throw_error(ErrorCode::kInvalidArgument, what + " is not an array (DLPack or buffer)");
+      }
+      out.push_back(buffer_of(array, what));
+    }
+    return out;
+  }
+
+  nb::object transform_;
+  std::string name_;
+};
+
 void bind_execution(nb::module_& m) {
   nb::class_<ReshardTransform>(m, "ReshardTransform")
       .def_prop_ro("name", &ReshardTransform::name)
@@ -486,6 +575,26 @@ void bind_execution(nb::module_& m) {
         return make_fp8_block_transform(side_of(side), std::move(filter));
       },
       "side"_a = "sender", "name_filter"_a = "");
+
+  nb::class_<SliceInfo>(m, "SliceInfo")
+      .def_ro("param", &SliceInfo::param)
+      .def_ro("offset", &SliceInfo::offset)
+      .def_ro("extent", &SliceInfo::extent)
+      .def_ro("local_offset", &SliceInfo::local_offset)
+      .def_ro("local_shape", &SliceInfo::local_shape)
+      .def_ro("src_rank", &SliceInfo::src_rank)
+      .def_ro("dst_rank", &SliceInfo::dst_rank)
+      .def_ro("task_id", &SliceInfo::task_id)
+      .def("__repr__", [](const SliceInfo& s) {
+        return "SliceInfo('" + s.param + "', task " + std::to_string(s.task_id) + ", rank " +
+               std::to_string(s.src_rank) + " -> " + std::to_string(s.dst_rank) + ")";
+      });
+  m.def(
+      "python_transform",
+      [](nb::object transform) -> std::shared_ptr<ReshardTransform> {
+        return std::make_shared<PythonTransform>(transform);
+      },
+      "transform"_a);
 
   nb::class_<ReshardReport>(m, "ReshardReport")
       .def_ro("rescheduled", &ReshardReport::rescheduled)

@@ -155,6 +155,64 @@ def test_bad_transform_options_are_refused():
         reshard.make_mxfp8_transform(rounding="nearest")
 
 
+class _BrokenTransform(reshard.ReshardTransform):
+    """Returns what the test asks for from its hooks."""
+
+    name = "broken"
+
+    def __init__(self, send, recv):
+        self.send, self.recv = send, recv
+
+    def should_transform(self, param):
+        return True
+
+    def prepare_send(self, name, slice, tensor, stream):
+        return self.send(slice)
+
+    def prepare_recv(self, name, slice, tensor):
+        return self.recv(slice)
+
+    def finalize_recv(self, name, slice, tensor, buffers, stream):
+        pass
+
+
+def _one_pe_plan():
+    model = reshard.toy_model(1, 64)
+    layout = reshard.build_layout(model, reshard.Parallelism())
+    plan = reshard.make_reshard_plan(layout, layout)
+    src = {p.name: reshard.LocalTensor(np.zeros(p.shape, np.uint16), dtype="bfloat16")
+           for p in plan.params}
+    dst = {p.name: reshard.LocalTensor(np.zeros(p.shape, np.uint16), dtype="bfloat16")
+           for p in plan.params}
+    return plan, src, dst
+
+
+def test_python_transform_returning_no_array_is_refused(service):
+    plan, src, dst = _one_pe_plan()
+    broken = _BrokenTransform(lambda s: ["not an array"], lambda s: [np.zeros(4, np.uint8)])
+    with pytest.raises(reshard.ReshardError, match="not an array"):
+        reshard.execute_reshard_plan(plan, src, dst, service, broken)
+
+
+def test_python_transforms_disagreeing_on_buffers_are_refused(service):
+    plan, src, dst = _one_pe_plan()
+    broken = _BrokenTransform(lambda s: [np.zeros(8, np.uint8)],
+                              lambda s: [np.zeros(8, np.uint8), np.zeros(8, np.uint8)])
+    with pytest.raises(reshard.ReshardError, match="wire buffer") as error:
+        reshard.execute_reshard_plan(plan, src, dst, service, broken)
+    assert error.value.code == "validation"
+
+
+def test_python_transform_errors_propagate(service):
+    plan, src, dst = _one_pe_plan()
+
+    def fail(slice):
+        raise ValueError(f"no conversion for {slice.param}")
+
+    with pytest.raises(ValueError, match="no conversion for"):
+        reshard.execute_reshard_plan(plan, src, dst, service, _BrokenTransform(fail, fail))
+
+
 # ---- several processes, host transport ----
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
