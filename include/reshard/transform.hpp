@@ -45,6 +45,10 @@ class ReshardTransform {
   // Receiver, once the bytes landed: writes the slice of the destination tensor.
   virtual void finalize_recv(const OpSlice& slice, const LocalTensor& dst,
                              std::span<const Buffer> buffers, void* stream) = 0;
+  // Called after the prepare_send of every op of a refit, and again after every finalize_recv
+  // (both on `stream`): a transform that queued its GPU work op by op launches it here in one go.
+  // The default does nothing.
+  virtual void flush(void* stream) { (void)stream; }
 };
 
 // Most wire buffers one op may use (the executor numbers them in the task id's low bits).

@@ -386,6 +386,7 @@ struct Resharder::Impl {
       prepared.valid = false;
       prepare(src, dst, stream, report);
     }
+    if (transform) transform->flush(stream);  // the send hooks' conversions
     prepared.packs.run(stream);
     clock.mark(report.prepare_seconds);
     service.run(stream);
@@ -400,6 +401,7 @@ struct Resharder::Impl {
       const OpSlice slice{plan->params()[op.param], op, op.dst_box(), side.shard->local_shape};
       transform->finalize_recv(slice, tensor, buffers, stream);
     }
+    if (transform) transform->flush(stream);
     clock.mark(report.finalize_seconds);
 #ifdef RESHARD_WITH_CUDA
     if (cuda_stream == nullptr && stream != nullptr) exec::cuda::synchronize_stream(stream);

@@ -150,7 +150,11 @@ void Staging::release() {
   buffer_ = Buffer{};
 }
 
-BlockCopyBatch::~BlockCopyBatch() { release_device_list(); }
+BlockCopyBatch::~BlockCopyBatch() {
+#ifdef RESHARD_WITH_CUDA
+  if (upload_ != nullptr) cuda::destroy_copy_upload(upload_);
+#endif
+}
 
 void BlockCopyBatch::add_pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
                               const Buffer& out) {
@@ -190,26 +194,13 @@ void BlockCopyBatch::run(void* stream) {
     return;
   }
 #ifdef RESHARD_WITH_CUDA
-  if (!uploaded_) {
-    release_device_list();
-    const cuda::DeviceBlockCopies uploaded = cuda::upload_block_copies(device_, copies_);
-    device_list_ = uploaded.list;
-    device_items_ = uploaded.items;
-    uploaded_ = true;
-  }
-  cuda::run_block_copies({device_list_, static_cast<std::uint32_t>(copies_.size()), device_items_},
-                         stream);
+  if (upload_ == nullptr) upload_ = cuda::create_copy_upload();
+  cuda::run_block_copies(copies_, uploaded_, upload_, stream);
+  uploaded_ = true;
 #else
   (void)stream;
   throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
 #endif
-}
-
-void BlockCopyBatch::release_device_list() {
-#ifdef RESHARD_WITH_CUDA
-  if (device_list_ != nullptr) cuda::release(device_, device_list_);
-#endif
-  device_list_ = nullptr;
 }
 
 void pack_block(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,

@@ -2,6 +2,7 @@
 #include <cstring>
 #include <vector>
 
+#include "execution/job_upload.cuh"
 #include "execution/staging.hpp"
 #include "transports/cuda/cuda_check.hpp"
 
@@ -103,16 +104,6 @@ unsigned grid_for_items(std::uint64_t items) {
       1, std::min<std::uint64_t>((items + warps_per_cta - 1) / warps_per_cta, 4096)));
 }
 
-// The device list: the copies, then the item counts' prefix (8-byte aligned after the copies),
-// then the total.
-struct ListLayout {
-  std::size_t prefix_offset;
-  std::size_t bytes;
-  explicit ListLayout(std::size_t count)
-      : prefix_offset((count * sizeof(BlockCopy) + 7) / 8 * 8),
-        bytes(prefix_offset + (count + 1) * sizeof(std::uint64_t)) {}
-};
-
 }  // namespace
 
 void* allocate(int device, std::size_t bytes) {
@@ -135,29 +126,26 @@ void copy_block(const BlockCopy& copy, void* stream) {
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 
-DeviceBlockCopies upload_block_copies(int device, const std::vector<BlockCopy>& copies) {
-  const ListLayout layout(copies.size());
-  std::vector<std::byte> host(layout.bytes);
-  std::memcpy(host.data(), copies.data(), copies.size() * sizeof(BlockCopy));
-  auto* prefix = reinterpret_cast<std::uint64_t*>(host.data() + layout.prefix_offset);
-  prefix[0] = 0;
-  for (std::size_t i = 0; i < copies.size(); ++i) prefix[i + 1] = prefix[i] + items_of(copies[i]);
-  void* list = allocate(device, layout.bytes);
-  DeviceScope scope(device);
-  RESHARD_CUDA_CHECK(cudaMemcpy(list, host.data(), layout.bytes, cudaMemcpyHostToDevice));
-  return {list, static_cast<std::uint32_t>(copies.size()), prefix[copies.size()]};
-}
+void* create_copy_upload() { return new JobUpload(); }
+void destroy_copy_upload(void* upload) { delete static_cast<JobUpload*>(upload); }
 
-void run_block_copies(const DeviceBlockCopies& copies, void* stream) {
-  if (copies.items == 0) return;
-  const ListLayout layout(copies.count);
-  auto* base = static_cast<std::byte*>(copies.list);
-  copy_blocks_kernel<<<grid_for_items(copies.items), kThreads, 0,
+void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void* upload,
+                      void* stream) {
+  auto& list = *static_cast<JobUpload*>(upload);
+  if (!uploaded) {
+    const std::vector<std::byte> bytes =
+        job_bytes(copies, items_of, list.items, list.prefix_offset);
+    if (list.items > 0) list.upload(bytes, static_cast<cudaStream_t>(stream));
+  }
+  if (list.items == 0) return;
+  const std::byte* device_list = list.current();
+  copy_blocks_kernel<<<grid_for_items(list.items), kThreads, 0,
                        static_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const BlockCopy*>(base),
-      reinterpret_cast<const std::uint64_t*>(base + layout.prefix_offset), copies.count,
-      copies.items);
+      reinterpret_cast<const BlockCopy*>(device_list),
+      reinterpret_cast<const std::uint64_t*>(device_list + list.prefix_offset),
+      static_cast<std::uint32_t>(copies.size()), list.items);
   RESHARD_CUDA_CHECK(cudaGetLastError());
+  list.mark_used(static_cast<cudaStream_t>(stream));
 }
 
 void* create_stream(int device) {

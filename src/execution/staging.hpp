@@ -93,14 +93,12 @@ class BlockCopyBatch {
  private:
   void add(const Buffer& src, const BoxView& src_view, const Buffer& dst, const BoxView& dst_view,
            std::size_t element_bytes);
-  void release_device_list();
 
   std::vector<BlockCopy> copies_;
   MemoryKind kind_ = MemoryKind::kHost;
   int device_ = -1;
-  void* device_list_ = nullptr;  // cuda::DeviceBlockCopies, once uploaded
-  std::uint64_t device_items_ = 0;
-  bool uploaded_ = false;
+  void* upload_ = nullptr;  // cuda::CopyUpload: the list in device memory
+  bool uploaded_ = false;   // the device list is copies_ as they are now
 };
 
 // Copies the block `view` of `tensor` into the dense buffer `out` (pack) or back (unpack), with
@@ -115,14 +113,12 @@ namespace cuda {
 void* allocate(int device, std::size_t bytes);
 void release(int device, void* pointer);
 void copy_block(const BlockCopy& copy, void* stream);
-// Block copies in device memory (one allocation, freed with release(device, list)).
-struct DeviceBlockCopies {
-  void* list = nullptr;
-  std::uint32_t count = 0;
-  std::uint64_t items = 0;  // warp work items over all copies
-};
-DeviceBlockCopies upload_block_copies(int device, const std::vector<BlockCopy>& copies);
-void run_block_copies(const DeviceBlockCopies& copies, void* stream);
+// A list of block copies in device memory, replaced by a copy queued on the stream.
+void* create_copy_upload();
+void destroy_copy_upload(void* upload);
+// Runs `copies` in one launch; uploads them first unless `uploaded` (the list is unchanged).
+void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void* upload,
+                      void* stream);
 void* create_stream(int device);
 void destroy_stream(int device, void* stream);
 void synchronize_stream(void* stream);

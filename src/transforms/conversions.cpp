@@ -84,10 +84,30 @@ void block_quantize_host(const BlockRef& src, std::int64_t rows_per_matrix, cons
 
 }  // namespace
 
+#ifdef RESHARD_WITH_CUDA
+namespace {
+
+// One job on the GPU now: through a queue of its own, whose memory is freed (after the device is
+// done with it) when the call returns.
+template <typename Job, typename Run>
+void run_one(const Job& job, void* stream, Run run) {
+  cuda::ConversionUploads* uploads = cuda::create_uploads();
+  try {
+    run(std::vector<Job>{job}, *uploads, stream);
+  } catch (...) {
+    cuda::destroy_uploads(uploads);
+    throw;
+  }
+  cuda::destroy_uploads(uploads);
+}
+
+}  // namespace
+#endif
+
 void convert_block(const BlockRef& src, const BlockRef& dst, MemoryKind where, void* stream) {
   if (where == MemoryKind::kHost) return convert_host(src, dst);
 #ifdef RESHARD_WITH_CUDA
-  cuda::convert_block(src, dst, stream);
+  run_one(ConvertJob{src, dst}, stream, cuda::convert);
 #else
   (void)stream;
   no_cuda();
@@ -98,7 +118,7 @@ void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scal
                  MemoryKind where, void* stream) {
   if (where == MemoryKind::kHost) return mx_quantize_host(src, data, scale, round_up);
 #ifdef RESHARD_WITH_CUDA
-  cuda::mx_quantize(src, data, scale, round_up, stream);
+  run_one(MxJob{src, data, scale, round_up}, stream, cuda::mx_quantize);
 #else
   (void)stream;
   no_cuda();
@@ -109,11 +129,85 @@ void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const Blo
                     const BlockRef& scale, MemoryKind where, void* stream) {
   if (where == MemoryKind::kHost) return block_quantize_host(src, rows_per_matrix, data, scale);
 #ifdef RESHARD_WITH_CUDA
-  cuda::block_quantize(src, rows_per_matrix, data, scale, stream);
+  run_one(BlockFp8Job{src, data, scale, rows_per_matrix}, stream, cuda::block_quantize);
 #else
   (void)stream;
   no_cuda();
 #endif
+}
+
+ConversionQueue::ConversionQueue() = default;
+
+ConversionQueue::~ConversionQueue() {
+#ifdef RESHARD_WITH_CUDA
+  if (uploads_ != nullptr) cuda::destroy_uploads(uploads_);
+#endif
+}
+
+void ConversionQueue::on_gpu(const Buffer& memory) {
+#ifdef RESHARD_WITH_CUDA
+  if (uploads_ == nullptr) uploads_ = cuda::create_uploads();
+  (void)memory;
+#else
+  (void)memory;
+  no_cuda();
+#endif
+}
+
+void ConversionQueue::convert(const ConvertJob& job, const Buffer& memory) {
+  if (memory.kind == MemoryKind::kHost) return convert_host(job.src, job.dst);
+  on_gpu(memory);
+  converts_.push_back(job);
+}
+
+void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
+  if (memory.kind == MemoryKind::kHost) {
+    return mx_quantize_host(job.src, job.data, job.scale, job.round_up);
+  }
+  on_gpu(memory);
+  mx_.push_back(job);
+}
+
+void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memory) {
+  if (memory.kind == MemoryKind::kHost) {
+    return block_quantize_host(job.src, job.rows_per_matrix, job.data, job.scale);
+  }
+  on_gpu(memory);
+  blocks_.push_back(job);
+}
+
+void ConversionQueue::pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
+                           const Buffer& out) {
+  if (tensor.kind == MemoryKind::kHost)
+    return pack_block(tensor, view, element_bytes, out, nullptr);
+  copies_.add_pack(tensor, view, element_bytes, out);
+}
+
+void ConversionQueue::unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
+                             std::size_t element_bytes) {
+  if (tensor.kind == MemoryKind::kHost) {
+    return unpack_block(in, tensor, view, element_bytes, nullptr);
+  }
+  copies_.add_unpack(in, tensor, view, element_bytes);
+}
+
+void ConversionQueue::flush(void* stream) {
+  // Packs feed the conversions of the same flush (a sender packing a slice it then converts does
+  // not happen today, but the order keeps it right).
+  copies_.run(stream);
+  copies_.clear();
+#ifdef RESHARD_WITH_CUDA
+  if (uploads_ != nullptr) {
+    cuda::convert(converts_, *uploads_, stream);
+    cuda::mx_quantize(mx_, *uploads_, stream);
+    cuda::block_quantize(blocks_, *uploads_, stream);
+  }
+#else
+  (void)stream;
+#endif
+  converts_.clear();
+  mx_.clear();
+  blocks_.clear();
 }
 
 }  // namespace reshard::exec

@@ -1,5 +1,9 @@
 // CUDA kernels of the conversions; the arithmetic is number_formats.hpp, shared with the host
 // reference, so results match it bit for bit.
+#include <cstring>
+#include <vector>
+
+#include "execution/job_upload.cuh"
 #include "transforms/conversions.hpp"
 #include "transforms/element_access.hpp"
 #include "transports/cuda/cuda_check.hpp"
@@ -9,13 +13,36 @@ namespace {
 
 using namespace formats;
 
-unsigned grid_for(std::int64_t work, int per_block) {
-  const std::int64_t blocks = (work + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min<std::int64_t>(blocks, 65535)));
-}
+// Jobs of one kind in device memory: the jobs, then each job's first work item (ascending), so a
+// warp or CTA finds its job by binary search.
+template <typename Job>
+struct JobList {
+  const Job* jobs;
+  const std::uint64_t* first;
+  std::uint32_t count;
+  std::uint64_t items;
 
-__global__ void convert_kernel(BlockRef src, BlockRef dst) {
-  for (std::int64_t row = blockIdx.x; row < src.view.rows; row += gridDim.x) {
+  __device__ std::uint32_t find(std::uint64_t item) const {
+    std::uint32_t low = 0, high = count - 1;
+    while (low < high) {
+      const std::uint32_t middle = (low + high + 1) / 2;
+      if (first[middle] <= item) {
+        low = middle;
+      } else {
+        high = middle - 1;
+      }
+    }
+    return low;
+  }
+};
+
+// One CTA per row of a conversion.
+__global__ void convert_kernel(JobList<ConvertJob> list) {
+  for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x) {
+    const std::uint32_t j = list.find(item);
+    const BlockRef& src = list.jobs[j].src;
+    const BlockRef& dst = list.jobs[j].dst;
+    const auto row = static_cast<std::int64_t>(item - list.first[j]);
     const std::int64_t from = src.view.row_start(row);
     const std::int64_t to = dst.view.row_start(row);
     for (std::int64_t col = threadIdx.x; col < src.view.cols; col += blockDim.x) {
@@ -77,14 +104,24 @@ __device__ __forceinline__ void store_bytes(void* data, std::int64_t index, int 
 constexpr int kLanesPerMxBlock = kMxBlock / kPerThread;
 constexpr int kPerWarp = 32 * kPerThread;
 
-__global__ void mx_quantize_kernel(BlockRef src, BlockRef data, BlockRef scale, bool round_up) {
-  const std::int64_t per_row = (src.view.cols + kPerWarp - 1) / kPerWarp;
-  const std::int64_t tasks = src.view.rows * per_row;
+__host__ __device__ std::int64_t mx_tasks_per_row(const MxJob& job) {
+  return (job.src.view.cols + kPerWarp - 1) / kPerWarp;
+}
+
+__global__ void mx_quantize_kernel(JobList<MxJob> list) {
   const unsigned lane = threadIdx.x % 32;
-  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
-  auto* scales = static_cast<std::uint8_t*>(scale.data);
-  for (std::int64_t t = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
-       t < tasks; t += warps) {
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::uint64_t item =
+           (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
+       item < list.items; item += warps) {
+    const std::uint32_t j = list.find(item);
+    const BlockRef& src = list.jobs[j].src;
+    const BlockRef& data = list.jobs[j].data;
+    const BlockRef& scale = list.jobs[j].scale;
+    const bool round_up = list.jobs[j].round_up;
+    auto* scales = static_cast<std::uint8_t*>(scale.data);
+    const std::int64_t per_row = mx_tasks_per_row(list.jobs[j]);
+    const auto t = static_cast<std::int64_t>(item - list.first[j]);
     const std::int64_t row = t / per_row;
     const std::int64_t col = (t % per_row) * kPerWarp + lane * kPerThread;
     // Rows hold whole MX blocks, so the 4 lanes of a block are active together.
@@ -115,18 +152,26 @@ constexpr int kThreadsPerTileRow = kFp8Block / kPerThread;
 constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
 constexpr int kTilePasses = kFp8Block / kTileRowsPerPass;
 
-__global__ void __launch_bounds__(kTileThreads)
-    block_quantize_kernel(BlockRef src, std::int64_t rows_per_matrix, BlockRef data,
-                          BlockRef scale) {
+__host__ __device__ std::int64_t tiles_of(const BlockFp8Job& job) {
+  const std::int64_t tile_rows = (job.rows_per_matrix + kFp8Block - 1) / kFp8Block;
+  const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
+  return job.src.view.rows / job.rows_per_matrix * tile_rows * tile_cols;
+}
+
+__global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockFp8Job> list) {
   __shared__ float warp_amax[kTileThreads / 32];
-  const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
-  const std::int64_t tile_cols = (src.view.cols + kFp8Block - 1) / kFp8Block;
-  const std::int64_t matrices = src.view.rows / rows_per_matrix;
-  const std::int64_t tiles = matrices * tile_rows * tile_cols;
-  auto* scales = static_cast<float*>(scale.data);
   const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerThread;
   const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
-  for (std::int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x) {
+    const std::uint32_t j = list.find(item);
+    const BlockRef& src = list.jobs[j].src;
+    const BlockRef& data = list.jobs[j].data;
+    auto* scales = static_cast<float*>(list.jobs[j].scale.data);
+    const BlockRef& scale = list.jobs[j].scale;
+    const std::int64_t rows_per_matrix = list.jobs[j].rows_per_matrix;
+    const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
+    const std::int64_t tile_cols = (src.view.cols + kFp8Block - 1) / kFp8Block;
+    const auto t = static_cast<std::int64_t>(item - list.first[j]);
     const std::int64_t m = t / (tile_rows * tile_cols);
     const std::int64_t tr = (t / tile_cols) % tile_rows;
     const std::int64_t tc = t % tile_cols;
@@ -171,35 +216,70 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
+template <typename Job, typename ItemsOf, typename Launch>
+void run_jobs(const std::vector<Job>& jobs, JobUpload& upload, void* stream, ItemsOf items_of,
+              Launch launch) {
+  if (jobs.empty()) return;
+  std::uint64_t items = 0;
+  std::size_t prefix_offset = 0;
+  const std::vector<std::byte> bytes = job_bytes(jobs, items_of, items, prefix_offset);
+  if (items == 0) return;
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  const std::byte* device_list = upload.upload(bytes, cuda_stream);
+  launch(JobList<Job>{reinterpret_cast<const Job*>(device_list),
+                      reinterpret_cast<const std::uint64_t*>(device_list + prefix_offset),
+                      static_cast<std::uint32_t>(jobs.size()), items},
+         cuda_stream);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+  upload.mark_used(cuda_stream);
+}
+
+unsigned grid_of(std::uint64_t units) {
+  return static_cast<unsigned>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(units, 8192)));
+}
+
 }  // namespace
 
-void convert_block(const BlockRef& src, const BlockRef& dst, void* stream) {
-  if (src.view.rows == 0 || src.view.cols == 0) return;
-  convert_kernel<<<grid_for(src.view.rows, 1), 256, 0, static_cast<cudaStream_t>(stream)>>>(src,
-                                                                                            dst);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
+struct ConversionUploads {
+  JobUpload convert, mx, block;
+};
+
+ConversionUploads* create_uploads() { return new ConversionUploads(); }
+void destroy_uploads(ConversionUploads* uploads) { delete uploads; }
+
+void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, void* stream) {
+  run_jobs(
+      jobs, uploads.convert, stream,
+      [](const ConvertJob& job) {
+        return job.src.view.cols == 0 ? 0 : static_cast<std::uint64_t>(job.src.view.rows);
+      },
+      [](const JobList<ConvertJob>& list, cudaStream_t s) {
+        convert_kernel<<<grid_of(list.items), 256, 0, s>>>(list);
+      });
 }
 
-void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scale, bool round_up,
-                 void* stream) {
-  const std::int64_t blocks = src.view.rows * (src.view.cols / kMxBlock);
-  if (blocks == 0) return;
-  // Whole warps only (256-thread CTAs), so the shuffles are legal.
-  const std::int64_t warp_tasks = src.view.rows * ((src.view.cols + kPerWarp - 1) / kPerWarp);
-  mx_quantize_kernel<<<grid_for(warp_tasks * 32, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      src, data, scale, round_up);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
+void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, void* stream) {
+  run_jobs(
+      jobs, uploads.mx, stream,
+      [](const MxJob& job) {
+        return static_cast<std::uint64_t>(job.src.view.rows * mx_tasks_per_row(job));
+      },
+      // Whole warps only (256-thread CTAs), so the shuffles are legal.
+      [](const JobList<MxJob>& list, cudaStream_t s) {
+        mx_quantize_kernel<<<grid_of((list.items + 7) / 8), 256, 0, s>>>(list);
+      });
 }
 
-void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const BlockRef& data,
-                    const BlockRef& scale, void* stream) {
-  if (src.view.rows == 0 || src.view.cols == 0) return;
-  const std::int64_t tiles = (src.view.rows / rows_per_matrix) *
-                             ((rows_per_matrix + kFp8Block - 1) / kFp8Block) *
-                             ((src.view.cols + kFp8Block - 1) / kFp8Block);
-  block_quantize_kernel<<<grid_for(tiles, 1), kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      src, rows_per_matrix, data, scale);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
+void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& uploads,
+                    void* stream) {
+  run_jobs(
+      jobs, uploads.block, stream,
+      [](const BlockFp8Job& job) {
+        return job.src.view.cols == 0 ? 0 : static_cast<std::uint64_t>(tiles_of(job));
+      },
+      [](const JobList<BlockFp8Job>& list, cudaStream_t s) {
+        block_quantize_kernel<<<grid_of(list.items), kTileThreads, 0, s>>>(list);
+      });
 }
 
 }  // namespace reshard::exec::cuda

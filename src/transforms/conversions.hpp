@@ -2,7 +2,10 @@
 // walks blocks described by BoxViews (rows along the last dimension, not merged).
 #pragma once
 
+#include <vector>
+
 #include "execution/box_view.hpp"
+#include "execution/staging.hpp"
 #include "reshard/layout.hpp"
 #include "reshard/types.hpp"
 
@@ -12,6 +15,58 @@ struct BlockRef {
   void* data;
   DType dtype;
   BoxView view;
+};
+
+// One conversion each: the jobs a ConversionQueue collects.
+struct ConvertJob {
+  BlockRef src, dst;
+};
+struct MxJob {
+  BlockRef src, data, scale;
+  bool round_up;
+};
+struct BlockFp8Job {
+  BlockRef src, data, scale;
+  std::int64_t rows_per_matrix;
+};
+
+#ifdef RESHARD_WITH_CUDA
+namespace cuda {
+struct ConversionUploads;
+}
+#endif
+
+// Conversions and block copies of one refit, run together: host memory is converted at once,
+// GPU memory at flush(), one kernel launch per kind however many ops there are (per-op launches
+// cost more than the work itself for MoE models of tens of thousands of small weights).
+class ConversionQueue {
+ public:
+  ConversionQueue();
+  ~ConversionQueue();
+  ConversionQueue(const ConversionQueue&) = delete;
+  ConversionQueue& operator=(const ConversionQueue&) = delete;
+
+  // `memory` says where the job's buffers are (kind and device; one device per queue).
+  void convert(const ConvertJob& job, const Buffer& memory);
+  void mx_quantize(const MxJob& job, const Buffer& memory);
+  void block_quantize(const BlockFp8Job& job, const Buffer& memory);
+  void pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
+            const Buffer& out);
+  void unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
+              std::size_t element_bytes);
+  // Launches what was queued on `stream` (copies first, then conversions) and empties the queue.
+  void flush(void* stream);
+
+ private:
+  void on_gpu(const Buffer& memory);
+
+  std::vector<ConvertJob> converts_;
+  std::vector<MxJob> mx_;
+  std::vector<BlockFp8Job> blocks_;
+  BlockCopyBatch copies_;
+#ifdef RESHARD_WITH_CUDA
+  cuda::ConversionUploads* uploads_ = nullptr;
+#endif
 };
 
 // Element-wise dtype conversion between float32, bfloat16 and float16 blocks of equal extents.
@@ -28,11 +83,11 @@ void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const Blo
 
 #ifdef RESHARD_WITH_CUDA
 namespace cuda {
-void convert_block(const BlockRef& src, const BlockRef& dst, void* stream);
-void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scale, bool round_up,
-                 void* stream);
-void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const BlockRef& data,
-                    const BlockRef& scale, void* stream);
+ConversionUploads* create_uploads();
+void destroy_uploads(ConversionUploads* uploads);
+void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, void* stream);
+void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, void* stream);
+void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& uploads, void* stream);
 }  // namespace cuda
 #endif
 

@@ -48,7 +48,7 @@ class TransformBase : public ReshardTransform {
   }
   // The source slice as a block of its tensor (a view, or packed into a wire buffer when the
   // slice is not contiguous: the wire carries the region densely).
-  Buffer source_slice(const OpSlice& slice, const LocalTensor& src, void* stream, int index) {
+  Buffer source_slice(const OpSlice& slice, const LocalTensor& src, int index) {
     const BoxView view = exec::view_of(slice.local, slice.local_shape, true);
     const std::size_t element = dtype_size(src.dtype);
     const std::size_t bytes = static_cast<std::size_t>(slice.local.elements()) * element;
@@ -59,7 +59,7 @@ class TransformBase : public ReshardTransform {
       return part;
     }
     Buffer wire = wire_.get(true, slice.op, index, bytes, src.data);
-    exec::pack_block(src.data, view, element, wire, stream);
+    queue_.pack(src.data, view, element, wire);
     return wire;
   }
   void require_scale(const std::string& name, const OpSlice& slice, const LocalTensor& dst,
@@ -86,7 +86,10 @@ class TransformBase : public ReshardTransform {
     }
   }
 
+  void flush(void* stream) override { queue_.flush(stream); }
+
   WireBuffers wire_;
+  exec::ConversionQueue queue_;  // this refit's GPU work, launched by flush()
 
  private:
   std::string filter_;
@@ -107,14 +110,14 @@ class CastTransform final : public TransformBase {
   std::string name() const override { return std::string("cast-") + dtype_name(wire_dtype_); }
   bool should_transform(const ParamSpec& param) const override { return is_float(param.dtype); }
 
-  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
-                                   void* stream) override {
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src, void*) override {
     check_dtype(slice, src.dtype, "source");
-    if (src.dtype == wire_dtype_) return {source_slice(slice, src, stream, 0)};
+    if (src.dtype == wire_dtype_) return {source_slice(slice, src, 0)};
     Buffer wire = wire_.get(true, slice.op, 0, wire_bytes(slice), src.data);
-    exec::convert_block(
-        {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
-        {wire.data, wire_dtype_, exec::dense_view(slice.local)}, src.data.kind, stream);
+    queue_.convert(
+        {{src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
+         {wire.data, wire_dtype_, exec::dense_view(slice.local)}},
+        src.data);
     return {wire};
   }
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
@@ -122,11 +125,11 @@ class CastTransform final : public TransformBase {
     return {wire_.get(false, slice.op, 0, wire_bytes(slice), dst.data)};
   }
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
-                     void* stream) override {
-    exec::convert_block(
-        {wire[0].data, wire_dtype_, exec::dense_view(slice.local)},
-        {dst.data.data, dst.dtype, exec::view_of(slice.local, slice.local_shape, false)},
-        dst.data.kind, stream);
+                     void*) override {
+    queue_.convert(
+        {{wire[0].data, wire_dtype_, exec::dense_view(slice.local)},
+         {dst.data.data, dst.dtype, exec::view_of(slice.local, slice.local_shape, false)}},
+        dst.data);
   }
 
  private:
@@ -161,18 +164,16 @@ class ScaledFp8Transform : public TransformBase {
            name_selected(param);
   }
 
-  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
-                                   void* stream) override {
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src, void*) override {
     check_alignment(slice);
     require_float_source(name(), slice, src);
-    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, stream, 0)};
+    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0)};
     const Box scales = scale_box(slice.local);
     Buffer data = wire_.get(true, slice.op, 0, elements(slice.local), src.data);
     Buffer scale = wire_.get(true, slice.op, 1, scale_bytes(scales), src.data);
     quantize({src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
              {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
-             {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data.kind,
-             stream);
+             {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data);
     return {data, scale};
   }
 
@@ -188,7 +189,7 @@ class ScaledFp8Transform : public TransformBase {
   }
 
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
-                     void* stream) override {
+                     void*) override {
     const Box scales = scale_box(slice.local);
     const std::vector<std::int64_t> shape = scale_shape(slice.local_shape);
     if (side_ == QuantizeSide::kReceiver) {
@@ -196,13 +197,12 @@ class ScaledFp8Transform : public TransformBase {
           {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)},
           {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
           {dst.scale.data, scale_dtype(), exec::view_of(scales, shape, false)}, slice.local,
-          dst.data.kind, stream);
+          dst.data);
       return;
     }
-    exec::unpack_block(wire[0], dst.data, exec::view_of(slice.local, slice.local_shape, true), 1,
-                       stream);
-    exec::unpack_block(wire[1], dst.scale, exec::view_of(scales, shape, true),
-                       dtype_size(scale_dtype()), stream);
+    queue_.unpack(wire[0], dst.data, exec::view_of(slice.local, slice.local_shape, true), 1);
+    queue_.unpack(wire[1], dst.scale, exec::view_of(scales, shape, true),
+                  dtype_size(scale_dtype()));
   }
 
  protected:
@@ -215,10 +215,10 @@ class ScaledFp8Transform : public TransformBase {
   // The scales of `box` (a block of a tensor), as a block of that tensor's scale tensor.
   virtual Box scale_box(const Box& box) const = 0;
   virtual std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const = 0;
-  // `block` is the slice in local coordinates, for formats whose blocks span rows.
+  // Queues the conversion; `block` is the slice in local coordinates, for formats whose blocks
+  // span rows, and `memory` says where the buffers are.
   virtual void quantize(const exec::BlockRef& src, const exec::BlockRef& data,
-                        const exec::BlockRef& scale, const Box& block, MemoryKind where,
-                        void* stream) const = 0;
+                        const exec::BlockRef& scale, const Box& block, const Buffer& memory) = 0;
 
   static std::size_t elements(const Box& box) { return static_cast<std::size_t>(box.elements()); }
   std::size_t scale_bytes(const Box& scales) const {
@@ -254,8 +254,8 @@ class Mxfp8Transform final : public ScaledFp8Transform {
     return scales;
   }
   void quantize(const exec::BlockRef& src, const exec::BlockRef& data, const exec::BlockRef& scale,
-                const Box&, MemoryKind where, void* stream) const override {
-    exec::mx_quantize(src, data, scale, round_up_, where, stream);
+                const Box&, const Buffer& memory) override {
+    queue_.mx_quantize({src, data, scale, round_up_}, memory);
   }
   void check_alignment(const OpSlice& slice) const override {
     const int last = slice.op.region.ndim - 1;
@@ -305,8 +305,8 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
     return tiles;
   }
   void quantize(const exec::BlockRef& src, const exec::BlockRef& data, const exec::BlockRef& scale,
-                const Box& block, MemoryKind where, void* stream) const override {
-    exec::block_quantize(src, block.extent[block.ndim - 2], data, scale, where, stream);
+                const Box& block, const Buffer& memory) override {
+    queue_.block_quantize({src, data, scale, block.extent[block.ndim - 2]}, memory);
   }
   // Tiles must stay whole: slices start on a tile boundary and end on one or at the dimension's
   // end, in the parameter and in the local tensor alike.
