@@ -73,18 +73,15 @@ class ReshardCopyService:
         svc.clear_requests()
         self._staged_sends.clear()
         self._staged_recvs.clear()
-        for task, tensor, peer in self._sends:
-            wire = tensor if tensor.is_contiguous() else tensor.contiguous()
-            if wire is not tensor:
-                self._staged_sends.append((wire, tensor))
-            svc.register_send(task, wire.view(-1).view(torch.uint8), 0,
-                              wire.numel() * wire.element_size(), peer)
-        for task, tensor, peer in self._recvs:
-            wire = tensor if tensor.is_contiguous() else tensor.contiguous()
-            if wire is not tensor:
-                self._staged_recvs.append((wire, tensor))
-            svc.register_receive(task, wire.view(-1).view(torch.uint8), 0,
-                                 wire.numel() * wire.element_size(), peer)
+        for entries, staged, register in ((self._sends, self._staged_sends, svc.register_send),
+                                          (self._recvs, self._staged_recvs,
+                                           svc.register_receive)):
+            for task, tensor, peer in entries:
+                wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+                if wire is not tensor:
+                    staged.append((wire, tensor))
+                register(task, wire.view(-1).view(torch.uint8), 0,
+                         wire.numel() * wire.element_size(), peer)
         svc.schedule()
 
     def run(self) -> None:

@@ -14,6 +14,29 @@
 
 namespace reshard::exec::cuda {
 
+// Jobs of one kind in device memory: the jobs, then each job's first work item (ascending), so a
+// warp or CTA finds its job by binary search.
+template <typename Job>
+struct JobList {
+  const Job* jobs;
+  const std::uint64_t* first;
+  std::uint32_t count;
+  std::uint64_t items;
+
+  __device__ std::uint32_t find(std::uint64_t item) const {
+    std::uint32_t low = 0, high = count - 1;
+    while (low < high) {
+      const std::uint32_t middle = (low + high + 1) / 2;
+      if (first[middle] <= item) {
+        low = middle;
+      } else {
+        high = middle - 1;
+      }
+    }
+    return low;
+  }
+};
+
 // Host-side job lists reach the device through pinned memory and a copy queued on the stream, so
 // a flush never waits for the GPU; the previous copy must have left the pinned buffer first.
 class JobUpload {

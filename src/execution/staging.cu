@@ -77,24 +77,14 @@ __global__ void copy_block_kernel(BlockCopy copy, std::uint64_t items) {
   }
 }
 
-// Work items are numbered across the copies; `first_item[i]` is copy i's first (ascending), so
-// a warp finds its copy by binary search.
-__global__ void copy_blocks_kernel(const BlockCopy* copies, const std::uint64_t* first_item,
-                                   std::uint32_t count, std::uint64_t items) {
+// Work items are numbered across the copies; a warp finds its copy in the list.
+__global__ void copy_blocks_kernel(JobList<BlockCopy> list) {
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
   for (std::uint64_t item =
            (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
-       item < items; item += warps) {
-    std::uint32_t low = 0, high = count - 1;
-    while (low < high) {
-      const std::uint32_t middle = (low + high + 1) / 2;
-      if (first_item[middle] <= item) {
-        low = middle;
-      } else {
-        high = middle - 1;
-      }
-    }
-    copy_chunk(copies[low], item - first_item[low], threadIdx.x % 32);
+       item < list.items; item += warps) {
+    const std::uint32_t j = list.find(item);
+    copy_chunk(list.jobs[j], item - list.first[j], threadIdx.x % 32);
   }
 }
 
@@ -141,9 +131,9 @@ void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void*
   const std::byte* device_list = list.current();
   copy_blocks_kernel<<<grid_for_items(list.items), kThreads, 0,
                        static_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const BlockCopy*>(device_list),
-      reinterpret_cast<const std::uint64_t*>(device_list + list.prefix_offset),
-      static_cast<std::uint32_t>(copies.size()), list.items);
+      JobList<BlockCopy>{reinterpret_cast<const BlockCopy*>(device_list),
+                         reinterpret_cast<const std::uint64_t*>(device_list + list.prefix_offset),
+                         static_cast<std::uint32_t>(copies.size()), list.items});
   RESHARD_CUDA_CHECK(cudaGetLastError());
   list.mark_used(static_cast<cudaStream_t>(stream));
 }

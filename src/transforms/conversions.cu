@@ -13,29 +13,6 @@ namespace {
 
 using namespace formats;
 
-// Jobs of one kind in device memory: the jobs, then each job's first work item (ascending), so a
-// warp or CTA finds its job by binary search.
-template <typename Job>
-struct JobList {
-  const Job* jobs;
-  const std::uint64_t* first;
-  std::uint32_t count;
-  std::uint64_t items;
-
-  __device__ std::uint32_t find(std::uint64_t item) const {
-    std::uint32_t low = 0, high = count - 1;
-    while (low < high) {
-      const std::uint32_t middle = (low + high + 1) / 2;
-      if (first[middle] <= item) {
-        low = middle;
-      } else {
-        high = middle - 1;
-      }
-    }
-    return low;
-  }
-};
-
 // One CTA per row of a conversion.
 __global__ void convert_kernel(JobList<ConvertJob> list) {
   for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x) {
