@@ -13,6 +13,9 @@ args=(-DCMAKE_BUILD_TYPE=Release)
 [[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
 [[ -d .deps/googletest ]] && args+=(-DRESHARD_GTEST_SOURCE="$PWD/.deps/googletest")
 command -v ninja >/dev/null && args+=(-G Ninja)
+# The Python package too, where nanobind is importable (its GPU tests use PyTorch).
+python3 -m nanobind --cmake_dir >/dev/null 2>&1 &&
+  args+=(-DRESHARD_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
 { nvidia-smi -L; nvcc --version | tail -1; } >"$OUT/machine.txt" 2>&1 || true
 cmake -S . -B build-gpu "${args[@]}" >"$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
 cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
@@ -20,6 +23,10 @@ status=0
 ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 \
   >"$OUT/gpu-tests.log" 2>&1 || status=$?
 grep -E "Test +#|tests passed|Failure|FAILED|what\(\)" "$OUT/gpu-tests.log" | tail -40
+if [[ -d build-gpu/python/reshard ]]; then
+  PYTHONPATH=build-gpu/python python3 -m pytest tests/python -q -rs >"$OUT/pytest.log" 2>&1 || status=1
+  tail -3 "$OUT/pytest.log"
+fi
 if [[ "${1:-}" == "--refit" ]]; then
   shift
   gpus=$(nvidia-smi -L | wc -l)
