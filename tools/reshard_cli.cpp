@@ -1,10 +1,13 @@
 // The reshard command line: `reshard bench` (the copy benchmark; launches its own processes when
-// started outside a launcher) and `reshard bench-scheduler`.
+// started outside a launcher; `reshard bench plot` draws results), `bench-gpu`, `bench-refit`,
+// `bench-plan` and `bench-scheduler`.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "bench/bench.hpp"
 #include "bench/workloads.hpp"
@@ -47,6 +50,13 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("-t,--transport", transport, "auto or host");
   bench_cmd->add_option("--seed", bench.seed, "workload seed");
   bench_cmd->add_option("--json", bench.json_path, "append results as JSON lines to this file");
+
+  std::vector<std::string> plot_inputs;
+  std::string plot_out = "bench/plots";
+  auto* plot_cmd = bench_cmd->add_subcommand(
+      "plot", "Draw PNG charts of benchmark results (JSON lines) with matplotlib");
+  plot_cmd->add_option("results", plot_inputs, "JSON-lines result files")->required();
+  plot_cmd->add_option("--out", plot_out, "directory for the charts");
 
   reshard::bench::SchedulerBenchOptions sched;
   std::string chunk_text = "1MiB";
@@ -108,6 +118,19 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (*plot_cmd) {
+      // The drawing is Python (matplotlib): run the script that ships with the sources.
+      std::vector<std::string> args = {"python3",
+                                       RESHARD_SOURCE_DIR "/tools/bench/plot_results.py"};
+      args.insert(args.end(), plot_inputs.begin(), plot_inputs.end());
+      args.insert(args.end(), {"--out", plot_out});
+      std::vector<char*> argv_plot;
+      for (std::string& arg : args) argv_plot.push_back(arg.data());
+      argv_plot.push_back(nullptr);
+      ::execvp("python3", argv_plot.data());
+      std::perror("reshard bench plot: cannot run python3");
+      return 1;
+    }
     if (*plan_cmd) {
       reshard::bench::run_plan_bench(plan);
       return 0;

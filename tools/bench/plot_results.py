@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Charts of reshard's benchmark results (the JSON lines under bench/results/).
+
+    python3 tools/bench/plot_results.py bench/results/*.jsonl --out docs/img
+    reshard bench plot bench/results/*.jsonl --out docs/img      (the same, from the CLI)
+
+Draws, for the latest commit found in each file:
+
+* ``all_to_all_<device>.png`` — per-GPU GB/s against per-peer size for every engine (SM, copy
+  engine, auto, NCCL), with the copy-engine ceiling of one peer measured in the same run;
+* ``all_to_all_ratio_<device>.png`` — each engine's rate divided by NCCL's at every size;
+* ``refit_<device>.png`` — refit time per model, transform and transport/engine, with the busiest
+  PE's rate as a fraction of the copy-engine ceiling where the run measured it.
+
+Needs matplotlib (``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, Iterable, List
+
+__all__ = ["load", "plot_all", "main"]
+
+
+def load(paths: Iterable[Path]) -> List[dict]:
+    records = []
+    for path in paths:
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise SystemExit(f"{path}:{number}: not JSON ({error})")
+            record["_file"] = str(path)
+            records.append(record)
+    return records
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+def _latest_commit(records: List[dict]) -> Dict[str, str]:
+    """The commit of each file's last record: older runs stay in the file as history."""
+    latest = {}
+    for record in records:
+        if "commit" in record:
+            latest[record["_file"]] = record["commit"]
+    return latest
+
+
+def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
+    latest = _latest_commit(records)
+    current = [r for r in records if r.get("commit") == latest.get(r["_file"])]
+    written = []
+    by_device = defaultdict(list)
+    for record in current:
+        if record.get("bench") in ("all_to_all", "ce_ceiling_one_peer"):
+            by_device[f"{record.get('gpus', '?')}x {record.get('device', 'GPU')}"].append(record)
+    for device, rows in by_device.items():
+        series = defaultdict(dict)
+        for r in rows:
+            name = r.get("engine", "copy-engine ceiling (1 peer)")
+            series[name][r["per_peer_bytes"]] = r.get("gbps_per_gpu", r.get("gbps"))
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for name, points in sorted(series.items()):
+            sizes = sorted(points)
+            style = "k--" if "ceiling" in name else "o-"
+            axis.plot(sizes, [points[s] for s in sizes], style, label=name)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("bytes per peer")
+        axis.set_ylabel("GB/s per GPU (egress)")
+        axis.set_title(f"all-to-all, {device} ({rows[0].get('date', '')}, {rows[0].get('commit', '')})")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+        path = out / f"all_to_all_{_slug(device)}.png"
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+
+        if "nccl" in series:
+            figure, axis = plt.subplots(figsize=(7, 4.5))
+            nccl = series["nccl"]
+            for name, points in sorted(series.items()):
+                if name == "nccl":
+                    continue
+                sizes = sorted(s for s in points if nccl.get(s))
+                axis.plot(sizes, [points[s] / nccl[s] for s in sizes],
+                          "k--" if "ceiling" in name else "o-", label=name)
+            axis.axhline(1.0, color="grey", linewidth=1)
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("bytes per peer")
+            axis.set_ylabel("rate / NCCL's rate")
+            axis.set_title(f"all-to-all vs NCCL, {device}")
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend()
+            path = out / f"all_to_all_ratio_{_slug(device)}.png"
+            figure.tight_layout()
+            figure.savefig(path, dpi=120)
+            plt.close(figure)
+            written.append(path)
+    return written
+
+
+def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
+    refits = [r for r in records if r.get("bench") == "refit"]
+    if not refits:
+        return []
+    # The last record of each (model, transform, transport, engine) wins: files are appended to.
+    latest = {}
+    for r in refits:
+        if r["transport"] == "cuda" and "engine" not in r:
+            continue  # early records that did not say which engine ran
+        transport = r["transport"] + (f" ({r['engine']})" if r["transport"] == "cuda" else "")
+        model = r["model"] + (f", {r['layers']} layers" if r.get("layers") else "")
+        latest[(model, r["transform"], transport)] = r
+    workloads = sorted({(m, t) for m, t, _ in latest})
+    transports = sorted({k[2] for k in latest})
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(1, len(transports))
+    for i, transport in enumerate(transports):
+        xs, heights, labels = [], [], []
+        for j, workload in enumerate(workloads):
+            r = latest.get((*workload, transport))
+            if r is None:
+                continue
+            xs.append(j + i * width)
+            heights.append(r["median_s"] * 1e3)
+            ceiling = r.get("ce_ceiling_gbps")
+            labels.append(f"{r['busiest_pe_gbps'] / ceiling:.2f}x" if ceiling else "")
+        bars = axis.bar(xs, heights, width, label=transport)
+        for bar, label in zip(bars, labels):
+            if label:
+                axis.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                              ha="center", va="bottom", fontsize=7)
+    axis.set_xticks([j + width * (len(transports) - 1) / 2 for j in range(len(workloads))])
+    axis.set_xticklabels([f"{m}\n{t}" for m, t in workloads], fontsize=8)
+    axis.set_ylabel("ms per refit (lower is better)")
+    device = refits[-1].get("device", "GPUs")
+    axis.set_title(f"refit through execute_reshard_plan, {device} "
+                   "(labels: busiest PE / copy-engine ceiling)")
+    axis.legend(fontsize=8)
+    axis.grid(True, axis="y", alpha=0.3)
+    path = out / f"refit_{_slug(device)}.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return [path]
+
+
+def plot_all(records: List[dict], out: Path) -> List[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plotting needs matplotlib: pip install matplotlib")
+    out.mkdir(parents=True, exist_ok=True)
+    return plot_all_to_all(records, out, plt) + plot_refits(records, out, plt)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="plot_results.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path, help="JSON-lines result files")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the PNG files")
+    options = parser.parse_args(argv)
+    written = plot_all(load(options.results), options.out)
+    for path in written:
+        print(path)
+    if not written:
+        print("no benchmark records to plot", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
