@@ -1,13 +1,18 @@
 // A PE that dies or stalls mid-run makes the others fail, in bounded time, with an error naming
 // it; and the launcher stops a job as soon as one process fails.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <mutex>
 #include <regex>
 
 #include "launch/local_launcher.hpp"
+#include "reshard/error.hpp"
+#include "transports/host/shm_segment.hpp"
 
 namespace reshard {
 namespace {
@@ -111,6 +116,31 @@ TEST(Launcher, ReportsACommandThatCannotStart) {
   const Outcome outcome = launch(2, {"/nonexistent/program"}, true);
   EXPECT_EQ(outcome.result.exit_code, 127);
   EXPECT_NE(all_lines(outcome).find("cannot start"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace reshard
+
+namespace reshard {
+namespace {
+
+// A peer's shared memory that is smaller than expected (not sized yet, or left by another step)
+// is refused with an error instead of mapped: touching it past its end would raise SIGBUS.
+TEST(SharedMemory, UndersizedPeerSegmentIsRefusedNotMapped) {
+  const std::string name = "/reshard-test-undersized-" + std::to_string(::getpid());
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  ::close(fd);
+  try {
+    host::ShmSegment::open(name, 1 << 20);
+    ADD_FAILURE() << "an undersized segment was mapped";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kPeerFailure);
+    EXPECT_NE(std::string(error.what()).find("4096"), std::string::npos) << error.what();
+  }
+  EXPECT_NO_THROW(host::ShmSegment::open(name, 4096));
+  ::shm_unlink(name.c_str());
 }
 
 }  // namespace

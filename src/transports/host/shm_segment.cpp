@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -49,6 +50,17 @@ ShmSegment ShmSegment::create(const std::string& name, std::size_t bytes) {
 ShmSegment ShmSegment::open(const std::string& name, std::size_t bytes) {
   const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) throw_system_error("cannot open a peer's shared memory " + name);
+  // Touching a mapping past the file's end raises SIGBUS: a segment its owner has not sized yet
+  // (or one left by another step of a job whose PEs went out of step) is refused instead.
+  struct stat status {};
+  if (::fstat(fd, &status) != 0 || static_cast<std::size_t>(status.st_size) < bytes) {
+    const auto found = static_cast<long long>(status.st_size);
+    ::close(fd);
+    throw_error(ErrorCode::kPeerFailure,
+                "a peer's shared memory " + name + " holds " + std::to_string(found) +
+                    " bytes, not the " + std::to_string(bytes) +
+                    " expected: the PEs are not at the same step (did one fail or restart?)");
+  }
   ShmSegment segment;
   segment.name_ = name;
   segment.bytes_ = bytes;
