@@ -3,6 +3,7 @@ where present, PyTorch) tensors; multi-process jobs go through `python -m reshar
 cases skip unless CUDA and enough GPUs are present."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -234,6 +235,36 @@ def test_example_refits_tp4_into_tp2():
 @pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
 def test_megatron_adapter_on_cpu_tensors():
     assert_ok(launch(3, WORKERS / "megatron_worker.py", "cpu"))
+
+
+def test_bootstrap_from_an_address_and_gil_released():
+    port = __import__("reshard.launch", fromlist=["_free_port"])._free_port()
+    assert_ok(launch(3, WORKERS / "bootstrap_worker.py", "address", port))
+
+
+@pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
+def test_bootstrap_from_a_torch_process_group():
+    assert_ok(launch(2, WORKERS / "bootstrap_worker.py", "torch"))
+
+
+def has_mpi4py() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("mpirun") is not None
+
+
+@pytest.mark.skipif(not has_mpi4py(), reason="needs mpi4py and mpirun")
+def test_bootstrap_from_an_mpi4py_communicator():
+    env = dict(os.environ, PYTHONPATH=str(Path(reshard.__file__).parent.parent))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    result = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2",
+                             "-x", "PYTHONPATH", sys.executable,
+                             str(WORKERS / "bootstrap_worker.py"), "mpi"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert_ok(result)
 
 
 def test_launch_stops_the_job_when_a_rank_fails(tmp_path):
