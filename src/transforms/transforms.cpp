@@ -2,6 +2,10 @@
 // receiver-side variant. They own their wire buffers (kept per op, so every refit returns the same
 // ones and the schedule is reused) and write the caller's destination buffers in place.
 
+#include <map>
+#include <set>
+#include <utility>
+
 #include "execution/staging.hpp"
 #include "reshard/error.hpp"
 #include "reshard/transform.hpp"
@@ -86,13 +90,42 @@ class TransformBase : public ReshardTransform {
     }
   }
 
-  void flush(void* stream) override { queue_.flush(stream); }
+  void flush(void* stream) override {
+    queue_.flush(stream);
+    converted_.clear();
+    sent_ops_.clear();
+  }
+
+  // Replicas of a destination ask for the same source slice once each: the first op of a refit
+  // converts it, the others send the same wire buffers (the same ones at every refit, since the
+  // ops come in plan order).
+  using SliceKey = std::pair<const void*, std::vector<std::int64_t>>;
+  static SliceKey slice_key(const LocalTensor& src, const Box& local) {
+    std::vector<std::int64_t> box(local.offset.begin(), local.offset.begin() + local.ndim);
+    box.insert(box.end(), local.extent.begin(), local.extent.begin() + local.ndim);
+    return {src.data.data, std::move(box)};
+  }
+  // The slice's buffers if this refit converted it already. An op seen twice means a new refit
+  // began without a flush (the last one failed half-way): nothing converted then is reused.
+  const std::vector<Buffer>* converted(const TransferOp& op, const SliceKey& key) {
+    if (!sent_ops_.insert(op.task_id).second) {
+      converted_.clear();
+      sent_ops_ = {op.task_id};
+    }
+    auto it = converted_.find(key);
+    return it == converted_.end() ? nullptr : &it->second;
+  }
+  const std::vector<Buffer>& remember(SliceKey key, std::vector<Buffer> buffers) {
+    return converted_[std::move(key)] = std::move(buffers);
+  }
 
   WireBuffers wire_;
   exec::ConversionQueue queue_;  // this refit's GPU work, launched by flush()
 
  private:
   std::string filter_;
+  std::map<SliceKey, std::vector<Buffer>> converted_;  // this refit's, until flush()
+  std::set<TaskId> sent_ops_;
 };
 
 // ---- casts ----
@@ -168,13 +201,15 @@ class ScaledFp8Transform : public TransformBase {
     check_alignment(slice);
     require_float_source(name(), slice, src);
     if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0)};
+    SliceKey key = slice_key(src, slice.local);
+    if (const std::vector<Buffer>* done = converted(slice.op, key)) return *done;
     const Box scales = scale_box(slice.local);
     Buffer data = wire_.get(true, slice.op, 0, elements(slice.local), src.data);
     Buffer scale = wire_.get(true, slice.op, 1, scale_bytes(scales), src.data);
     quantize({src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
              {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
              {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data);
-    return {data, scale};
+    return remember(std::move(key), {data, scale});
   }
 
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
