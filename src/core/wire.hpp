@@ -65,6 +65,7 @@ class Reader {
  private:
   void take(void* out, std::size_t bytes) {
     if (bytes > data_.size() - offset_) truncated();
+    if (bytes == 0) return;  // an empty array has no storage: memcpy must not see its null
     std::memcpy(out, data_.data() + offset_, bytes);
     offset_ += bytes;
   }
