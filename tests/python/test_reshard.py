@@ -301,6 +301,19 @@ def test_gpu_copy_service_random_workloads(n):
     assert_ok(launch(n, WORKERS / "copy_service_worker.py", 5 * n, "torch-cuda"))
 
 
+def has_cupy_gpus(n) -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() >= n
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not has_cupy_gpus(2), reason="needs CuPy with 2 GPUs")
+def test_gpu_copy_service_with_cupy_arrays():
+    assert_ok(launch(2, WORKERS / "copy_service_worker.py", 3, "cupy-cuda"))
+
+
 @pytest.mark.skipif(gpu_count() < 4, reason="needs PyTorch with 4 GPUs")
 def test_gpu_example_refits_tp4_into_tp2():
     result = launch(4, EXAMPLES / "refit_tp4_to_tp2.py", "--device", "cuda")

@@ -2,7 +2,7 @@
 derives from the same seed, run twice and checked byte for byte, then a request without a partner
 that schedule() must refuse on every PE.
 
-    worker.py SEED [numpy|torch-cuda]
+    worker.py SEED [numpy|torch-cuda|cupy-cuda]
 """
 
 import sys
@@ -36,6 +36,12 @@ def main() -> int:
         torch.cuda.set_device(svc.device)
         device_source = torch.from_numpy(source).cuda()
         device_target = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
+    elif memory == "cupy-cuda":
+        import cupy
+
+        cupy.cuda.Device(svc.device).use()
+        device_source = cupy.asarray(source)
+        device_target = cupy.zeros(recv_bytes, dtype=cupy.uint8)
     send_at = recv_at = 0
     senders_data = {}
     for task, src, dst, size, send_pad, recv_pad in requests:
@@ -71,11 +77,16 @@ def main() -> int:
             target[:] = 0
             svc.run()
             got = target
-        else:
+        elif memory == "torch-cuda":
             device_target.zero_()
             svc.run(torch.cuda.current_stream())
             svc.synchronize()
             got = device_target.cpu().numpy()
+        else:
+            device_target.fill(0)
+            svc.run(cupy.cuda.get_current_stream())
+            svc.synchronize()
+            got = cupy.asnumpy(device_target)
         if not np.array_equal(got, expected):
             print(f"PE {me}: {np.count_nonzero(got != expected)} wrong bytes", file=sys.stderr)
             return 1
