@@ -19,4 +19,4 @@ cmake -S . -B build-tsan "${common[@]}" -DRESHARD_SANITIZE=thread >/dev/null
 cmake --build build-tsan
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --test-dir build-tsan --output-on-failure -j "$jobs" --timeout 900 \
-  -R "bootstrap|host_transport|copy_service|Bootstrap|HostTransport"
+  -R "bootstrap|host_transport|copy_service|Bootstrap|HostTransport|Faults"
