@@ -93,6 +93,15 @@ int cuda_ctas_per_peer() {
 
 namespace reshard::env {
 
+std::uint32_t nccl_group_spans() {
+  const int spans = get_int("RESHARD_NCCL_GROUP_SPANS", 64);
+  if (spans < 1) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_NCCL_GROUP_SPANS=" + std::to_string(spans) + " must be at least 1");
+  }
+  return static_cast<std::uint32_t>(spans);
+}
+
 bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
 
 int cuda_unroll() {

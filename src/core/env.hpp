@@ -38,6 +38,8 @@ int cuda_ctas_per_peer();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
 
+// RESHARD_NCCL_GROUP_SPANS: most spans per (peer, direction) in one NCCL group (default 64).
+std::uint32_t nccl_group_spans();
 // RESHARD_PHASE_TIMING=1: execute_reshard_plan waits for each phase (prepare, transfer,
 // finalize) and reports its time; the waits slow the refit, so this is for diagnosis.
 bool phase_timing();

@@ -5,10 +5,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "core/env.hpp"
 #include "core/transport.hpp"
@@ -55,6 +57,7 @@ class NcclTransport final : public Transport {
 
  private:
   Bootstrap& bootstrap_;
+  std::uint32_t group_spans_ = env::nccl_group_spans();
   int me_ = 0;
   int n_pes_ = 0;
   int device_ = -1;
@@ -106,25 +109,43 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
     RESHARD_CUDA_CHECK(
         cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDeviceToDevice, stream));
   }
+  // A round's ops go out in NCCL groups holding at most group_spans_ spans of each (peer,
+  // direction): one group of everything stalled on large refits (~500 sends and ~500 receives per
+  // PE), and small groups are what ran. Both ends of a pair list the same spans in the same order,
+  // so group k on one PE meets group k on its peers and every group is complete by itself.
   std::size_t next_send = 0, next_receive = 0;
   for (std::uint32_t round = 0; round < plan.rounds; ++round) {
-    RESHARD_NCCL_CHECK(ncclGroupStart());
+    std::vector<const PlannedBatch*> sends, receives;
     for (; next_send < plan.sends.size() && plan.sends[next_send].round == round; ++next_send) {
-      const PlannedBatch& batch = plan.sends[next_send];
-      for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-        const CopySpan& span = plan.spans[batch.first_span + s];
-        RESHARD_NCCL_CHECK(ncclSend(span.data, span.bytes, ncclUint8, batch.peer, comm_, stream));
-      }
+      sends.push_back(&plan.sends[next_send]);
     }
     for (; next_receive < plan.receives.size() && plan.receives[next_receive].round == round;
          ++next_receive) {
-      const PlannedBatch& batch = plan.receives[next_receive];
-      for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-        const CopySpan& span = plan.spans[batch.first_span + s];
-        RESHARD_NCCL_CHECK(ncclRecv(span.data, span.bytes, ncclUint8, batch.peer, comm_, stream));
-      }
+      receives.push_back(&plan.receives[next_receive]);
     }
-    RESHARD_NCCL_CHECK(ncclGroupEnd());
+    std::uint32_t longest = 0;
+    for (const auto* list : {&sends, &receives}) {
+      for (const PlannedBatch* batch : *list) longest = std::max(longest, batch->span_count);
+    }
+    for (std::uint32_t first = 0; first < longest; first += group_spans_) {
+      const std::uint32_t last = first + group_spans_;
+      RESHARD_NCCL_CHECK(ncclGroupStart());
+      for (const PlannedBatch* batch : sends) {
+        for (std::uint32_t s = first; s < std::min(last, batch->span_count); ++s) {
+          const CopySpan& span = plan.spans[batch->first_span + s];
+          RESHARD_NCCL_CHECK(
+              ncclSend(span.data, span.bytes, ncclUint8, batch->peer, comm_, stream));
+        }
+      }
+      for (const PlannedBatch* batch : receives) {
+        for (std::uint32_t s = first; s < std::min(last, batch->span_count); ++s) {
+          const CopySpan& span = plan.spans[batch->first_span + s];
+          RESHARD_NCCL_CHECK(
+              ncclRecv(span.data, span.bytes, ncclUint8, batch->peer, comm_, stream));
+        }
+      }
+      RESHARD_NCCL_CHECK(ncclGroupEnd());
+    }
   }
   if (cuda::record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
