@@ -27,6 +27,7 @@ if [[ -d build-gpu/python/reshard ]]; then
   PYTHONPATH=build-gpu/python python3 -m pytest tests/python -q -rs >"$OUT/pytest.log" 2>&1 || status=1
   tail -3 "$OUT/pytest.log"
 fi
+commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 if [[ "${1:-}" == "--refit" ]]; then
   shift
   gpus=$(nvidia-smi -L | wc -l)
@@ -34,13 +35,13 @@ if [[ "${1:-}" == "--refit" ]]; then
     for run in "cuda none" "nccl none" "cuda mxfp8" "nccl mxfp8"; do
       set -- $run
       timeout 240 build-gpu/reshard bench-refit -n "$gpus" -m "$model" -t "$1" --transform "$2" \
-        --json "$OUT/bench-refit.jsonl" 2>&1 | tee -a "$OUT/bench-refit.txt" || status=1
+        --json "$OUT/bench-refit.jsonl" --commit "$commit" 2>&1 | tee -a "$OUT/bench-refit.txt" ||
+        status=1
     done
   done
 fi
 if [[ "${1:-}" == "--bench" ]]; then
   shift
-  commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   build-gpu/reshard bench-gpu --np "$(nvidia-smi -L | wc -l)" --json "$OUT/bench-gpu.jsonl" \
     --commit "$commit" "$@" 2>&1 | tee "$OUT/bench-gpu.txt" || status=1
 fi

@@ -88,6 +88,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 100));
   refit_cmd->add_option("-n,--np", nprocs, "processes when not under a launcher");
   refit_cmd->add_option("--json", refit.json_path, "append the result as a JSON line");
+  refit_cmd->add_option("--commit", refit.commit, "source revision recorded in the JSON line");
 
   reshard::bench::PlanBenchOptions plan;
   auto* plan_cmd = app.add_subcommand(

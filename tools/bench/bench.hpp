@@ -71,6 +71,9 @@ struct SchedulerBenchOptions {
 // Times build_schedule on one core and prints time and makespan/bound; returns the best seconds.
 double run_scheduler_bench(const SchedulerBenchOptions& options);
 
+// Today's date in UTC ("2026-11-21"), for the JSON records.
+std::string utc_date();
+
 struct RefitBenchOptions {
   std::string model = "llama3-8b";  // or "qwen3-30b-a3b"
   int layers = 0;                   // 0: the model's own count
@@ -79,6 +82,7 @@ struct RefitBenchOptions {
   int iterations = 5;
   int warmup = 2;
   std::string json_path;
+  std::string commit;  // source revision recorded in the JSON lines
 };
 
 // Times refits of a model through make_reshard_plan and execute_reshard_plan; returns the wrong

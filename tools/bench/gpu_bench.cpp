@@ -168,13 +168,6 @@ Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
   return t;
 }
 
-std::string today() {
-  const std::time_t now = std::time(nullptr);
-  char text[32];
-  std::strftime(text, sizeof text, "%Y-%m-%d", std::gmtime(&now));
-  return text;
-}
-
 }  // namespace
 
 std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBenchOptions& options) {
@@ -232,7 +225,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
       }
       wrong_total += timings[e].wrong;
       if (json.is_open()) {
-        json << "{\"bench\":\"all_to_all\",\"date\":\"" << today() << "\",\"device\":\""
+        json << "{\"bench\":\"all_to_all\",\"date\":\"" << utc_date() << "\",\"device\":\""
              << prop.name << "\",\"gpus\":" << n << ",\"engine\":\"" << options.engines[e]
              << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
              << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
@@ -246,7 +239,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
                 nccl > 0 ? (std::to_string(best / nccl).substr(0, 4) + "x").c_str() : "-",
                 best / ceiling_rate, host_us);
     if (json.is_open()) {
-      json << "{\"bench\":\"ce_ceiling_one_peer\",\"date\":\"" << today() << "\",\"device\":\""
+      json << "{\"bench\":\"ce_ceiling_one_peer\",\"date\":\"" << utc_date() << "\",\"device\":\""
            << prop.name << "\",\"gpus\":" << n << ",\"per_peer_bytes\":" << size
            << ",\"seconds\":" << ceiling.seconds << ",\"gbps\":" << ceiling_rate << ",\"commit\":\""
            << options.commit << "\"}\n";

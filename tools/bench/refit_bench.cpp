@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "bench/bench.hpp"
+#include "core/env.hpp"
 #include "reshard/reshard.hpp"
 
 #ifdef RESHARD_WITH_CUDA
@@ -171,6 +172,20 @@ double copy_engine_ceiling_gbps(Bootstrap& bootstrap) {
 }
 #endif
 
+// The GPU's name ("NVIDIA H200"), or "host".
+std::string device_name() {
+#ifdef RESHARD_WITH_CUDA
+  int device = 0;
+  cudaDeviceProp properties{};
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaGetDeviceProperties(&properties, device) == cudaSuccess) {
+    return properties.name;
+  }
+  cudaGetLastError();
+#endif
+  return "host";
+}
+
 std::pair<Parallelism, Parallelism> layouts_for(const std::string& model, int n) {
   if (n < 2 || n % 2 != 0) {
     throw_error(ErrorCode::kInvalidArgument,
@@ -293,9 +308,12 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     }
     if (!options.json_path.empty()) {
       std::ofstream json(options.json_path, std::ios::app);
-      json << "{\"bench\":\"refit\",\"model\":\"" << model.name << "\",\"layers\":" << model.layers
-           << ",\"src\":\"" << from.str() << "\",\"dst\":\"" << to.str() << "\",\"pes\":" << n
-           << ",\"transport\":\"" << service.transport_name() << "\",\"transform\":\""
+      json << "{\"bench\":\"refit\",\"date\":\"" << utc_date() << "\",\"device\":\""
+           << device_name() << "\",\"commit\":\"" << options.commit << "\",\"engine\":\""
+           << (service.transport_name() == "cuda" ? env::cuda_engine() : "") << "\",\"model\":\""
+           << model.name << "\",\"layers\":" << model.layers << ",\"src\":\"" << from.str()
+           << "\",\"dst\":\"" << to.str() << "\",\"pes\":" << n << ",\"transport\":\""
+           << service.transport_name() << "\",\"transform\":\""
            << (transform ? transform->name() : "none") << "\",\"median_s\":" << median
            << ",\"total_bytes\":" << stats.total_bytes << ",\"local_bytes\":" << stats.local_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
