@@ -55,6 +55,28 @@ def _latest_commit(records: List[dict]) -> Dict[str, str]:
     return latest
 
 
+def _size_chart(plt, series, divisor, ylabel, title, path, reference=None) -> Path:
+    """One line per series against the per-peer size (log scale), each point divided by
+    `divisor(name, size)` (points it has no divisor for are left out)."""
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(series.items()):
+        sizes = sorted(s for s in points if divisor(name, s))
+        axis.plot(sizes, [points[s] / divisor(name, s) for s in sizes],
+                  "k--" if "ceiling" in name else "o-", label=name)
+    if reference is not None:
+        axis.axhline(reference, color="grey", linewidth=1)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("bytes per peer")
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
     latest = _latest_commit(records)
     current = [r for r in records if r.get("commit") == latest.get(r["_file"])]
@@ -68,44 +90,14 @@ def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
         for r in rows:
             name = r.get("engine", "copy-engine ceiling (1 peer)")
             series[name][r["per_peer_bytes"]] = r.get("gbps_per_gpu", r.get("gbps"))
-        figure, axis = plt.subplots(figsize=(7, 4.5))
-        for name, points in sorted(series.items()):
-            sizes = sorted(points)
-            style = "k--" if "ceiling" in name else "o-"
-            axis.plot(sizes, [points[s] for s in sizes], style, label=name)
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("bytes per peer")
-        axis.set_ylabel("GB/s per GPU (egress)")
-        axis.set_title(f"all-to-all, {device} ({rows[0].get('date', '')}, {rows[0].get('commit', '')})")
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
-        path = out / f"all_to_all_{_slug(device)}.png"
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        written.append(path)
-
+        title = f"all-to-all, {device} ({rows[0].get('date', '')}, {rows[0].get('commit', '')})"
+        written.append(_size_chart(plt, series, lambda name, size: 1.0, "GB/s per GPU (egress)",
+                                   title, out / f"all_to_all_{_slug(device)}.png"))
         if "nccl" in series:
-            figure, axis = plt.subplots(figsize=(7, 4.5))
-            nccl = series["nccl"]
-            for name, points in sorted(series.items()):
-                if name == "nccl":
-                    continue
-                sizes = sorted(s for s in points if nccl.get(s))
-                axis.plot(sizes, [points[s] / nccl[s] for s in sizes],
-                          "k--" if "ceiling" in name else "o-", label=name)
-            axis.axhline(1.0, color="grey", linewidth=1)
-            axis.set_xscale("log", base=2)
-            axis.set_xlabel("bytes per peer")
-            axis.set_ylabel("rate / NCCL's rate")
-            axis.set_title(f"all-to-all vs NCCL, {device}")
-            axis.grid(True, which="both", alpha=0.3)
-            axis.legend()
-            path = out / f"all_to_all_ratio_{_slug(device)}.png"
-            figure.tight_layout()
-            figure.savefig(path, dpi=120)
-            plt.close(figure)
-            written.append(path)
+            nccl = series.pop("nccl")
+            written.append(_size_chart(plt, series, lambda name, size: nccl.get(size),
+                                       "rate / NCCL's rate", f"all-to-all vs NCCL, {device}",
+                                       out / f"all_to_all_ratio_{_slug(device)}.png", 1.0))
     return written
 
 
