@@ -41,21 +41,6 @@ BlockCopy block_copy(const Buffer& src, const BoxView& src_view, const Buffer& d
           dst_view, static_cast<std::uint32_t>(element_bytes)};
 }
 
-void copy_block(const Buffer& src, const BoxView& src_view, const Buffer& dst,
-                const BoxView& dst_view, std::size_t element_bytes, void* stream) {
-  const BlockCopy copy = block_copy(src, src_view, dst, dst_view, element_bytes);
-  if (src.kind == MemoryKind::kHost) {
-    copy_block_host(copy);
-    return;
-  }
-#ifdef RESHARD_WITH_CUDA
-  cuda::copy_block(copy, stream);
-#else
-  (void)stream;
-  throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
-#endif
-}
-
 }  // namespace
 
 Staging::Staging(MemoryKind kind, int device, std::size_t bytes) {
@@ -201,16 +186,6 @@ void BlockCopyBatch::run(void* stream) {
   (void)stream;
   throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
 #endif
-}
-
-void pack_block(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
-                const Buffer& out, void* stream) {
-  copy_block(tensor, view, out, dense_rows(view), element_bytes, stream);
-}
-
-void unpack_block(const Buffer& in, const Buffer& tensor, const BoxView& view,
-                  std::size_t element_bytes, void* stream) {
-  copy_block(in, dense_rows(view), tensor, view, element_bytes, stream);
 }
 
 }  // namespace reshard::exec

@@ -68,15 +68,6 @@ __device__ void copy_chunk(const BlockCopy& copy, std::uint64_t item, unsigned l
   for (std::uint64_t i = lane; i < bytes; i += 32) to[i] = from[i];
 }
 
-__global__ void copy_block_kernel(BlockCopy copy, std::uint64_t items) {
-  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
-  for (std::uint64_t item =
-           (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
-       item < items; item += warps) {
-    copy_chunk(copy, item, threadIdx.x % 32);
-  }
-}
-
 // Work items are numbered across the copies; a warp finds its copy in the list.
 __global__ void copy_blocks_kernel(JobList<BlockCopy> list) {
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
@@ -106,14 +97,6 @@ void* allocate(int device, std::size_t bytes) {
 void release(int device, void* pointer) {
   DeviceScope scope(device);
   cudaFree(pointer);
-}
-
-void copy_block(const BlockCopy& copy, void* stream) {
-  const std::uint64_t items = items_of(copy);
-  if (items == 0) return;
-  copy_block_kernel<<<grid_for_items(items), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      copy, items);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 
 void* create_copy_upload() { return new JobUpload(); }

@@ -101,18 +101,10 @@ class BlockCopyBatch {
   bool uploaded_ = false;   // the device list is copies_ as they are now
 };
 
-// Copies the block `view` of `tensor` into the dense buffer `out` (pack) or back (unpack), with
-// `element_bytes` per element. GPU buffers: queued on `stream`.
-void pack_block(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
-                const Buffer& out, void* stream);
-void unpack_block(const Buffer& in, const Buffer& tensor, const BoxView& view,
-                  std::size_t element_bytes, void* stream);
-
 #ifdef RESHARD_WITH_CUDA
 namespace cuda {
 void* allocate(int device, std::size_t bytes);
 void release(int device, void* pointer);
-void copy_block(const BlockCopy& copy, void* stream);
 // A list of block copies in device memory, replaced by a copy queued on the stream.
 void* create_copy_upload();
 void destroy_copy_upload(void* upload);

@@ -178,16 +178,11 @@ void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memor
 
 void ConversionQueue::pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
                            const Buffer& out) {
-  if (tensor.kind == MemoryKind::kHost)
-    return pack_block(tensor, view, element_bytes, out, nullptr);
   copies_.add_pack(tensor, view, element_bytes, out);
 }
 
 void ConversionQueue::unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
                              std::size_t element_bytes) {
-  if (tensor.kind == MemoryKind::kHost) {
-    return unpack_block(in, tensor, view, element_bytes, nullptr);
-  }
   copies_.add_unpack(in, tensor, view, element_bytes);
 }
 

@@ -36,9 +36,10 @@ struct ConversionUploads;
 }
 #endif
 
-// Conversions and block copies of one refit, run together: host memory is converted at once,
-// GPU memory at flush(), one kernel launch per kind however many ops there are (per-op launches
-// cost more than the work itself for MoE models of tens of thousands of small weights).
+// Conversions and block copies of one refit, run together: host conversions run at once, block
+// copies and GPU conversions at flush(), one kernel launch per kind however many ops there are
+// (per-op launches cost more than the work itself for MoE models of tens of thousands of small
+// weights).
 class ConversionQueue {
  public:
   ConversionQueue();
