@@ -306,7 +306,9 @@ struct Resharder::Impl {
     return true;
   }
 
-  void prepare(const TensorMap& src, const TensorMap& dst, void* stream, ReshardReport& report) {
+  // Prepares this rank's sides for `tensors` (tensors_used of src and dst).
+  void prepare(const TensorMap& src, const TensorMap& dst, std::vector<LocalTensor> tensors,
+               void* stream, ReshardReport& report) {
     prepared.sends.clear();
     prepared.receives.clear();
     prepared.packs.clear();
@@ -325,7 +327,6 @@ struct Resharder::Impl {
     // (buffers a transform owns): whether a rank schedules must not depend on what its
     // transform returns, since every rank that changed its tensors schedules together.
     std::vector<RegistrationKey> keys = registration_keys(prepared.sends, prepared.receives);
-    std::vector<LocalTensor> tensors = tensors_used(src, dst);
     const bool new_tensors = !prepared.tensors.empty() && !same_tensors(tensors, prepared.tensors);
     if (new_tensors || keys != registered || service.generation() != registered_generation) {
       if (registered.empty()) {
@@ -379,12 +380,13 @@ struct Resharder::Impl {
     PhaseClock clock{.stream = stream, .issued = &report.issue_seconds};
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
     // the transforms' hooks run again.
+    std::vector<LocalTensor> tensors = tensors_used(src, dst);
     const bool reuse = prepared.valid && service.generation() == registered_generation &&
-                       same_tensors(tensors_used(src, dst), prepared.tensors) &&
+                       same_tensors(tensors, prepared.tensors) &&
                        rerun_transforms(src, dst, stream);
     if (!reuse) {
       prepared.valid = false;
-      prepare(src, dst, stream, report);
+      prepare(src, dst, std::move(tensors), stream, report);
     }
     if (transform) transform->flush(stream);  // the send hooks' conversions
     prepared.packs.run(stream);
