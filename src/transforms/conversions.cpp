@@ -144,19 +144,17 @@ ConversionQueue::~ConversionQueue() {
 #endif
 }
 
-void ConversionQueue::on_gpu(const Buffer& memory) {
+void ConversionQueue::on_gpu() {
 #ifdef RESHARD_WITH_CUDA
   if (uploads_ == nullptr) uploads_ = cuda::create_uploads();
-  (void)memory;
 #else
-  (void)memory;
   no_cuda();
 #endif
 }
 
 void ConversionQueue::convert(const ConvertJob& job, const Buffer& memory) {
   if (memory.kind == MemoryKind::kHost) return convert_host(job.src, job.dst);
-  on_gpu(memory);
+  on_gpu();
   converts_.push_back(job);
 }
 
@@ -164,7 +162,7 @@ void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
   if (memory.kind == MemoryKind::kHost) {
     return mx_quantize_host(job.src, job.data, job.scale, job.round_up);
   }
-  on_gpu(memory);
+  on_gpu();
   mx_.push_back(job);
 }
 
@@ -172,7 +170,7 @@ void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memor
   if (memory.kind == MemoryKind::kHost) {
     return block_quantize_host(job.src, job.rows_per_matrix, job.data, job.scale);
   }
-  on_gpu(memory);
+  on_gpu();
   blocks_.push_back(job);
 }
 

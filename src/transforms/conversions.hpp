@@ -59,7 +59,7 @@ class ConversionQueue {
   void flush(void* stream);
 
  private:
-  void on_gpu(const Buffer& memory);
+  void on_gpu();  // where GPU jobs are queued: makes their upload buffers
 
   std::vector<ConvertJob> converts_;
   std::vector<MxJob> mx_;
