@@ -17,7 +17,8 @@ if [[ ! -x $env_dir/bin/python ]]; then
       exit 1
     fi
   fi
-  wheels=("scikit-build-core>=0.10" "nanobind>=2.4" pytest numpy)
+  # JAX (CPU) checks that its arrays cross through DLPack too.
+  wheels=("scikit-build-core>=0.10" "nanobind>=2.4" pytest numpy jax)
   command -v nvcc >/dev/null && wheels+=(nvidia-nccl-cu13)
   "$env_dir/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$env_dir/bin/python" -m pip install -q "${wheels[@]}"

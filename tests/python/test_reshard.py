@@ -87,6 +87,22 @@ def test_read_only_source_is_accepted(service):
     np.testing.assert_array_equal(dst, src)
 
 
+def test_jax_arrays_cross_through_dlpack_without_copies(service):
+    jnp = pytest.importorskip("jax.numpy")
+    src = jnp.arange(64, dtype=jnp.float32)
+    dst_np = np.zeros(64, np.float32)
+    dst_jax = jnp.zeros(16, dtype=jnp.float32)
+    service.register_send(1, src, 16, 128, 0)      # elements 4..35 of a JAX array
+    service.register_receive(1, dst_np, 0, 128, 0)
+    service.register_send(2, src, 0, 64, 0)        # elements 0..15, into a JAX array in place
+    service.register_receive(2, dst_jax, 0, 64, 0)
+    service.schedule()
+    service.run()
+    np.testing.assert_array_equal(dst_np[:32], np.arange(4, 36, dtype=np.float32))
+    assert not dst_np[32:].any()
+    np.testing.assert_array_equal(np.asarray(dst_jax), np.arange(16, dtype=np.float32))
+
+
 def test_range_outside_the_buffer_is_refused_naming_the_task(service):
     with pytest.raises(reshard.ReshardError, match="task 3") as error:
         service.register_send(3, np.zeros(16, np.uint8), 10, 8, 0)
