@@ -40,3 +40,11 @@ if command -v nvcc >/dev/null && ! have_nccl; then
   echo "reshard: installing NCCL (nvidia-nccl-cu13) with pip"
   python3 -m pip install -q nvidia-nccl-cu13 || echo "reshard: NCCL not installed; the NCCL transport will be skipped" >&2
 fi
+
+# And the NVSHMEM transport: the host library from the nvidia-nvshmem-cu13 wheel, pinned to the
+# version the GPU machines run (host and device libraries must match).
+if command -v nvcc >/dev/null && ! python3 -c "import nvidia.nvshmem" 2>/dev/null; then
+  echo "reshard: installing NVSHMEM (nvidia-nvshmem-cu13==3.4.5) with pip"
+  python3 -m pip install -q nvidia-nvshmem-cu13==3.4.5 ||
+    echo "reshard: NVSHMEM not installed; the NVSHMEM transport will be skipped" >&2
+fi

@@ -19,7 +19,7 @@ if [[ ! -x $env_dir/bin/python ]]; then
   fi
   # JAX (CPU) checks that its arrays cross through DLPack too.
   wheels=("scikit-build-core>=0.10" "nanobind>=2.4" pytest numpy jax)
-  command -v nvcc >/dev/null && wheels+=(nvidia-nccl-cu13)
+  command -v nvcc >/dev/null && wheels+=(nvidia-nccl-cu13 nvidia-nvshmem-cu13==3.4.5)
   "$env_dir/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$env_dir/bin/python" -m pip install -q "${wheels[@]}"
 fi

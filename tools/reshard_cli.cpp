@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
                    "none, mxfp8 (quantized by the sender: FP8 on the wire) or mxfp8-receiver "
                    "(bf16 on the wire, quantized on arrival)")
       ->check(CLI::IsMember({"none", "mxfp8", "mxfp8-receiver"}));
-  refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda or nccl");
+  refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda, nvshmem or nccl");
   refit_cmd->add_option("-i,--iters", refit.iterations, "timed refits")->check(CLI::Range(1, 1000));
   refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")
       ->check(CLI::Range(0, 100));
@@ -104,9 +104,10 @@ int main(int argc, char** argv) {
       "bench-gpu",
       "All-to-all size sweep on the GPU transports, NCCL and the copy-engine ceiling side by side");
   gpu_cmd->add_option("-s,--sizes", gpu_sizes, "per-peer sizes")->delimiter(',');
-  gpu_cmd->add_option("-e,--engines", gpu.engines, "sm, ce, auto (CUDA transport) and nccl")
+  gpu_cmd
+      ->add_option("-e,--engines", gpu.engines, "sm, ce, auto (CUDA transport), nvshmem and nccl")
       ->delimiter(',')
-      ->check(CLI::IsMember({"sm", "ce", "auto", "nccl"}));
+      ->check(CLI::IsMember({"sm", "ce", "auto", "nvshmem", "nccl"}));
   gpu_cmd->add_option("-n,--np", nprocs, "processes (one per GPU) when not under a launcher");
   gpu_cmd->add_option("--repeats", gpu.repeats, "timed repeats (median reported)")
       ->check(CLI::Range(1, 1000));

@@ -17,11 +17,24 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 4096));
   app.add_option("--master-port", options.master_port, "rank 0's port (default: a free one)")
       ->check(CLI::Range(0, 65535));
-  std::vector<std::string> command;
-  app.add_option("command", command, "the program and its arguments")->required();
+  // The program is the first positional; everything after it is its own, options included, in
+  // the order given (prefix_command hands it over untouched).
+  std::string program;
+  app.add_option("command", program, "the program and its arguments")->required();
   app.prefix_command();
   CLI11_PARSE(app, argc, argv);
-  for (const std::string& extra : app.remaining()) command.push_back(extra);
+  std::vector<std::string> command{program};
+  std::vector<std::string> rest = app.remaining();
+  // A "--" that ended reshard-run's own options stays behind in the remainder: not the program's.
+  if (!rest.empty() && rest.front() == "--" && argc > 1) {
+    for (int i = 1; i < argc && argv[i] != program; ++i) {
+      if (std::string(argv[i]) == "--") {
+        rest.erase(rest.begin());
+        break;
+      }
+    }
+  }
+  command.insert(command.end(), rest.begin(), rest.end());
   options.command = command;
   try {
     const reshard::LaunchResult result = reshard::launch_local(options);

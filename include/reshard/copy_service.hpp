@@ -15,9 +15,10 @@ namespace reshard {
 
 // kAuto picks, at init(), the CUDA transport when every PE has a GPU and all share one machine,
 // NCCL when they span machines, and the host transport otherwise. RESHARD_TRANSPORT overrides.
-enum class TransportKind { kAuto, kHost, kCuda, kNccl };
+enum class TransportKind { kAuto, kHost, kCuda, kNccl, kNvshmem };
 
-TransportKind parse_transport_kind(const std::string& name);  // "auto", "host", "cuda", "nccl"
+TransportKind parse_transport_kind(
+    const std::string& name);  // "auto", "host", "cuda", "nccl", "nvshmem"
 const char* transport_kind_name(TransportKind kind);
 // The transports compiled into this build, by name ("host" always; "cuda", "nccl" when built).
 std::vector<std::string> available_transports();

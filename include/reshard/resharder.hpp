@@ -38,9 +38,10 @@ class Resharder {
   // Collective: every PE calls it once per refit. Moves this rank's source slices into the
   // destination tensors of every rank. The first call (and any call whose tensors changed:
   // other pointers, sizes or dtypes) registers and schedules; later calls only run. Scheduling is
-  // collective, so a refit with new tensors must pass them on every rank at once. With a CUDA stream, packing, the transfers and
-  // the conversions are queued on it; otherwise the call returns when the bytes have landed.
-  // Refused before any byte moves when a tensor is missing or too small (naming it).
+  // collective, so a refit with new tensors must pass them on every rank at once. With a CUDA
+  // stream, packing, the transfers and the conversions are queued on it; otherwise the call returns
+  // when the bytes have landed. Refused before any byte moves when a tensor is missing or too small
+  // (naming it).
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
 
  private:

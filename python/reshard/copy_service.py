@@ -124,7 +124,7 @@ class CopyService:
     >>> svc.schedule(); svc.run(); svc.run()
     >>> svc.clear_requests(); svc.finalize()
 
-    ``transport`` is ``"auto"``, ``"host"``, ``"cuda"`` or ``"nccl"``; ``bootstrap`` is anything
+    ``transport`` is ``"auto"``, ``"host"``, ``"cuda"``, ``"nvshmem"`` or ``"nccl"``; ``bootstrap`` is anything
     :func:`make_bootstrap` accepts. Registered tensors are kept alive by the service until
     ``clear_requests()`` or ``finalize()``.
     """
@@ -167,7 +167,7 @@ class CopyService:
 
     @property
     def transport(self) -> str:
-        """The transport in use after init(): "host", "cuda" or "nccl"."""
+        """The transport in use after init(): "host", "cuda", "nvshmem" or "nccl"."""
         return self._service.transport_name
 
     def register_send(self, task_id: int, src_tensor: Any, src_pos: int, size: int,

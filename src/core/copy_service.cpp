@@ -77,6 +77,9 @@ std::vector<std::string> available_transports() {
 #ifdef RESHARD_WITH_NCCL
   names.push_back("nccl");
 #endif
+#ifdef RESHARD_WITH_NVSHMEM
+  names.push_back("nvshmem");
+#endif
   return names;
 }
 
@@ -92,8 +95,8 @@ std::string built_transports() {
 }  // namespace
 
 TransportKind parse_transport_kind(const std::string& name) {
-  for (TransportKind kind :
-       {TransportKind::kAuto, TransportKind::kHost, TransportKind::kCuda, TransportKind::kNccl}) {
+  for (TransportKind kind : {TransportKind::kAuto, TransportKind::kHost, TransportKind::kCuda,
+                             TransportKind::kNccl, TransportKind::kNvshmem}) {
     if (name == transport_kind_name(kind)) return kind;
   }
   throw_error(
@@ -111,6 +114,8 @@ const char* transport_kind_name(TransportKind kind) {
       return "cuda";
     case TransportKind::kNccl:
       return "nccl";
+    case TransportKind::kNvshmem:
+      return "nvshmem";
   }
   return "?";
 }
@@ -159,6 +164,10 @@ std::unique_ptr<Transport> make_transport(TransportKind kind, Bootstrap& bootstr
 #ifdef RESHARD_WITH_NCCL
     case TransportKind::kNccl:
       return make_nccl_transport(bootstrap);
+#endif
+#ifdef RESHARD_WITH_NVSHMEM
+    case TransportKind::kNvshmem:
+      return make_nvshmem_transport(bootstrap);
 #endif
     default:
       return make_host_transport(bootstrap);
@@ -417,6 +426,10 @@ void CopyService::run(void* cuda_stream) {
   try {
     self.transport->run(self.plan, cuda_stream);
   } catch (const Error& error) {
+    // A call the transport refuses before queuing anything (a stream it cannot work on) leaves
+    // the service usable; anything else may have left peers waiting.
+    if (error.code() == ErrorCode::kUnsupported || error.code() == ErrorCode::kInvalidArgument)
+      throw;
     self.fail(error);
   }
 }

@@ -49,6 +49,13 @@ std::uint64_t host_staging_bytes() {
   return value ? parse_bytes(*value) : (8ull << 20);
 }
 
+std::uint64_t nvshmem_staging_bytes() {
+  auto value = get("RESHARD_NVSHMEM_STAGING_BYTES");
+  return value ? parse_bytes(*value) : (512ull << 20);
+}
+
+bool nvshmem_direct() { return get_int("RESHARD_NVSHMEM_DIRECT", 1) != 0; }
+
 std::optional<std::uint64_t> chunk_bytes() {
   auto value = get("RESHARD_CHUNK_BYTES");
   if (!value) return std::nullopt;

@@ -40,6 +40,12 @@ int cuda_unroll();
 
 // RESHARD_NCCL_GROUP_SPANS: most spans per (peer, direction) in one NCCL group (default 64).
 std::uint32_t nccl_group_spans();
+// RESHARD_NVSHMEM_STAGING_BYTES: symmetric staging each PE allocates for the NVSHMEM transport,
+// split into two inbox slots per peer and two outbox slots (default 512 MiB).
+std::uint64_t nvshmem_staging_bytes();
+// RESHARD_NVSHMEM_DIRECT=0: the NVSHMEM transport puts through its outbox even to peers it could
+// write directly (over NVLink), which is the path a peer on another node takes.
+bool nvshmem_direct();
 // RESHARD_PHASE_TIMING=1: execute_reshard_plan waits for each phase (prepare, transfer,
 // finalize) and reports its time; the waits slow the refit, so this is for diagnosis.
 bool phase_timing();

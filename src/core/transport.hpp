@@ -44,6 +44,8 @@ std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap);
 // Defined only in builds with CUDA (RESHARD_WITH_CUDA) and NCCL (RESHARD_WITH_NCCL).
 std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap);
 std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap);
+// Defined only in builds with NVSHMEM (RESHARD_WITH_NVSHMEM).
+std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap);
 // Number of CUDA devices this process sees (0 without CUDA or without a GPU).
 int visible_cuda_devices() noexcept;
 

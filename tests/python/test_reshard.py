@@ -35,9 +35,9 @@ def has_torch() -> bool:
     return True
 
 
-def launch(n, script, *args, timeout=240):
+def launch(n, script, *args, timeout=240, **extra_env):
     """Runs `script` as n processes through reshard.launch; returns the completed process."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+    env = dict(os.environ, **extra_env, PYTHONPATH=os.pathsep.join(filter(None, [
         str(Path(reshard.__file__).parent.parent), os.environ.get("PYTHONPATH")])))
     env.setdefault("RESHARD_TIMEOUT_S", "20")
     return subprocess.run([sys.executable, "-m", "reshard.launch", "-n", str(n), "--timeout",
@@ -315,6 +315,16 @@ def test_gpu_copy_service_random_workloads(n):
     if gpu_count() < n:
         pytest.skip(f"needs {n} GPUs")
     assert_ok(launch(n, WORKERS / "copy_service_worker.py", 5 * n, "torch-cuda"))
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+@pytest.mark.parametrize("transport", ["nccl", "nvshmem"])
+def test_gpu_copy_service_on_each_gpu_transport(transport):
+    if transport not in reshard.available_transports():
+        pytest.skip(f"this build has no {transport} transport")
+    # RESHARD_TRANSPORT overrides the transport the worker asks for.
+    assert_ok(launch(2, WORKERS / "copy_service_worker.py", 9, "torch-cuda",
+                     RESHARD_TRANSPORT=transport))
 
 
 def has_cupy_gpus(n) -> bool:

@@ -47,7 +47,7 @@ std::uint64_t run_copy_bench(std::shared_ptr<Bootstrap> bootstrap, const CopyBen
 
 struct GpuBenchOptions {
   std::vector<std::uint64_t> sizes;  // per-peer bytes
-  std::vector<std::string> engines = {"sm", "ce", "auto", "nccl"};
+  std::vector<std::string> engines = {"sm", "ce", "auto", "nvshmem", "nccl"};
   int warmup = 5;
   int repeats = 5;
   int max_iterations = 200;

@@ -173,11 +173,23 @@ Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
 std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBenchOptions& options) {
   // One service per engine for the whole sweep; the CUDA engine is read when its transport starts.
   std::vector<std::unique_ptr<CopyService>> services;
-  for (const std::string& engine : options.engines) {
-    const bool nccl = engine == "nccl";
-    if (!nccl) ::setenv("RESHARD_CUDA_ENGINE", engine.c_str(), 1);
-    services.push_back(std::make_unique<CopyService>(
-        bootstrap, nccl ? TransportKind::kNccl : TransportKind::kCuda));
+  GpuBenchOptions chosen = options;
+  const auto built = available_transports();
+  std::erase_if(chosen.engines, [&](const std::string& engine) {
+    const bool missing = (engine == "nccl" || engine == "nvshmem") &&
+                         std::find(built.begin(), built.end(), engine) == built.end();
+    if (missing && bootstrap->rank() == 0)
+      std::printf("(no %s transport in this build: left out)\n", engine.c_str());
+    return missing;
+  });
+  for (const std::string& engine : chosen.engines) {
+    TransportKind kind = TransportKind::kCuda;
+    if (engine == "nccl" || engine == "nvshmem") {
+      kind = parse_transport_kind(engine);
+    } else {
+      ::setenv("RESHARD_CUDA_ENGINE", engine.c_str(), 1);
+    }
+    services.push_back(std::make_unique<CopyService>(bootstrap, kind));
     services.back()->init(LogLevel::kWarn);
   }
   const int n = bootstrap->size(), me = bootstrap->rank();
@@ -195,7 +207,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
         "median of %d repeats\n",
         n, prop.name, options.repeats);
     std::printf("%-9s", "per-peer");
-    for (const std::string& e : options.engines) std::printf(" | %-17s", e.c_str());
+    for (const std::string& e : chosen.engines) std::printf(" | %-17s", e.c_str());
     std::printf(" | %-10s | best/nccl | best/ceil | host us/run\n", "CE 1-peer");
   }
   std::uint64_t wrong_total = 0;
@@ -217,7 +229,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
       std::snprintf(cell, sizeof cell, "%.1f (%.1f)%s", rate, timings[e].seconds * 1e6,
                     timings[e].wrong ? " WRONG" : "");
       std::printf(" | %-17s", cell);
-      if (options.engines[e] == "nccl")
+      if (chosen.engines[e] == "nccl")
         nccl = rate;
       else if (rate > best) {
         best = rate;
@@ -226,7 +238,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
       wrong_total += timings[e].wrong;
       if (json.is_open()) {
         json << "{\"bench\":\"all_to_all\",\"date\":\"" << utc_date() << "\",\"device\":\""
-             << prop.name << "\",\"gpus\":" << n << ",\"engine\":\"" << options.engines[e]
+             << prop.name << "\",\"gpus\":" << n << ",\"engine\":\"" << chosen.engines[e]
              << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
              << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
              << ",\"host_us_per_run\":" << timings[e].host_us

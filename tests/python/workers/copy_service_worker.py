@@ -5,6 +5,7 @@ that schedule() must refuse on every PE.
     worker.py SEED [numpy|torch-cuda|cupy-cuda]
 """
 
+import os
 import sys
 
 import numpy as np
@@ -17,6 +18,11 @@ def main() -> int:
     transport = "host" if memory == "numpy" else "cuda"
     svc = reshard.CopyService(transport=transport).init("WARN")
     me, n = svc.my_pe, svc.n_pes
+    forced = os.environ.get("RESHARD_TRANSPORT")
+    if forced and svc.transport != forced:
+        print(f"PE {me}: RESHARD_TRANSPORT={forced} but the service runs {svc.transport}",
+              file=sys.stderr)
+        return 1
     rng = np.random.default_rng(seed)
     # Every PE draws the whole job's requests, so sender and receiver agree on them.
     requests = []

@@ -1,0 +1,567 @@
+// NVSHMEM transport: pack -> put -> unpack through symmetric staging slots, ordered by NVSHMEM
+// signals on the caller's stream. It reaches whatever NVSHMEM reaches (NVLink, InfiniBand through
+// its IBRC/IBGDA/UCX transports), so it is the one-sided path across nodes.
+//
+// Per batch (one per round: the scheduler builds rounds as matchings), the sender waits until the
+// receiver has drained the inbox slot it is about to fill, fills it, and raises the slot's signal;
+// the receiver waits for that signal, unpacks, and acknowledges. A peer NVSHMEM maps into this
+// process (NVLink) is filled by the copy kernel writing straight into its inbox; any other peer
+// gets the batch packed into a local outbox slot and put (nvshmemx_putmem_on_stream, quiet, then
+// the signal). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as across nodes.
+// Everything is queued on the stream: no per-round host synchronisation, no global barrier.
+// The host API only (nvshmemx_hostlib_init_attr): no relocatable device code, no device library.
+#include <nvshmem_host.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "core/env.hpp"
+#include "core/transport.hpp"
+#include "core/wire.hpp"
+#include "reshard/error.hpp"
+#include "reshard/log.hpp"
+#include "transports/cuda/copy_kernels.hpp"
+#include "transports/cuda/cuda_check.hpp"
+#include "transports/cuda/cuda_device.hpp"
+
+namespace reshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using cuda::CopyDescriptor;
+using cuda::KernelArgs;
+using cuda::PeerGroup;
+
+constexpr int kDepth = 2;  // inbox slots per source PE: one filling while one drains
+constexpr std::uint64_t kAlign = 256;
+constexpr std::uint64_t kMinChunk = 64 << 10;
+constexpr std::uint64_t kMaxChunk = 64 << 20;
+constexpr std::uint64_t kBytesPerCta = 64 << 10;
+
+std::uint64_t align_up(std::uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// NVSHMEM is initialised once per process and stays up until the process ends: initialising it
+// again after nvshmem_finalize is not supported, and its finalize is a collective that would hang
+// beside a dead peer. The symmetric heap, its slots and the per-pair batch counters live here too,
+// so a later copy service in the same process continues where the last one stopped.
+struct Runtime {
+  std::mutex mutex;
+  bool initialized = false;
+  bool in_use = false;
+  std::string broken;  // why NVSHMEM cannot be used again in this process
+  int rank = -1, size = 0, device = -1;
+  std::uint64_t chunk = 0;
+  std::byte* heap = nullptr;
+  // Global batch counts per peer: sent to it, received from it; the sequence number of the next
+  // batch. Both ends of a pair count the same batches, so they agree on every signal value.
+  std::vector<std::uint64_t> sent, received;
+  // Per peer and inbox slot: the sequence number last put there, which must be acknowledged
+  // before the slot is filled again.
+  std::vector<std::array<std::optional<std::uint64_t>, kDepth>> last_put;
+  std::uint64_t outbox_uses = 0;
+
+  // Heap layout, identical on every PE: data signals [peer][slot], acknowledgements [peer],
+  // inboxes [peer][slot][chunk], outboxes [slot][chunk].
+  std::uint64_t* data_signal(int peer, int slot) const {
+    return reinterpret_cast<std::uint64_t*>(heap) + peer * kDepth + slot;
+  }
+  std::uint64_t* ack_signal(int peer) const {
+    return reinterpret_cast<std::uint64_t*>(heap) + size * kDepth + peer;
+  }
+  std::uint64_t signal_bytes() const {
+    return align_up(sizeof(std::uint64_t) * size * (kDepth + 1));
+  }
+  std::byte* inbox(int peer, int slot) const {
+    return heap + signal_bytes() + (static_cast<std::uint64_t>(peer) * kDepth + slot) * chunk;
+  }
+  std::byte* outbox(int slot) const {
+    return heap + signal_bytes() + (static_cast<std::uint64_t>(size) * kDepth + slot) * chunk;
+  }
+  std::uint64_t heap_bytes() const {
+    return signal_bytes() + (static_cast<std::uint64_t>(size) + 1) * kDepth * chunk;
+  }
+};
+
+Runtime& runtime() {
+  static Runtime instance;
+  return instance;
+}
+
+void set_default_env(const char* name, const std::string& value) {
+  if (std::getenv(name) == nullptr) ::setenv(name, value.c_str(), 0);
+}
+
+// Collective over `bootstrap`: NVSHMEM's unique-id bootstrap, the id from PE 0.
+void initialize(Runtime& rt, Bootstrap& bootstrap, int device) {
+  const int me = bootstrap.rank(), n = bootstrap.size();
+  if (rt.initialized) {
+    if (rt.rank != me || rt.size != n) {
+      throw_error(ErrorCode::kUnsupported,
+                  "NVSHMEM was initialised in this process as PE " + std::to_string(rt.rank) +
+                      " of " + std::to_string(rt.size) + "; it cannot join a job of " +
+                      std::to_string(n) + " PEs as PE " + std::to_string(me) +
+                      " (NVSHMEM is initialised once per process)");
+    }
+    return;
+  }
+  // Staging: RESHARD_NVSHMEM_STAGING_BYTES per PE (default 512 MiB) split into the slots.
+  const std::uint64_t budget = env::nvshmem_staging_bytes();
+  const std::uint64_t slots = (static_cast<std::uint64_t>(n) + 1) * kDepth;
+  rt.chunk = std::clamp<std::uint64_t>(budget / slots / kAlign * kAlign, kMinChunk, kMaxChunk);
+  rt.rank = me;
+  rt.size = n;
+  rt.device = device;
+  // NVLink multicast stays off (shared machines), and the symmetric heap holds the staging.
+  set_default_env("NVSHMEM_DISABLE_NVLS", "1");
+  set_default_env("NVSHMEM_SYMMETRIC_SIZE", std::to_string(rt.heap_bytes() + (64 << 20)));
+
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (me == 0 && nvshmemx_get_uniqueid(&id) != 0) {
+    throw_error(ErrorCode::kSystem, "nvshmemx_get_uniqueid failed on PE 0");
+  }
+  wire::Writer mine;
+  mine.put(id);
+  id = wire::Reader(bootstrap.all_gather(mine.bytes())[0]).get<nvshmemx_uniqueid_t>();
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (nvshmemx_set_attr_uniqueid_args(me, n, &id, &attr) != 0 ||
+      nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
+    rt.broken = "NVSHMEM initialisation failed";
+    throw_error(ErrorCode::kSystem, "NVSHMEM initialisation failed on PE " + std::to_string(me) +
+                                        " (NVSHMEM_DEBUG=WARN says why; NVSHMEM_SYMMETRIC_SIZE=" +
+                                        std::getenv("NVSHMEM_SYMMETRIC_SIZE") + ")");
+  }
+  rt.initialized = true;
+  rt.heap = static_cast<std::byte*>(nvshmem_calloc(1, rt.heap_bytes()));
+  if (rt.heap == nullptr) {
+    rt.broken = "the NVSHMEM staging heap could not be allocated";
+    throw_error(ErrorCode::kSystem,
+                "nvshmem_calloc of " + std::to_string(rt.heap_bytes()) +
+                    " bytes of staging failed (RESHARD_NVSHMEM_STAGING_BYTES sets the budget, "
+                    "NVSHMEM_SYMMETRIC_SIZE the heap)");
+  }
+  {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, rt.heap) == cudaSuccess) {
+      RESHARD_LOG(kInfo, "nvshmem staging heap: " << rt.heap_bytes() << " bytes, memory type "
+                                                  << attributes.type << " on device "
+                                                  << attributes.device);
+    }
+    cudaGetLastError();
+  }
+  rt.sent.assign(n, 0);
+  rt.received.assign(n, 0);
+  rt.last_put.assign(n, {});
+  RESHARD_LOG(kDebug, "nvshmem transport: PE " << me << " of " << n << " on device " << device
+                                               << ", " << kDepth << " slots of " << rt.chunk
+                                               << " bytes per peer");
+}
+
+// Device memory holding a copy of a host vector.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  T* upload(const std::vector<T>& values) {
+    if (data_ != nullptr) cudaFree(data_);
+    data_ = nullptr;
+    if (values.empty()) return nullptr;
+    RESHARD_CUDA_CHECK(cudaMalloc(&data_, values.size() * sizeof(T)));
+    RESHARD_CUDA_CHECK(
+        cudaMemcpy(data_, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return data_;
+  }
+
+ private:
+  T* data_ = nullptr;
+};
+
+// One batch as this PE moves it: the peer, its bytes, and the copy kernel that packs it into an
+// outbox slot (send) or unpacks it from the peer's inbox slot (receive).
+struct StagedBatch {
+  int peer = 0;
+  std::uint32_t round = 0;
+  std::uint64_t bytes = 0;
+  // Receive, and send to a mapped peer: the inbox slot the kernel copies from / into. Send to
+  // any other peer: the outbox slot it packs into.
+  int slot = 0;
+  bool mapped = false;  // send: written straight into the peer's inbox
+  std::uint32_t group = 0;
+};
+
+class NvshmemTransport final : public Transport {
+ public:
+  explicit NvshmemTransport(Bootstrap& bootstrap);
+  ~NvshmemTransport() override { finalize(); }
+
+  const char* name() const override { return "nvshmem"; }
+  // One peer each way per round: the puts of one PE go out one after another on its stream, and
+  // a matching lets every slot be drained before it is filled again without waiting in a cycle.
+  TransportCaps caps() const override { return {rt_.chunk, 1, rt_.chunk}; }
+  int device() const override { return device_; }
+  void check_buffer(const Buffer& buffer) const override {
+    cuda::check_device_buffer(buffer, device_, "nvshmem");
+  }
+  void prepare(const ExecutionPlan& plan) override;
+  void run(const ExecutionPlan& plan, void* stream) override;
+  void synchronize() override;
+  void abort(const std::string& reason) noexcept override;
+  void finalize() noexcept override;
+
+ private:
+  void build_copies(const ExecutionPlan& plan);
+  KernelArgs args_for(std::uint32_t group) const;
+
+  Runtime& rt_ = runtime();
+  int me_ = 0;
+  int n_pes_ = 0;
+  int device_ = -1;
+  int sm_count_ = 1;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t last_run_ = nullptr;
+  bool run_pending_ = false;
+  cuda::DeviceStatus* status_ = nullptr;  // pinned, mapped: stops the copy kernels on abort
+  cuda::DeviceStatus* status_device_ = nullptr;
+  std::vector<pid_t> local_pids_;
+  // The schedule, resolved: local copies, then each round's send and receive batches.
+  std::vector<StagedBatch> sends_, receives_;
+  std::vector<PeerGroup> groups_;
+  DeviceArray<CopyDescriptor> descriptors_;
+  DeviceArray<PeerGroup> device_groups_;
+  CopyDescriptor* descriptors_device_ = nullptr;
+  PeerGroup* groups_device_ = nullptr;
+  std::optional<std::uint32_t> local_group_;
+  // Per peer, where NVSHMEM maps it here (null otherwise): its data signals from this PE, per
+  // slot, and its acknowledgement from this PE. Raised by a one-thread kernel instead of an
+  // NVSHMEM signal op, which costs a proxy round trip.
+  std::vector<std::array<std::uint64_t*, kDepth>> remote_data_;
+  std::vector<std::uint64_t*> remote_ack_;
+  bool direct_ = env::nvshmem_direct();
+  bool prepared_ = false;
+  bool aborted_ = false;
+  bool finalized_ = false;
+};
+
+NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
+    : me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
+  device_ = cuda::select_device(bootstrap);
+  RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
+  {
+    std::lock_guard lock(rt_.mutex);
+    if (!rt_.broken.empty()) {
+      throw_error(ErrorCode::kUnsupported,
+                  "the nvshmem transport cannot start again in this "
+                  "process: " +
+                      rt_.broken);
+    }
+    if (rt_.in_use) {
+      throw_error(ErrorCode::kUnsupported,
+                  "one nvshmem copy service per process at a time: finalize() the other first");
+    }
+    initialize(rt_, bootstrap, device_);
+    if (rt_.device != device_) {
+      throw_error(ErrorCode::kUnsupported, "NVSHMEM runs on device " + std::to_string(rt_.device) +
+                                               " in this process, not device " +
+                                               std::to_string(device_));
+    }
+    rt_.in_use = true;
+  }
+  RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
+  RESHARD_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&status_), sizeof *status_, cudaHostAllocMapped));
+  *status_ = {};
+  RESHARD_CUDA_CHECK(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_, 0));
+
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  wire::Writer mine;
+  mine.put<std::int32_t>(::getpid());
+  mine.put_string(host);
+  const auto all = bootstrap.all_gather(mine.bytes());
+  local_pids_.assign(n_pes_, 0);
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    wire::Reader reader(all[pe]);
+    const auto pid = reader.get<std::int32_t>();
+    if (reader.get_string() == host && pe != me_) local_pids_[pe] = pid;
+  }
+}
+
+KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
+  KernelArgs args{};
+  args.descriptors = descriptors_device_;
+  args.groups = groups_device_ + group;
+  args.group_count = 1;
+  args.cta_count = groups_[group].cta_count;
+  args.status = status_device_;
+  args.n_pes = n_pes_;
+  args.timeout_ns = static_cast<std::uint64_t>(env::timeout().count()) * 1000000;
+  return args;
+}
+
+void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
+  std::vector<CopyDescriptor> descriptors;
+  groups_.clear();
+  auto add_group = [&](auto&& fill) {
+    PeerGroup group{};
+    group.peer = -1;
+    group.first_descriptor = static_cast<std::uint32_t>(descriptors.size());
+    fill(group);
+    group.descriptor_count =
+        static_cast<std::uint32_t>(descriptors.size()) - group.first_descriptor;
+    group.cta_count = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
+        (group.bytes + kBytesPerCta - 1) / kBytesPerCta, 1, std::max(1, sm_count_)));
+    groups_.push_back(group);
+    return static_cast<std::uint32_t>(groups_.size() - 1);
+  };
+  auto add = [&](PeerGroup& group, const std::byte* src, std::byte* dst, std::uint64_t bytes) {
+    if (bytes == 0) return;
+    descriptors.push_back({reinterpret_cast<const unsigned char*>(src),
+                           reinterpret_cast<unsigned char*>(dst), bytes, group.bytes});
+    group.bytes += bytes;
+  };
+  local_group_.reset();
+  if (!plan.local_copies.empty()) {
+    local_group_ = add_group([&](PeerGroup& group) {
+      for (const LocalCopy& copy : plan.local_copies) add(group, copy.src, copy.dst, copy.bytes);
+    });
+  }
+  // Which slot a batch uses depends on how many batches went before it, in this run and the
+  // earlier ones, so every batch gets a copy kernel per slot and run() picks one.
+  sends_.clear();
+  receives_.clear();
+  for (const PlannedBatch& batch : plan.sends) {
+    if (batch.bytes > rt_.chunk) {
+      throw_error(ErrorCode::kValidation, "a batch of " + std::to_string(batch.bytes) +
+                                              " bytes exceeds the NVSHMEM slot of " +
+                                              std::to_string(rt_.chunk) + " bytes");
+    }
+    for (int slot = 0; slot < kDepth; ++slot) {
+      // Where NVSHMEM maps the peer's inbox here, nvshmem_ptr gives its address.
+      auto* mapped = direct_
+                         ? static_cast<std::byte*>(nvshmem_ptr(rt_.inbox(me_, slot), batch.peer))
+                         : nullptr;
+      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, mapped != nullptr, 0};
+      staged.group = add_group([&](PeerGroup& group) {
+        std::byte* out = mapped != nullptr ? mapped : rt_.outbox(slot);
+        for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+          const CopySpan& span = plan.spans[batch.first_span + s];
+          add(group, span.data, out + group.bytes, span.bytes);
+        }
+      });
+      sends_.push_back(staged);
+    }
+  }
+  for (const PlannedBatch& batch : plan.receives) {
+    for (int slot = 0; slot < kDepth; ++slot) {
+      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, false, 0};
+      staged.group = add_group([&](PeerGroup& group) {
+        const std::byte* in = rt_.inbox(batch.peer, slot);
+        for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+          const CopySpan& span = plan.spans[batch.first_span + s];
+          add(group, in + group.bytes, span.data, span.bytes);
+        }
+      });
+      receives_.push_back(staged);
+    }
+  }
+  remote_data_.assign(n_pes_, {});
+  remote_ack_.assign(n_pes_, nullptr);
+  for (int peer = 0; direct_ && peer < n_pes_; ++peer) {
+    if (peer == me_) continue;
+    for (int slot = 0; slot < kDepth; ++slot) {
+      remote_data_[peer][slot] =
+          static_cast<std::uint64_t*>(nvshmem_ptr(rt_.data_signal(me_, slot), peer));
+    }
+    remote_ack_[peer] = static_cast<std::uint64_t*>(nvshmem_ptr(rt_.ack_signal(me_), peer));
+  }
+  std::size_t mapped = 0;
+  for (const StagedBatch& batch : sends_) mapped += batch.mapped;
+  RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << sends_.size() / kDepth
+                                           << " send batches, " << mapped / kDepth
+                                           << " written straight into the peer's inbox, the rest "
+                                              "put through the outbox");
+  descriptors_device_ = descriptors_.upload(descriptors);
+  groups_device_ = device_groups_.upload(groups_);
+}
+
+void NvshmemTransport::prepare(const ExecutionPlan& plan) {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
+  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  build_copies(plan);
+  prepared_ = true;
+}
+
+void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
+  if (!prepared_) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
+  if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
+  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    // Signal values advance with every run, so a replayed graph would wait for stale ones.
+    throw_error(ErrorCode::kUnsupported,
+                "the nvshmem transport cannot be captured in a CUDA graph (its signal values "
+                "advance every run); use the cuda transport for graph capture");
+  }
+  if (local_group_) cuda::launch_plain_copy(args_for(*local_group_), stream);
+  // Batches come in round order, kDepth entries each (one per slot); per round, the sends go
+  // out first, then the receives drain: a slot's previous batch was acknowledged in an earlier
+  // round, so no PE waits on one that is waiting on it.
+  std::size_t next_send = 0, next_receive = 0;
+  for (std::uint32_t round = 0; round < plan.rounds; ++round) {
+    for (; next_send < sends_.size() && sends_[next_send].round == round; next_send += kDepth) {
+      const int peer = sends_[next_send].peer;
+      const std::uint64_t sequence = rt_.sent[peer]++;
+      const int slot = static_cast<int>(sequence % kDepth);
+      const bool mapped = sends_[next_send].mapped;
+      const StagedBatch& batch =
+          sends_[next_send + (mapped ? slot : static_cast<int>(rt_.outbox_uses++ % kDepth))];
+      const KernelArgs args = args_for(batch.group);
+      if (const auto previous = rt_.last_put[peer][slot]) {
+        cuda::launch_wait(rt_.ack_signal(peer), *previous + 1, peer, cuda::kPhaseReady, args,
+                          stream);
+      }
+      cuda::launch_plain_copy(args, stream);
+      if (mapped && remote_data_[peer][slot] != nullptr) {
+        // The kernel wrote the peer's inbox; once it is complete, the signal tells the peer.
+        cuda::launch_raise(remote_data_[peer][slot], sequence + 1, args, stream);
+      } else if (mapped) {
+        nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
+                                     peer, stream);
+      } else {
+        // put, quiet, signal: the signal may only land once the data has (NVSHMEM orders
+        // neither a put and a later signal op to another PE, nor two puts, without the quiet).
+        nvshmemx_putmem_on_stream(rt_.inbox(me_, slot), rt_.outbox(batch.slot), batch.bytes, peer,
+                                  stream);
+        nvshmemx_quiet_on_stream(stream);
+        nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
+                                     peer, stream);
+      }
+      rt_.last_put[peer][slot] = sequence;
+    }
+    for (; next_receive < receives_.size() && receives_[next_receive].round == round;
+         next_receive += kDepth) {
+      const int peer = receives_[next_receive].peer;
+      const std::uint64_t sequence = rt_.received[peer]++;
+      const int slot = static_cast<int>(sequence % kDepth);
+      const StagedBatch& batch = receives_[next_receive + slot];
+      const KernelArgs args = args_for(batch.group);
+      cuda::launch_wait(rt_.data_signal(peer, slot), sequence + 1, peer, cuda::kPhaseDone, args,
+                        stream);
+      cuda::launch_plain_copy(args, stream);
+      if (remote_ack_[peer] != nullptr) {
+        cuda::launch_raise(remote_ack_[peer], sequence + 1, args, stream);
+      } else {
+        nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), sequence + 1, NVSHMEM_SIGNAL_SET, peer,
+                                     stream);
+      }
+    }
+  }
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+  RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
+  run_pending_ = true;
+  if (stream_handle == nullptr) synchronize();
+}
+
+void NvshmemTransport::synchronize() {
+  if (!run_pending_) return;
+  const auto start = Clock::now();
+  const auto limit = env::timeout();
+  for (int polls = 0;; ++polls) {
+    const cudaError_t status = cudaEventQuery(last_run_);
+    if (status == cudaSuccess) break;
+    if (status != cudaErrorNotReady) cuda::throw_cuda_error(status, "cudaEventQuery");
+    if (polls < 1000) continue;
+    const int dead = cuda::first_exited_process(local_pids_);
+    std::string problem;
+    if (dead >= 0) {
+      problem = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
+                ") exited mid-run";
+    } else if (Clock::now() - start > limit) {
+      problem = "the NVSHMEM transfers did not finish within " +
+                std::to_string(limit.count() / 1000) +
+                " s (is every PE calling run()? RESHARD_TIMEOUT_S sets the limit)";
+    }
+    if (!problem.empty()) {
+      run_pending_ = false;
+      abort(problem);
+      throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
+                  "run() on PE " + std::to_string(me_) + ": " + problem);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
+  }
+  run_pending_ = false;
+  if (status_ != nullptr && status_->code != 0) {
+    // A device-side wait ran out (or was cancelled): the peer it waited for is named.
+    const std::string problem =
+        std::string(status_->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
+        " waiting for PE " + std::to_string(status_->peer) +
+        (status_->phase == cuda::kPhaseReady ? " to drain its inbox" : " to deliver its data") +
+        " (RESHARD_TIMEOUT_S sets the limit)";
+    abort(problem);
+    throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
+  }
+}
+
+void NvshmemTransport::abort(const std::string& reason) noexcept {
+  if (aborted_) return;
+  aborted_ = true;
+  RESHARD_LOG(kDebug, "nvshmem transport aborted: " << reason);
+  std::lock_guard lock(rt_.mutex);
+  // The pair counters no longer match the peers' (a run stopped half-way on some PEs).
+  rt_.broken = "an earlier run failed (" + reason + ")";
+  if (status_ != nullptr) status_->cancel = 1;
+  if (status_ != nullptr) status_->code = cuda::kStatusCancelled;  // copy kernels stop at once
+  // Release this PE's own waits: raise every signal it waits on past any value a run expects,
+  // so the stream drains (its copies skip) instead of spinning until the process ends.
+  if (rt_.heap != nullptr) {
+    cudaStream_t side = nullptr;
+    if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
+      cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_bytes(), side);  // 0x7f7f...: above any count
+      cudaStreamSynchronize(side);
+      cudaStreamDestroy(side);
+    }
+  }
+}
+
+void NvshmemTransport::finalize() noexcept {
+  if (finalized_) return;
+  finalized_ = true;
+  try {
+    synchronize();
+  } catch (const Error& error) {
+    RESHARD_LOG(kWarn, "finalize: " << error.what());
+  }
+  if (!aborted_ && stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (last_run_) cudaEventDestroy(last_run_);
+  if (stream_) cudaStreamDestroy(stream_);
+  if (status_) cudaFreeHost(status_);
+  last_run_ = nullptr;
+  stream_ = nullptr;
+  status_ = nullptr;
+  std::lock_guard lock(rt_.mutex);
+  rt_.in_use = false;
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap) {
+  return std::make_unique<NvshmemTransport>(bootstrap);
+}
+
+}  // namespace reshard
