@@ -198,7 +198,12 @@ struct StagedBatch {
   int slot = 0;
   bool mapped = false;  // send: written straight into the peer's inbox
   std::uint32_t group = 0;
+  // Batches of few spans are copied by the copy engines (cudaMemcpyAsync per span): SM copies
+  // into and out of the symmetric heap run far below the copy engines' rate there.
+  std::vector<LocalCopy> engine_copies;
 };
+
+constexpr std::uint32_t kMaxEngineSpans = 16;
 
 class NvshmemTransport final : public Transport {
  public:
@@ -222,6 +227,14 @@ class NvshmemTransport final : public Transport {
  private:
   void build_copies(const ExecutionPlan& plan);
   KernelArgs args_for(std::uint32_t group) const;
+  void copy_batch(const StagedBatch& batch, const KernelArgs& args, cudaStream_t stream) {
+    if (batch.engine_copies.empty()) return cuda::launch_plain_copy(args, stream);
+    for (const LocalCopy& copy : batch.engine_copies) {
+      RESHARD_CUDA_CHECK(
+          cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  std::vector<LocalCopy>* engine_copies_ = nullptr;  // while build_copies fills a batch
 
   Runtime& rt_ = runtime();
   int me_ = 0;
@@ -248,6 +261,21 @@ class NvshmemTransport final : public Transport {
   std::vector<std::array<std::uint64_t*, kDepth>> remote_data_;
   std::vector<std::uint64_t*> remote_ack_;
   bool direct_ = env::nvshmem_direct();
+  // RESHARD_NVSHMEM_TRACE=1 (diagnosis): waits after every step of a run and adds its time to
+  // trace_[step], printed at finalize. The waits serialise everything.
+  bool trace_ = env::get_int("RESHARD_NVSHMEM_TRACE", 0) != 0;
+  std::array<double, 6> trace_seconds_{};
+  std::array<std::uint64_t, 6> trace_count_{};
+  template <typename Step>
+  void step(int kind, cudaStream_t stream, Step&& body) {
+    if (!trace_) return body();
+    RESHARD_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto start = Clock::now();
+    body();
+    RESHARD_CUDA_CHECK(cudaStreamSynchronize(stream));
+    trace_seconds_[kind] += std::chrono::duration<double>(Clock::now() - start).count();
+    ++trace_count_[kind];
+  }
   bool prepared_ = false;
   bool aborted_ = false;
   bool finalized_ = false;
@@ -328,6 +356,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   };
   auto add = [&](PeerGroup& group, const std::byte* src, std::byte* dst, std::uint64_t bytes) {
     if (bytes == 0) return;
+    if (engine_copies_ != nullptr) engine_copies_->push_back({src, dst, bytes});
     descriptors.push_back({reinterpret_cast<const unsigned char*>(src),
                            reinterpret_cast<unsigned char*>(dst), bytes, group.bytes});
     group.bytes += bytes;
@@ -353,7 +382,8 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
       auto* mapped = direct_
                          ? static_cast<std::byte*>(nvshmem_ptr(rt_.inbox(me_, slot), batch.peer))
                          : nullptr;
-      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, mapped != nullptr, 0};
+      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, mapped != nullptr, 0, {}};
+      engine_copies_ = batch.span_count <= kMaxEngineSpans ? &staged.engine_copies : nullptr;
       staged.group = add_group([&](PeerGroup& group) {
         std::byte* out = mapped != nullptr ? mapped : rt_.outbox(slot);
         for (std::uint32_t s = 0; s < batch.span_count; ++s) {
@@ -366,7 +396,8 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   }
   for (const PlannedBatch& batch : plan.receives) {
     for (int slot = 0; slot < kDepth; ++slot) {
-      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, false, 0};
+      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, false, 0, {}};
+      engine_copies_ = batch.span_count <= kMaxEngineSpans ? &staged.engine_copies : nullptr;
       staged.group = add_group([&](PeerGroup& group) {
         const std::byte* in = rt_.inbox(batch.peer, slot);
         for (std::uint32_t s = 0; s < batch.span_count; ++s) {
@@ -387,6 +418,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     }
     remote_ack_[peer] = static_cast<std::uint64_t*>(nvshmem_ptr(rt_.ack_signal(me_), peer));
   }
+  engine_copies_ = nullptr;
   std::size_t mapped = 0;
   for (const StagedBatch& batch : sends_) mapped += batch.mapped;
   RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << sends_.size() / kDepth
@@ -433,13 +465,16 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
           sends_[next_send + (mapped ? slot : static_cast<int>(rt_.outbox_uses++ % kDepth))];
       const KernelArgs args = args_for(batch.group);
       if (const auto previous = rt_.last_put[peer][slot]) {
-        cuda::launch_wait(rt_.ack_signal(peer), *previous + 1, peer, cuda::kPhaseReady, args,
-                          stream);
+        step(0, stream, [&] {
+          cuda::launch_wait(rt_.ack_signal(peer), *previous + 1, peer, cuda::kPhaseReady, args,
+                            stream);
+        });
       }
-      cuda::launch_plain_copy(args, stream);
+      step(1, stream, [&] { copy_batch(batch, args, stream); });
       if (mapped && remote_data_[peer][slot] != nullptr) {
         // The kernel wrote the peer's inbox; once it is complete, the signal tells the peer.
-        cuda::launch_raise(remote_data_[peer][slot], sequence + 1, args, stream);
+        step(2, stream,
+             [&] { cuda::launch_raise(remote_data_[peer][slot], sequence + 1, args, stream); });
       } else if (mapped) {
         nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
                                      peer, stream);
@@ -461,11 +496,13 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
       const int slot = static_cast<int>(sequence % kDepth);
       const StagedBatch& batch = receives_[next_receive + slot];
       const KernelArgs args = args_for(batch.group);
-      cuda::launch_wait(rt_.data_signal(peer, slot), sequence + 1, peer, cuda::kPhaseDone, args,
-                        stream);
-      cuda::launch_plain_copy(args, stream);
+      step(3, stream, [&] {
+        cuda::launch_wait(rt_.data_signal(peer, slot), sequence + 1, peer, cuda::kPhaseDone, args,
+                          stream);
+      });
+      step(4, stream, [&] { copy_batch(batch, args, stream); });
       if (remote_ack_[peer] != nullptr) {
-        cuda::launch_raise(remote_ack_[peer], sequence + 1, args, stream);
+        step(5, stream, [&] { cuda::launch_raise(remote_ack_[peer], sequence + 1, args, stream); });
       } else {
         nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), sequence + 1, NVSHMEM_SIGNAL_SET, peer,
                                      stream);
@@ -542,6 +579,16 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
 void NvshmemTransport::finalize() noexcept {
   if (finalized_) return;
   finalized_ = true;
+  if (trace_) {
+    static const char* const names[] = {"wait-ack", "pack", "signal", "wait-data", "unpack", "ack"};
+    std::string line;
+    for (int k = 0; k < 6; ++k) {
+      line += std::string(" ") + names[k] + " " +
+              std::to_string(trace_count_[k] ? trace_seconds_[k] / trace_count_[k] * 1e6 : 0) +
+              " us x" + std::to_string(trace_count_[k]);
+    }
+    RESHARD_LOG(kWarn, "nvshmem trace (mean per step):" << line);
+  }
   try {
     synchronize();
   } catch (const Error& error) {
