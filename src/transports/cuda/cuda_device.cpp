@@ -1,11 +1,15 @@
 #include "transports/cuda/cuda_device.hpp"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <thread>
 
 #include "core/env.hpp"
 #include "core/transport.hpp"
+#include "core/wire.hpp"
 #include "reshard/error.hpp"
 #include "transports/cuda/cuda_check.hpp"
 
@@ -73,6 +77,49 @@ int first_exited_process(std::span<const pid_t> pids) {
     if (pids[i] > 0 && ::kill(pids[i], 0) != 0 && errno == ESRCH) return static_cast<int>(i);
   }
   return -1;
+}
+
+std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  wire::Writer mine;
+  mine.put<std::int32_t>(::getpid());
+  mine.put_string(host);
+  const auto all = bootstrap.all_gather(mine.bytes());
+  std::vector<pid_t> pids(all.size(), 0);
+  for (std::size_t pe = 0; pe < all.size(); ++pe) {
+    wire::Reader reader(all[pe]);
+    const auto pid = reader.get<std::int32_t>();
+    if (reader.get_string() == host && static_cast<int>(pe) != bootstrap.rank()) pids[pe] = pid;
+  }
+  return pids;
+}
+
+std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
+                         int* dead, const std::function<std::string()>& transport_problem) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto limit = env::timeout();
+  *dead = -1;
+  for (int polls = 0;; ++polls) {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaSuccess) return {};
+    if (status != cudaErrorNotReady) throw_cuda_error(status, "cudaEventQuery");
+    if (polls < 1000) continue;  // spin briefly first: most runs end within microseconds
+    if (transport_problem) {
+      if (std::string problem = transport_problem(); !problem.empty()) return problem;
+    }
+    if ((*dead = first_exited_process(pids)) >= 0) {
+      return "PE " + std::to_string(*dead) + " (pid " + std::to_string(pids[*dead]) +
+             ") exited mid-run";
+    }
+    if (Clock::now() - start > limit) {
+      return std::string("the ") + what + " transfers did not finish within " +
+             std::to_string(limit.count() / 1000) +
+             " s (is every PE calling run()? RESHARD_TIMEOUT_S sets the limit)";
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
+  }
 }
 
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {

@@ -4,7 +4,10 @@
 #include <cuda_runtime_api.h>
 #include <sys/types.h>
 
+#include <functional>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "reshard/bootstrap.hpp"
 #include "reshard/types.hpp"
@@ -17,6 +20,14 @@ int select_device(const Bootstrap& bootstrap);
 void check_device_buffer(const Buffer& buffer, int device, const char* transport);
 // Index of the first process in `pids` that no longer exists (entries <= 0 are not checked), or -1.
 int first_exited_process(std::span<const pid_t> pids);
+// Collective: every PE's process id where it shares this host (0 for this PE and for PEs on other
+// hosts), so a waiting PE can tell a peer that died from one that is slow.
+std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
+// Waits for `event` (the end of a run): an empty string once it completes, else what went wrong:
+// `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
+// RESHARD_TIMEOUT_S passing while "the <what> transfers" are unfinished.
+std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
+                         int* dead, const std::function<std::string()>& transport_problem = {});
 // Records `event` on `stream` after a run and returns true, unless the stream is being captured
 // into a graph (then the run only exists in the graph and there is nothing to wait for).
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);

@@ -22,6 +22,7 @@
 #include "transports/cuda/copy_kernels.hpp"
 #include "transports/cuda/cuda_check.hpp"
 #include "transports/cuda/cuda_device.hpp"
+#include "transports/cuda/device_array.hpp"
 #include "transports/cuda/ipc_memory.hpp"
 
 namespace reshard {
@@ -34,31 +35,6 @@ constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunk
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
 constexpr std::uint64_t kBytesPerCta = 64 << 10;
 constexpr int kCopyEngineStreams = 4;
-
-// Device memory holding a copy of a host vector; freed with the schedule that uploaded it.
-template <typename T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() { reset(); }
-  const T* upload(const std::vector<T>& values) {
-    reset();
-    if (values.empty()) return nullptr;
-    RESHARD_CUDA_CHECK(cudaMalloc(&data_, values.size() * sizeof(T)));
-    RESHARD_CUDA_CHECK(
-        cudaMemcpy(data_, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return data_;
-  }
-  void reset() noexcept {
-    if (data_ != nullptr) cudaFree(data_);
-    data_ = nullptr;
-  }
-
- private:
-  T* data_ = nullptr;
-};
 
 struct WireSpan {
   std::uint32_t handle;  // kBounceHandle: into the receiver's bounce buffer

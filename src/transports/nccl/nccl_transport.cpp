@@ -2,14 +2,10 @@
 // reaches (NVLink, PCIe, sockets, InfiniBand), so it is the path across nodes and the baseline the
 // benchmark compares the CUDA transport against.
 #include <nccl.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "core/env.hpp"
@@ -23,7 +19,6 @@
 namespace reshard {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kUnbounded = 1ull << 50;
 
 #define RESHARD_NCCL_CHECK(call)                                                                   \
@@ -78,21 +73,10 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap)
 
   ncclUniqueId id{};
   if (me_ == 0) RESHARD_NCCL_CHECK(ncclGetUniqueId(&id));
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
   wire::Writer mine;
   mine.put(id);
-  mine.put<std::int32_t>(::getpid());
-  mine.put_string(host);
-  const auto all = bootstrap_.all_gather(mine.bytes());
-  local_pids_.assign(n_pes_, 0);
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    wire::Reader reader(all[pe]);
-    const auto peer_id = reader.get<ncclUniqueId>();
-    if (pe == 0) id = peer_id;
-    const auto pid = reader.get<std::int32_t>();
-    if (reader.get_string() == host && pe != me_) local_pids_[pe] = pid;
-  }
+  id = wire::Reader(bootstrap_.all_gather(mine.bytes())[0]).get<ncclUniqueId>();
+  local_pids_ = cuda::local_peer_pids(bootstrap_);
   // Every PE reached this point alive, so the blocking init below meets all of them.
   RESHARD_NCCL_CHECK(ncclCommInitRank(&comm_, n_pes_, id, me_));
   int version = 0;
@@ -155,35 +139,21 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
 
 void NcclTransport::synchronize() {
   if (!run_pending_) return;
-  const auto start = Clock::now();
-  const auto limit = env::timeout();
-  for (int polls = 0;; ++polls) {
-    const cudaError_t status = cudaEventQuery(last_run_);
-    if (status == cudaSuccess) break;
-    if (status != cudaErrorNotReady) cuda::throw_cuda_error(status, "cudaEventQuery");
-    if (polls < 1000) continue;
+  int dead = -1;
+  const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NCCL", &dead, [&] {
     ncclResult_t async = ncclSuccess;
     ncclCommGetAsyncError(comm_, &async);
-    const int dead = cuda::first_exited_process(local_pids_);
-    std::string problem;
-    if (async != ncclSuccess && async != ncclInProgress) {
-      problem = std::string("NCCL reported ") + ncclGetErrorString(async);
-    } else if (dead >= 0) {
-      problem = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
-                ") exited mid-run";
-    } else if (Clock::now() - start > limit) {
-      problem = "the NCCL transfers did not finish within " + std::to_string(limit.count() / 1000) +
-                " s (is every PE calling run()? RESHARD_TIMEOUT_S sets the limit)";
-    }
-    if (!problem.empty()) {
-      // Aborting the communicator is the only way to stop NCCL kernels waiting on a lost peer.
-      abort(problem);
-      throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
-                  "run() on PE " + std::to_string(me_) + ": " + problem);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
-  }
+    return async != ncclSuccess && async != ncclInProgress
+               ? std::string("NCCL reported ") + ncclGetErrorString(async)
+               : std::string();
+  });
   run_pending_ = false;
+  if (!problem.empty()) {
+    // Aborting the communicator is the only way to stop NCCL kernels waiting on a lost peer.
+    abort(problem);
+    throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
+                "run() on PE " + std::to_string(me_) + ": " + problem);
+  }
 }
 
 void NcclTransport::abort(const std::string& reason) noexcept {

@@ -11,7 +11,6 @@
 // Everything is queued on the stream: no per-round host synchronisation, no global barrier.
 // The host API only (nvshmemx_hostlib_init_attr): no relocatable device code, no device library.
 #include <nvshmem_host.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -19,7 +18,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "core/env.hpp"
@@ -30,12 +28,14 @@
 #include "transports/cuda/copy_kernels.hpp"
 #include "transports/cuda/cuda_check.hpp"
 #include "transports/cuda/cuda_device.hpp"
+#include "transports/cuda/device_array.hpp"
 
 namespace reshard {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using cuda::CopyDescriptor;
+using cuda::DeviceArray;
 using cuda::KernelArgs;
 using cuda::PeerGroup;
 
@@ -163,30 +163,6 @@ void initialize(Runtime& rt, Bootstrap& bootstrap, int device) {
                                                << " bytes per peer");
 }
 
-// Device memory holding a copy of a host vector.
-template <typename T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  T* upload(const std::vector<T>& values) {
-    if (data_ != nullptr) cudaFree(data_);
-    data_ = nullptr;
-    if (values.empty()) return nullptr;
-    RESHARD_CUDA_CHECK(cudaMalloc(&data_, values.size() * sizeof(T)));
-    RESHARD_CUDA_CHECK(
-        cudaMemcpy(data_, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return data_;
-  }
-
- private:
-  T* data_ = nullptr;
-};
-
 // One batch as this PE moves it: the peer, its bytes, and the copy kernel that packs it into an
 // outbox slot (send) or unpacks it from the peer's inbox slot (receive).
 struct StagedBatch {
@@ -313,18 +289,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
   RESHARD_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_, 0));
 
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  wire::Writer mine;
-  mine.put<std::int32_t>(::getpid());
-  mine.put_string(host);
-  const auto all = bootstrap.all_gather(mine.bytes());
-  local_pids_.assign(n_pes_, 0);
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    wire::Reader reader(all[pe]);
-    const auto pid = reader.get<std::int32_t>();
-    if (reader.get_string() == host && pe != me_) local_pids_[pe] = pid;
-  }
+  local_pids_ = cuda::local_peer_pids(bootstrap);
 }
 
 KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
@@ -517,30 +482,13 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
 
 void NvshmemTransport::synchronize() {
   if (!run_pending_) return;
-  const auto start = Clock::now();
-  const auto limit = env::timeout();
-  for (int polls = 0;; ++polls) {
-    const cudaError_t status = cudaEventQuery(last_run_);
-    if (status == cudaSuccess) break;
-    if (status != cudaErrorNotReady) cuda::throw_cuda_error(status, "cudaEventQuery");
-    if (polls < 1000) continue;
-    const int dead = cuda::first_exited_process(local_pids_);
-    std::string problem;
-    if (dead >= 0) {
-      problem = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
-                ") exited mid-run";
-    } else if (Clock::now() - start > limit) {
-      problem = "the NVSHMEM transfers did not finish within " +
-                std::to_string(limit.count() / 1000) +
-                " s (is every PE calling run()? RESHARD_TIMEOUT_S sets the limit)";
-    }
-    if (!problem.empty()) {
-      run_pending_ = false;
-      abort(problem);
-      throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
-                  "run() on PE " + std::to_string(me_) + ": " + problem);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
+  int dead = -1;
+  const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead);
+  if (!problem.empty()) {
+    run_pending_ = false;
+    abort(problem);
+    throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
+                "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   run_pending_ = false;
   if (status_ != nullptr && status_->code != 0) {
