@@ -4,13 +4,15 @@
     python3 tools/bench/plot_results.py bench/results/*.jsonl --out docs/img
     reshard bench plot bench/results/*.jsonl --out docs/img      (the same, from the CLI)
 
-Draws, for the latest commit found in each file:
+Draws, from the newest run of each engine (files are appended to, so later lines are newer):
 
 * ``all_to_all_<device>.png`` — per-GPU GB/s against per-peer size for every engine (SM, copy
-  engine, auto, NCCL), with the copy-engine ceiling of one peer measured in the same run;
-* ``all_to_all_ratio_<device>.png`` — each engine's rate divided by NCCL's at every size;
-* ``refit_<device>.png`` — refit time per model, transform and transport/engine, with the busiest
-  PE's rate as a fraction of the copy-engine ceiling where the run measured it.
+  engine, auto, NVSHMEM, NCCL), with the copy-engine ceiling of one peer;
+* ``all_to_all_ratio_<device>.png`` — each engine's rate divided by the rate of the NCCL run
+  measured in the same run as it;
+* ``refit_<device>.png`` — refit time per model, transform and transport/engine on the newest
+  date's records, with the busiest PE's rate as a fraction of the copy-engine ceiling where the
+  run measured it.
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -46,15 +48,6 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
-def _latest_commit(records: List[dict]) -> Dict[str, str]:
-    """The commit of each file's last record: older runs stay in the file as history."""
-    latest = {}
-    for record in records:
-        if "commit" in record:
-            latest[record["_file"]] = record["commit"]
-    return latest
-
-
 def _size_chart(plt, series, divisor, ylabel, title, path, reference=None) -> Path:
     """One line per series against the per-peer size (log scale), each point divided by
     `divisor(name, size)` (points it has no divisor for are left out)."""
@@ -78,25 +71,30 @@ def _size_chart(plt, series, divisor, ylabel, title, path, reference=None) -> Pa
 
 
 def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
-    latest = _latest_commit(records)
-    current = [r for r in records if r.get("commit") == latest.get(r["_file"])]
     written = []
     by_device = defaultdict(list)
-    for record in current:
+    for record in records:
         if record.get("bench") in ("all_to_all", "ce_ceiling_one_peer"):
             by_device[f"{record.get('gpus', '?')}x {record.get('device', 'GPU')}"].append(record)
     for device, rows in by_device.items():
-        series = defaultdict(dict)
+        # Each engine's newest run (by commit), and every run's points, so an engine is compared
+        # with the NCCL and ceiling measured beside it.
+        newest, runs = {}, defaultdict(lambda: defaultdict(dict))
         for r in rows:
             name = r.get("engine", "copy-engine ceiling (1 peer)")
-            series[name][r["per_peer_bytes"]] = r.get("gbps_per_gpu", r.get("gbps"))
-        title = f"all-to-all, {device} ({rows[0].get('date', '')}, {rows[0].get('commit', '')})"
+            newest[name] = r.get("commit", "")
+            runs[r.get("commit", "")][name][r["per_peer_bytes"]] = r.get("gbps_per_gpu", r.get("gbps"))
+        series = {name: runs[commit][name] for name, commit in newest.items()}
+        dates = sorted({r.get("date", "") for r in rows if r.get("commit", "") in newest.values()})
+        title = f"all-to-all, {device} ({', '.join(d for d in dates if d)})"
         written.append(_size_chart(plt, series, lambda name, size: 1.0, "GB/s per GPU (egress)",
                                    title, out / f"all_to_all_{_slug(device)}.png"))
-        if "nccl" in series:
-            nccl = series.pop("nccl")
-            written.append(_size_chart(plt, series, lambda name, size: nccl.get(size),
-                                       "rate / NCCL's rate", f"all-to-all vs NCCL, {device}",
+        others = {n: p for n, p in series.items() if n != "nccl" and "ceiling" not in n}
+        if others and "nccl" in series:
+            def beside(name, size):
+                return runs[newest[name]].get("nccl", {}).get(size)
+            written.append(_size_chart(plt, others, beside, "rate / NCCL's rate (same run)",
+                                       f"all-to-all vs NCCL, {device}",
                                        out / f"all_to_all_ratio_{_slug(device)}.png", 1.0))
     return written
 
@@ -105,7 +103,9 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     refits = [r for r in records if r.get("bench") == "refit"]
     if not refits:
         return []
-    # The last record of each (model, transform, transport, engine) wins: files are appended to.
+    # The newest date's records; the last of each (model, transform, transport, engine) wins.
+    newest_date = max(r.get("date", "") for r in refits)
+    refits = [r for r in refits if r.get("date", "") == newest_date]
     latest = {}
     for r in refits:
         if r["transport"] == "cuda" and "engine" not in r:
@@ -135,8 +135,8 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     axis.set_xticks([j + width * (len(transports) - 1) / 2 for j in range(len(workloads))])
     axis.set_xticklabels([f"{m}\n{t}" for m, t in workloads], fontsize=8)
     axis.set_ylabel("ms per refit (lower is better)")
-    device = refits[-1].get("device", "GPUs")
-    axis.set_title(f"refit through execute_reshard_plan, {device} "
+    device = f"{refits[-1].get('pes', '?')}x {refits[-1].get('device', 'GPUs')}"
+    axis.set_title(f"refit through execute_reshard_plan, {device}, {newest_date}\n"
                    "(labels: busiest PE / copy-engine ceiling)")
     axis.legend(fontsize=8)
     axis.grid(True, axis="y", alpha=0.3)
