@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("-t,--transport", transport, "auto or host");
   bench_cmd->add_option("--seed", bench.seed, "workload seed");
   bench_cmd->add_option("--json", bench.json_path, "append results as JSON lines to this file");
+  bench_cmd->add_flag("--verify", bench.verify,
+                      "also time every workload in verify mode (checksums) and report its cost");
 
   std::vector<std::string> plot_inputs;
   std::string plot_out = "bench/plots";

@@ -78,6 +78,13 @@ class CopyService {
   void run(void* cuda_stream);
   // Waits for every run enqueued so far and reports a device-side failure, if any.
   void synchronize();
+  // Verify mode (also RESHARD_VERIFY=1 at init()): after every run(), each PE checksums the ranges
+  // it sent and received, and one all-gather compares them; a mismatch throws kIntegrity on every
+  // PE, naming the tasks. Costs the checksums and that collective (see docs/performance.md). CPU
+  // memory only in this version (schedule() refuses GPU buffers with verify on). Every PE must
+  // choose the same.
+  void set_verify(bool on);
+  bool verify() const;
   // Forgets requests and plan; the service stays initialised.
   void clear_requests();
   // Releases everything. Safe to call twice; the destructor calls it.

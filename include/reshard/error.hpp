@@ -17,6 +17,7 @@ enum class ErrorCode {
   kPeerFailure,      // a peer died or aborted
   kSystem,           // an operating-system call failed
   kUnsupported,      // the transport or build lacks what was asked for
+  kIntegrity,        // verify mode: bytes arrived different from what was sent
 };
 
 const char* error_code_name(ErrorCode code);

@@ -196,6 +196,18 @@ class CopyService:
         """Waits for every queued run and reports a device-side failure, if any."""
         self._service.synchronize()
 
+    @property
+    def verify(self) -> bool:
+        """Verify mode: after every run() each PE checksums what it sent and received and one
+        all-gather compares them; a mismatch raises ReshardError (code "integrity") on every PE,
+        naming the tasks. CPU memory only for now; every PE must set the same. Also
+        RESHARD_VERIFY=1."""
+        return self._service.verify
+
+    @verify.setter
+    def verify(self, on: bool) -> None:
+        self._service.verify = bool(on)
+
     def clear_requests(self) -> None:
         """Forgets requests and plan; the service stays initialised."""
         self._service.clear_requests()

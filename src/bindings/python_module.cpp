@@ -263,6 +263,7 @@ void bind_copy_service(nb::module_& m) {
           },
           "stream"_a = nb::none(), GilFree())
       .def("synchronize", &CopyService::synchronize, GilFree())
+      .def_prop_rw("verify", &CopyService::verify, &CopyService::set_verify)
       .def("clear_requests", &CopyService::clear_requests, GilFree())
       .def("finalize", &CopyService::finalize, GilFree());
 }

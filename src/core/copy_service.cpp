@@ -6,6 +6,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "core/checksum.hpp"
 #include "core/env.hpp"
 #include "core/execution_plan.hpp"
 #include "core/transport.hpp"
@@ -190,6 +191,7 @@ struct CopyService::Impl {
   ExecutionPlan plan;
   std::uint64_t generation = 0;
   std::shared_ptr<void> attachment;
+  bool verify = false;
 
   void require(bool ok, const char* call) const {
     if (!ok) {
@@ -203,6 +205,7 @@ struct CopyService::Impl {
   void check_request(const char* call, TaskId task, const Buffer& buffer, std::size_t pos,
                      std::size_t size, PeId peer, const char* peer_role) const;
   ExecutionPlan build_plan(const Schedule& schedule) const;
+  void verify_run();
   [[noreturn]] void fail(const Error& error);
 };
 
@@ -297,6 +300,7 @@ void CopyService::init(LogLevel log_level) {
   if (auto forced = env::transport()) kind = parse_transport_kind(*forced);
   if (kind == TransportKind::kAuto) kind = resolve_auto(*impl_->bootstrap);
   impl_->transport = make_transport(kind, *impl_->bootstrap);
+  impl_->verify = impl_->verify || env::verify();
   impl_->state = State::kInitialized;
   RESHARD_LOG(kInfo, "copy service ready: PE " << my_pe() << " of " << n_pes() << ", transport "
                                                << impl_->transport->name());
@@ -338,7 +342,18 @@ ScheduleReport CopyService::schedule() {
     std::vector<RequestClaim> my_sends, my_receives;
     for (const Registration& r : self.sends) my_sends.push_back({r.task, me, r.peer, r.size});
     for (const Registration& r : self.receives) my_receives.push_back({r.task, me, r.peer, r.size});
-    const std::vector<std::string> local_problems = find_overlapping_receives(self.receives);
+    std::vector<std::string> local_problems = find_overlapping_receives(self.receives);
+    if (self.verify) {
+      for (const auto* list : {&self.sends, &self.receives}) {
+        for (const Registration& r : *list) {
+          if (r.buffer.kind != MemoryKind::kHost) {
+            local_problems.push_back("verify mode checks CPU memory only, and task " +
+                                     std::to_string(r.task) + " is in GPU memory");
+            break;
+          }
+        }
+      }
+    }
 
     wire::Writer summary;
     summary.put_array(std::span<const RequestClaim>(my_sends));
@@ -403,6 +418,56 @@ ScheduleReport CopyService::schedule() {
   }
 }
 
+void CopyService::set_verify(bool on) { impl_->verify = on; }
+bool CopyService::verify() const { return impl_->verify; }
+
+// Collective, after a completed run: every PE checksums the ranges it sent and received and one
+// all-gather hands every PE all of them, so every PE reaches the same verdict.
+void CopyService::Impl::verify_run() {
+  struct Sum {
+    TaskId task;
+    std::uint64_t checksum;
+    std::uint64_t bytes;
+    PeId src, dst;
+  };
+  const PeId me = bootstrap->rank();
+  std::vector<Sum> sent, received;
+  for (const Registration& r : sends)
+    sent.push_back({r.task, checksum64(r.start(), r.size), r.size, me, r.peer});
+  for (const Registration& r : receives) {
+    received.push_back({r.task, checksum64(r.start(), r.size), r.size, r.peer, me});
+  }
+  wire::Writer mine;
+  mine.put_array(std::span<const Sum>(sent));
+  mine.put_array(std::span<const Sum>(received));
+  std::unordered_map<TaskId, Sum> sent_by_task;
+  std::vector<Sum> all_received;
+  for (const auto& part : bootstrap->all_gather(mine.bytes())) {
+    wire::Reader reader(part);
+    for (const Sum& s : reader.get_array<Sum>()) sent_by_task.emplace(s.task, s);
+    for (const Sum& s : reader.get_array<Sum>()) all_received.push_back(s);
+  }
+  std::vector<TaskId> bad;
+  std::ostringstream detail;
+  for (const Sum& r : all_received) {
+    const Sum& s = sent_by_task.at(r.task);  // schedule() matched every receive to a send
+    if (s.checksum == r.checksum) continue;
+    if (bad.size() < 8) {
+      detail << "\n  - task " << r.task << " (PE " << r.src << " -> PE " << r.dst << ", " << r.bytes
+             << " bytes): sent checksum " << std::hex << s.checksum << ", received " << r.checksum
+             << std::dec;
+    }
+    bad.push_back(r.task);
+  }
+  if (!bad.empty()) {
+    throw Error(ErrorCode::kIntegrity,
+                "reshard: verify: " + std::to_string(bad.size()) +
+                    " transfer(s) arrived different from what was sent:" + detail.str() +
+                    (bad.size() > 8 ? "\n  - ..." : ""),
+                bad);
+  }
+}
+
 void CopyService::run() { run(nullptr); }
 
 void CopyService::synchronize() {
@@ -425,10 +490,22 @@ void CopyService::run(void* cuda_stream) {
   self.require(self.state == State::kScheduled, "run()");
   try {
     self.transport->run(self.plan, cuda_stream);
+    if (self.verify) {
+      if (const auto corrupt = env::test_corrupt_task()) {
+        // Fault injection for the tests of verify mode: one byte of this receive flips after
+        // the transfer, as a faulty link or a stray write would.
+        for (const Registration& r : self.receives) {
+          if (r.task == *corrupt && r.size > 0) *r.start() ^= std::byte{1};
+        }
+      }
+      self.verify_run();
+    }
   } catch (const Error& error) {
     // A call the transport refuses before queuing anything (a stream it cannot work on) leaves
     // the service usable; anything else may have left peers waiting.
-    if (error.code() == ErrorCode::kUnsupported || error.code() == ErrorCode::kInvalidArgument)
+    // Verify mode's verdict is the same on every PE and leaves the protocol in step.
+    if (error.code() == ErrorCode::kUnsupported || error.code() == ErrorCode::kInvalidArgument ||
+        error.code() == ErrorCode::kIntegrity)
       throw;
     self.fail(error);
   }

@@ -54,6 +54,14 @@ std::uint64_t nvshmem_staging_bytes() {
   return value ? parse_bytes(*value) : (512ull << 20);
 }
 
+bool verify() { return get_int("RESHARD_VERIFY", 0) != 0; }
+
+std::optional<std::uint64_t> test_corrupt_task() {
+  auto value = get("RESHARD_TEST_CORRUPT_TASK");
+  if (!value) return std::nullopt;
+  return std::stoull(*value);
+}
+
 bool nvshmem_direct() { return get_int("RESHARD_NVSHMEM_DIRECT", 1) != 0; }
 
 std::optional<std::uint64_t> chunk_bytes() {

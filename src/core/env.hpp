@@ -46,6 +46,11 @@ std::uint64_t nvshmem_staging_bytes();
 // RESHARD_NVSHMEM_DIRECT=0: the NVSHMEM transport puts through its outbox even to peers it could
 // write directly (over NVLink), which is the path a peer on another node takes.
 bool nvshmem_direct();
+// RESHARD_VERIFY=1: verify mode for every copy service (see CopyService::set_verify).
+bool verify();
+// RESHARD_TEST_CORRUPT_TASK=<task id>: tests of verify mode flip a byte of that task's receive
+// after each run, before the check.
+std::optional<std::uint64_t> test_corrupt_task();
 // RESHARD_PHASE_TIMING=1: execute_reshard_plan waits for each phase (prepare, transfer,
 // finalize) and reports its time; the waits slow the refit, so this is for diagnosis.
 bool phase_timing();

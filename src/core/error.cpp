@@ -21,6 +21,8 @@ const char* error_code_name(ErrorCode code) {
       return "system";
     case ErrorCode::kUnsupported:
       return "unsupported";
+    case ErrorCode::kIntegrity:
+      return "integrity";
   }
   return "unknown";
 }

@@ -2,6 +2,8 @@
 // collective: all PEs run the same tests in the same order.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 
@@ -86,6 +88,69 @@ TEST(CopyService, ManySchedulesOfRandomWorkloadsOnOneService) {
     EXPECT_EQ(run_and_verify(*service, w, b, static_cast<std::uint32_t>(seed)), 0u) << seed;
     service->clear_requests();
   }
+}
+
+// Verify mode: clean runs pass; a byte flipped after a transfer is reported on every PE with the
+// task that carried it, and the service stays usable.
+TEST(VerifyMode, CleanRunsPassAndCorruptionIsNamedOnEveryPe) {
+  auto service = make_service();
+  service->set_verify(true);
+  const auto w = bench::make_workload("random", service->n_pes(), 4099, 5);
+  Buffers b = register_workload(*service, w);
+  service->schedule();
+  for (std::uint32_t iteration = 1; iteration <= 2; ++iteration)
+    EXPECT_EQ(run_and_verify(*service, w, b, iteration), 0u);
+  // The last request with bytes in it; every PE picks the same.
+  TaskId victim = 0;
+  for (const bench::WorkItem& item : w.items)
+    if (item.bytes > 0) victim = item.task;
+  ::setenv("RESHARD_TEST_CORRUPT_TASK", std::to_string(victim).c_str(), 1);
+  std::string message;
+  std::vector<std::uint64_t> tasks;
+  try {
+    run_and_verify(*service, w, b, 3);
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIntegrity);
+    message = error.what();
+    tasks = error.tasks();
+  }
+  ::unsetenv("RESHARD_TEST_CORRUPT_TASK");
+  EXPECT_NE(message.find("task " + std::to_string(victim) + " "), std::string::npos) << message;
+  EXPECT_EQ(tasks, std::vector<std::uint64_t>{victim});
+  EXPECT_EQ(run_and_verify(*service, w, b, 4), 0u);  // still usable, and clean again
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Stress: random schedules (kinds, sizes, seeds), each run several times and checked byte for
+// byte, half of them in verify mode, for RESHARD_STRESS_SECONDS (default 10) per PE count.
+TEST(Stress, RandomSchedulesWithRepeatedRunsStayExact) {
+  const char* seconds_text = std::getenv("RESHARD_STRESS_SECONDS");
+  const double budget = seconds_text ? std::atof(seconds_text) : 10.0;
+  auto service = make_service();
+  const auto start = std::chrono::steady_clock::now();
+  const char* kinds[] = {"uniform", "random", "small", "refit"};
+  std::uint64_t schedules = 0, runs = 0;
+  for (std::uint64_t seed = 1000;; ++seed) {
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Every PE stops at the same schedule, on time or at the first failure anywhere.
+    if (!all_pes(elapsed < budget && !HasFailure())) break;
+    const std::uint64_t size = 1 + (seed * 2654435761u) % (1u << (seed % 18));
+    const auto w = bench::make_workload(kinds[seed % 4], service->n_pes(), size, seed);
+    service->set_verify(seed % 2 == 0);
+    Buffers b = register_workload(*service, w);
+    service->schedule();
+    ++schedules;
+    for (std::uint32_t iteration = 0; iteration < 1 + seed % 3; ++iteration, ++runs) {
+      EXPECT_EQ(run_and_verify(*service, w, b, iteration), 0u)
+          << kinds[seed % 4] << " size " << size << " seed " << seed << " run " << iteration;
+    }
+    service->clear_requests();
+  }
+  if (service->my_pe() == 0)
+    std::printf("stress: %llu schedules, %llu runs\n", static_cast<unsigned long long>(schedules),
+                static_cast<unsigned long long>(runs));
+  EXPECT_GT(schedules, 0u);
 }
 
 TEST(CopyService, ReportsProperties) {

@@ -76,6 +76,24 @@ def test_single_pe_copies_bytes_in_place(service):
         assert not dst[50:].any()
 
 
+def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service, monkeypatch):
+    service.verify = True
+    assert service.verify
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    service.register_send(7, src, 0, 32, 0)
+    service.register_receive(7, dst, 32, 32, 0)
+    service.schedule()
+    service.run()
+    np.testing.assert_array_equal(dst[32:], src[:32])
+    monkeypatch.setenv("RESHARD_TEST_CORRUPT_TASK", "7")
+    with pytest.raises(reshard.ReshardError, match="task 7 ") as error:
+        service.run()
+    assert error.value.code == "integrity"
+    monkeypatch.delenv("RESHARD_TEST_CORRUPT_TASK")
+    service.run()  # the service stays usable
+
+
 def test_read_only_source_is_accepted(service):
     src = np.arange(8, dtype=np.uint8)
     src.setflags(write=False)

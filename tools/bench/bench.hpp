@@ -40,6 +40,7 @@ struct CopyBenchOptions {
   std::uint64_t seed = 1;
   TransportKind transport = TransportKind::kAuto;
   std::string json_path;  // JSON lines appended here when set (rank 0)
+  bool verify = false;    // also time every workload in verify mode and report its cost
 };
 
 // Runs on every PE; rank 0 prints the table. Returns the number of wrong bytes found anywhere.

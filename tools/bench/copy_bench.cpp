@@ -36,6 +36,7 @@ struct Row {
   std::uint64_t bound_bytes = 0;
   double seconds_per_run = 0;
   double memcpy_seconds = 0;
+  double verify_seconds_per_run = 0;
   double bound_ratio = 0;
   std::uint32_t rounds = 0;
   std::uint64_t wrong_bytes = 0;
@@ -105,6 +106,18 @@ Row bench_workload(Bootstrap& bootstrap, CopyService& service, const Workload& w
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   row.seconds_per_run = max_over_pes(bootstrap, elapsed) / options.iterations;
   wrong += verified_run(2);
+  if (options.verify) {
+    // The same runs in verify mode: checksums on both sides and one all-gather per run.
+    service.set_verify(true);
+    bootstrap.barrier();
+    const auto verify_start = Clock::now();
+    for (int i = 0; i < options.iterations; ++i) service.run();
+    bootstrap.barrier();
+    const double verify_elapsed =
+        std::chrono::duration<double>(Clock::now() - verify_start).count();
+    row.verify_seconds_per_run = max_over_pes(bootstrap, verify_elapsed) / options.iterations;
+    service.set_verify(false);
+  }
 
   // The host ceiling: every PE copies the bound's bytes with one memcpy, all at once.
   const std::size_t copy_bytes = std::max<std::uint64_t>(report.lower_bound_bytes, 1);
@@ -131,22 +144,29 @@ void print_table(const std::vector<Row>& rows, const CopyBenchOptions& options,
   std::printf("\nreshard bench: transport %s, %d PEs, size %s, %d timed runs after %d warm-up\n",
               transport, rows.empty() ? 0 : rows.front().pes, format_bytes(options.size).c_str(),
               options.iterations, options.warmup);
-  std::printf("%-8s %9s %11s %11s %10s %10s %9s %8s %7s %s\n", "workload", "requests", "bytes/PE",
-              "time/run", "GB/s/PE", "memcpy", "vs copy", "sched", "rounds", "verified");
+  std::printf("%-8s %9s %11s %11s %10s %10s %9s %8s %7s %s%s\n", "workload", "requests", "bytes/PE",
+              "time/run", "GB/s/PE", "memcpy", "vs copy", "sched", "rounds",
+              options.verify ? "verify-mode " : "", "verified");
   for (const Row& r : rows) {
     const double achieved = gbps(r.bound_bytes, r.seconds_per_run);
     const double ceiling = gbps(r.bound_bytes, r.memcpy_seconds);
+    char verify_cell[32] = "";
+    if (options.verify) {
+      std::snprintf(verify_cell, sizeof verify_cell, "%9.2fx  ",
+                    r.seconds_per_run > 0 ? r.verify_seconds_per_run / r.seconds_per_run : 0.0);
+    }
     std::printf(
-        "%-8s %9llu %11s %9.1f us %10.2f %10.2f %8.2fx %7.3fx %7u %s\n", r.workload.c_str(),
+        "%-8s %9llu %11s %9.1f us %10.2f %10.2f %8.2fx %7.3fx %7u %s%s\n", r.workload.c_str(),
         static_cast<unsigned long long>(r.requests), format_bytes(r.bound_bytes).c_str(),
         r.seconds_per_run * 1e6, achieved, ceiling, ceiling > 0 ? achieved / ceiling : 0.0,
-        r.bound_ratio, r.rounds,
+        r.bound_ratio, r.rounds, verify_cell,
         r.wrong_bytes == 0 ? "yes" : (std::to_string(r.wrong_bytes) + " WRONG BYTES").c_str());
   }
   std::printf(
       "bytes/PE: the lower bound, max over PEs of bytes sent or received; GB/s/PE: that over "
       "time/run;\nmemcpy: one memcpy of the same bytes on every PE at once, measured in this run; "
-      "sched: simulated makespan / lower bound.\n");
+      "sched: simulated makespan / lower bound%s.\n",
+      options.verify ? "; verify-mode: time/run with checksums on, over time/run without" : "");
 }
 
 void append_json(const std::string& path, const std::vector<Row>& rows,
@@ -162,7 +182,9 @@ void append_json(const std::string& path, const std::vector<Row>& rows,
         << ",\"requests\":" << r.requests << ",\"bound_bytes\":" << r.bound_bytes
         << ",\"seconds_per_run\":" << r.seconds_per_run
         << ",\"memcpy_seconds\":" << r.memcpy_seconds << ",\"sched_ratio\":" << r.bound_ratio
-        << ",\"rounds\":" << r.rounds << ",\"wrong_bytes\":" << r.wrong_bytes << "}\n";
+        << ",\"rounds\":" << r.rounds << ",\"wrong_bytes\":" << r.wrong_bytes;
+    if (options.verify) out << ",\"verify_seconds_per_run\":" << r.verify_seconds_per_run;
+    out << "}\n";
   }
 }
 
