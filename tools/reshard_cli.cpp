@@ -99,6 +99,25 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--experts", plan.experts, "experts per layer")->check(CLI::Range(1, 4096));
   plan_cmd->add_option("--repeats", plan.repeats, "timed repetitions")->check(CLI::Range(1, 100));
 
+  reshard::bench::ScaleBenchOptions scale;
+  auto* scale_cmd = app.add_subcommand(
+      "bench-scale",
+      "Plan a 1T-parameter MoE refit for thousands of GPUs and estimate its time on HGX and NVL72 "
+      "clusters");
+  scale_cmd->add_option("--gpus", scale.total_gpus, "total GPUs per case (half train, half serve)")
+      ->delimiter(',')
+      ->check(CLI::Range(256, 1 << 20));
+  scale_cmd
+      ->add_option("--domains", scale.domains, "NVLink domain sizes: 8 (HGX) and/or 72 (NVL72)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({8, 72}));
+  scale_cmd->add_option("--wire", scale.wire, "bf16 or mxfp8")
+      ->check(CLI::IsMember({"bf16", "mxfp8"}));
+  scale_cmd->add_option("--layers", scale.layers, "transformer layers")->check(CLI::Range(1, 1000));
+  scale_cmd->add_option("--experts", scale.experts, "experts per layer")
+      ->check(CLI::Range(1, 4096));
+  scale_cmd->add_flag("!--no-kimi", scale.kimi, "leave out the Kimi-K2 256 -> 128 reference case");
+
   reshard::bench::GpuBenchOptions gpu;
   std::vector<std::string> gpu_sizes = {"4KiB", "16KiB", "64KiB", "256KiB", "1MiB",
                                         "4MiB", "16MiB", "64MiB", "256MiB"};
@@ -137,6 +156,10 @@ int main(int argc, char** argv) {
     }
     if (*plan_cmd) {
       reshard::bench::run_plan_bench(plan);
+      return 0;
+    }
+    if (*scale_cmd) {
+      reshard::bench::run_scale_bench(scale);
       return 0;
     }
     if (*sched_cmd) {

@@ -8,6 +8,7 @@
 #include "reshard/log.hpp"
 #include "reshard/model_layouts.hpp"
 #include "reshard/plan.hpp"
+#include "reshard/refit_model.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/scheduler.hpp"
 #include "reshard/transform.hpp"

@@ -104,4 +104,17 @@ struct PlanBenchOptions {
 // Times make_reshard_plan on a 1-trillion-parameter MoE layout change; returns the best seconds.
 double run_plan_bench(const PlanBenchOptions& options);
 
+struct ScaleBenchOptions {
+  std::vector<int> total_gpus = {1024, 2048, 4096};  // trainer and engine get half each
+  int layers = 61;
+  int experts = 384;
+  std::string wire = "bf16";           // or "mxfp8"
+  std::vector<int> domains = {8, 72};  // NVLink domain sizes to model (8: HGX, 72: NVL72)
+  bool kimi = true;  // also the published reference case: Kimi-K2, 256 -> 128 GPUs
+};
+
+// Plans a 1-trillion-parameter MoE refit at scale and estimates its time on HGX H200 (NVLink
+// domain 8, 8 x 400 Gb/s per node) and GB200 NVL72 (domain 72) clusters; prints a table.
+void run_scale_bench(const ScaleBenchOptions& options);
+
 }  // namespace reshard::bench
