@@ -129,6 +129,13 @@ int main(int argc, char** argv) {
       ->add_option("-e,--engines", gpu.engines, "sm, ce, auto (CUDA transport), nvshmem and nccl")
       ->delimiter(',')
       ->check(CLI::IsMember({"sm", "ce", "auto", "nvshmem", "nccl"}));
+  std::vector<std::string> gpu_workloads = reshard::bench::workload_kinds();
+  gpu_workloads.push_back("all-to-all");
+  gpu_cmd
+      ->add_option("-w,--workloads", gpu.workloads,
+                   "all-to-all (size sweep) and/or random, small, uniform, refit (at each size)")
+      ->delimiter(',')
+      ->check(CLI::IsMember(gpu_workloads));
   gpu_cmd->add_option("-n,--np", nprocs, "processes (one per GPU) when not under a launcher");
   gpu_cmd->add_option("--repeats", gpu.repeats, "timed repeats (median reported)")
       ->check(CLI::Range(1, 1000));

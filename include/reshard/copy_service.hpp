@@ -20,8 +20,12 @@ enum class TransportKind { kAuto, kHost, kCuda, kNccl, kNvshmem };
 TransportKind parse_transport_kind(
     const std::string& name);  // "auto", "host", "cuda", "nccl", "nvshmem"
 const char* transport_kind_name(TransportKind kind);
-// The transports compiled into this build, by name ("host" always; "cuda", "nccl" when built).
+// The transports compiled into this build, by name ("host" always; "cuda", "nccl", "nvshmem" when
+// built).
 std::vector<std::string> available_transports();
+// What this build runs on, as found at run time: "reshard 0.1.0, CUDA runtime 13000, driver 13000,
+// NCCL 22809, NVSHMEM 3.4.5" (components not built in are left out). Benchmarks record it.
+std::string component_versions();
 
 // What schedule() reports about the plan it built.
 struct ScheduleReport {

@@ -200,6 +200,9 @@ void bind_bootstrap(nb::module_& m) {
 
 void bind_copy_service(nb::module_& m) {
   m.def("available_transports", &available_transports);
+  m.def("component_versions", &component_versions,
+        "What this build runs on, found at run time: reshard, CUDA runtime and driver, NCCL, "
+        "NVSHMEM (those built in).");
   nb::class_<ScheduleReport>(m, "ScheduleReport")
       .def_ro("transfers", &ScheduleReport::transfers)
       .def_ro("batches", &ScheduleReport::batches)

@@ -84,6 +84,20 @@ std::vector<std::string> available_transports() {
   return names;
 }
 
+std::string component_versions() {
+  std::string text = "reshard " RESHARD_VERSION;
+#ifdef RESHARD_WITH_CUDA
+  text += cuda_versions();
+#endif
+#ifdef RESHARD_WITH_NCCL
+  text += nccl_version();
+#endif
+#ifdef RESHARD_WITH_NVSHMEM
+  text += nvshmem_version();
+#endif
+  return text;
+}
+
 namespace {
 
 // "host, cuda, nccl": the transports of this build, for error messages.

@@ -46,6 +46,11 @@ std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap);
 std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap);
 // Defined only in builds with NVSHMEM (RESHARD_WITH_NVSHMEM).
 std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap);
+// ", CUDA runtime R, driver D" / ", NCCL V" / ", NVSHMEM V" for component_versions(); defined
+// with their transports.
+std::string cuda_versions();
+std::string nccl_version();
+std::string nvshmem_version();
 // Number of CUDA devices this process sees (0 without CUDA or without a GPU).
 int visible_cuda_devices() noexcept;
 

@@ -51,6 +51,13 @@ def assert_ok(result):
 
 # ---- one process ----
 
+def test_component_versions_name_this_build():
+    versions = reshard.component_versions()
+    assert versions.startswith("reshard " + reshard.__version__)
+    for transport, component in (("nccl", "NCCL "), ("nvshmem", "NVSHMEM ")):
+        assert (component in versions) == (transport in reshard.available_transports())
+
+
 def test_host_transport_is_always_available():
     assert "host" in reshard.available_transports()
 

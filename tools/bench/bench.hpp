@@ -49,6 +49,9 @@ std::uint64_t run_copy_bench(std::shared_ptr<Bootstrap> bootstrap, const CopyBen
 struct GpuBenchOptions {
   std::vector<std::uint64_t> sizes;  // per-peer bytes
   std::vector<std::string> engines = {"sm", "ce", "auto", "nvshmem", "nccl"};
+  // "all-to-all" (the size sweep) and any of workload_kinds(): random sparse pairs, many small
+  // requests, a refit-shaped pattern (each at every size, as their scale).
+  std::vector<std::string> workloads = {"all-to-all"};
   int warmup = 5;
   int repeats = 5;
   int max_iterations = 200;

@@ -177,10 +177,10 @@ void append_json(const std::string& path, const std::vector<Row>& rows,
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   for (const Row& r : rows) {
-    out << "{\"date\":\"" << date << "\",\"transport\":\"" << transport << "\",\"workload\":\""
-        << r.workload << "\",\"pes\":" << r.pes << ",\"size\":" << options.size
-        << ",\"requests\":" << r.requests << ",\"bound_bytes\":" << r.bound_bytes
-        << ",\"seconds_per_run\":" << r.seconds_per_run
+    out << "{\"date\":\"" << date << "\",\"versions\":\"" << component_versions()
+        << "\",\"transport\":\"" << transport << "\",\"workload\":\"" << r.workload
+        << "\",\"pes\":" << r.pes << ",\"size\":" << options.size << ",\"requests\":" << r.requests
+        << ",\"bound_bytes\":" << r.bound_bytes << ",\"seconds_per_run\":" << r.seconds_per_run
         << ",\"memcpy_seconds\":" << r.memcpy_seconds << ",\"sched_ratio\":" << r.bound_ratio
         << ",\"rounds\":" << r.rounds << ",\"wrong_bytes\":" << r.wrong_bytes;
     if (options.verify) out << ",\"verify_seconds_per_run\":" << r.verify_seconds_per_run;

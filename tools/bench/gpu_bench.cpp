@@ -144,6 +144,46 @@ Timing time_all_to_all(std::shared_ptr<Bootstrap> bootstrap, CopyService& servic
   return t;
 }
 
+// One of bench::make_workload's patterns at `size`: the busiest PE's bytes (the schedule's lower
+// bound) over the time per run, every byte verified after the timed runs.
+Timing time_workload(std::shared_ptr<Bootstrap> bootstrap, CopyService& service,
+                     const Workload& workload, const GpuBenchOptions& options, cudaStream_t stream,
+                     std::uint64_t* bound_bytes) {
+  service.clear_requests();
+  const PeId me = service.my_pe();
+  const int device = service.device();
+  DeviceMemory send(workload.send_buffer_bytes[me]), recv(workload.recv_buffer_bytes[me]);
+  const Buffer src = Buffer::cuda(send.data, workload.send_buffer_bytes[me], device);
+  const Buffer dst = Buffer::cuda(recv.data, workload.recv_buffer_bytes[me], device);
+  for (const WorkItem& item : workload.items) {
+    if (item.src == me)
+      service.register_send(item.task, src, item.src_offset, item.bytes, item.dst);
+    if (item.dst == me)
+      service.register_receive(item.task, dst, item.dst_offset, item.bytes, item.src);
+  }
+  std::vector<std::byte> host_send(workload.send_buffer_bytes[me]);
+  std::vector<std::byte> host_recv(workload.recv_buffer_bytes[me]);
+  prepare_buffers(workload, me, 1, host_send, host_recv);
+  BENCH_CUDA(cudaMemcpy(send.data, host_send.data(), host_send.size(), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(recv.data, host_recv.data(), host_recv.size(), cudaMemcpyHostToDevice));
+  *bound_bytes = service.schedule().lower_bound_bytes;
+  const int iterations = static_cast<int>(std::clamp<std::uint64_t>(
+      (4ull << 30) / std::max<std::uint64_t>(*bound_bytes, 1), 10, options.max_iterations));
+  warm_up(*bootstrap, stream, options.warmup, [&] { service.run(stream); });
+  double host_us = 0;
+  Timing t = summarize(
+      time_repeats(*bootstrap, stream, options.repeats, iterations, &host_us, [&](int count) {
+        for (int i = 0; i < count; ++i) service.run(stream);
+      }));
+  t.host_us = host_us;
+  service.synchronize();
+  BENCH_CUDA(cudaMemcpy(host_recv.data(), recv.data, host_recv.size(), cudaMemcpyDeviceToHost));
+  const std::uint64_t wrong = verify_receive_buffer(workload, me, 1, host_recv);
+  for (std::uint64_t w : gather_from_pes(*bootstrap, wrong)) t.wrong += w;
+  service.clear_requests();
+  return t;
+}
+
 // The copy-engine ceiling: PE 0 copies `size` bytes into PE 1's memory with one cudaMemcpyAsync,
 // nobody else moving data.
 Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
@@ -211,7 +251,9 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
     std::printf(" | %-10s | best/nccl | best/ceil | host us/run\n", "CE 1-peer");
   }
   std::uint64_t wrong_total = 0;
-  for (std::uint64_t size : options.sizes) {
+  const bool sweep = std::find(options.workloads.begin(), options.workloads.end(), "all-to-all") !=
+                     options.workloads.end();
+  for (std::uint64_t size : sweep ? options.sizes : std::vector<std::uint64_t>{}) {
     const std::uint64_t egress = size * (n - 1);
     const int iterations = static_cast<int>(std::clamp<std::uint64_t>(
         (4ull << 30) / std::max<std::uint64_t>(egress, 1), 10, options.max_iterations));
@@ -237,11 +279,11 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
       }
       wrong_total += timings[e].wrong;
       if (json.is_open()) {
-        json << "{\"bench\":\"all_to_all\",\"date\":\"" << utc_date() << "\",\"device\":\""
-             << prop.name << "\",\"gpus\":" << n << ",\"engine\":\"" << chosen.engines[e]
-             << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
-             << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
-             << ",\"host_us_per_run\":" << timings[e].host_us
+        json << "{\"bench\":\"all_to_all\",\"date\":\"" << utc_date() << "\",\"versions\":\""
+             << component_versions() << "\",\"device\":\"" << prop.name << "\",\"gpus\":" << n
+             << ",\"engine\":\"" << chosen.engines[e] << "\",\"per_peer_bytes\":" << size
+             << ",\"seconds\":" << timings[e].seconds << ",\"gbps_per_gpu\":" << rate
+             << ",\"spread\":" << timings[e].spread << ",\"host_us_per_run\":" << timings[e].host_us
              << ",\"wrong_bytes\":" << timings[e].wrong << ",\"commit\":\"" << options.commit
              << "\"}\n";
       }
@@ -257,6 +299,52 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
            << options.commit << "\"}\n";
     }
     std::fflush(stdout);
+  }
+  // The other patterns: the busiest PE's rate (the schedule's lower bound over the time).
+  for (const std::string& kind : options.workloads) {
+    if (kind == "all-to-all") continue;
+    if (me == 0) {
+      std::printf("\n%s: busiest-PE GB/s (us per run), median of %d repeats\n%-9s", kind.c_str(),
+                  options.repeats, "size");
+      for (const std::string& e : chosen.engines) std::printf(" | %-17s", e.c_str());
+      std::printf(" | best/nccl\n");
+    }
+    for (std::uint64_t size : options.sizes) {
+      const Workload workload = make_workload(kind, n, size, 1);
+      std::vector<Timing> timings;
+      std::uint64_t bound = 0;
+      for (auto& service : services) {
+        timings.push_back(time_workload(bootstrap, *service, workload, options, stream, &bound));
+      }
+      if (me != 0) continue;
+      std::printf("%-9s", format_bytes(size).c_str());
+      double best = 0, nccl = 0;
+      for (std::size_t e = 0; e < timings.size(); ++e) {
+        const double rate = bound / timings[e].seconds / 1e9;
+        char cell[64];
+        std::snprintf(cell, sizeof cell, "%.1f (%.1f)%s", rate, timings[e].seconds * 1e6,
+                      timings[e].wrong ? " WRONG" : "");
+        std::printf(" | %-17s", cell);
+        if (chosen.engines[e] == "nccl") {
+          nccl = rate;
+        } else {
+          best = std::max(best, rate);
+        }
+        wrong_total += timings[e].wrong;
+        if (json.is_open()) {
+          json << "{\"bench\":\"workload\",\"date\":\"" << utc_date() << "\",\"versions\":\""
+               << component_versions() << "\",\"device\":\"" << prop.name << "\",\"gpus\":" << n
+               << ",\"workload\":\"" << kind << "\",\"engine\":\"" << chosen.engines[e]
+               << "\",\"size\":" << size << ",\"bound_bytes\":" << bound
+               << ",\"seconds\":" << timings[e].seconds << ",\"busiest_pe_gbps\":" << rate
+               << ",\"spread\":" << timings[e].spread << ",\"wrong_bytes\":" << timings[e].wrong
+               << ",\"commit\":\"" << options.commit << "\"}\n";
+        }
+      }
+      std::printf(" | %s\n",
+                  nccl > 0 ? (std::to_string(best / nccl).substr(0, 4) + "x").c_str() : "-");
+      std::fflush(stdout);
+    }
   }
   cudaStreamDestroy(stream);
   return wrong_total;

@@ -308,8 +308,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     }
     if (!options.json_path.empty()) {
       std::ofstream json(options.json_path, std::ios::app);
-      json << "{\"bench\":\"refit\",\"date\":\"" << utc_date() << "\",\"device\":\""
-           << device_name() << "\",\"commit\":\"" << options.commit << "\",\"engine\":\""
+      json << "{\"bench\":\"refit\",\"date\":\"" << utc_date() << "\",\"versions\":\""
+           << component_versions() << "\",\"device\":\"" << device_name() << "\",\"commit\":\""
+           << options.commit << "\",\"engine\":\""
            << (service.transport_name() == "cuda" ? env::cuda_engine() : "") << "\",\"model\":\""
            << model.name << "\",\"layers\":" << model.layers << ",\"src\":\"" << from.str()
            << "\",\"dst\":\"" << to.str() << "\",\"pes\":" << n << ",\"transport\":\""

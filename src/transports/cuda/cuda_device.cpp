@@ -15,6 +15,13 @@
 
 namespace reshard {
 
+std::string cuda_versions() {
+  int runtime = 0, driver = 0;
+  cudaRuntimeGetVersion(&runtime);
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) cudaGetLastError();
+  return ", CUDA runtime " + std::to_string(runtime) + ", driver " + std::to_string(driver);
+}
+
 int visible_cuda_devices() noexcept {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {

@@ -186,6 +186,12 @@ void NcclTransport::finalize() noexcept {
 
 }  // namespace
 
+std::string nccl_version() {
+  int version = 0;
+  ncclGetVersion(&version);
+  return ", NCCL " + std::to_string(version);
+}
+
 std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap) {
   return std::make_unique<NcclTransport>(bootstrap);
 }

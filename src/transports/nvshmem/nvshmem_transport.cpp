@@ -555,6 +555,14 @@ void NvshmemTransport::finalize() noexcept {
 
 }  // namespace
 
+std::string nvshmem_version() {
+  // The library's own version needs NVSHMEM running; the headers it was built against must match
+  // it (the build checks 3.4.5).
+  return ", NVSHMEM " + std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." +
+         std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
+         std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);
+}
+
 std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap) {
   return std::make_unique<NvshmemTransport>(bootstrap);
 }
