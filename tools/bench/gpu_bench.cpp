@@ -104,6 +104,21 @@ Timing summarize(std::vector<double> per_repeat) {
   return t;
 }
 
+// Warms up, then times `iterations` back-to-back run(stream) calls per repeat on a scheduled
+// service; returns with every run finished.
+Timing time_scheduled_runs(Bootstrap& bootstrap, CopyService& service,
+                           const GpuBenchOptions& options, cudaStream_t stream, int iterations) {
+  warm_up(bootstrap, stream, options.warmup, [&] { service.run(stream); });
+  double host_us = 0;
+  Timing t = summarize(
+      time_repeats(bootstrap, stream, options.repeats, iterations, &host_us, [&](int count) {
+        for (int i = 0; i < count; ++i) service.run(stream);
+      }));
+  t.host_us = host_us;
+  service.synchronize();
+  return t;
+}
+
 // All-to-all: every PE sends `size` bytes to every other PE. Source range for peer j at j*size,
 // destination range from peer i at i*size.
 Timing time_all_to_all(std::shared_ptr<Bootstrap> bootstrap, CopyService& service,
@@ -124,14 +139,7 @@ Timing time_all_to_all(std::shared_ptr<Bootstrap> bootstrap, CopyService& servic
   BENCH_CUDA(cudaMemcpy(send.data, host.data(), host.size(), cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemset(recv.data, 0, size * n));
   service.schedule();
-  warm_up(*bootstrap, stream, options.warmup, [&] { service.run(stream); });
-  double host_us = 0;
-  Timing t = summarize(
-      time_repeats(*bootstrap, stream, options.repeats, iterations, &host_us, [&](int count) {
-        for (int i = 0; i < count; ++i) service.run(stream);
-      }));
-  t.host_us = host_us;
-  service.synchronize();
+  Timing t = time_scheduled_runs(*bootstrap, service, options, stream, iterations);
   BENCH_CUDA(cudaMemcpy(host.data(), recv.data, host.size(), cudaMemcpyDeviceToHost));
   std::uint64_t wrong = 0;
   for (int peer = 0; peer < n; ++peer) {
@@ -169,14 +177,7 @@ Timing time_workload(std::shared_ptr<Bootstrap> bootstrap, CopyService& service,
   *bound_bytes = service.schedule().lower_bound_bytes;
   const int iterations = static_cast<int>(std::clamp<std::uint64_t>(
       (4ull << 30) / std::max<std::uint64_t>(*bound_bytes, 1), 10, options.max_iterations));
-  warm_up(*bootstrap, stream, options.warmup, [&] { service.run(stream); });
-  double host_us = 0;
-  Timing t = summarize(
-      time_repeats(*bootstrap, stream, options.repeats, iterations, &host_us, [&](int count) {
-        for (int i = 0; i < count; ++i) service.run(stream);
-      }));
-  t.host_us = host_us;
-  service.synchronize();
+  Timing t = time_scheduled_runs(*bootstrap, service, options, stream, iterations);
   BENCH_CUDA(cudaMemcpy(host_recv.data(), recv.data, host_recv.size(), cudaMemcpyDeviceToHost));
   const std::uint64_t wrong = verify_receive_buffer(workload, me, 1, host_recv);
   for (std::uint64_t w : gather_from_pes(*bootstrap, wrong)) t.wrong += w;
