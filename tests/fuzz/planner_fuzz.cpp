@@ -11,8 +11,11 @@
 
 #include "reshard/error.hpp"
 #include "reshard/plan.hpp"
+#include "support/boxes.hpp"
 
 using namespace reshard;
+using testing_support::for_each_position;
+using testing_support::linear;
 
 namespace {
 
@@ -29,28 +32,6 @@ Box random_block(FuzzedDataProvider& in, const std::vector<std::int64_t>& shape)
     box.extent[d] = in.ConsumeIntegralInRange<std::int64_t>(1, shape[d] - box.offset[d]);
   }
   return box;
-}
-
-// Row-major index of global position `at` in `shape`.
-std::int64_t linear(const Extents& at, const std::vector<std::int64_t>& shape) {
-  std::int64_t index = 0;
-  for (std::size_t d = 0; d < shape.size(); ++d) index = index * shape[d] + at[d];
-  return index;
-}
-
-template <typename Visit>
-void for_each_position(const Box& box, Visit&& visit) {
-  if (box.empty()) return;
-  Extents at = box.offset;
-  while (true) {
-    visit(at);
-    int d = box.ndim - 1;
-    for (; d >= 0; --d) {
-      if (++at[d] < box.offset[d] + box.extent[d]) break;
-      at[d] = box.offset[d];
-    }
-    if (d < 0) return;
-  }
 }
 
 }  // namespace
