@@ -46,6 +46,9 @@ std::uint64_t nvshmem_staging_bytes();
 // RESHARD_NVSHMEM_DIRECT=0: the NVSHMEM transport puts through its outbox even to peers it could
 // write directly (over NVLink), which is the path a peer on another node takes.
 bool nvshmem_direct();
+// RESHARD_NVSHMEM_TRACE=1: the NVSHMEM transport times every step of a run (diagnosis; it
+// serialises the run) and logs the means at finalize.
+bool nvshmem_trace();
 // RESHARD_VERIFY=1: verify mode for every copy service (see CopyService::set_verify).
 bool verify();
 // RESHARD_TEST_CORRUPT_TASK=<task id>: tests of verify mode flip a byte of that task's receive

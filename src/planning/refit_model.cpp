@@ -46,14 +46,15 @@ RefitEstimate estimate_refit(const ReshardPlan& plan, const ClusterShape& cluste
   const double nvlink_rate = cluster.nvlink_gbps * 1e9;
   const double network_rate = cluster.network_gbps_per_gpu() * 1e9;
   std::vector<LinkBytes> total(estimate.ranks, LinkBytes{});
+  // Adds a transfer to both ends' link bytes; true when it stays on NVLink.
   auto add = [&](std::vector<LinkBytes>& links, PeId src, PeId dst, double bytes) {
     const bool nvlink = cluster.domain_of(src) == cluster.domain_of(dst);
     links[src][nvlink ? 0 : 2] += bytes;
     links[dst][nvlink ? 1 : 3] += bytes;
+    return nvlink;
   };
   for (const Transfer& t : transfers) {
-    add(total, t.src, t.dst, static_cast<double>(t.bytes));
-    const bool nvlink = cluster.domain_of(t.src) == cluster.domain_of(t.dst);
+    const bool nvlink = add(total, t.src, t.dst, static_cast<double>(t.bytes));
     (nvlink ? estimate.nvlink_bytes : estimate.network_bytes) += t.bytes;
   }
   auto link_time = [&](const LinkBytes& b) {

@@ -146,15 +146,6 @@ void initialize(Runtime& rt, Bootstrap& bootstrap, int device) {
                     " bytes of staging failed (RESHARD_NVSHMEM_STAGING_BYTES sets the budget, "
                     "NVSHMEM_SYMMETRIC_SIZE the heap)");
   }
-  {
-    cudaPointerAttributes attributes{};
-    if (cudaPointerGetAttributes(&attributes, rt.heap) == cudaSuccess) {
-      RESHARD_LOG(kInfo, "nvshmem staging heap: " << rt.heap_bytes() << " bytes, memory type "
-                                                  << attributes.type << " on device "
-                                                  << attributes.device);
-    }
-    cudaGetLastError();
-  }
   rt.sent.assign(n, 0);
   rt.received.assign(n, 0);
   rt.last_put.assign(n, {});
@@ -239,7 +230,7 @@ class NvshmemTransport final : public Transport {
   bool direct_ = env::nvshmem_direct();
   // RESHARD_NVSHMEM_TRACE=1 (diagnosis): waits after every step of a run and adds its time to
   // trace_[step], printed at finalize. The waits serialise everything.
-  bool trace_ = env::get_int("RESHARD_NVSHMEM_TRACE", 0) != 0;
+  bool trace_ = env::nvshmem_trace();
   std::array<double, 6> trace_seconds_{};
   std::array<std::uint64_t, 6> trace_count_{};
   template <typename Step>
@@ -484,13 +475,12 @@ void NvshmemTransport::synchronize() {
   if (!run_pending_) return;
   int dead = -1;
   const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead);
+  run_pending_ = false;
   if (!problem.empty()) {
-    run_pending_ = false;
     abort(problem);
     throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
                 "run() on PE " + std::to_string(me_) + ": " + problem);
   }
-  run_pending_ = false;
   if (status_ != nullptr && status_->code != 0) {
     // A device-side wait ran out (or was cancelled): the peer it waited for is named.
     const std::string problem =
@@ -510,8 +500,10 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
   std::lock_guard lock(rt_.mutex);
   // The pair counters no longer match the peers' (a run stopped half-way on some PEs).
   rt_.broken = "an earlier run failed (" + reason + ")";
-  if (status_ != nullptr) status_->cancel = 1;
-  if (status_ != nullptr) status_->code = cuda::kStatusCancelled;  // copy kernels stop at once
+  if (status_ != nullptr) {
+    status_->cancel = 1;
+    status_->code = cuda::kStatusCancelled;  // copy kernels stop at once
+  }
   // Release this PE's own waits: raise every signal it waits on past any value a run expects,
   // so the stream drains (its copies skip) instead of spinning until the process ends.
   if (rt_.heap != nullptr) {
