@@ -1,16 +1,9 @@
 # Finds NVSHMEM's host library: NVSHMEM_ROOT, NVSHMEM_HOME, or the nvidia-nvshmem-cu* wheel of the
 # Python on PATH (which ships libnvshmem_host.so.3 without an unversioned link). Defines
 # NVSHMEM::host and NVSHMEM_VERSION.
-find_package(Python3 COMPONENTS Interpreter QUIET)
-set(_nvshmem_hints ${NVSHMEM_ROOT} $ENV{NVSHMEM_ROOT} $ENV{NVSHMEM_HOME})
-if(Python3_Interpreter_FOUND)
-  execute_process(
-    COMMAND ${Python3_EXECUTABLE} -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])"
-    OUTPUT_VARIABLE _nvshmem_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-  if(_nvshmem_wheel)
-    list(APPEND _nvshmem_hints ${_nvshmem_wheel})
-  endif()
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/NvidiaWheel.cmake)
+reshard_nvidia_wheel(nvshmem _nvshmem_wheel)
+set(_nvshmem_hints ${NVSHMEM_ROOT} $ENV{NVSHMEM_ROOT} $ENV{NVSHMEM_HOME} ${_nvshmem_wheel})
 find_path(NVSHMEM_INCLUDE_DIR nvshmem_host.h HINTS ${_nvshmem_hints} PATH_SUFFIXES include)
 find_library(NVSHMEM_HOST_LIBRARY NAMES nvshmem_host libnvshmem_host.so.3
              HINTS ${_nvshmem_hints} PATH_SUFFIXES lib lib64)
