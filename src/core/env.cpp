@@ -106,6 +106,16 @@ int cuda_ctas_per_peer() {
   return ctas;
 }
 
+std::uint64_t cuda_bytes_per_cta() {
+  auto value = get("RESHARD_CUDA_BYTES_PER_CTA");
+  const std::uint64_t bytes = value ? parse_bytes(*value) : (64ull << 10);
+  if (bytes < 4096) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_CUDA_BYTES_PER_CTA=" + *value + " is below 4 KiB");
+  }
+  return bytes;
+}
+
 }  // namespace reshard::env
 
 namespace reshard::env {

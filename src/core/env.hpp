@@ -35,6 +35,9 @@ std::uint64_t cuda_ce_min_bytes();
 // RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 64; the total stays
 // within one wave).
 int cuda_ctas_per_peer();
+// RESHARD_CUDA_BYTES_PER_CTA: bytes of a peer's share that earn it another SM-engine CTA (up to
+// cuda_ctas_per_peer; default 64 KiB).
+std::uint64_t cuda_bytes_per_cta();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
 

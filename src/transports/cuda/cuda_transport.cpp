@@ -33,7 +33,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
-constexpr std::uint64_t kBytesPerCta = 64 << 10;
 constexpr int kCopyEngineStreams = 4;
 
 struct WireSpan {
@@ -130,6 +129,7 @@ class CudaTransport final : public Transport {
   std::string engine_;
   std::uint64_t copy_engine_min_bytes_ = 0;
   int ctas_per_peer_ = 64;
+  std::uint64_t bytes_per_cta_ = 64 << 10;
   int unroll_ = 8;
   std::uint64_t timeout_ns_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -156,6 +156,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   engine_ = env::cuda_engine();
   copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
   ctas_per_peer_ = env::cuda_ctas_per_peer();
+  bytes_per_cta_ = env::cuda_bytes_per_cta();
   unroll_ = env::cuda_unroll();
   timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
@@ -331,7 +332,7 @@ void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& t
   std::uint64_t wanted = 0;
   std::vector<std::uint64_t> want(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    want[g] = std::clamp<std::uint64_t>((groups[g].bytes + kBytesPerCta - 1) / kBytesPerCta, 1,
+    want[g] = std::clamp<std::uint64_t>((groups[g].bytes + bytes_per_cta_ - 1) / bytes_per_cta_, 1,
                                         ctas_per_peer_);
     wanted += want[g];
   }
