@@ -13,8 +13,10 @@
 
 namespace reshard {
 
-// kAuto picks, at init(), the CUDA transport when every PE has a GPU and all share one machine,
-// NCCL when they span machines, and the host transport otherwise. RESHARD_TRANSPORT overrides.
+// kAuto picks, at init(): inside a node (one machine, or RESHARD_NODE_SIZE consecutive ranks) the
+// CUDA transport when every PE has a GPU, else the host transport; when the PEs span several
+// nodes, one mixed schedule with NVSHMEM (NCCL where NVSHMEM is not built;
+// RESHARD_INTER_NODE_TRANSPORT chooses) between them. RESHARD_TRANSPORT forces one transport.
 enum class TransportKind { kAuto, kHost, kCuda, kNccl, kNvshmem };
 
 TransportKind parse_transport_kind(

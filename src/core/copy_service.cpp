@@ -1,6 +1,5 @@
 #include "reshard/copy_service.hpp"
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <sstream>
@@ -9,6 +8,7 @@
 #include "core/checksum.hpp"
 #include "core/env.hpp"
 #include "core/execution_plan.hpp"
+#include "core/nodes.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
 #include "reshard/error.hpp"
@@ -142,29 +142,6 @@ bool is_available(TransportKind kind) {
   return std::find(names.begin(), names.end(), transport_kind_name(kind)) != names.end();
 }
 
-// Collective: the transport kAuto stands for, the same on every PE.
-TransportKind resolve_auto(Bootstrap& bootstrap) {
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  wire::Writer mine;
-  mine.put<std::int32_t>(visible_cuda_devices());
-  mine.put_string(host);
-  bool all_gpus = true, one_host = true;
-  std::string first_host;
-  int pe = 0;
-  for (const auto& part : bootstrap.all_gather(mine.bytes())) {
-    wire::Reader reader(part);
-    const bool has_gpu = reader.get<std::int32_t>() > 0;
-    all_gpus = all_gpus && has_gpu;
-    const std::string name = reader.get_string();
-    if (pe++ == 0) first_host = name;
-    one_host = one_host && name == first_host;
-  }
-  if (all_gpus && one_host && is_available(TransportKind::kCuda)) return TransportKind::kCuda;
-  if (all_gpus && is_available(TransportKind::kNccl)) return TransportKind::kNccl;
-  return TransportKind::kHost;
-}
-
 std::unique_ptr<Transport> make_transport(TransportKind kind, Bootstrap& bootstrap) {
   if (!is_available(kind)) {
     throw_error(ErrorCode::kUnsupported,
@@ -187,6 +164,43 @@ std::unique_ptr<Transport> make_transport(TransportKind kind, Bootstrap& bootstr
     default:
       return make_host_transport(bootstrap);
   }
+}
+
+// Collective: what kAuto stands for, the same on every PE. Inside a node: the CUDA transport
+// where every PE has a GPU, else host shared memory; between nodes: NVSHMEM (or NCCL where
+// NVSHMEM is not built, or RESHARD_INTER_NODE_TRANSPORT), in one mixed schedule.
+std::unique_ptr<Transport> make_auto_transport(Bootstrap& bootstrap) {
+  wire::Writer mine;
+  mine.put<std::int32_t>(visible_cuda_devices());
+  bool all_gpus = true;
+  for (const auto& part : bootstrap.all_gather(mine.bytes()))
+    all_gpus = all_gpus && wire::Reader(part).get<std::int32_t>() > 0;
+  const NodeMap nodes = map_nodes(bootstrap);
+  const TransportKind intra =
+      all_gpus && is_available(TransportKind::kCuda) ? TransportKind::kCuda : TransportKind::kHost;
+  if (nodes.nodes == 1) {
+    if (intra == TransportKind::kHost && all_gpus && is_available(TransportKind::kNccl))
+      return make_transport(TransportKind::kNccl, bootstrap);
+    return make_transport(intra, bootstrap);
+  }
+  TransportKind inter = TransportKind::kHost;
+  if (auto chosen = env::inter_node_transport()) {
+    inter = parse_transport_kind(*chosen);
+  } else if (all_gpus) {
+    inter = is_available(TransportKind::kNvshmem) ? TransportKind::kNvshmem : TransportKind::kNccl;
+  }
+  const auto host_across_machines = [&](TransportKind kind) {
+    return kind == TransportKind::kHost && !nodes.one_machine;
+  };
+  if (host_across_machines(intra) || host_across_machines(inter)) {
+    throw_error(ErrorCode::kUnsupported,
+                "the PEs run on " + std::to_string(nodes.nodes) +
+                    " machines and not every PE has a GPU: reshard moves CPU memory between "
+                    "processes of one machine only (host transport)");
+  }
+  return make_mixed_transport(
+      bootstrap, nodes, [intra](Bootstrap& b) { return make_transport(intra, b); },
+      [inter](Bootstrap& b) { return make_transport(inter, b); });
 }
 
 }  // namespace
@@ -312,8 +326,8 @@ void CopyService::init(LogLevel log_level) {
   set_log_pe(impl_->bootstrap->rank());
   TransportKind kind = impl_->kind;
   if (auto forced = env::transport()) kind = parse_transport_kind(*forced);
-  if (kind == TransportKind::kAuto) kind = resolve_auto(*impl_->bootstrap);
-  impl_->transport = make_transport(kind, *impl_->bootstrap);
+  impl_->transport = kind == TransportKind::kAuto ? make_auto_transport(*impl_->bootstrap)
+                                                  : make_transport(kind, *impl_->bootstrap);
   impl_->verify = impl_->verify || env::verify();
   impl_->state = State::kInitialized;
   RESHARD_LOG(kInfo, "copy service ready: PE " << my_pe() << " of " << n_pes() << ", transport "

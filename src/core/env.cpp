@@ -54,6 +54,25 @@ std::uint64_t nvshmem_staging_bytes() {
   return value ? parse_bytes(*value) : (512ull << 20);
 }
 
+std::optional<int> node_size() {
+  if (!get("RESHARD_NODE_SIZE")) return std::nullopt;
+  const int pes = get_int("RESHARD_NODE_SIZE", 0);
+  if (pes < 1) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_NODE_SIZE=" + std::to_string(pes) + " must be at least 1");
+  }
+  return pes;
+}
+
+std::optional<std::string> inter_node_transport() {
+  auto value = get("RESHARD_INTER_NODE_TRANSPORT");
+  if (value && *value != "nccl" && *value != "nvshmem" && *value != "host") {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_INTER_NODE_TRANSPORT='" + *value + "' is not nccl, nvshmem or host");
+  }
+  return value;
+}
+
 bool verify() { return get_int("RESHARD_VERIFY", 0) != 0; }
 
 std::optional<std::uint64_t> test_corrupt_task() {

@@ -25,6 +25,12 @@ std::optional<std::string> job_id();
 
 // RESHARD_TRANSPORT: overrides the transport chosen in code ("auto", "host", "cuda", "nccl").
 std::optional<std::string> transport();
+// RESHARD_NODE_SIZE: splits the PEs into nodes of this many consecutive ranks (each host is a node
+// already), so one machine runs the mixed intra-/inter-node schedule a cluster runs.
+std::optional<int> node_size();
+// RESHARD_INTER_NODE_TRANSPORT: what auto uses between nodes: "nvshmem" (default where built),
+// "nccl", or "host" (CPU memory, nodes declared on one machine only).
+std::optional<std::string> inter_node_transport();
 // RESHARD_DEVICE: CUDA device of this PE (default: local rank modulo the visible devices).
 std::optional<int> device();
 // RESHARD_CUDA_ENGINE: "auto" (by per-peer size), "sm" or "ce" for the CUDA transport.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/execution_plan.hpp"
@@ -40,7 +41,15 @@ class Transport {
   virtual void finalize() noexcept = 0;
 };
 
+using TransportFactory = std::function<std::unique_ptr<Transport>(Bootstrap&)>;
+
 std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap);
+struct NodeMap;
+// Collective: `intra` over a bootstrap of this PE's node, `inter` over `bootstrap`; one schedule
+// sends each batch through the one that reaches its peer.
+std::unique_ptr<Transport> make_mixed_transport(Bootstrap& bootstrap, const NodeMap& nodes,
+                                                const TransportFactory& intra,
+                                                const TransportFactory& inter);
 // Defined only in builds with CUDA (RESHARD_WITH_CUDA) and NCCL (RESHARD_WITH_NCCL).
 std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap);
 std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap);

@@ -1,5 +1,6 @@
 // GPU transports end to end, one process per GPU under reshard-run (ctest starts it at 2 and 4 PEs
-// for each transport and engine). RESHARD_TEST_TRANSPORT picks the transport ("cuda", "nccl");
+// for each transport and engine). RESHARD_TEST_TRANSPORT picks the transport ("cuda", "nccl",
+// "nvshmem", or "auto": with RESHARD_NODE_SIZE, a mixed schedule);
 // RESHARD_CUDA_ENGINE the CUDA engine. Without enough GPUs every PE exits with 77, which ctest
 // reports as skipped. Every test is collective.
 #include <cuda_runtime.h>
@@ -22,16 +23,7 @@ using testing_support::bootstrap;
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
-TransportKind transport_under_test() {
-  const char* name = std::getenv("RESHARD_TEST_TRANSPORT");
-  return parse_transport_kind(name ? name : "cuda");
-}
-
-std::unique_ptr<CopyService> make_service() {
-  auto service = std::make_unique<CopyService>(bootstrap(), transport_under_test());
-  service->init(LogLevel::kWarn);
-  return service;
-}
+std::unique_ptr<CopyService> make_service() { return testing_support::make_test_service("cuda"); }
 
 struct DeviceBytes {
   explicit DeviceBytes(std::size_t n, bool stream_ordered_pool = false)
@@ -152,7 +144,7 @@ TEST(StreamOrder, RunCapturedInACudaGraphReplays) {
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  if (transport_under_test() == TransportKind::kNvshmem) {
+  if (service->transport_name().find("nvshmem") != std::string::npos) {
     // Its signal values advance every run: capture is refused with a clear error, before any
     // work is queued.
     try {
@@ -266,10 +258,13 @@ int main(int argc, char** argv) {
     return kSkipped;
   }
   const auto names = available_transports();
-  const char* transport = std::getenv("RESHARD_TEST_TRANSPORT");
-  if (transport && std::find(names.begin(), names.end(), transport) == names.end()) {
-    std::printf("skipped: this build has no %s transport\n", transport);
-    return kSkipped;
+  for (const char* variable : {"RESHARD_TEST_TRANSPORT", "RESHARD_INTER_NODE_TRANSPORT"}) {
+    const char* transport = std::getenv(variable);
+    if (transport && std::string(transport) != "auto" &&
+        std::find(names.begin(), names.end(), transport) == names.end()) {
+      std::printf("skipped: this build has no %s transport\n", transport);
+      return kSkipped;
+    }
   }
   return testing_support::run_pe_tests(argc, argv);
 }

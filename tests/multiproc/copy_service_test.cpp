@@ -17,11 +17,7 @@ namespace {
 using testing_support::all_pes;
 using testing_support::bootstrap;
 
-std::unique_ptr<CopyService> make_service() {
-  auto service = std::make_unique<CopyService>(bootstrap(), TransportKind::kHost);
-  service->init(LogLevel::kWarn);
-  return service;
-}
+std::unique_ptr<CopyService> make_service() { return testing_support::make_test_service("host"); }
 
 struct Buffers {
   std::vector<std::byte> send;

@@ -33,14 +33,13 @@ std::string transport_under_test() {
   const char* name = std::getenv("RESHARD_TEST_TRANSPORT");
   return name ? name : "host";
 }
-bool on_gpu() { return transport_under_test() != "host"; }
-
-std::unique_ptr<CopyService> make_service() {
-  auto service =
-      std::make_unique<CopyService>(bootstrap(), parse_transport_kind(transport_under_test()));
-  service->init(LogLevel::kWarn);
-  return service;
+// RESHARD_TEST_MEMORY=host|cuda where the transport does not say (auto).
+bool on_gpu() {
+  if (const char* memory = std::getenv("RESHARD_TEST_MEMORY")) return std::string(memory) == "cuda";
+  return transport_under_test() != "host";
 }
+
+std::unique_ptr<CopyService> make_service() { return testing_support::make_test_service("host"); }
 
 // A tensor in host or device memory, filled and read back through host vectors.
 class TestMemory {
@@ -505,7 +504,8 @@ int main(int argc, char** argv) {
   if (on_gpu()) {
     // GPU runs need the transport in this build and a GPU per PE; otherwise every PE skips (77).
     const auto names = available_transports();
-    if (std::find(names.begin(), names.end(), transport_under_test()) == names.end()) {
+    if (transport_under_test() != "auto" &&
+        std::find(names.begin(), names.end(), transport_under_test()) == names.end()) {
       std::printf("skipped: this build has no %s transport\n", transport_under_test().c_str());
       return 77;
     }

@@ -113,10 +113,12 @@ def test_read_only_source_is_accepted(service):
 
 
 def test_jax_arrays_cross_through_dlpack_without_copies(service):
-    jnp = pytest.importorskip("jax.numpy")
-    src = jnp.arange(64, dtype=jnp.float32)
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    with jax.default_device(jax.devices("cpu")[0]):  # JAX picks a GPU first where it has one
+        src = jnp.arange(64, dtype=jnp.float32)
+        dst_jax = jnp.zeros(16, dtype=jnp.float32)
     dst_np = np.zeros(64, np.float32)
-    dst_jax = jnp.zeros(16, dtype=jnp.float32)
     service.register_send(1, src, 16, 128, 0)      # elements 4..35 of a JAX array
     service.register_receive(1, dst_np, 0, 128, 0)
     service.register_send(2, src, 0, 64, 0)        # elements 0..15, into a JAX array in place
@@ -363,6 +365,24 @@ def has_cupy_gpus(n) -> bool:
 @pytest.mark.skipif(not has_cupy_gpus(2), reason="needs CuPy with 2 GPUs")
 def test_gpu_copy_service_with_cupy_arrays():
     assert_ok(launch(2, WORKERS / "copy_service_worker.py", 3, "cupy-cuda"))
+
+
+def jax_gpu_count() -> int:
+    """GPUs JAX sees, asked in a child process so this one never initialises a GPU backend."""
+    import importlib.util
+    if importlib.util.find_spec("jax") is None or gpu_count() == 0:
+        return 0
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(len(jax.devices('gpu')))"],
+                           capture_output=True, text=True, timeout=120)
+    return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+
+
+@pytest.mark.skipif(jax_gpu_count() < 2, reason="needs JAX with 2 GPUs")
+def test_gpu_copy_service_with_jax_arrays():
+    # XLA's allocator hands out pieces of one large allocation: the CUDA transport maps them
+    # through CUDA IPC at their offset.
+    assert_ok(launch(2, WORKERS / "copy_service_worker.py", 4, "jax-cuda",
+                     XLA_PYTHON_CLIENT_PREALLOCATE="false"))
 
 
 @pytest.mark.skipif(gpu_count() < 4, reason="needs PyTorch with 4 GPUs")

@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "reshard/bootstrap.hpp"
+#include "reshard/copy_service.hpp"
 
 namespace reshard::testing_support {
 
@@ -25,6 +27,24 @@ inline bool all_pes(bool ok) {
     if (part.at(0) != std::byte{1}) return false;
   }
   return true;
+}
+
+// RESHARD_TEST_TRANSPORT (default `fallback`): the transport a suite asks for.
+inline TransportKind transport_under_test(const char* fallback) {
+  const char* name = std::getenv("RESHARD_TEST_TRANSPORT");
+  return parse_transport_kind(name ? name : fallback);
+}
+
+// A ready service on the transport under test. With RESHARD_TEST_EXPECT_TRANSPORT set, the
+// transport must be that one ("host+host": auto made a mixed schedule of the declared nodes).
+inline std::unique_ptr<CopyService> make_test_service(const char* fallback_transport) {
+  auto service =
+      std::make_unique<CopyService>(bootstrap(), transport_under_test(fallback_transport));
+  service->init(LogLevel::kWarn);
+  if (const char* expected = std::getenv("RESHARD_TEST_EXPECT_TRANSPORT")) {
+    EXPECT_EQ(service->transport_name(), expected);
+  }
+  return service;
 }
 
 class FailurePrinter : public testing::EmptyTestEventListener {

@@ -6,6 +6,9 @@
 namespace reshard::cuda {
 namespace {
 
+// Pieces averaging less than this in a CTA's slice are copied one warp per piece.
+constexpr std::uint64_t kWarpPieceBytes = 16 << 10;
+
 __device__ __forceinline__ std::uint64_t global_timer_ns() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -58,12 +61,14 @@ __device__ __forceinline__ bool failed(const KernelArgs& a) {
   return static_cast<volatile DeviceStatus*>(a.status)->code != 0;
 }
 
-// Copies n elements of V with kUnroll loads in flight per thread before their stores.
+// Copies n elements of V with kUnroll loads in flight per thread before their stores; `lane` of
+// `width` threads (a whole CTA, or one warp).
 template <typename V, int kUnroll>
 __device__ __forceinline__ void copy_vectors(const V* __restrict__ src, V* __restrict__ dst,
-                                             std::uint64_t n) {
-  const std::uint64_t stride = blockDim.x;
-  std::uint64_t i = threadIdx.x;
+                                             std::uint64_t n, std::uint32_t lane,
+                                             std::uint32_t width) {
+  const std::uint64_t stride = width;
+  std::uint64_t i = lane;
   for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
     V values[kUnroll];
 #pragma unroll
@@ -76,40 +81,58 @@ __device__ __forceinline__ void copy_vectors(const V* __restrict__ src, V* __res
 
 template <typename V, int kUnroll>
 __device__ __forceinline__ void copy_aligned(const unsigned char* src, unsigned char* dst,
-                                             std::uint64_t bytes) {
+                                             std::uint64_t bytes, std::uint32_t lane,
+                                             std::uint32_t width) {
   constexpr std::uint64_t kSize = sizeof(V);
   // Bytes before src (and so dst) reaches a multiple of the vector size, then the vectors, then
   // the tail: every CTA stays on the vector path whatever the caller's offsets.
   const std::uint64_t misalign = reinterpret_cast<std::uintptr_t>(src) % kSize;
   const std::uint64_t head = misalign == 0 ? 0 : min(kSize - misalign, bytes);
-  for (std::uint64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+  for (std::uint64_t i = lane; i < head; i += width) dst[i] = src[i];
   const std::uint64_t vectors = (bytes - head) / kSize;
   copy_vectors<V, kUnroll>(reinterpret_cast<const V*>(src + head), reinterpret_cast<V*>(dst + head),
-                           vectors);
+                           vectors, lane, width);
   const std::uint64_t done = head + vectors * kSize;
-  for (std::uint64_t i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+  for (std::uint64_t i = done + lane; i < bytes; i += width) dst[i] = src[i];
 }
 
 __device__ void copy_piece(const unsigned char* src, unsigned char* dst, std::uint64_t bytes,
-                           int unroll) {
+                           int unroll, std::uint32_t lane, std::uint32_t width) {
   const std::uintptr_t relative =
       reinterpret_cast<std::uintptr_t>(src) ^ reinterpret_cast<std::uintptr_t>(dst);
   if (relative % 16 == 0) {
     if (unroll == 4)
-      copy_aligned<uint4, 4>(src, dst, bytes);
+      copy_aligned<uint4, 4>(src, dst, bytes, lane, width);
     else
-      copy_aligned<uint4, 8>(src, dst, bytes);
+      copy_aligned<uint4, 8>(src, dst, bytes, lane, width);
   } else if (relative % 8 == 0) {
-    copy_aligned<uint2, 8>(src, dst, bytes);
+    copy_aligned<uint2, 8>(src, dst, bytes, lane, width);
   } else if (relative % 4 == 0) {
-    copy_aligned<unsigned int, 8>(src, dst, bytes);
+    copy_aligned<unsigned int, 8>(src, dst, bytes, lane, width);
   } else {
-    copy_aligned<unsigned char, 8>(src, dst, bytes);
+    copy_aligned<unsigned char, 8>(src, dst, bytes, lane, width);
   }
 }
 
+// First descriptor of `first[0..count)` whose range ends after `at` (descriptors are sorted by
+// their offset in the group's byte stream and do not overlap).
+__device__ std::uint32_t descriptor_at(const CopyDescriptor* first, std::uint32_t count,
+                                       std::uint64_t at) {
+  std::uint32_t lo = 0, hi = count;
+  while (hi - lo > 1) {
+    const std::uint32_t mid = (lo + hi) / 2;
+    if (first[mid].offset <= at)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 // This CTA's share of a group: a 256-byte aligned slice of the group's byte stream, which may
-// cross several descriptors.
+// cross several descriptors. A slice of few large pieces is copied by the whole CTA piece after
+// piece; one of many small pieces (small tensors, the tail of a refit) gives each warp its own
+// pieces, since a whole CTA on a 4 KiB piece leaves most of its threads idle.
 __device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uint32_t cta) {
   const std::uint64_t per_cta = (group.bytes + group.cta_count - 1) / group.cta_count;
   const std::uint64_t slice = (per_cta + 255) / 256 * 256;
@@ -117,20 +140,19 @@ __device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uin
   const std::uint64_t end = min(group.bytes, begin + slice);
   if (begin >= end) return;
   const CopyDescriptor* first = a.descriptors + group.first_descriptor;
-  // Last descriptor starting at or before `begin`.
-  std::uint32_t lo = 0, hi = group.descriptor_count;
-  while (hi - lo > 1) {
-    const std::uint32_t mid = (lo + hi) / 2;
-    if (first[mid].offset <= begin)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  for (std::uint32_t d = lo; d < group.descriptor_count && first[d].offset < end; ++d) {
+  const std::uint32_t lo = descriptor_at(first, group.descriptor_count, begin);
+  const std::uint32_t hi = descriptor_at(first, group.descriptor_count, end - 1);
+  const std::uint32_t pieces = hi - lo + 1;
+  const bool by_warp = pieces >= 4 && (end - begin) / pieces < kWarpPieceBytes;
+  const std::uint32_t warps = blockDim.x / 32;
+  const std::uint32_t step = by_warp ? warps : 1;
+  const std::uint32_t lane = by_warp ? threadIdx.x % 32 : threadIdx.x;
+  const std::uint32_t width = by_warp ? 32 : blockDim.x;
+  for (std::uint32_t d = lo + (by_warp ? threadIdx.x / 32 : 0); d <= hi; d += step) {
     const CopyDescriptor& desc = first[d];
     const std::uint64_t from = max(begin, desc.offset) - desc.offset;
     const std::uint64_t to = min(end, desc.offset + desc.bytes) - desc.offset;
-    if (from < to) copy_piece(desc.src + from, desc.dst + from, to - from, a.unroll);
+    if (from < to) copy_piece(desc.src + from, desc.dst + from, to - from, a.unroll, lane, width);
   }
 }
 

@@ -34,6 +34,8 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
 constexpr int kCopyEngineStreams = 4;
+// Pieces (descriptors) one SM-engine CTA takes on: 4 for each of its 16 warps.
+constexpr std::uint64_t kPiecesPerCta = 64;
 
 struct WireSpan {
   std::uint32_t handle;  // kBounceHandle: into the receiver's bounce buffer
@@ -332,8 +334,11 @@ void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& t
   std::uint64_t wanted = 0;
   std::vector<std::uint64_t> want(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    want[g] = std::clamp<std::uint64_t>((groups[g].bytes + bytes_per_cta_ - 1) / bytes_per_cta_, 1,
-                                        ctas_per_peer_);
+    // Bytes earn CTAs, and so do pieces: a CTA's warps take a piece each when they are small.
+    const std::uint64_t by_bytes = (groups[g].bytes + bytes_per_cta_ - 1) / bytes_per_cta_;
+    const std::uint64_t by_pieces =
+        (groups[g].descriptor_count + kPiecesPerCta - 1) / kPiecesPerCta;
+    want[g] = std::clamp<std::uint64_t>(std::max(by_bytes, by_pieces), 1, ctas_per_peer_);
     wanted += want[g];
   }
   // One resident wave at most, leaving the rest of the GPU to the caller's kernels.

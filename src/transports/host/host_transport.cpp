@@ -133,7 +133,10 @@ HostTransport::HostTransport(Bootstrap& bootstrap)
   wanted = std::clamp(wanted / kPage * kPage, kMinSlotBytes, kMaxSlotBytes);
   wire::Writer mine;
   mine.put(wanted);
-  std::string job_id = bootstrap.rank() == 0 ? make_job_id() : std::string();
+  // The creator's pid too: a mixed schedule runs one host transport per node, each with its own
+  // PE 0, under one job id.
+  std::string job_id =
+      bootstrap.rank() == 0 ? make_job_id() + "-" + std::to_string(::getpid()) : std::string();
   mine.put_string(job_id);
   const auto all = bootstrap.all_gather(mine.bytes());
   slot_bytes_ = wanted;

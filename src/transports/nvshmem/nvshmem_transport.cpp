@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/env.hpp"
+#include "core/nodes.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
 #include "reshard/error.hpp"
@@ -228,6 +229,7 @@ class NvshmemTransport final : public Transport {
   std::vector<std::array<std::uint64_t*, kDepth>> remote_data_;
   std::vector<std::uint64_t*> remote_ack_;
   bool direct_ = env::nvshmem_direct();
+  NodeMap nodes_;  // peers of other nodes take the put path even where NVLink reaches them
   // RESHARD_NVSHMEM_TRACE=1 (diagnosis): waits after every step of a run and adds its time to
   // trace_[step], printed at finalize. The waits serialise everything.
   bool trace_ = env::nvshmem_trace();
@@ -281,6 +283,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_, 0));
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
+  nodes_ = map_nodes(bootstrap);
 }
 
 KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
@@ -335,7 +338,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     }
     for (int slot = 0; slot < kDepth; ++slot) {
       // Where NVSHMEM maps the peer's inbox here, nvshmem_ptr gives its address.
-      auto* mapped = direct_
+      auto* mapped = direct_ && nodes_.same_node(me_, batch.peer)
                          ? static_cast<std::byte*>(nvshmem_ptr(rt_.inbox(me_, slot), batch.peer))
                          : nullptr;
       StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, mapped != nullptr, 0, {}};
@@ -367,7 +370,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   remote_data_.assign(n_pes_, {});
   remote_ack_.assign(n_pes_, nullptr);
   for (int peer = 0; direct_ && peer < n_pes_; ++peer) {
-    if (peer == me_) continue;
+    if (peer == me_ || !nodes_.same_node(me_, peer)) continue;
     for (int slot = 0; slot < kDepth; ++slot) {
       remote_data_[peer][slot] =
           static_cast<std::uint64_t*>(nvshmem_ptr(rt_.data_signal(me_, slot), peer));

@@ -2,7 +2,9 @@
 derives from the same seed, run twice and checked byte for byte, then a request without a partner
 that schedule() must refuse on every PE.
 
-    worker.py SEED [numpy|torch-cuda|cupy-cuda]
+    worker.py SEED [numpy|torch-cuda|cupy-cuda|jax-cuda]
+
+JAX arrays are immutable to JAX, so the jax-cuda destination is zero only before the first run.
 """
 
 import os
@@ -48,6 +50,12 @@ def main() -> int:
         cupy.cuda.Device(svc.device).use()
         device_source = cupy.asarray(source)
         device_target = cupy.zeros(recv_bytes, dtype=cupy.uint8)
+    elif memory == "jax-cuda":
+        import jax
+
+        gpu = jax.devices("gpu")[svc.device]
+        device_source = jax.device_put(source, gpu).block_until_ready()
+        device_target = jax.device_put(target, gpu).block_until_ready()
     send_at = recv_at = 0
     senders_data = {}
     for task, src, dst, size, send_pad, recv_pad in requests:
@@ -88,11 +96,14 @@ def main() -> int:
             svc.run(torch.cuda.current_stream())
             svc.synchronize()
             got = device_target.cpu().numpy()
-        else:
+        elif memory == "cupy-cuda":
             device_target.fill(0)
             svc.run(cupy.cuda.get_current_stream())
             svc.synchronize()
             got = cupy.asnumpy(device_target)
+        else:
+            svc.run()
+            got = np.asarray(device_target)
         if not np.array_equal(got, expected):
             print(f"PE {me}: {np.count_nonzero(got != expected)} wrong bytes", file=sys.stderr)
             return 1

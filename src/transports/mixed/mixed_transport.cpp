@@ -1,0 +1,163 @@
+// Mixed transport: one schedule, two transports. Batches between PEs of one node (an NVLink
+// domain) go through the intra-node transport (CUDA IPC, or host shared memory), over a bootstrap
+// of the node's PEs; batches between nodes go through the inter-node transport (NVSHMEM or NCCL)
+// over every PE. On a CUDA stream the two run side by side: the intra-node part on a side stream
+// forked from the caller's and joined back, so work queued after run() waits for both.
+#include <algorithm>
+#include <string>
+
+#include "bootstrap/group_bootstrap.hpp"
+#include "core/nodes.hpp"
+#include "core/transport.hpp"
+#include "reshard/error.hpp"
+#include "reshard/log.hpp"
+
+#ifdef RESHARD_WITH_CUDA
+#include "transports/cuda/cuda_check.hpp"
+#endif
+
+namespace reshard {
+namespace {
+
+class MixedTransport final : public Transport {
+ public:
+  MixedTransport(Bootstrap& bootstrap, const NodeMap& nodes, const TransportFactory& intra,
+                 const TransportFactory& inter)
+      : nodes_(nodes), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
+    members_ = nodes_.members(nodes_.node_of[me_]);
+    group_ = std::make_unique<GroupBootstrap>(bootstrap, members_);
+    intra_ = intra(*group_);
+    inter_ = inter(bootstrap);
+    name_ = std::string(intra_->name()) + "+" + inter_->name();
+#ifdef RESHARD_WITH_CUDA
+    if (intra_->device() >= 0) {
+      RESHARD_CUDA_CHECK(cudaSetDevice(intra_->device()));
+      RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+      RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    }
+#endif
+    RESHARD_LOG(kInfo, "mixed transport: PE " << me_ << " in node " << nodes_.node_of[me_] << " of "
+                                              << nodes_.nodes << " (" << members_.size()
+                                              << " PEs), " << name_);
+  }
+  ~MixedTransport() override { finalize(); }
+
+  const char* name() const override { return name_.c_str(); }
+
+  TransportCaps caps() const override {
+    const TransportCaps a = intra_->caps(), b = inter_->caps();
+    // The intra-node transport's "every peer of my group" means no limit in the whole job.
+    const int intra_peers =
+        a.max_peers_per_round >= static_cast<int>(members_.size()) ? n_pes_ : a.max_peers_per_round;
+    return {std::min(a.chunk_bytes, b.chunk_bytes), std::min(intra_peers, b.max_peers_per_round),
+            std::min(a.min_chunk_bytes, b.min_chunk_bytes)};
+  }
+
+  int device() const override { return intra_->device(); }
+
+  void check_buffer(const Buffer& buffer) const override {
+    intra_->check_buffer(buffer);
+    inter_->check_buffer(buffer);
+  }
+
+  void prepare(const ExecutionPlan& plan) override {
+    split(plan);
+    intra_->prepare(intra_plan_);
+    inter_->prepare(inter_plan_);
+  }
+
+  void run(const ExecutionPlan& /*plan*/, void* stream) override {
+#ifdef RESHARD_WITH_CUDA
+    if (stream != nullptr && side_ != nullptr) {
+      auto caller = static_cast<cudaStream_t>(stream);
+      RESHARD_CUDA_CHECK(cudaEventRecord(fork_, caller));
+      // The inter-node part first: a transport that refuses this stream (NVSHMEM under graph
+      // capture) then leaves no side stream joined to the caller's.
+      inter_->run(inter_plan_, caller);
+      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+      intra_->run(intra_plan_, side_);
+      RESHARD_CUDA_CHECK(cudaEventRecord(join_, side_));
+      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(caller, join_, 0));
+      return;
+    }
+#endif
+    // Host-synchronous: every PE finishes its node's part before any starts the inter-node
+    // part, so neither waits on a PE that is busy with the other.
+    intra_->run(intra_plan_, stream);
+    inter_->run(inter_plan_, stream);
+  }
+
+  void synchronize() override {
+    intra_->synchronize();
+    inter_->synchronize();
+  }
+
+  void abort(const std::string& reason) noexcept override {
+    intra_->abort(reason);
+    inter_->abort(reason);
+  }
+
+  void finalize() noexcept override {
+    if (finalized_) return;
+    finalized_ = true;
+    if (intra_) intra_->finalize();
+    if (inter_) inter_->finalize();
+#ifdef RESHARD_WITH_CUDA
+    if (side_) cudaStreamDestroy(side_);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
+    side_ = nullptr;
+    fork_ = join_ = nullptr;
+#endif
+  }
+
+ private:
+  // The plan's batches with PEs of this node, renumbered for the node's bootstrap, and the
+  // local copies go to the intra-node transport; the rest to the inter-node one.
+  void split(const ExecutionPlan& plan) {
+    intra_plan_ = ExecutionPlan{};
+    inter_plan_ = ExecutionPlan{};
+    intra_plan_.rounds = inter_plan_.rounds = plan.rounds;
+    intra_plan_.local_copies = plan.local_copies;
+    auto route = [&](const PlannedBatch& batch, auto member) {
+      const bool inside = nodes_.same_node(me_, batch.peer);
+      ExecutionPlan& target = inside ? intra_plan_ : inter_plan_;
+      PlannedBatch copy = batch;
+      if (inside) {
+        copy.peer = static_cast<PeId>(
+            std::lower_bound(members_.begin(), members_.end(), batch.peer) - members_.begin());
+      }
+      copy.first_span = static_cast<std::uint32_t>(target.spans.size());
+      target.spans.insert(target.spans.end(), plan.spans.begin() + batch.first_span,
+                          plan.spans.begin() + batch.first_span + batch.span_count);
+      (target.*member).push_back(copy);
+    };
+    for (const PlannedBatch& batch : plan.sends) route(batch, &ExecutionPlan::sends);
+    for (const PlannedBatch& batch : plan.receives) route(batch, &ExecutionPlan::receives);
+  }
+
+  NodeMap nodes_;
+  int me_ = 0;
+  int n_pes_ = 0;
+  std::vector<int> members_;
+  std::unique_ptr<GroupBootstrap> group_;
+  std::unique_ptr<Transport> intra_, inter_;
+  std::string name_;
+  ExecutionPlan intra_plan_, inter_plan_;
+  bool finalized_ = false;
+#ifdef RESHARD_WITH_CUDA
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+#endif
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_mixed_transport(Bootstrap& bootstrap, const NodeMap& nodes,
+                                                const TransportFactory& intra,
+                                                const TransportFactory& inter) {
+  return std::make_unique<MixedTransport>(bootstrap, nodes, intra, inter);
+}
+
+}  // namespace reshard
