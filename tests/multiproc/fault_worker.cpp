@@ -1,13 +1,21 @@
 // A PE for the fault tests: exchanges a uniform workload in a loop until PE 1 misbehaves
 // ("die": killed mid-run; "stall": stopped mid-run), then reports what this PE saw.
+//
+//     fault_worker die|stall [host|cuda|nccl|nvshmem]   (GPU transports move GPU memory)
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <vector>
+
+#ifdef RESHARD_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
@@ -26,23 +34,44 @@ int shm_entries_of_this_job() {
 
 }  // namespace
 
+// The buffers of one PE, in host memory or on the service's GPU.
+class Memory {
+ public:
+  Memory(std::size_t bytes, int device) : host_(device < 0 ? bytes : 0), device_(device) {
+#ifdef RESHARD_WITH_CUDA
+    if (device >= 0 && cudaMalloc(&gpu_, std::max<std::size_t>(bytes, 1)) != cudaSuccess) {
+      std::fprintf(stderr, "cudaMalloc failed\n");
+      std::exit(3);
+    }
+#endif
+    bytes_ = bytes;
+  }
+  reshard::Buffer buffer() {
+    return device_ < 0 ? reshard::Buffer::host(host_.data(), bytes_)
+                       : reshard::Buffer::cuda(gpu_, bytes_, device_);
+  }
+
+ private:
+  std::vector<std::byte> host_;
+  void* gpu_ = nullptr;  // left to the process exit: a failed transport may still use it
+  int device_;
+  std::size_t bytes_ = 0;
+};
+
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "die";
+  const std::string transport = argc > 2 ? argv[2] : "host";
   std::shared_ptr<reshard::Bootstrap> bootstrap = reshard::make_default_bootstrap();
-  reshard::CopyService service(bootstrap, reshard::TransportKind::kHost);
+  reshard::CopyService service(bootstrap, reshard::parse_transport_kind(transport));
   service.init(reshard::LogLevel::kWarn);
   const auto w = reshard::bench::make_workload("uniform", service.n_pes(), 256 << 10, 1);
-  std::vector<std::byte> send(w.send_buffer_bytes[service.my_pe()]);
-  std::vector<std::byte> recv(w.recv_buffer_bytes[service.my_pe()]);
+  Memory send(w.send_buffer_bytes[service.my_pe()], service.device());
+  Memory recv(w.recv_buffer_bytes[service.my_pe()], service.device());
   for (const auto& item : w.items) {
-    if (item.src == service.my_pe()) {
-      service.register_send(item.task, reshard::Buffer::host(send.data(), send.size()),
-                            item.src_offset, item.bytes, item.dst);
-    }
-    if (item.dst == service.my_pe()) {
-      service.register_receive(item.task, reshard::Buffer::host(recv.data(), recv.size()),
-                               item.dst_offset, item.bytes, item.src);
-    }
+    if (item.src == service.my_pe())
+      service.register_send(item.task, send.buffer(), item.src_offset, item.bytes, item.dst);
+    if (item.dst == service.my_pe())
+      service.register_receive(item.task, recv.buffer(), item.dst_offset, item.bytes, item.src);
   }
   service.schedule();
   bootstrap->barrier();

@@ -6,11 +6,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <regex>
 
+#include "core/transport.hpp"
 #include "launch/local_launcher.hpp"
+#include "reshard/copy_service.hpp"
 #include "reshard/error.hpp"
 #include "transports/host/shm_segment.hpp"
 
@@ -88,6 +91,48 @@ TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   EXPECT_GE(reported, 1) << all_lines(outcome);
   EXPECT_NE(outcome.result.exit_code, 0);
 }
+
+// The same faults on the GPU transports, two PEs (one GPU each): the survivor's device-side or
+// host-side waits end within the timeout, name PE 1, and its teardown does not hang. Skipped
+// without two GPUs or without the transport in this build.
+class GpuFaults : public testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const auto names = available_transports();
+    if (std::find(names.begin(), names.end(), GetParam()) == names.end())
+      GTEST_SKIP() << "this build has no " << GetParam() << " transport";
+    if (visible_cuda_devices() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+    ::setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off on shared machines
+    ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  }
+};
+
+TEST_P(GpuFaults, PeKilledMidRunFailsTheOtherNamingIt) {
+  ::setenv("RESHARD_TIMEOUT_S", "10", 1);
+  const Outcome outcome = launch(2, {RESHARD_FAULT_WORKER, "die", GetParam()}, false);
+  EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
+  EXPECT_EQ(outcome.result.exit_codes[1], 128 + SIGKILL) << all_lines(outcome);
+  const std::string line = line_of(outcome, 0, "ERROR-SEEN");
+  ASSERT_FALSE(line.empty()) << all_lines(outcome);
+  EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
+  EXPECT_EQ(outcome.result.exit_codes[0], 1) << all_lines(outcome);
+}
+
+TEST_P(GpuFaults, PeStoppedMidRunTimesTheOtherOutNamingIt) {
+  ::setenv("RESHARD_TIMEOUT_S", "3", 1);
+  const Outcome outcome = launch(2, {RESHARD_FAULT_WORKER, "stall", GetParam()}, true);
+  EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
+  const std::string line = line_of(outcome, 0, "ERROR-SEEN");
+  ASSERT_FALSE(line.empty()) << all_lines(outcome);
+  EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
+  EXPECT_TRUE(line.find("code=timeout") != std::string::npos ||
+              line.find("code=peer failure") != std::string::npos)
+      << line;
+  EXPECT_NE(outcome.result.exit_code, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, GpuFaults, testing::Values("cuda", "nccl", "nvshmem"),
+                         [](const auto& info) { return info.param; });
 
 TEST(Launcher, PrefixesOutputAndSetsTheTorchrunVariables) {
   const Outcome outcome = launch(

@@ -28,6 +28,33 @@ GetAddressRange get_address_range() {
   return function;
 }
 
+using GetPointerAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+
+GetPointerAttribute get_pointer_attribute() {
+  static const GetPointerAttribute function = [] {
+    void* pointer = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    RESHARD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &pointer, 12000,
+                                                        cudaEnableDefault, &found));
+    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<GetPointerAttribute>(pointer)
+                                                : nullptr;
+  }();
+  return function;
+}
+
+// Memory from the virtual-memory API (cuMemCreate + cuMemMap: XLA's allocator, PyTorch's
+// expandable segments) and from stream-ordered pools is not legacy-IPC capable; asking
+// cudaIpcGetMemHandle anyway is not reliably refused, so the driver's own flag decides.
+bool legacy_ipc_capable(CUdeviceptr base) {
+  int capable = 1;
+  const GetPointerAttribute query = get_pointer_attribute();
+  if (query == nullptr ||
+      query(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, base) != CUDA_SUCCESS) {
+    return true;  // older drivers: cudaIpcGetMemHandle is the only test
+  }
+  return capable != 0;
+}
+
 }  // namespace
 
 std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) {
@@ -43,7 +70,8 @@ std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) 
   auto [entry, inserted] = by_base_.try_emplace(static_cast<std::uintptr_t>(base));
   if (inserted) {
     cudaIpcMemHandle_t handle;
-    if (cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)) == cudaSuccess) {
+    if (legacy_ipc_capable(base) &&
+        cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)) == cudaSuccess) {
       HandleBytes bytes;
       std::memcpy(bytes.data(), &handle, sizeof handle);
       entry->second = static_cast<std::uint32_t>(handles_.size());
