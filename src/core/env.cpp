@@ -85,6 +85,8 @@ bool nvshmem_direct() { return get_int("RESHARD_NVSHMEM_DIRECT", 1) != 0; }
 
 bool nvshmem_trace() { return get_int("RESHARD_NVSHMEM_TRACE", 0) != 0; }
 
+bool cuda_trace() { return get_int("RESHARD_CUDA_TRACE", 0) != 0; }
+
 std::optional<std::uint64_t> chunk_bytes() {
   auto value = get("RESHARD_CHUNK_BYTES");
   if (!value) return std::nullopt;

@@ -58,6 +58,9 @@ bool nvshmem_direct();
 // RESHARD_NVSHMEM_TRACE=1: the NVSHMEM transport times every step of a run (diagnosis; it
 // serialises the run) and logs the means at finalize.
 bool nvshmem_trace();
+// RESHARD_CUDA_TRACE=1: the CUDA transport's fused kernel stamps each run's phases on the GPU
+// clock (diagnosis of the fixed cost per run) and logs their medians at finalize.
+bool cuda_trace();
 // RESHARD_VERIFY=1: verify mode for every copy service (see CopyService::set_verify).
 bool verify();
 // RESHARD_TEST_CORRUPT_TASK=<task id>: tests of verify mode flip a byte of that task's receive

@@ -162,6 +162,10 @@ __device__ std::uint32_t find_group(const KernelArgs& a, std::uint32_t cta) {
   return g;
 }
 
+__device__ __forceinline__ void stamp(const KernelArgs& a, std::uint64_t epoch, TracePhase phase) {
+  if (a.trace != nullptr) a.trace[(epoch % kTraceRuns) * kTracePhases + phase] = global_timer_ns();
+}
+
 __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) {
   __shared__ std::uint64_t epoch;
   __shared__ std::uint32_t group_index;
@@ -170,6 +174,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   if (threadIdx.x == 0) {
     epoch =
         *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+    if (blockIdx.x == 0) stamp(a, epoch, kTraceStart);
     if (blockIdx.x == 0) {
       for (std::uint32_t s = 0; s < a.source_count; ++s) store_release(a.source_ready[s], epoch);
     }
@@ -179,6 +184,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
       const PeerGroup& g = a.groups[group_index];
       may_write = wait_at_least(g.local_ready, epoch, a, g.peer, kPhaseReady);
     }
+    if (blockIdx.x == 0) stamp(a, epoch, kTraceReady);
   }
   __syncthreads();
   if (may_write) {
@@ -187,6 +193,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
+  if (blockIdx.x == 0) stamp(a, epoch, kTraceCopied);
   if (may_write) {
     const PeerGroup& g = a.groups[group_index];
     if (g.peer >= 0) {
@@ -201,6 +208,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
       }
     }
   }
+  if (blockIdx.x == 0) stamp(a, epoch, kTraceSignalled);
   __threadfence();
   unsigned int* grid = SignalLayout::grid_arrivals(signals, a.n_pes);
   if (atomicAdd(grid, 1u) != a.cta_count - 1) return;
@@ -211,6 +219,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
                        kPhaseDone))
       break;
   }
+  stamp(a, epoch, kTraceAllDone);
   *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) = epoch;
 }
 

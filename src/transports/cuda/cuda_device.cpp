@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <fstream>
 #include <thread>
 
 #include "core/env.hpp"
@@ -86,6 +87,21 @@ int first_exited_process(std::span<const pid_t> pids) {
   return -1;
 }
 
+int first_stopped_process(std::span<const pid_t> pids) {
+  for (std::size_t i = 0; i < pids.size(); ++i) {
+    if (pids[i] <= 0) continue;
+    std::ifstream stat("/proc/" + std::to_string(pids[i]) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // "pid (command) state ...": the command may hold spaces and parentheses.
+    const auto close = line.rfind(')');
+    if (close != std::string::npos && close + 2 < line.size() &&
+        (line[close + 2] == 'T' || line[close + 2] == 't'))
+      return static_cast<int>(i);
+  }
+  return -1;
+}
+
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
@@ -103,7 +119,8 @@ std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
 }
 
 std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
-                         int* dead, const std::function<std::string()>& transport_problem) {
+                         int* dead, const std::function<std::string()>& transport_problem,
+                         std::span<const int> peers) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto limit = env::timeout();
@@ -121,9 +138,18 @@ std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const c
              ") exited mid-run";
     }
     if (Clock::now() - start > limit) {
-      return std::string("the ") + what + " transfers did not finish within " +
-             std::to_string(limit.count() / 1000) +
-             " s (is every PE calling run()? RESHARD_TIMEOUT_S sets the limit)";
+      std::string text = std::string("the ") + what + " transfers did not finish within " +
+                         std::to_string(limit.count() / 1000) + " s";
+      if (const int stopped = first_stopped_process(pids); stopped >= 0) {
+        text += ": PE " + std::to_string(stopped) + " (pid " + std::to_string(pids[stopped]) +
+                ") is stopped";
+      } else if (!peers.empty()) {
+        text += "; this run waits on PE";
+        for (std::size_t i = 0; i < peers.size(); ++i)
+          text += (i == 0 ? " " : ", ") + std::to_string(peers[i]);
+        text += " (is every PE calling run()?)";
+      }
+      return text + " (RESHARD_TIMEOUT_S sets the limit)";
     }
     std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
   }

@@ -23,11 +23,15 @@ int first_exited_process(std::span<const pid_t> pids);
 // Collective: every PE's process id where it shares this host (0 for this PE and for PEs on other
 // hosts), so a waiting PE can tell a peer that died from one that is slow.
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
+// Index of the first process in `pids` that is stopped (SIGSTOP, a debugger), or -1.
+int first_stopped_process(std::span<const pid_t> pids);
 // Waits for `event` (the end of a run): an empty string once it completes, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
-// RESHARD_TIMEOUT_S passing while "the <what> transfers" are unfinished.
+// RESHARD_TIMEOUT_S passing while "the <what> transfers" are unfinished — naming a stopped local
+// peer, else the PEs this run exchanges with (`peers`).
 std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
-                         int* dead, const std::function<std::string()>& transport_problem = {});
+                         int* dead, const std::function<std::string()>& transport_problem = {},
+                         std::span<const int> peers = {});
 // Records `event` on `stream` after a run and returns true, unless the stream is being captured
 // into a graph (then the run only exists in the graph and there is nothing to wait for).
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -121,6 +122,7 @@ class CudaTransport final : public Transport {
                                                               bool last_attempt);
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
   void wait_for(cudaEvent_t event, const char* what);
+  void log_trace() noexcept;
   void throw_device_failure();
 
   Bootstrap& bootstrap_;
@@ -140,6 +142,7 @@ class CudaTransport final : public Transport {
   cudaEvent_t joins_[kCopyEngineStreams] = {};
   cudaEvent_t last_run_ = nullptr;
   bool run_pending_ = false;
+  std::uint64_t* trace_ = nullptr;  // RESHARD_CUDA_TRACE: device stamps, see TracePhase
   std::uint64_t* signals_ = nullptr;
   std::vector<std::uint64_t*> peer_signals_;  // mapped; [me_] is signals_
   DeviceStatus* status_ = nullptr;            // pinned host memory
@@ -177,6 +180,11 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   const std::uint64_t signal_bytes = std::max<std::uint64_t>(SignalLayout::bytes(n_pes_), 2 << 20);
   RESHARD_CUDA_CHECK(cudaMalloc(&signals_, signal_bytes));
   RESHARD_CUDA_CHECK(cudaMemset(signals_, 0, signal_bytes));
+  if (env::cuda_trace()) {
+    const std::size_t bytes = sizeof(std::uint64_t) * kTraceRuns * kTracePhases;
+    RESHARD_CUDA_CHECK(cudaMalloc(&trace_, bytes));
+    RESHARD_CUDA_CHECK(cudaMemset(trace_, 0, bytes));
+  }
   RESHARD_CUDA_CHECK(cudaDeviceSynchronize());
   cudaIpcMemHandle_t handle;
   RESHARD_CUDA_CHECK(cudaIpcGetMemHandle(&handle, signals_));
@@ -269,16 +277,40 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   std::vector<std::vector<const PlannedBatch*>> sends_to(n_pes_);
   for (const PlannedBatch& batch : plan.sends) sends_to[batch.peer].push_back(&batch);
 
-  // Mappings the new schedule does not use again are closed once it is built.
-  imports_.mark_all_unused();
+  struct PeerExports {
+    std::vector<HandleBytes> handles;
+    std::vector<WireBatch> batches;
+    std::vector<WireSpan> spans;
+  };
+  std::vector<PeerExports> exports(n_pes_);
+  std::set<IpcImports::Key> needed;
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (pe == me_ || sends_to[pe].empty()) continue;
+    wire::Reader reader(all[pe]);
+    PeerExports& e = exports[pe];
+    e.handles = reader.get_array<HandleBytes>();
+    e.batches = reader.get_array<WireBatch>();
+    e.spans = reader.get_array<WireSpan>();
+    std::size_t span_index = 0;
+    for (const WireBatch& batch : e.batches) {
+      for (std::uint32_t s = 0; s < batch.span_count; ++s, ++span_index) {
+        const WireSpan& span = e.spans.at(span_index);
+        if (batch.peer == me_ && span.handle < e.handles.size())
+          needed.insert({pe, e.handles[span.handle]});
+      }
+    }
+  }
+  // Mappings this schedule does not use are closed before any new one opens: a peer that freed a
+  // buffer and allocated another on the same driver page can be mapped only once the old mapping
+  // is gone (the bench's alternating buffers were staged through the bounce buffer before).
+  imports_.retain(needed);
   std::vector<GroupPlan> groups;
   std::vector<PeerHandle> unmappable;  // (owner PE, handle index)
   for (int pe = 0; pe < n_pes_; ++pe) {
     if (pe == me_ || sends_to[pe].empty()) continue;
-    wire::Reader reader(all[pe]);
-    const auto handles = reader.get_array<HandleBytes>();
-    const auto peer_batches = reader.get_array<WireBatch>();
-    const auto peer_spans = reader.get_array<WireSpan>();
+    const auto& handles = exports[pe].handles;
+    const auto& peer_batches = exports[pe].batches;
+    const auto& peer_spans = exports[pe].spans;
     GroupPlan group;
     group.group.peer = pe;
     std::size_t next_send = 0, span_index = 0;
@@ -314,7 +346,6 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     }
     groups.push_back(std::move(group));
   }
-  imports_.close_unmarked();
   // Every PE learns which of its allocations a peer could not map, and all retry together.
   wire::Writer failures;
   failures.put_array(std::span<const PeerHandle>(unmappable));
@@ -364,7 +395,9 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   auto exchanged = exchange_destinations(plan, *prepared, unstage, refused, false);
   if (!exchanged) {
     // Small allocations can share a driver page that a peer already maps under another handle;
-    // those are staged instead.
+    // those are staged instead. The first attempt's bounce buffer lives until the second one is
+    // mapped, so the new one cannot reuse its memory under a handle peers still map.
+    auto first_attempt = std::move(prepared);
     prepared = std::make_unique<PreparedRun>();
     unstage.clear();
     exchanged = exchange_destinations(plan, *prepared, unstage, refused, true);
@@ -417,6 +450,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   base.status = status_device_;
   base.timeout_ns = timeout_ns_;
   base.unroll = unroll_;
+  base.trace = trace_;
 
   std::vector<PeerGroup> sm_groups, signal_groups;
   std::vector<CopyDescriptor> sm_descriptors;
@@ -562,6 +596,44 @@ void CudaTransport::throw_device_failure() {
   throw_error(ErrorCode::kTimeout, text.str());
 }
 
+// Medians over the recorded runs of each phase of the fused kernel, and of the gap from one
+// run's end to the next one's start (kernel launch, or the host falling behind).
+void CudaTransport::log_trace() noexcept {
+  std::vector<std::uint64_t> stamps(static_cast<std::size_t>(kTraceRuns) * kTracePhases);
+  if (cudaMemcpy(stamps.data(), trace_, stamps.size() * sizeof stamps[0], cudaMemcpyDeviceToHost) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  auto at = [&](int run, int phase) { return stamps[run * kTracePhases + phase]; };
+  auto complete = [&](int run) {
+    for (int p = 0; p < kTracePhases; ++p) {
+      if (at(run, p) == 0) return false;
+    }
+    return true;
+  };
+  const char* names[] = {"wait for peer ready", "copy", "signal done", "wait for sources"};
+  std::vector<std::vector<double>> deltas(kTracePhases);
+  for (int run = 0; run < kTraceRuns; ++run) {
+    if (!complete(run)) continue;
+    for (int p = 0; p + 1 < kTracePhases; ++p)
+      deltas[p].push_back(static_cast<double>(at(run, p + 1)) - static_cast<double>(at(run, p)));
+    const int next = (run + 1) % kTraceRuns;
+    if (complete(next) && at(next, kTraceStart) > at(run, kTraceAllDone))
+      deltas[kTracePhases - 1].push_back(at(next, kTraceStart) - at(run, kTraceAllDone));
+  }
+  std::ostringstream text;
+  text << "cuda trace, PE " << me_ << ", medians over " << deltas[0].size() << " runs (us):";
+  for (int p = 0; p < kTracePhases; ++p) {
+    auto& d = deltas[p];
+    if (d.empty()) continue;
+    std::nth_element(d.begin(), d.begin() + d.size() / 2, d.end());
+    text << " " << (p + 1 < kTracePhases ? names[p] : "end to next start") << " "
+         << d[d.size() / 2] / 1000.0 << ";";
+  }
+  RESHARD_LOG(kWarn, text.str());
+}
+
 void CudaTransport::abort(const std::string& reason) noexcept {
   aborted_ = true;
   if (status_ != nullptr) reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
@@ -582,6 +654,11 @@ void CudaTransport::finalize() noexcept {
       bootstrap_.barrier();
     } catch (const Error&) {
     }
+  }
+  if (trace_ != nullptr) {
+    log_trace();
+    cudaFree(trace_);
+    trace_ = nullptr;
   }
   prepared_.reset();
   imports_.close_all();

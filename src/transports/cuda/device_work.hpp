@@ -82,6 +82,15 @@ struct KernelArgs {
   DeviceStatus* status;  // device pointer of the pinned status
   std::uint64_t timeout_ns;
   int unroll;  // 16-byte loads in flight per thread before the stores: 4 or 8
+  // RESHARD_CUDA_TRACE: globaltimer stamps of each run's phases (PhaseTrace), else null.
+  std::uint64_t* trace;
 };
+
+// Where the fused kernel stamps a run's phases: kTraceRuns records of kTracePhases stamps, the
+// record of run e at (e % kTraceRuns). CTA 0 stamps its start, the moment its peer was ready, the
+// end of its copy and its done signal; the last CTA stamps when every source's data had landed.
+inline constexpr int kTraceRuns = 1024;
+inline constexpr int kTracePhases = 5;
+enum TracePhase : int { kTraceStart, kTraceReady, kTraceCopied, kTraceSignalled, kTraceAllDone };
 
 }  // namespace reshard::cuda

@@ -87,12 +87,11 @@ std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) 
 }
 
 unsigned char* IpcImports::map(int peer, const HandleBytes& handle, bool may_fail) {
-  Mapping& mapping = mappings_[{peer, handle}];
-  if (mapping.base == nullptr) {
+  void*& base = mappings_[{peer, handle}];
+  if (base == nullptr) {
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), sizeof h);
-    const cudaError_t status =
-        cudaIpcOpenMemHandle(&mapping.base, h, cudaIpcMemLazyEnablePeerAccess);
+    const cudaError_t status = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
     if (status != cudaSuccess) {
       mappings_.erase({peer, handle});
       cudaGetLastError();
@@ -104,28 +103,23 @@ unsigned char* IpcImports::map(int peer, const HandleBytes& handle, bool may_fai
               "); the cuda transport needs peer access between the PEs' GPUs");
     }
   }
-  mapping.used = true;
-  return static_cast<unsigned char*>(mapping.base);
+  return static_cast<unsigned char*>(base);
 }
 
-void IpcImports::mark_all_unused() {
-  for (auto& [key, mapping] : mappings_) mapping.used = false;
-}
-
-void IpcImports::close_unmarked() {
+void IpcImports::retain(const std::set<Key>& keep) {
   for (auto it = mappings_.begin(); it != mappings_.end();) {
-    if (it->second.used) {
+    if (keep.count(it->first) != 0) {
       ++it;
       continue;
     }
-    if (cudaIpcCloseMemHandle(it->second.base) != cudaSuccess) cudaGetLastError();
+    if (cudaIpcCloseMemHandle(it->second) != cudaSuccess) cudaGetLastError();
     it = mappings_.erase(it);
   }
 }
 
 void IpcImports::close_all() noexcept {
-  for (auto& [key, mapping] : mappings_) {
-    if (cudaIpcCloseMemHandle(mapping.base) != cudaSuccess) cudaGetLastError();
+  for (auto& [key, base] : mappings_) {
+    if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();
   }
   mappings_.clear();
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 namespace reshard::cuda {
@@ -43,18 +44,15 @@ class IpcImports {
   // Base address of the peer's allocation in this process; opens it on first use. Throws, or
   // with `may_fail` returns nullptr, when CUDA cannot map it (small allocations that share a
   // driver page with one already mapped are refused as "already mapped").
+  using Key = std::pair<int, HandleBytes>;  // (peer, handle)
+
   unsigned char* map(int peer, const HandleBytes& handle, bool may_fail = false);
-  // Starts a new schedule: mappings not mapped again before close_unmarked() are closed.
-  void mark_all_unused();
-  void close_unmarked();
+  // Closes every mapping not in `keep` (a new schedule's allocations).
+  void retain(const std::set<Key>& keep);
   void close_all() noexcept;
 
  private:
-  struct Mapping {
-    void* base = nullptr;
-    bool used = false;
-  };
-  std::map<std::pair<int, HandleBytes>, Mapping> mappings_;
+  std::map<Key, void*> mappings_;
 };
 
 }  // namespace reshard::cuda

@@ -42,8 +42,14 @@ class NcclTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nccl");
   }
-  void prepare(const ExecutionPlan&) override {
+  void prepare(const ExecutionPlan& plan) override {
     if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
+    peers_.clear();
+    for (const auto* list : {&plan.sends, &plan.receives}) {
+      for (const PlannedBatch& batch : *list) peers_.push_back(batch.peer);
+    }
+    std::sort(peers_.begin(), peers_.end());
+    peers_.erase(std::unique(peers_.begin(), peers_.end()), peers_.end());
   }
   void run(const ExecutionPlan& plan, void* stream) override;
   void synchronize() override;
@@ -61,6 +67,7 @@ class NcclTransport final : public Transport {
   cudaEvent_t last_run_ = nullptr;
   bool run_pending_ = false;
   std::vector<pid_t> local_pids_;  // 0 for PEs on other hosts
+  std::vector<int> peers_;         // the PEs the current plan exchanges with, for timeouts
   bool aborted_ = false;
   bool finalized_ = false;
 };
@@ -140,13 +147,16 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
 void NcclTransport::synchronize() {
   if (!run_pending_) return;
   int dead = -1;
-  const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NCCL", &dead, [&] {
-    ncclResult_t async = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &async);
-    return async != ncclSuccess && async != ncclInProgress
-               ? std::string("NCCL reported ") + ncclGetErrorString(async)
-               : std::string();
-  });
+  const std::string problem = cuda::wait_for_run(
+      last_run_, local_pids_, "NCCL", &dead,
+      [&] {
+        ncclResult_t async = ncclSuccess;
+        ncclCommGetAsyncError(comm_, &async);
+        return async != ncclSuccess && async != ncclInProgress
+                   ? std::string("NCCL reported ") + ncclGetErrorString(async)
+                   : std::string();
+      },
+      peers_);
   run_pending_ = false;
   if (!problem.empty()) {
     // Aborting the communicator is the only way to stop NCCL kernels waiting on a lost peer.
