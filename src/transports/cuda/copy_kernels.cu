@@ -133,11 +133,17 @@ __device__ std::uint32_t descriptor_at(const CopyDescriptor* first, std::uint32_
 // cross several descriptors. A slice of few large pieces is copied by the whole CTA piece after
 // piece; one of many small pieces (small tensors, the tail of a refit) gives each warp its own
 // pieces, since a whole CTA on a 4 KiB piece leaves most of its threads idle.
-__device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uint32_t cta) {
+__device__ __forceinline__ void slice_of(const PeerGroup& group, std::uint32_t cta,
+                                         std::uint64_t* begin, std::uint64_t* end) {
   const std::uint64_t per_cta = (group.bytes + group.cta_count - 1) / group.cta_count;
   const std::uint64_t slice = (per_cta + 255) / 256 * 256;
-  const std::uint64_t begin = cta * slice;
-  const std::uint64_t end = min(group.bytes, begin + slice);
+  *begin = cta * slice;
+  *end = min(group.bytes, *begin + slice);
+}
+
+__device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uint32_t cta) {
+  std::uint64_t begin, end;
+  slice_of(group, cta, &begin, &end);
   if (begin >= end) return;
   const CopyDescriptor* first = a.descriptors + group.first_descriptor;
   const std::uint32_t lo = descriptor_at(first, group.descriptor_count, begin);
@@ -166,10 +172,45 @@ __device__ __forceinline__ void stamp(const KernelArgs& a, std::uint64_t epoch, 
   if (a.trace != nullptr) a.trace[(epoch % kTraceRuns) * kTracePhases + phase] = global_timer_ns();
 }
 
+// A CTA slice that is one piece, 16-byte aligned at both ends, of at most this many vectors per
+// thread is loaded into registers before the peer is ready and stored once it is: the loads (and
+// the descriptor lookups before them) then overlap the wait instead of following it.
+constexpr int kPrefetchVectors = 8;
+
+// This CTA's slice when it qualifies for the register path (see kPrefetchVectors).
+struct Prefetch {
+  const uint4* src;
+  uint4* dst;
+  std::uint32_t vectors;
+  std::uint32_t tail;  // bytes after the vectors
+};
+
+__device__ bool plan_prefetch(const KernelArgs& a, const PeerGroup& g, std::uint32_t cta,
+                              Prefetch* plan) {
+  std::uint64_t begin, end;
+  slice_of(g, cta, &begin, &end);
+  if (begin >= end) return false;
+  const CopyDescriptor* first = a.descriptors + g.first_descriptor;
+  const std::uint32_t d = descriptor_at(first, g.descriptor_count, begin);
+  const CopyDescriptor desc = first[d];
+  if (desc.offset + desc.bytes < end) return false;  // more than one piece
+  const unsigned char* src = desc.src + (begin - desc.offset);
+  unsigned char* dst = desc.dst + (begin - desc.offset);
+  const std::uint64_t bytes = end - begin;
+  if ((reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst)) % 16 != 0 ||
+      bytes / 16 > static_cast<std::uint64_t>(kCopyThreads) * kPrefetchVectors)
+    return false;
+  *plan = {reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
+           static_cast<std::uint32_t>(bytes / 16), static_cast<std::uint32_t>(bytes % 16)};
+  return true;
+}
+
 __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) {
   __shared__ std::uint64_t epoch;
   __shared__ std::uint32_t group_index;
   __shared__ bool may_write;
+  __shared__ bool prefetched;
+  __shared__ Prefetch plan;
   std::uint64_t* signals = a.signals;
   if (threadIdx.x == 0) {
     epoch =
@@ -180,6 +221,20 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
     }
     group_index = a.group_count == 0 ? 0 : find_group(a, blockIdx.x);
     may_write = a.group_count > 0;
+    prefetched = may_write && plan_prefetch(a, a.groups[group_index],
+                                            blockIdx.x - a.groups[group_index].first_cta, &plan);
+  }
+  __syncthreads();
+  // Sources are this PE's and ready at kernel start (stream order): load them now.
+  uint4 values[kPrefetchVectors];
+  if (prefetched) {
+#pragma unroll
+    for (int k = 0; k < kPrefetchVectors; ++k) {
+      const std::uint32_t i = threadIdx.x + k * kCopyThreads;
+      if (i < plan.vectors) values[k] = __ldg(plan.src + i);
+    }
+  }
+  if (threadIdx.x == 0) {
     if (may_write && a.groups[group_index].peer >= 0) {
       const PeerGroup& g = a.groups[group_index];
       may_write = wait_at_least(g.local_ready, epoch, a, g.peer, kPhaseReady);
@@ -187,7 +242,16 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
     if (blockIdx.x == 0) stamp(a, epoch, kTraceReady);
   }
   __syncthreads();
-  if (may_write) {
+  if (may_write && prefetched) {
+#pragma unroll
+    for (int k = 0; k < kPrefetchVectors; ++k) {
+      const std::uint32_t i = threadIdx.x + k * kCopyThreads;
+      if (i < plan.vectors) plan.dst[i] = values[k];
+    }
+    const auto* tail_src = reinterpret_cast<const unsigned char*>(plan.src + plan.vectors);
+    auto* tail_dst = reinterpret_cast<unsigned char*>(plan.dst + plan.vectors);
+    if (threadIdx.x < plan.tail) tail_dst[threadIdx.x] = tail_src[threadIdx.x];
+  } else if (may_write) {
     const PeerGroup& g = a.groups[group_index];
     copy_share(a, g, blockIdx.x - g.first_cta);
   }
