@@ -1,5 +1,6 @@
 #include "transports/cuda/cuda_device.hpp"
 
+#include <cuda.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -48,8 +49,39 @@ int select_device(const Bootstrap& bootstrap) {
                                                  " but PE " + std::to_string(bootstrap.rank()) +
                                                  " sees devices 0.." + std::to_string(count - 1));
   }
-  RESHARD_CUDA_CHECK(cudaSetDevice(device));
   return device;
+}
+
+namespace {
+
+using GetContext = CUresult (*)(CUcontext*);
+using SetContext = CUresult (*)(CUcontext);
+
+template <typename Function>
+Function driver_entry(const char* name) {
+  void* pointer = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &pointer, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function>(pointer);
+}
+
+}  // namespace
+
+DeviceScope::DeviceScope(int device) {
+  static const auto get_current = driver_entry<GetContext>("cuCtxGetCurrent");
+  CUcontext current = nullptr;
+  if (get_current != nullptr && get_current(&current) == CUDA_SUCCESS) saved_ = current;
+  RESHARD_CUDA_CHECK(cudaSetDevice(device));
+}
+
+DeviceScope::~DeviceScope() {
+  static const auto set_current = driver_entry<SetContext>("cuCtxSetCurrent");
+  if (saved_ != nullptr && set_current != nullptr) set_current(static_cast<CUcontext>(saved_));
 }
 
 void check_device_buffer(const Buffer& buffer, int device, const char* transport) {

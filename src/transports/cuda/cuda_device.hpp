@@ -14,8 +14,23 @@
 
 namespace reshard::cuda {
 
-// RESHARD_DEVICE, else the local rank modulo the visible devices; makes it current.
+// RESHARD_DEVICE, else the local rank modulo the visible devices.
 int select_device(const Bootstrap& bootstrap);
+
+// Makes `device`'s primary context current on this thread for a transport call and restores the
+// caller's context afterwards. Every transport entry point holds one: a framework that keeps its
+// own context current (XLA does) would otherwise receive reshard's allocations and IPC mappings
+// in that context, which the transport's kernels, in the primary context, cannot touch.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  void* saved_ = nullptr;  // CUcontext
+};
 // Throws kInvalidArgument unless `buffer` is CUDA memory of `device`, and says what it is instead.
 void check_device_buffer(const Buffer& buffer, int device, const char* transport);
 // Index of the first process in `pids` that no longer exists (entries <= 0 are not checked), or -1.

@@ -158,6 +158,7 @@ class CudaTransport final : public Transport {
 CudaTransport::CudaTransport(Bootstrap& bootstrap)
     : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
   device_ = select_device(bootstrap);
+  DeviceScope scope(device_);
   engine_ = env::cuda_engine();
   copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
   ctas_per_peer_ = env::cuda_ctas_per_peer();
@@ -386,6 +387,7 @@ void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& t
 
 void CudaTransport::prepare(const ExecutionPlan& plan) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
+  DeviceScope scope(device_);
   if (run_pending_) wait_for(last_run_, "the previous schedule's runs");
   throw_device_failure();
   auto prepared = std::make_unique<PreparedRun>();
@@ -508,7 +510,7 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
                                              std::to_string(dead) + " (pid " +
                                              std::to_string(pids_[dead]) + ") has exited");
   }
-  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   PreparedRun& p = *prepared_;
   if (p.fused) {
@@ -570,6 +572,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
 
 void CudaTransport::synchronize() {
   if (!run_pending_) return throw_device_failure();
+  DeviceScope scope(device_);
   wait_for(last_run_, "run()");
   run_pending_ = false;
   throw_device_failure();
@@ -643,6 +646,11 @@ void CudaTransport::abort(const std::string& reason) noexcept {
 void CudaTransport::finalize() noexcept {
   if (finalized_) return;
   finalized_ = true;
+  std::optional<DeviceScope> scope;
+  try {
+    scope.emplace(device_);
+  } catch (const Error&) {
+  }
   try {
     if (run_pending_) wait_for(last_run_, "the last run()");
   } catch (const Error& error) {

@@ -14,6 +14,7 @@
 
 #ifdef RESHARD_WITH_CUDA
 #include "transports/cuda/cuda_check.hpp"
+#include "transports/cuda/cuda_device.hpp"
 #endif
 
 namespace reshard {
@@ -31,7 +32,7 @@ class MixedTransport final : public Transport {
     name_ = std::string(intra_->name()) + "+" + inter_->name();
 #ifdef RESHARD_WITH_CUDA
     if (intra_->device() >= 0) {
-      RESHARD_CUDA_CHECK(cudaSetDevice(intra_->device()));
+      cuda::DeviceScope scope(intra_->device());
       RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
       RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
       RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -70,6 +71,7 @@ class MixedTransport final : public Transport {
   void run(const ExecutionPlan& /*plan*/, void* stream) override {
 #ifdef RESHARD_WITH_CUDA
     if (stream != nullptr && side_ != nullptr) {
+      cuda::DeviceScope scope(intra_->device());
       auto caller = static_cast<cudaStream_t>(stream);
       RESHARD_CUDA_CHECK(cudaEventRecord(fork_, caller));
       // The inter-node part first: a transport that refuses this stream (NVSHMEM under graph

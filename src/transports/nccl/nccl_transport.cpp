@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "core/env.hpp"
@@ -75,6 +76,7 @@ class NcclTransport final : public Transport {
 NcclTransport::NcclTransport(Bootstrap& bootstrap)
     : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
   device_ = cuda::select_device(bootstrap);
+  cuda::DeviceScope scope(device_);
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
 
@@ -94,7 +96,7 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap)
 void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
   if (finalized_ || comm_ == nullptr)
     throw_error(ErrorCode::kInvalidState, "run() after finalize()");
-  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   for (const LocalCopy& copy : plan.local_copies) {
     RESHARD_CUDA_CHECK(
@@ -146,6 +148,7 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
 
 void NcclTransport::synchronize() {
   if (!run_pending_) return;
+  cuda::DeviceScope scope(device_);
   int dead = -1;
   const std::string problem = cuda::wait_for_run(
       last_run_, local_pids_, "NCCL", &dead,
@@ -179,6 +182,11 @@ void NcclTransport::abort(const std::string& reason) noexcept {
 void NcclTransport::finalize() noexcept {
   if (finalized_) return;
   finalized_ = true;
+  std::optional<cuda::DeviceScope> scope;
+  try {
+    scope.emplace(device_);
+  } catch (const Error&) {
+  }
   try {
     synchronize();
   } catch (const Error& error) {

@@ -253,6 +253,7 @@ class NvshmemTransport final : public Transport {
 NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
     : me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
   device_ = cuda::select_device(bootstrap);
+  cuda::DeviceScope scope(device_);
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   {
     std::lock_guard lock(rt_.mutex);
@@ -390,7 +391,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
 
 void NvshmemTransport::prepare(const ExecutionPlan& plan) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
-  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  cuda::DeviceScope scope(device_);
   build_copies(plan);
   prepared_ = true;
 }
@@ -399,7 +400,7 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   if (!prepared_) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
   if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
-  RESHARD_CUDA_CHECK(cudaSetDevice(device_));
+  cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -476,6 +477,7 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
 
 void NvshmemTransport::synchronize() {
   if (!run_pending_) return;
+  cuda::DeviceScope scope(device_);
   int dead = -1;
   const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead);
   run_pending_ = false;
@@ -522,6 +524,11 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
 void NvshmemTransport::finalize() noexcept {
   if (finalized_) return;
   finalized_ = true;
+  std::optional<cuda::DeviceScope> scope;
+  try {
+    scope.emplace(device_);
+  } catch (const Error&) {
+  }
   if (trace_) {
     static const char* const names[] = {"wait-ack", "pack", "signal", "wait-data", "unpack", "ack"};
     std::string line;
