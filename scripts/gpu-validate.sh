@@ -23,6 +23,9 @@ status=0
 ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 \
   >"$OUT/gpu-tests.log" 2>&1 || status=$?
 grep -E "Test +#|tests passed|Failure|FAILED|what\(\)" "$OUT/gpu-tests.log" | tail -40
+# A PE killed or stopped mid-run on every GPU transport (unit suite, skipped without 2 GPUs).
+build-gpu/tests/reshard_unit_tests --gtest_filter='*GpuFaults*' >"$OUT/gpu-faults.log" 2>&1 || status=1
+grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gpu-faults.log" | head -10
 if [[ -d build-gpu/python/reshard ]]; then
   PYTHONPATH=build-gpu/python python3 -m pytest tests/python -q -rs >"$OUT/pytest.log" 2>&1 || status=1
   tail -3 "$OUT/pytest.log"

@@ -1,7 +1,7 @@
 // A PE for the fault tests: exchanges a uniform workload in a loop until PE 1 misbehaves
 // ("die": killed mid-run; "stall": stopped mid-run), then reports what this PE saw.
 //
-//     fault_worker die|stall [host|cuda|nccl|nvshmem]   (GPU transports move GPU memory)
+//     fault_worker die|stall [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU memory)
 #include <signal.h>
 #include <unistd.h>
 

@@ -367,6 +367,14 @@ def test_gpu_copy_service_with_cupy_arrays():
     assert_ok(launch(2, WORKERS / "copy_service_worker.py", 3, "cupy-cuda"))
 
 
+@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+def test_gpu_copy_service_with_expandable_segments():
+    # PyTorch's expandable segments are virtual-memory allocations, which CUDA IPC cannot share:
+    # the CUDA transport stages those destinations through its bounce buffer.
+    assert_ok(launch(2, WORKERS / "copy_service_worker.py", 4, "torch-cuda",
+                     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
+
+
 def jax_gpu_count() -> int:
     """GPUs JAX sees, asked in a child process so this one never initialises a GPU backend."""
     import importlib.util

@@ -92,6 +92,30 @@ TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
+// A mixed schedule (two declared nodes of two PEs, host memory on both transports): PE 1 dies;
+// its node mate fails inside the node, the other node when its inter-node part meets the dead PE
+// (or its failed mate, whichever it notices first) — every survivor in bounded time.
+TEST(Faults, PeKilledInAMixedScheduleFailsEveryNode) {
+  ::setenv("RESHARD_TIMEOUT_S", "10", 1);
+  ::setenv("RESHARD_NODE_SIZE", "2", 1);
+  ::setenv("CUDA_VISIBLE_DEVICES", "", 1);  // auto stays on CPU memory on a GPU machine too
+  const Outcome outcome = launch(4, {RESHARD_FAULT_WORKER, "die", "auto"}, false);
+  ::unsetenv("RESHARD_NODE_SIZE");
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  EXPECT_LT(outcome.seconds, 40.0) << all_lines(outcome);
+  EXPECT_EQ(outcome.result.exit_codes[1], 128 + SIGKILL) << all_lines(outcome);
+  const std::string mate = line_of(outcome, 0, "ERROR-SEEN");
+  ASSERT_FALSE(mate.empty()) << all_lines(outcome);
+  EXPECT_NE(mate.find("is PE 1"), std::string::npos) << mate;  // node numbering spelled out
+  for (int rank : {2, 3}) {
+    const std::string line = line_of(outcome, rank, "ERROR-SEEN");
+    ASSERT_FALSE(line.empty()) << all_lines(outcome);
+    EXPECT_TRUE(line.find("PE 1") != std::string::npos || line.find("PE 0") != std::string::npos)
+        << line;
+    EXPECT_EQ(outcome.result.exit_codes[rank], 1);
+  }
+}
+
 // The same faults on the GPU transports, two PEs (one GPU each): the survivor's device-side or
 // host-side waits end within the timeout, name PE 1, and its teardown does not hang. Skipped
 // without two GPUs or without the transport in this build.

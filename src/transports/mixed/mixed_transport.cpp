@@ -64,7 +64,7 @@ class MixedTransport final : public Transport {
 
   void prepare(const ExecutionPlan& plan) override {
     split(plan);
-    intra_->prepare(intra_plan_);
+    in_node([&] { intra_->prepare(intra_plan_); });
     inter_->prepare(inter_plan_);
   }
 
@@ -78,7 +78,7 @@ class MixedTransport final : public Transport {
       // capture) then leaves no side stream joined to the caller's.
       inter_->run(inter_plan_, caller);
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-      intra_->run(intra_plan_, side_);
+      in_node([&] { intra_->run(intra_plan_, side_); });
       RESHARD_CUDA_CHECK(cudaEventRecord(join_, side_));
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(caller, join_, 0));
       return;
@@ -86,12 +86,12 @@ class MixedTransport final : public Transport {
 #endif
     // Host-synchronous: every PE finishes its node's part before any starts the inter-node
     // part, so neither waits on a PE that is busy with the other.
-    intra_->run(intra_plan_, stream);
+    in_node([&] { intra_->run(intra_plan_, stream); });
     inter_->run(inter_plan_, stream);
   }
 
   void synchronize() override {
-    intra_->synchronize();
+    in_node([&] { intra_->synchronize(); });
     inter_->synchronize();
   }
 
@@ -115,6 +115,24 @@ class MixedTransport final : public Transport {
   }
 
  private:
+  // The intra-node transport numbers PEs within the node: its errors say which PEs those are.
+  template <typename Call>
+  void in_node(Call&& call) {
+    try {
+      call();
+    } catch (const Error& error) {
+      std::string numbering;
+      for (std::size_t i = 0; i < members_.size(); ++i) {
+        numbering +=
+            (i == 0 ? "" : ", ") + std::to_string(i) + " is PE " + std::to_string(members_[i]);
+      }
+      throw Error(error.code(),
+                  std::string(error.what()) + " [PE numbers of node " +
+                      std::to_string(nodes_.node_of[me_]) + ": " + numbering + "]",
+                  error.tasks());
+    }
+  }
+
   // The plan's batches with PEs of this node, renumbered for the node's bootstrap, and the
   // local copies go to the intra-node transport; the rest to the inter-node one.
   void split(const ExecutionPlan& plan) {
