@@ -83,6 +83,10 @@ struct RefitBenchOptions {
   int layers = 0;                   // 0: the model's own count
   std::string transform = "none";   // or "mxfp8" (sender side: FP8 + scales on the wire)
   TransportKind transport = TransportKind::kAuto;
+  // Timed after the transport under test, on the same tensors and process group: "auto" (NCCL
+  // where the transport under test is another GPU transport and NCCL is built), "none", or a
+  // transport name.
+  std::string baseline = "auto";
   int iterations = 5;
   int warmup = 2;
   std::string json_path;

@@ -64,6 +64,18 @@ void upload(Tensor& t, const std::vector<std::uint16_t>& values) {
 #endif
 }
 
+// Zeroes a destination, so a baseline run cannot pass on the bytes an earlier run left.
+void clear(Tensor& t) {
+  if (t.buffer.kind == MemoryKind::kHost) {
+    std::fill(t.host.begin(), t.host.end(), std::byte{0});
+    return;
+  }
+#ifdef RESHARD_WITH_CUDA
+  cudaMemset(t.buffer.data, 0, t.buffer.bytes);
+  cudaDeviceSynchronize();
+#endif
+}
+
 std::vector<std::byte> download(const Tensor& t) {
   if (t.buffer.kind == MemoryKind::kHost) return t.host;
   std::vector<std::byte> out(t.buffer.bytes);
@@ -220,6 +232,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   }
 
   std::vector<std::unique_ptr<Tensor>> memory;
+  std::vector<Tensor*> destinations;
   TensorMap src, dst;
   for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
     const ParamSpec& param = plan->params()[p];
@@ -236,30 +249,38 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         auto data = allocate(elements, gpu);
         auto scale = allocate(elements / 32, gpu);
         tensor = {data->buffer, DType::kFloat8E4M3, scale->buffer};
+        destinations.push_back(data.get());
+        destinations.push_back(scale.get());
         memory.push_back(std::move(data));
         memory.push_back(std::move(scale));
       } else {
         auto data = allocate(elements * 2, gpu);
         tensor = {data->buffer, DType::kBFloat16, {}};
+        destinations.push_back(data.get());
         memory.push_back(std::move(data));
       }
       dst[param.name] = tensor;
     }
   }
 
-  std::vector<double> times;
   ReshardReport report;
-  for (int i = 0; i < options.warmup + options.iterations; ++i) {
-    bootstrap->barrier();
-    const auto start = std::chrono::steady_clock::now();
-    report = execute_reshard_plan(plan, src, dst, service, transform);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double slowest = max_over_pes(*bootstrap, seconds);
-    if (i >= options.warmup) times.push_back(slowest);
-  }
-  std::sort(times.begin(), times.end());
-  const double median = times[times.size() / 2];
+  // Median of the slowest PE's time per refit on `on`, after the warm-up.
+  auto time_refits = [&](CopyService& on) {
+    std::vector<double> times;
+    for (int i = 0; i < options.warmup + options.iterations; ++i) {
+      bootstrap->barrier();
+      const auto start = std::chrono::steady_clock::now();
+      report = execute_reshard_plan(plan, src, dst, on, transform);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double slowest = max_over_pes(*bootstrap, seconds);
+      if (i >= options.warmup) times.push_back(slowest);
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  const double median = time_refits(service);
+  const ReshardReport measured = report;
 
   std::uint64_t wrong = 0;
   for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
@@ -272,6 +293,35 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     wrong += verify_sample(param, *shard, download(**it));
   }
   wrong = max_over_pes(*bootstrap, wrong);
+
+  // The baseline on the same tensors and process group, its bytes checked the same way.
+  std::string baseline_name = options.baseline;
+  if (baseline_name == "auto") {
+    const auto built = available_transports();
+    const bool has_nccl = std::find(built.begin(), built.end(), "nccl") != built.end();
+    baseline_name = gpu && has_nccl && service.transport_name() != "nccl" ? "nccl" : "none";
+  }
+  double baseline_median = 0;
+  std::uint64_t baseline_wrong = 0;
+  if (baseline_name != "none") {
+    CopyService baseline(bootstrap, parse_transport_kind(baseline_name));
+    baseline.init(LogLevel::kWarn);
+    baseline_name = baseline.transport_name();
+    for (Tensor* t : destinations) clear(*t);
+    baseline_median = time_refits(baseline);
+    baseline.finalize();
+    for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+      const ParamSpec& param = plan->params()[p];
+      const Shard* shard = plan->dst_layout().find_shard(me, p);
+      if (shard == nullptr || dst[param.name].dtype != DType::kBFloat16) continue;
+      const auto it = std::find_if(memory.begin(), memory.end(), [&](const auto& t) {
+        return t->buffer.data == dst[param.name].data.data;
+      });
+      baseline_wrong += verify_sample(param, *shard, download(**it));
+    }
+    baseline_wrong = max_over_pes(*bootstrap, baseline_wrong);
+  }
+  report = measured;
 
   double ceiling = 0;
 #ifdef RESHARD_WITH_CUDA
@@ -293,6 +343,12 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         "%.1f GB/s%s\n",
         options.iterations, median * 1e3, remote / median / 1e9, busiest,
         wrong ? "  WRONG BYTES" : "");
+    if (baseline_median > 0) {
+      std::printf(
+          "  baseline %s in this run, same tensors: %.2f ms; speed-up of %s over it: %.2fx%s\n",
+          baseline_name.c_str(), baseline_median * 1e3, service.transport_name().c_str(),
+          baseline_median / median, baseline_wrong ? "  BASELINE WRONG BYTES" : "");
+    }
     if (ceiling > 0) {
       std::printf(
           "  copy-engine ceiling in this run: %.1f GB/s (one GPU to one peer); busiest PE "
@@ -318,11 +374,16 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << (transform ? transform->name() : "none") << "\",\"median_s\":" << median
            << ",\"total_bytes\":" << stats.total_bytes << ",\"local_bytes\":" << stats.local_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
-           << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling
-           << ",\"wrong\":" << wrong << "}\n";
+           << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
+      if (baseline_median > 0) {
+        json << ",\"baseline\":\"" << baseline_name
+             << "\",\"baseline_median_s\":" << baseline_median
+             << ",\"baseline_wrong\":" << baseline_wrong;
+      }
+      json << ",\"wrong\":" << wrong << "}\n";
     }
   }
-  return wrong;
+  return wrong + baseline_wrong;
 }
 
 }  // namespace reshard::bench
