@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: builds reshard with its GPU transports, runs the GPU test suite (every
 # transport and engine at 2 and 4 GPUs) and, with --bench, the GPU benchmark, with --refit the
-# model refit benchmark (every GPU transport, with and without MXFP8). Logs go to $OUT
-# (default build-gpu/logs). GoogleTest and CLI11 may come from .deps/ where the machine lacks them.
+# model refit benchmark (CUDA with and without MXFP8, NVSHMEM; NCCL timed beside each). Logs go to
+# $OUT (default build-gpu/logs). GoogleTest and CLI11 may come from .deps/ where the machine lacks them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared machines.
@@ -34,8 +34,9 @@ commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknow
 if [[ "${1:-}" == "--refit" ]]; then
   shift
   gpus=$(nvidia-smi -L | wc -l)
+  # Each run times NCCL on the same tensors after the transport under test (--baseline auto).
   for model in llama3-8b qwen3-30b-a3b; do
-    for run in "cuda none" "nccl none" "cuda mxfp8" "nccl mxfp8"; do
+    for run in "cuda none" "cuda mxfp8" "nvshmem none"; do
       set -- $run
       timeout 240 build-gpu/reshard bench-refit -n "$gpus" -m "$model" -t "$1" --transform "$2" \
         --json "$OUT/bench-refit.jsonl" --commit "$commit" 2>&1 | tee -a "$OUT/bench-refit.txt" ||
