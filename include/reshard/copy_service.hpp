@@ -86,9 +86,9 @@ class CopyService {
   void synchronize();
   // Verify mode (also RESHARD_VERIFY=1 at init()): after every run(), each PE checksums the ranges
   // it sent and received, and one all-gather compares them; a mismatch throws kIntegrity on every
-  // PE, naming the tasks. Costs the checksums and that collective (see docs/performance.md). CPU
-  // memory only in this version (schedule() refuses GPU buffers with verify on). Every PE must
-  // choose the same.
+  // PE, naming the tasks. Costs the checksums and that collective (see docs/reliability.md); GPU
+  // ranges are read through host memory, and a run on a stream is waited for before they are.
+  // Every PE must choose the same.
   void set_verify(bool on);
   bool verify() const;
   // Forgets requests and plan; the service stays initialised.

@@ -200,8 +200,8 @@ class CopyService:
     def verify(self) -> bool:
         """Verify mode: after every run() each PE checksums what it sent and received and one
         all-gather compares them; a mismatch raises ReshardError (code "integrity") on every PE,
-        naming the tasks. CPU memory only for now; every PE must set the same. Also
-        RESHARD_VERIFY=1."""
+        naming the tasks. GPU ranges are read through host memory, and run(stream) waits for
+        the run before checking. Every PE must set the same. Also RESHARD_VERIFY=1."""
         return self._service.verify
 
     @verify.setter

@@ -62,5 +62,9 @@ std::string nccl_version();
 std::string nvshmem_version();
 // Number of CUDA devices this process sees (0 without CUDA or without a GPU).
 int visible_cuda_devices() noexcept;
+// Synchronous copies between a CUDA device's memory and the host (verify mode reads GPU ranges
+// through them); defined with the CUDA transport.
+void copy_device_to_host(void* dst, const void* src, std::size_t bytes, int device);
+void copy_host_to_device(void* dst, const void* src, std::size_t bytes, int device);
 
 }  // namespace reshard

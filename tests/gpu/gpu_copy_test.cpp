@@ -175,6 +175,41 @@ TEST(StreamOrder, RunCapturedInACudaGraphReplays) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// Verify mode on GPU memory: runs on a stream are checked once they complete; a byte flipped on
+// the GPU after the transfer is named on every PE as an integrity error, and the next run is
+// clean again.
+TEST(VerifyMode, GpuRangesAreCheckedAndCorruptionIsNamedOnEveryPe) {
+  auto service = make_service();
+  service->set_verify(true);
+  GpuWorkload w(*service, bench::make_workload("random", service->n_pes(), (1 << 20) + 5, 9));
+  service->schedule();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (std::uint32_t iteration = 0; iteration < 2; ++iteration) {
+    w.stage(iteration, stream);
+    service->run(stream);
+    EXPECT_EQ(w.check(iteration, stream), 0u) << "iteration " << iteration;
+  }
+  TaskId victim = 0;
+  for (const bench::WorkItem& item : w.workload.items)
+    if (item.bytes > 0) victim = item.task;
+  ::setenv("RESHARD_TEST_CORRUPT_TASK", std::to_string(victim).c_str(), 1);
+  w.stage(2, stream);
+  try {
+    service->run(stream);
+    ADD_FAILURE() << "a corrupted GPU range passed verify mode";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIntegrity) << error.what();
+    EXPECT_EQ(error.tasks(), std::vector<std::uint64_t>{victim}) << error.what();
+  }
+  ::unsetenv("RESHARD_TEST_CORRUPT_TASK");
+  w.stage(3, stream);
+  service->run(stream);
+  EXPECT_EQ(w.check(3, stream), 0u);
+  CUDA_OK(cudaStreamDestroy(stream));
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 // Stream-ordered pool memory cannot be shared through legacy CUDA IPC: the CUDA transport stages
 // those destinations through its bounce buffer, and the bytes must still arrive exactly.
 TEST(Destinations, PoolAllocatedDestinationsArrive) {

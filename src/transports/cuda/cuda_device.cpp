@@ -33,6 +33,16 @@ int visible_cuda_devices() noexcept {
   return count;
 }
 
+void copy_device_to_host(void* dst, const void* src, std::size_t bytes, int device) {
+  cuda::DeviceScope scope(device);
+  RESHARD_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+void copy_host_to_device(void* dst, const void* src, std::size_t bytes, int device) {
+  cuda::DeviceScope scope(device);
+  RESHARD_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
 namespace cuda {
 
 int select_device(const Bootstrap& bootstrap) {
