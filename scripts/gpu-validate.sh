@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On a GPU machine: builds reshard with its GPU transports, runs the GPU test suite (every
-# transport and engine at 2 and 4 GPUs) and, with --bench, the GPU benchmark, with --refit the
-# model refit benchmark (CUDA with and without MXFP8, NVSHMEM; NCCL timed beside each). Logs go to
-# $OUT (default build-gpu/logs). GoogleTest and CLI11 may come from .deps/ where the machine lacks them.
+# On a GPU machine: builds reshard with its GPU transports and runs the GPU test suite (every
+# transport and engine at 2 and 4 GPUs); then with --bench the GPU benchmark, with --sanitize
+# compute-sanitizer over every GPU transport, with --refit the model refit benchmark (CUDA with
+# and without MXFP8, NVSHMEM; NCCL timed beside each). Logs go to $OUT (default build-gpu/logs).
+# GoogleTest and CLI11 may come from .deps/ where the machine lacks them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared machines.
@@ -41,6 +42,21 @@ if [[ "${1:-}" == "--refit" ]]; then
       timeout 240 build-gpu/reshard bench-refit -n "$gpus" -m "$model" -t "$1" --transform "$2" \
         --json "$OUT/bench-refit.jsonl" --commit "$commit" 2>&1 | tee -a "$OUT/bench-refit.txt" ||
         status=1
+    done
+  done
+fi
+if [[ "${1:-}" == "--sanitize" ]]; then
+  # compute-sanitizer memcheck and racecheck over the GPU copy tests of every transport, 2 PEs.
+  # API errors are not reported: the CUDA transport probes IPC export of pool memory on purpose.
+  tests="Gpu/Workloads.*:StreamOrder.RunFollows*:Destinations.*:VerifyMode.*"
+  for transport in cuda nccl nvshmem; do
+    for tool in memcheck racecheck; do
+      RESHARD_TEST_TRANSPORT=$transport RESHARD_EXPECT_PES=2 RESHARD_STRESS_SECONDS=1 \
+        timeout 600 build-gpu/reshard-run -n 2 -- compute-sanitizer --tool "$tool" \
+        --report-api-errors no --error-exitcode 9 "$PWD/build-gpu/tests/reshard_gpu_tests" \
+        --gtest_filter="$tests" >"$OUT/sanitize-$transport-$tool.log" 2>&1 || status=1
+      echo "$transport $tool: $(grep -h "ERROR SUMMARY" "$OUT/sanitize-$transport-$tool.log" |
+        sort | uniq -c | tr -s ' ' | tr '\n' ';')"
     done
   done
 fi

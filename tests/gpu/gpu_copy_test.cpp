@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -173,6 +174,44 @@ TEST(StreamOrder, RunCapturedInACudaGraphReplays) {
   CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(stream));
   EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Stress on the GPU: random schedules (kinds, sizes, seeds), each run 1-3 times on a stream and
+// checked byte for byte, every third one in verify mode, for RESHARD_STRESS_SECONDS (default 5)
+// — new allocations every schedule, so IPC mappings come and go as in a long job.
+TEST(Stress, RandomSchedulesWithRepeatedRunsStayExact) {
+  const char* seconds_text = std::getenv("RESHARD_STRESS_SECONDS");
+  const double budget = seconds_text ? std::atof(seconds_text) : 5.0;
+  auto service = make_service();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto start = std::chrono::steady_clock::now();
+  const char* kinds[] = {"uniform", "random", "small", "refit"};
+  std::uint64_t schedules = 0, runs = 0;
+  for (std::uint64_t seed = 2000;; ++seed) {
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Every PE stops at the same schedule, on time or at the first failure anywhere.
+    if (!all_pes(elapsed < budget && !HasFailure())) break;
+    const std::uint64_t size = 1 + (seed * 2654435761u) % (1u << (seed % 22));
+    GpuWorkload w(*service, bench::make_workload(kinds[seed % 4], service->n_pes(), size, seed));
+    service->set_verify(seed % 3 == 0);
+    service->schedule();
+    ++schedules;
+    for (std::uint32_t iteration = 0; iteration < 1 + seed % 3; ++iteration, ++runs) {
+      w.stage(iteration, stream);
+      service->run(stream);
+      EXPECT_EQ(w.check(iteration, stream), 0u)
+          << kinds[seed % 4] << " size " << size << " seed " << seed << " run " << iteration;
+    }
+    service->synchronize();
+    service->clear_requests();
+  }
+  if (service->my_pe() == 0)
+    std::printf("stress: %llu schedules, %llu runs\n", static_cast<unsigned long long>(schedules),
+                static_cast<unsigned long long>(runs));
+  EXPECT_GT(schedules, 0u);
+  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // Verify mode on GPU memory: runs on a stream are checked once they complete; a byte flipped on
