@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -88,6 +89,12 @@ class ReshardPlan {
 ReshardPlan make_reshard_plan(std::shared_ptr<const Layout> src, std::shared_ptr<const Layout> dst,
                               const PlanOptions& options = {});
 ReshardPlan make_reshard_plan(const Layout& src, const Layout& dst,
+                              const PlanOptions& options = {});
+
+// The same plan, op by op: each op goes to `sink` as it is made and none is kept (a plan for
+// tens of thousands of GPUs holds tens of millions of ops). Returns the plan's stats.
+PlanStats for_each_reshard_op(const Layout& src, const Layout& dst,
+                              const std::function<void(const TransferOp&)>& sink,
                               const PlanOptions& options = {});
 
 }  // namespace reshard

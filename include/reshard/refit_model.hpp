@@ -11,8 +11,10 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "reshard/plan.hpp"
+#include "reshard/scheduler.hpp"
 
 namespace reshard {
 
@@ -52,5 +54,19 @@ struct RefitEstimate {
 
 RefitEstimate estimate_refit(const ReshardPlan& plan, const ClusterShape& cluster,
                              const RefitModelOptions& options = {});
+
+// The plan of `src` -> `dst` reduced to what the model needs: the non-local ops as transfers
+// with their wire bytes (24 bytes each instead of a full op), planned op by op so plans of tens
+// of millions of ops (16,384 GPUs) fit in memory. Reuse it for several cluster shapes.
+struct RefitTransfers {
+  std::vector<Transfer> transfers;
+  int ranks = 0;
+  PlanStats stats;
+};
+RefitTransfers refit_transfers(const Layout& src, const Layout& dst,
+                               const RefitModelOptions& options = {});
+// `transfers` with wire bytes among `ranks` GPUs (the overload above converts a plan's ops).
+RefitEstimate estimate_refit(std::vector<Transfer> transfers, int ranks,
+                             const ClusterShape& cluster, const RefitModelOptions& options = {});
 
 }  // namespace reshard

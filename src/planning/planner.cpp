@@ -1,6 +1,7 @@
 // make_reshard_plan: cover every destination piece with source blocks, pick one source per block
 // among replicas, merge what can travel as one block, number the operations.
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -100,8 +101,10 @@ struct Deferred {
 // the balanced choices, which keeps planning a trillion-parameter model within memory and time.
 class Planner {
  public:
-  Planner(const Layout& src, const Layout& dst, const PlanOptions& options)
-      : src_(src), dst_(dst), options_(options) {
+  // With a sink, ops go to it as they are made instead of into the returned list.
+  Planner(const Layout& src, const Layout& dst, const PlanOptions& options,
+          std::function<void(const TransferOp&)> sink = {})
+      : src_(src), dst_(dst), options_(options), sink_(std::move(sink)) {
     const PeId ranks = std::max(src.max_rank(), dst.max_rank()) + 1;
     egress_.assign(static_cast<std::size_t>(ranks), 0);
     ingress_.assign(static_cast<std::size_t>(ranks), 0);
@@ -111,7 +114,7 @@ class Planner {
     prepare_params();
     for (const Shard& shard : dst_.shards()) settle_shard(shard);
     balance();
-    ops_.reserve(upper_bound_ops_);
+    if (!sink_) ops_.reserve(upper_bound_ops_);
     for (const Shard& shard : dst_.shards()) emit_shard(shard);
     check_unique_ids();
     return std::move(ops_);
@@ -343,7 +346,12 @@ class Planner {
     for (TransferOp& op : shard_ops_) {
       const std::uint64_t h = hash_box(mix(name_hash_[op.param], op.dst_rank), op.region);
       op.task_id = (h >> kSubTaskBits) << kSubTaskBits;
-      ops_.push_back(op);
+      if (sink_) {
+        ids_.push_back(op.task_id);
+        sink_(op);
+      } else {
+        ops_.push_back(op);
+      }
     }
   }
 
@@ -392,7 +400,7 @@ class Planner {
   }
 
   void check_unique_ids() const {
-    std::vector<TaskId> ids;
+    std::vector<TaskId> ids = std::move(ids_);
     ids.reserve(ops_.size());
     for (const TransferOp& op : ops_) ids.push_back(op.task_id);
     std::sort(ids.begin(), ids.end());
@@ -412,6 +420,8 @@ class Planner {
   std::size_t next_deferred_ = 0;
   std::size_t upper_bound_ops_ = 0;
   std::vector<TransferOp> ops_;
+  std::function<void(const TransferOp&)> sink_;
+  std::vector<TaskId> ids_;  // of the ops handed to the sink, for the uniqueness check
   std::vector<std::uint64_t> egress_;
   std::vector<std::uint64_t> ingress_;
   // Scratch reused across shards.
@@ -475,6 +485,28 @@ ReshardPlan make_reshard_plan(std::shared_ptr<const Layout> src, std::shared_ptr
   }
   stats.lower_bound_bytes = std::max(stats.max_egress_bytes, stats.max_ingress_bytes);
   return plan;
+}
+
+PlanStats for_each_reshard_op(const Layout& src, const Layout& dst,
+                              const std::function<void(const TransferOp&)>& sink,
+                              const PlanOptions& options) {
+  PlanStats stats;
+  Planner planner(src, dst, options, [&](const TransferOp& op) {
+    stats.ops += 1;
+    stats.total_bytes += op.bytes;
+    if (op.local()) {
+      stats.local_ops += 1;
+      stats.local_bytes += op.bytes;
+    }
+    sink(op);
+  });
+  planner.plan();
+  for (std::size_t r = 0; r < planner.egress().size(); ++r) {
+    stats.max_egress_bytes = std::max(stats.max_egress_bytes, planner.egress()[r]);
+    stats.max_ingress_bytes = std::max(stats.max_ingress_bytes, planner.ingress()[r]);
+  }
+  stats.lower_bound_bytes = std::max(stats.max_egress_bytes, stats.max_ingress_bytes);
+  return stats;
 }
 
 ReshardPlan make_reshard_plan(const Layout& src, const Layout& dst, const PlanOptions& options) {

@@ -15,31 +15,58 @@ bool is_16bit_float(DType dtype) { return dtype == DType::kBFloat16 || dtype == 
 // Per GPU, the bytes it moves over each link direction: NVLink out/in, network out/in.
 using LinkBytes = std::array<double, 4>;
 
-}  // namespace
+// The wire bytes of a non-local op: matrices of 16-bit floats at the transform's ratio.
+std::uint64_t wire_bytes(const TransferOp& op, const ParamSpec& param,
+                         const RefitModelOptions& options) {
+  const double ratio =
+      param.shape.size() >= 2 && is_16bit_float(param.dtype) ? options.matrix_wire_ratio : 1.0;
+  const auto bytes = static_cast<std::uint64_t>(static_cast<double>(op.bytes) * ratio + 0.5);
+  return std::max<std::uint64_t>(bytes, 1);
+}
 
-RefitEstimate estimate_refit(const ReshardPlan& plan, const ClusterShape& cluster,
-                             const RefitModelOptions& options) {
+void check_cluster(const ClusterShape& cluster) {
   if (cluster.nvlink_domain < 1 || cluster.gpus_per_node < 1 || cluster.nvlink_gbps <= 0 ||
       cluster.network_gbps_per_gpu() <= 0) {
     throw_error(ErrorCode::kInvalidArgument,
                 "cluster shape: NVLink domain, GPUs per node and both link rates must be positive");
   }
-  RefitEstimate estimate;
+}
+
+}  // namespace
+
+RefitTransfers refit_transfers(const Layout& src, const Layout& dst,
+                               const RefitModelOptions& options) {
+  RefitTransfers out;
+  PeId top = std::max(src.max_rank(), dst.max_rank());
+  out.stats = for_each_reshard_op(src, dst, [&](const TransferOp& op) {
+    if (op.local()) return;
+    out.transfers.push_back(
+        {op.task_id, op.src_rank, op.dst_rank, wire_bytes(op, src.params()[op.param], options)});
+  });
+  out.ranks = top + 1;
+  return out;
+}
+
+RefitEstimate estimate_refit(const ReshardPlan& plan, const ClusterShape& cluster,
+                             const RefitModelOptions& options) {
+  check_cluster(cluster);
   PeId top = 0;
   for (const TransferOp& op : plan.ops()) top = std::max({top, op.src_rank, op.dst_rank});
-  estimate.ranks = top + 1;
-
-  // The ops as the copy service would see them, with wire bytes.
   std::vector<Transfer> transfers;
   transfers.reserve(plan.ops().size());
   for (const TransferOp& op : plan.ops()) {
     if (op.local()) continue;
-    const ParamSpec& param = plan.params()[op.param];
-    const double ratio =
-        param.shape.size() >= 2 && is_16bit_float(param.dtype) ? options.matrix_wire_ratio : 1.0;
-    const auto bytes = static_cast<std::uint64_t>(static_cast<double>(op.bytes) * ratio + 0.5);
-    transfers.push_back({op.task_id, op.src_rank, op.dst_rank, std::max<std::uint64_t>(bytes, 1)});
+    transfers.push_back(
+        {op.task_id, op.src_rank, op.dst_rank, wire_bytes(op, plan.params()[op.param], options)});
   }
+  return estimate_refit(std::move(transfers), top + 1, cluster, options);
+}
+
+RefitEstimate estimate_refit(std::vector<Transfer> transfers, int ranks,
+                             const ClusterShape& cluster, const RefitModelOptions& options) {
+  check_cluster(cluster);
+  RefitEstimate estimate;
+  estimate.ranks = ranks;
   std::sort(transfers.begin(), transfers.end(),
             [](const Transfer& a, const Transfer& b) { return a.task < b.task; });
 
