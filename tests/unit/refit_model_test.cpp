@@ -69,6 +69,44 @@ TEST(RefitModel, Fp8OnTheWireShrinksOnlyMatrices) {
   EXPECT_LT(fp8.lower_bound_s, bf16.lower_bound_s);
 }
 
+// Planning op by op must give the plan make_reshard_plan keeps (same ops in the same order,
+// same stats), and the model the same answer from either — with replicas to balance, MoE experts
+// and a cluster where some bytes stay on NVLink.
+TEST(RefitModel, OpByOpPlanningMatchesTheWholePlan) {
+  const ModelSpec model = toy_model(3, 256, 8);
+  const Layout src = build_layout(model, {.tp = 2, .dp = 2, .ep = 4});
+  const Layout dst = build_layout(model, {.tp = 4, .replicas = 2, .ep = 2, .rank_offset = 2});
+  const ReshardPlan plan = make_reshard_plan(src, dst);
+  std::vector<TransferOp> streamed;
+  const PlanStats stats =
+      for_each_reshard_op(src, dst, [&](const TransferOp& op) { streamed.push_back(op); });
+  ASSERT_EQ(streamed.size(), plan.ops().size());
+  for (std::size_t i = 0; i < streamed.size(); ++i) {
+    EXPECT_EQ(streamed[i].task_id, plan.ops()[i].task_id) << "op " << i;
+    EXPECT_EQ(streamed[i].src_rank, plan.ops()[i].src_rank) << "op " << i;
+    EXPECT_EQ(streamed[i].dst_rank, plan.ops()[i].dst_rank) << "op " << i;
+    EXPECT_EQ(streamed[i].bytes, plan.ops()[i].bytes) << "op " << i;
+  }
+  EXPECT_EQ(stats.total_bytes, plan.stats().total_bytes);
+  EXPECT_EQ(stats.local_bytes, plan.stats().local_bytes);
+  EXPECT_EQ(stats.lower_bound_bytes, plan.stats().lower_bound_bytes);
+  ClusterShape cluster;
+  cluster.nvlink_domain = 4;
+  cluster.gpus_per_node = 4;
+  const RefitModelOptions options{.matrix_wire_ratio = 33.0 / 64.0};
+  const RefitEstimate whole = estimate_refit(plan, cluster, options);
+  RefitTransfers planned = refit_transfers(src, dst, options);
+  const RefitEstimate streamed_estimate =
+      estimate_refit(std::move(planned.transfers), planned.ranks, cluster, options);
+  EXPECT_GT(whole.nvlink_bytes, 0u);
+  EXPECT_GT(whole.network_bytes, 0u);
+  EXPECT_EQ(streamed_estimate.nvlink_bytes, whole.nvlink_bytes);
+  EXPECT_EQ(streamed_estimate.network_bytes, whole.network_bytes);
+  EXPECT_EQ(streamed_estimate.rounds, whole.rounds);
+  EXPECT_DOUBLE_EQ(streamed_estimate.scheduled_s, whole.scheduled_s);
+  EXPECT_DOUBLE_EQ(streamed_estimate.lower_bound_s, whole.lower_bound_s);
+}
+
 TEST(RefitModel, RefusesAClusterWithoutLinks) {
   const ReshardPlan plan = mirrored_plan();
   ClusterShape cluster;
