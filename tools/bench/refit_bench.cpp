@@ -282,17 +282,21 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   const double median = time_refits(service);
   const ReshardReport measured = report;
 
-  std::uint64_t wrong = 0;
-  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-    const ParamSpec& param = plan->params()[p];
-    const Shard* shard = plan->dst_layout().find_shard(me, p);
-    if (shard == nullptr || dst[param.name].dtype != DType::kBFloat16) continue;
-    const auto it = std::find_if(memory.begin(), memory.end(), [&](const auto& t) {
-      return t->buffer.data == dst[param.name].data.data;
-    });
-    wrong += verify_sample(param, *shard, download(**it));
-  }
-  wrong = max_over_pes(*bootstrap, wrong);
+  // Wrong bytes in a sample of the BF16 destinations, the most on any PE.
+  auto sampled_wrong_bytes = [&] {
+    std::uint64_t wrong = 0;
+    for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+      const ParamSpec& param = plan->params()[p];
+      const Shard* shard = plan->dst_layout().find_shard(me, p);
+      if (shard == nullptr || dst[param.name].dtype != DType::kBFloat16) continue;
+      const auto it = std::find_if(memory.begin(), memory.end(), [&](const auto& t) {
+        return t->buffer.data == dst[param.name].data.data;
+      });
+      wrong += verify_sample(param, *shard, download(**it));
+    }
+    return max_over_pes(*bootstrap, wrong);
+  };
+  const std::uint64_t wrong = sampled_wrong_bytes();
 
   // The baseline on the same tensors and process group, its bytes checked the same way.
   std::string baseline_name = options.baseline;
@@ -310,16 +314,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     for (Tensor* t : destinations) clear(*t);
     baseline_median = time_refits(baseline);
     baseline.finalize();
-    for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-      const ParamSpec& param = plan->params()[p];
-      const Shard* shard = plan->dst_layout().find_shard(me, p);
-      if (shard == nullptr || dst[param.name].dtype != DType::kBFloat16) continue;
-      const auto it = std::find_if(memory.begin(), memory.end(), [&](const auto& t) {
-        return t->buffer.data == dst[param.name].data.data;
-      });
-      baseline_wrong += verify_sample(param, *shard, download(**it));
-    }
-    baseline_wrong = max_over_pes(*bootstrap, baseline_wrong);
+    baseline_wrong = sampled_wrong_bytes();
   }
   report = measured;
 
