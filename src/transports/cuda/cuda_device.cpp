@@ -67,8 +67,9 @@ namespace {
 using GetContext = CUresult (*)(CUcontext*);
 using SetContext = CUresult (*)(CUcontext);
 
-template <typename Function>
-Function driver_entry(const char* name) {
+}  // namespace
+
+void* driver_entry_point(const char* name) {
   void* pointer = nullptr;
   cudaDriverEntryPointQueryResult found{};
   if (cudaGetDriverEntryPointByVersion(name, &pointer, 12000, cudaEnableDefault, &found) !=
@@ -77,20 +78,20 @@ Function driver_entry(const char* name) {
     cudaGetLastError();
     return nullptr;
   }
-  return reinterpret_cast<Function>(pointer);
+  return pointer;
 }
 
-}  // namespace
-
 DeviceScope::DeviceScope(int device) {
-  static const auto get_current = driver_entry<GetContext>("cuCtxGetCurrent");
+  static const auto get_current =
+      reinterpret_cast<GetContext>(driver_entry_point("cuCtxGetCurrent"));
   CUcontext current = nullptr;
   if (get_current != nullptr && get_current(&current) == CUDA_SUCCESS) saved_ = current;
   RESHARD_CUDA_CHECK(cudaSetDevice(device));
 }
 
 DeviceScope::~DeviceScope() {
-  static const auto set_current = driver_entry<SetContext>("cuCtxSetCurrent");
+  static const auto set_current =
+      reinterpret_cast<SetContext>(driver_entry_point("cuCtxSetCurrent"));
   if (saved_ != nullptr && set_current != nullptr) set_current(static_cast<CUcontext>(saved_));
 }
 

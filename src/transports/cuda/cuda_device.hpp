@@ -17,6 +17,10 @@ namespace reshard::cuda {
 // RESHARD_DEVICE, else the local rank modulo the visible devices.
 int select_device(const Bootstrap& bootstrap);
 
+// A CUDA driver function by name through the runtime (reshard links no libcuda), or nullptr when
+// the driver lacks it.
+void* driver_entry_point(const char* name);
+
 // Makes `device`'s primary context current on this thread for a transport call and restores the
 // caller's context afterwards. Every transport entry point holds one: a framework that keeps its
 // own context current (XLA does) would otherwise receive reshard's allocations and IPC mappings

@@ -7,47 +7,30 @@
 
 #include "reshard/log.hpp"
 #include "transports/cuda/cuda_check.hpp"
+#include "transports/cuda/cuda_device.hpp"
 
 namespace reshard::cuda {
 namespace {
 
 using GetAddressRange = CUresult (*)(CUdeviceptr*, std::size_t*, CUdeviceptr);
-
-// The driver entry point through the runtime, so reshard needs no link against libcuda.
-GetAddressRange get_address_range() {
-  static const GetAddressRange function = [] {
-    void* pointer = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    RESHARD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &pointer, 12000,
-                                                        cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || pointer == nullptr) {
-      throw_error(ErrorCode::kSystem, "the CUDA driver lacks cuMemGetAddressRange");
-    }
-    return reinterpret_cast<GetAddressRange>(pointer);
-  }();
-  return function;
-}
-
 using GetPointerAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
 
-GetPointerAttribute get_pointer_attribute() {
-  static const GetPointerAttribute function = [] {
-    void* pointer = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    RESHARD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &pointer, 12000,
-                                                        cudaEnableDefault, &found));
-    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<GetPointerAttribute>(pointer)
-                                                : nullptr;
-  }();
+GetAddressRange get_address_range() {
+  static const auto function =
+      reinterpret_cast<GetAddressRange>(driver_entry_point("cuMemGetAddressRange"));
+  if (function == nullptr) {
+    throw_error(ErrorCode::kSystem, "the CUDA driver lacks cuMemGetAddressRange");
+  }
   return function;
 }
 
 // Memory from the virtual-memory API (cuMemCreate + cuMemMap: XLA's allocator, PyTorch's
-// expandable segments) and from stream-ordered pools is not legacy-IPC capable; asking
-// cudaIpcGetMemHandle anyway is not reliably refused, so the driver's own flag decides.
+// expandable segments) and from stream-ordered pools is not legacy-IPC capable: the driver's own
+// flag says so before cudaIpcGetMemHandle is asked (which refused XLA's memory on 2x H200 too).
 bool legacy_ipc_capable(CUdeviceptr base) {
   int capable = 1;
-  const GetPointerAttribute query = get_pointer_attribute();
+  static const auto query =
+      reinterpret_cast<GetPointerAttribute>(driver_entry_point("cuPointerGetAttribute"));
   if (query == nullptr ||
       query(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, base) != CUDA_SUCCESS) {
     return true;  // older drivers: cudaIpcGetMemHandle is the only test
