@@ -48,11 +48,16 @@ fi
 if [[ "${1:-}" == "--sanitize" ]]; then
   # compute-sanitizer memcheck and racecheck over the GPU copy tests of every transport, 2 PEs.
   # API errors are not reported: the CUDA transport probes IPC export of pool memory on purpose.
+  # NCCL's own kernels are left out: they read user buffers in 16-byte words past an odd-sized
+  # end (NVIDIA/nccl#265; memcheck stops the run there) and sync through flags racecheck cannot
+  # see; reshard's kernels around them (verify-mode checksums) are still checked.
   tests="Gpu/Workloads.*:StreamOrder.RunFollows*:Destinations.*:VerifyMode.*"
   for transport in cuda nccl nvshmem; do
+    exclude=()
+    [[ $transport == nccl ]] && exclude=(--kernel-name-exclude kns=ncclDevKernel)
     for tool in memcheck racecheck; do
       RESHARD_TEST_TRANSPORT=$transport RESHARD_EXPECT_PES=2 RESHARD_STRESS_SECONDS=1 \
-        timeout 600 build-gpu/reshard-run -n 2 -- compute-sanitizer --tool "$tool" \
+        timeout 600 build-gpu/reshard-run -n 2 -- compute-sanitizer --tool "$tool" "${exclude[@]}" \
         --report-api-errors no --error-exitcode 9 "$PWD/build-gpu/tests/reshard_gpu_tests" \
         --gtest_filter="$tests" >"$OUT/sanitize-$transport-$tool.log" 2>&1 || status=1
       echo "$transport $tool: $(grep -h "ERROR SUMMARY" "$OUT/sanitize-$transport-$tool.log" |

@@ -1,5 +1,6 @@
 // A PE for the fault tests: exchanges a uniform workload in a loop until PE 1 misbehaves
-// ("die": killed mid-run; "stall": stopped mid-run), then reports what this PE saw.
+// ("die": killed mid-run; "stall": stopped mid-run), then reports what this PE saw and what its
+// teardown left behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory).
 //
 //     fault_worker die|stall [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU memory)
 #include <signal.h>
@@ -15,6 +16,8 @@
 
 #ifdef RESHARD_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "transports/cuda/ipc_memory.hpp"
 #endif
 
 #include "bench/workloads.hpp"
@@ -92,11 +95,19 @@ int main(int argc, char** argv) {
       }
     }
   } catch (const reshard::Error& error) {
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("ERROR-SEEN code=%s after=%.1fs shm-entries=%d: %s\n",
-                reshard::error_code_name(error.code()), seconds, shm_entries_of_this_job(),
-                error.what());
+    const auto failed = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(failed - start).count();
+    service.finalize();  // the survivor's teardown: must not hang nor leave mappings behind
+    const double teardown =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - failed).count();
+    int ipc_mappings = 0;
+#ifdef RESHARD_WITH_CUDA
+    ipc_mappings = reshard::cuda::open_ipc_mappings();
+#endif
+    std::printf(
+        "ERROR-SEEN code=%s after=%.1fs teardown=%.1fs shm-entries=%d ipc-mappings=%d: %s\n",
+        reshard::error_code_name(error.code()), seconds, teardown, shm_entries_of_this_job(),
+        ipc_mappings, error.what());
     std::fflush(stdout);
     return 1;
   }

@@ -116,47 +116,97 @@ TEST(Faults, PeKilledInAMixedScheduleFailsEveryNode) {
   }
 }
 
-// The same faults on the GPU transports, two PEs (one GPU each): the survivor's device-side or
-// host-side waits end within the timeout, name PE 1, and its teardown does not hang. Skipped
-// without two GPUs or without the transport in this build.
-class GpuFaults : public testing::TestWithParam<std::string> {
+// The same faults on the GPU transports, at 2 and 4 PEs (one GPU each), and in a mixed schedule
+// (4 PEs declared as two nodes of two: CUDA inside a node, NVSHMEM or NCCL between them). Every
+// survivor's device-side or host-side waits end within the timeout with an error naming a failed
+// PE, and its teardown neither hangs nor leaves a peer's memory mapped. Skipped without enough
+// GPUs or without the transport in this build.
+struct GpuFaultCase {
+  std::string transport;
+  int pes;
+};
+
+class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
  protected:
   void SetUp() override {
     const auto names = available_transports();
-    if (std::find(names.begin(), names.end(), GetParam()) == names.end())
-      GTEST_SKIP() << "this build has no " << GetParam() << " transport";
-    if (visible_cuda_devices() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+    const std::string needed = GetParam().transport == "auto" ? "cuda" : GetParam().transport;
+    if (std::find(names.begin(), names.end(), needed) == names.end())
+      GTEST_SKIP() << "this build has no " << needed << " transport";
+    if (visible_cuda_devices() < GetParam().pes)
+      GTEST_SKIP() << "needs " << GetParam().pes << " CUDA devices";
     ::setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off on shared machines
     ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+    if (GetParam().transport == "auto") ::setenv("RESHARD_NODE_SIZE", "2", 1);
+  }
+  void TearDown() override { ::unsetenv("RESHARD_NODE_SIZE"); }
+
+  // Every survivor's report: a failed PE named (PE 1, or a survivor that failed before it
+  // noticed PE 1), a bounded teardown, no IPC mapping left.
+  void expect_survivors_reported(const Outcome& outcome, bool all_of_them) {
+    int reported = 0;
+    for (int rank = 0; rank < GetParam().pes; ++rank) {
+      if (rank == 1) continue;
+      const std::string line = line_of(outcome, rank, "ERROR-SEEN");
+      if (line.empty()) {
+        EXPECT_FALSE(all_of_them) << "PE " << rank << " reported nothing\n" << all_lines(outcome);
+        continue;
+      }
+      ++reported;
+      EXPECT_TRUE(std::regex_search(line, std::regex("PE [0-9]+"))) << line;
+      EXPECT_TRUE(line.find("PE 1") != std::string::npos || line.find("PE 0") != std::string::npos)
+          << line;
+      EXPECT_NE(line.find("ipc-mappings=0"), std::string::npos) << line;
+      std::smatch teardown;
+      ASSERT_TRUE(std::regex_search(line, teardown, std::regex("teardown=([0-9.]+)s"))) << line;
+      EXPECT_LT(std::stod(teardown[1]), 30.0) << line;
+    }
+    EXPECT_GE(reported, 1) << all_lines(outcome);
   }
 };
 
-TEST_P(GpuFaults, PeKilledMidRunFailsTheOtherNamingIt) {
+TEST_P(GpuFaults, PeKilledMidRunFailsTheOthersNamingIt) {
   ::setenv("RESHARD_TIMEOUT_S", "10", 1);
-  const Outcome outcome = launch(2, {RESHARD_FAULT_WORKER, "die", GetParam()}, false);
-  EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
+  const Outcome outcome =
+      launch(GetParam().pes, {RESHARD_FAULT_WORKER, "die", GetParam().transport}, false);
+  EXPECT_LT(outcome.seconds, 90.0) << all_lines(outcome);
   EXPECT_EQ(outcome.result.exit_codes[1], 128 + SIGKILL) << all_lines(outcome);
-  const std::string line = line_of(outcome, 0, "ERROR-SEEN");
-  ASSERT_FALSE(line.empty()) << all_lines(outcome);
-  EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
-  EXPECT_EQ(outcome.result.exit_codes[0], 1) << all_lines(outcome);
+  expect_survivors_reported(outcome, true);
+  for (int rank = 0; rank < GetParam().pes; ++rank) {
+    if (rank != 1) EXPECT_EQ(outcome.result.exit_codes[rank], 1) << all_lines(outcome);
+  }
+  // PE 0 shares every schedule with PE 1 and is the first to notice it; it names PE 1 itself.
+  EXPECT_NE(line_of(outcome, 0, "ERROR-SEEN").find("PE 1"), std::string::npos)
+      << all_lines(outcome);
 }
 
-TEST_P(GpuFaults, PeStoppedMidRunTimesTheOtherOutNamingIt) {
+TEST_P(GpuFaults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   ::setenv("RESHARD_TIMEOUT_S", "3", 1);
-  const Outcome outcome = launch(2, {RESHARD_FAULT_WORKER, "stall", GetParam()}, true);
-  EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
-  const std::string line = line_of(outcome, 0, "ERROR-SEEN");
-  ASSERT_FALSE(line.empty()) << all_lines(outcome);
-  EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
-  EXPECT_TRUE(line.find("code=timeout") != std::string::npos ||
-              line.find("code=peer failure") != std::string::npos)
-      << line;
+  const Outcome outcome =
+      launch(GetParam().pes, {RESHARD_FAULT_WORKER, "stall", GetParam().transport}, true);
+  EXPECT_LT(outcome.seconds, 90.0) << all_lines(outcome);
+  // The launcher stops the job once the first survivor fails: later ones may not report.
+  expect_survivors_reported(outcome, false);
+  for (int rank = 0; rank < GetParam().pes; ++rank) {
+    const std::string line = line_of(outcome, rank, "ERROR-SEEN");
+    if (line.empty()) continue;
+    EXPECT_TRUE(line.find("code=timeout") != std::string::npos ||
+                line.find("code=peer failure") != std::string::npos)
+        << line;
+  }
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, GpuFaults, testing::Values("cuda", "nccl", "nvshmem"),
-                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Transports, GpuFaults,
+                         testing::Values(GpuFaultCase{"cuda", 2}, GpuFaultCase{"nccl", 2},
+                                         GpuFaultCase{"nvshmem", 2}, GpuFaultCase{"cuda", 4},
+                                         GpuFaultCase{"nccl", 4}, GpuFaultCase{"nvshmem", 4},
+                                         GpuFaultCase{"auto", 4}),
+                         [](const auto& info) {
+                           const std::string name =
+                               info.param.transport == "auto" ? "mixed" : info.param.transport;
+                           return name + "_" + std::to_string(info.param.pes) + "_pes";
+                         });
 
 TEST(Launcher, PrefixesOutputAndSetsTheTorchrunVariables) {
   const Outcome outcome = launch(

@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -69,6 +70,18 @@ std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) 
                                              static_cast<std::uintptr_t>(base)};
 }
 
+namespace {
+std::atomic<int> live_mappings{0};
+void close_mapping(void* base) noexcept {
+  if (cudaIpcCloseMemHandle(base) == cudaSuccess)
+    live_mappings.fetch_sub(1);
+  else
+    cudaGetLastError();
+}
+}  // namespace
+
+int open_ipc_mappings() noexcept { return live_mappings.load(); }
+
 unsigned char* IpcImports::map(int peer, const HandleBytes& handle, bool may_fail) {
   void*& base = mappings_[{peer, handle}];
   if (base == nullptr) {
@@ -85,6 +98,7 @@ unsigned char* IpcImports::map(int peer, const HandleBytes& handle, bool may_fai
               "'s memory through CUDA IPC (cudaIpcOpenMemHandle: " + cudaGetErrorString(status) +
               "); the cuda transport needs peer access between the PEs' GPUs");
     }
+    live_mappings.fetch_add(1);
   }
   return static_cast<unsigned char*>(base);
 }
@@ -95,15 +109,13 @@ void IpcImports::retain(const std::set<Key>& keep) {
       ++it;
       continue;
     }
-    if (cudaIpcCloseMemHandle(it->second) != cudaSuccess) cudaGetLastError();
+    close_mapping(it->second);
     it = mappings_.erase(it);
   }
 }
 
 void IpcImports::close_all() noexcept {
-  for (auto& [key, base] : mappings_) {
-    if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();
-  }
+  for (auto& [key, base] : mappings_) close_mapping(base);
   mappings_.clear();
 }
 

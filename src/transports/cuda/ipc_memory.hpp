@@ -37,6 +37,10 @@ class IpcExporter {
   std::map<std::uintptr_t, std::optional<std::uint32_t>> by_base_;
 };
 
+// Peers' allocations mapped into this process now, over every IpcImports (a survivor's teardown
+// after a failed run must bring this back to zero).
+int open_ipc_mappings() noexcept;
+
 // Mappings of peers' allocations, kept while a schedule uses them.
 class IpcImports {
  public:
