@@ -137,11 +137,6 @@ std::uint64_t cuda_bytes_per_cta() {
   return bytes;
 }
 
-std::uint64_t cuda_eager_bytes() {
-  auto value = get("RESHARD_CUDA_EAGER_BYTES");
-  return value ? parse_bytes(*value) : (256ull << 10);
-}
-
 }  // namespace reshard::env
 
 namespace reshard::env {

@@ -44,10 +44,6 @@ int cuda_ctas_per_peer();
 // RESHARD_CUDA_BYTES_PER_CTA: bytes of a peer's share that earn it another SM-engine CTA (up to
 // cuda_ctas_per_peer; default 64 KiB).
 std::uint64_t cuda_bytes_per_cta();
-// RESHARD_CUDA_EAGER_BYTES: a peer sending this PE at most this much per run (SM engine) writes
-// into an inbox here without waiting for this PE to reach the run; this PE's kernel copies it
-// out (default 256 KiB; 0 turns it off). The inbox takes twice that per such peer.
-std::uint64_t cuda_eager_bytes();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
 

@@ -61,30 +61,9 @@ __device__ __forceinline__ bool failed(const KernelArgs& a) {
   return static_cast<volatile DeviceStatus*>(a.status)->code != 0;
 }
 
-// Sources are read through the read-only cache, except an inbox (kFromInbox): a peer wrote it
-// while this kernel ran, so it is read past the SM's caches.
-template <bool kFromInbox, typename V>
-__device__ __forceinline__ V load(const V* p) {
-  if constexpr (!kFromInbox) {
-    return __ldg(p);
-  } else if constexpr (sizeof(V) == 16) {
-    uint4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-  } else if constexpr (sizeof(V) == 8) {
-    uint2 v;
-    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-  } else {
-    return *static_cast<const volatile V*>(p);
-  }
-}
-
 // Copies n elements of V with kUnroll loads in flight per thread before their stores; `lane` of
 // `width` threads (a whole CTA, or one warp).
-template <bool kFromInbox, typename V, int kUnroll>
+template <typename V, int kUnroll>
 __device__ __forceinline__ void copy_vectors(const V* __restrict__ src, V* __restrict__ dst,
                                              std::uint64_t n, std::uint32_t lane,
                                              std::uint32_t width) {
@@ -93,14 +72,14 @@ __device__ __forceinline__ void copy_vectors(const V* __restrict__ src, V* __res
   for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
     V values[kUnroll];
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) values[k] = load<kFromInbox>(src + i + k * stride);
+    for (int k = 0; k < kUnroll; ++k) values[k] = __ldg(src + i + k * stride);
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) dst[i + k * stride] = values[k];
   }
-  for (; i < n; i += stride) dst[i] = load<kFromInbox>(src + i);
+  for (; i < n; i += stride) dst[i] = __ldg(src + i);
 }
 
-template <bool kFromInbox, typename V, int kUnroll>
+template <typename V, int kUnroll>
 __device__ __forceinline__ void copy_aligned(const unsigned char* src, unsigned char* dst,
                                              std::uint64_t bytes, std::uint32_t lane,
                                              std::uint32_t width) {
@@ -109,30 +88,29 @@ __device__ __forceinline__ void copy_aligned(const unsigned char* src, unsigned 
   // the tail: every CTA stays on the vector path whatever the caller's offsets.
   const std::uint64_t misalign = reinterpret_cast<std::uintptr_t>(src) % kSize;
   const std::uint64_t head = misalign == 0 ? 0 : min(kSize - misalign, bytes);
-  for (std::uint64_t i = lane; i < head; i += width) dst[i] = load<kFromInbox>(src + i);
+  for (std::uint64_t i = lane; i < head; i += width) dst[i] = src[i];
   const std::uint64_t vectors = (bytes - head) / kSize;
-  copy_vectors<kFromInbox, V, kUnroll>(reinterpret_cast<const V*>(src + head),
-                                       reinterpret_cast<V*>(dst + head), vectors, lane, width);
+  copy_vectors<V, kUnroll>(reinterpret_cast<const V*>(src + head), reinterpret_cast<V*>(dst + head),
+                           vectors, lane, width);
   const std::uint64_t done = head + vectors * kSize;
-  for (std::uint64_t i = done + lane; i < bytes; i += width) dst[i] = load<kFromInbox>(src + i);
+  for (std::uint64_t i = done + lane; i < bytes; i += width) dst[i] = src[i];
 }
 
-template <bool kFromInbox>
 __device__ void copy_piece(const unsigned char* src, unsigned char* dst, std::uint64_t bytes,
                            int unroll, std::uint32_t lane, std::uint32_t width) {
   const std::uintptr_t relative =
       reinterpret_cast<std::uintptr_t>(src) ^ reinterpret_cast<std::uintptr_t>(dst);
   if (relative % 16 == 0) {
     if (unroll == 4)
-      copy_aligned<kFromInbox, uint4, 4>(src, dst, bytes, lane, width);
+      copy_aligned<uint4, 4>(src, dst, bytes, lane, width);
     else
-      copy_aligned<kFromInbox, uint4, 8>(src, dst, bytes, lane, width);
+      copy_aligned<uint4, 8>(src, dst, bytes, lane, width);
   } else if (relative % 8 == 0) {
-    copy_aligned<kFromInbox, uint2, 8>(src, dst, bytes, lane, width);
+    copy_aligned<uint2, 8>(src, dst, bytes, lane, width);
   } else if (relative % 4 == 0) {
-    copy_aligned<kFromInbox, unsigned int, 8>(src, dst, bytes, lane, width);
+    copy_aligned<unsigned int, 8>(src, dst, bytes, lane, width);
   } else {
-    copy_aligned<kFromInbox, unsigned char, 8>(src, dst, bytes, lane, width);
+    copy_aligned<unsigned char, 8>(src, dst, bytes, lane, width);
   }
 }
 
@@ -163,9 +141,7 @@ __device__ __forceinline__ void slice_of(const PeerGroup& group, std::uint32_t c
   *end = min(group.bytes, *begin + slice);
 }
 
-// `parity`: this run's inbox slot (0 or 1), for groups that write or read one.
-__device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uint32_t cta,
-                           std::uint64_t parity) {
+__device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uint32_t cta) {
   std::uint64_t begin, end;
   slice_of(group, cta, &begin, &end);
   if (begin >= end) return;
@@ -182,13 +158,7 @@ __device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uin
     const CopyDescriptor& desc = first[d];
     const std::uint64_t from = max(begin, desc.offset) - desc.offset;
     const std::uint64_t to = min(end, desc.offset + desc.bytes) - desc.offset;
-    if (from >= to) continue;
-    const unsigned char* src = desc.src + parity * group.src_stride + from;
-    unsigned char* dst = desc.dst + parity * group.dst_stride + from;
-    if (group.unpack)
-      copy_piece<true>(src, dst, to - from, a.unroll, lane, width);
-    else
-      copy_piece<false>(src, dst, to - from, a.unroll, lane, width);
+    if (from < to) copy_piece(desc.src + from, desc.dst + from, to - from, a.unroll, lane, width);
   }
 }
 
@@ -216,8 +186,7 @@ struct Prefetch {
 };
 
 __device__ bool plan_prefetch(const KernelArgs& a, const PeerGroup& g, std::uint32_t cta,
-                              std::uint64_t parity, Prefetch* plan) {
-  if (g.unpack) return false;  // the inbox fills only once the wait is over
+                              Prefetch* plan) {
   std::uint64_t begin, end;
   slice_of(g, cta, &begin, &end);
   if (begin >= end) return false;
@@ -226,7 +195,7 @@ __device__ bool plan_prefetch(const KernelArgs& a, const PeerGroup& g, std::uint
   const CopyDescriptor desc = first[d];
   if (desc.offset + desc.bytes < end) return false;  // more than one piece
   const unsigned char* src = desc.src + (begin - desc.offset);
-  unsigned char* dst = desc.dst + parity * g.dst_stride + (begin - desc.offset);
+  unsigned char* dst = desc.dst + (begin - desc.offset);
   const std::uint64_t bytes = end - begin;
   if ((reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst)) % 16 != 0 ||
       bytes / 16 > static_cast<std::uint64_t>(kCopyThreads) * kPrefetchVectors)
@@ -252,9 +221,8 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
     }
     group_index = a.group_count == 0 ? 0 : find_group(a, blockIdx.x);
     may_write = a.group_count > 0;
-    prefetched =
-        may_write && plan_prefetch(a, a.groups[group_index],
-                                   blockIdx.x - a.groups[group_index].first_cta, epoch % 2, &plan);
+    prefetched = may_write && plan_prefetch(a, a.groups[group_index],
+                                            blockIdx.x - a.groups[group_index].first_cta, &plan);
   }
   __syncthreads();
   // Sources are this PE's and ready at kernel start (stream order): load them now.
@@ -269,9 +237,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   if (threadIdx.x == 0) {
     if (may_write && a.groups[group_index].peer >= 0) {
       const PeerGroup& g = a.groups[group_index];
-      // An eager send's slot is fresh memory in the schedule's first two runs.
-      if (epoch >= a.first_epoch + g.wait_lag)
-        may_write = wait_at_least(g.local_ready, epoch - g.wait_lag, a, g.peer, g.wait_phase);
+      may_write = wait_at_least(g.local_ready, epoch, a, g.peer, kPhaseReady);
     }
     if (blockIdx.x == 0) stamp(a, epoch, kTraceReady);
   }
@@ -287,7 +253,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
     if (threadIdx.x < plan.tail) tail_dst[threadIdx.x] = tail_src[threadIdx.x];
   } else if (may_write) {
     const PeerGroup& g = a.groups[group_index];
-    copy_share(a, g, blockIdx.x - g.first_cta, epoch % 2);
+    copy_share(a, g, blockIdx.x - g.first_cta);
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -311,8 +277,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   unsigned int* grid = SignalLayout::grid_arrivals(signals, a.n_pes);
   if (atomicAdd(grid, 1u) != a.cta_count - 1) return;
   *grid = 0;
-  // The last CTA: the kernel ends only when every direct source's bytes have landed here (eager
-  // sources' bytes were awaited and copied out by their unpack groups).
+  // The last CTA: the kernel ends only when every source's bytes have landed here.
   for (std::uint32_t s = 0; s < a.source_count; ++s) {
     if (!wait_at_least(SignalLayout::done(signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],
                        kPhaseDone))
@@ -325,7 +290,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
 __global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) {
   if (failed(a)) return;
   const std::uint32_t g = find_group(a, blockIdx.x);
-  copy_share(a, a.groups[g], blockIdx.x - a.groups[g].first_cta, 0);
+  copy_share(a, a.groups[g], blockIdx.x - a.groups[g].first_cta);
 }
 
 __global__ void begin_kernel(KernelArgs a) {

@@ -10,7 +10,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <map>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -56,29 +55,11 @@ struct WireBatch {
   std::uint32_t span_count;
 };
 
-// A receiver's offer to one source: an inbox of two slots of `slot_bytes`, the second one
-// `slot_bytes` after the first, at `offset` in exported allocation `handle`.
-struct WireInbox {
-  std::int32_t source;
-  std::uint32_t handle;
-  std::uint64_t offset;
-  std::uint64_t slot_bytes;
-};
-
-// Where a span starts in an inbox slot: spans follow one another in plan order, each on a
-// 16-byte boundary so that the copies on both sides stay on the vector path.
-std::uint64_t inbox_slot_bytes(std::uint64_t used) { return (used + 255) / 256 * 256; }
-std::uint64_t next_inbox_offset(std::uint64_t used) { return (used + 15) / 16 * 16; }
-
 // Everything this PE copies to one destination, before it is laid out for the kernels.
 struct GroupPlan {
   PeerGroup group{};
   std::vector<CopyDescriptor> descriptors;
   bool copy_engine = false;
-  // The same bytes written into the peer's inbox (slot 0), where the peer offered one.
-  std::vector<CopyDescriptor> eager_descriptors;
-  std::uint64_t inbox_used = 0;
-  std::uint64_t inbox_stride = 0;  // 0: no inbox offered
 
   void add(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
     if (bytes == 0) return;
@@ -93,31 +74,6 @@ struct GroupPlan {
     descriptors.push_back({src, dst, bytes, group.bytes});
     group.bytes += bytes;
   }
-
-  void add_eager(const unsigned char* src, unsigned char* inbox, std::uint64_t bytes) {
-    if (bytes == 0) return;
-    inbox_used = next_inbox_offset(inbox_used);
-    eager_descriptors.push_back({src, inbox + inbox_used, bytes, 0});
-    inbox_used += bytes;
-  }
-
-  // The group copies into the peer's inbox instead of its destinations (see PeerGroup).
-  void make_eager(std::uint64_t* consumed_flag) {
-    GroupPlan eager;
-    for (const CopyDescriptor& d : eager_descriptors) eager.add(d.src, d.dst, d.bytes);
-    descriptors = std::move(eager.descriptors);
-    group.bytes = eager.group.bytes;
-    group.local_ready = consumed_flag;
-    group.wait_lag = 2;
-    group.dst_stride = inbox_stride;
-  }
-};
-
-// What one eager source leaves in this PE's inbox, and where each piece goes from there.
-struct UnpackPlan {
-  int source = -1;
-  GroupPlan copies;  // inbox slot 0 -> this PE's destinations
-  std::uint64_t slot_bytes = 0;
 };
 
 // Kernel inputs of one schedule, in device memory.
@@ -133,12 +89,9 @@ struct PreparedRun {
   std::vector<GroupPlan> copy_engine_groups;  // in start order, rotated by PE
   void* bounce = nullptr;
   std::uint64_t bounce_bytes = 0;
-  void* inbox = nullptr;            // eager sources' slots
-  std::vector<UnpackPlan> unpacks;  // offered; kept where both ends run the fused kernel
 
   ~PreparedRun() {
     if (bounce != nullptr) cudaFree(bounce);
-    if (inbox != nullptr) cudaFree(inbox);
   }
 };
 
@@ -162,11 +115,11 @@ class CudaTransport final : public Transport {
  private:
   // Collective. Empty optional: some PE could not map an allocation; `refused` then lists, on
   // each PE, its allocations to stage through the bounce buffer on the next attempt.
-  std::optional<std::vector<GroupPlan>> exchange_destinations(
-      const ExecutionPlan& plan, PreparedRun& prepared, std::vector<CopyDescriptor>& unstage,
-      std::vector<int>& unstage_sources, std::vector<std::uintptr_t>& refused, bool last_attempt);
-  void offer_inboxes(const ExecutionPlan& plan, PreparedRun& prepared, IpcExporter& exporter,
-                     std::vector<WireInbox>& offers);
+  std::optional<std::vector<GroupPlan>> exchange_destinations(const ExecutionPlan& plan,
+                                                              PreparedRun& prepared,
+                                                              std::vector<CopyDescriptor>& unstage,
+                                                              std::vector<std::uintptr_t>& refused,
+                                                              bool last_attempt);
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
   void wait_for(cudaEvent_t event, const char* what);
   void log_trace() noexcept;
@@ -181,7 +134,6 @@ class CudaTransport final : public Transport {
   std::uint64_t copy_engine_min_bytes_ = 0;
   int ctas_per_peer_ = 64;
   std::uint64_t bytes_per_cta_ = 64 << 10;
-  std::uint64_t eager_bytes_ = 0;
   int unroll_ = 8;
   std::uint64_t timeout_ns_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -211,7 +163,6 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
   ctas_per_peer_ = env::cuda_ctas_per_peer();
   bytes_per_cta_ = env::cuda_bytes_per_cta();
-  eager_bytes_ = engine_ == "ce" ? 0 : env::cuda_eager_bytes();
   unroll_ = env::cuda_unroll();
   timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
@@ -269,62 +220,9 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
                                                   << " SMs), engine " << engine_);
 }
 
-// Sources sending this PE at most eager_bytes_ per run get an inbox of two slots here: they write
-// without waiting for this PE to reach the run, and this PE's kernel copies the slot out.
-void CudaTransport::offer_inboxes(const ExecutionPlan& plan, PreparedRun& prepared,
-                                  IpcExporter& exporter, std::vector<WireInbox>& offers) {
-  if (eager_bytes_ == 0) return;
-  std::map<int, std::uint64_t> used;  // per source, bytes of a slot
-  for (const PlannedBatch& batch : plan.receives) {
-    if (batch.peer == me_) continue;
-    std::uint64_t& u = used[batch.peer];
-    for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-      const std::uint64_t bytes = plan.spans[batch.first_span + s].bytes;
-      if (bytes > 0) u = next_inbox_offset(u) + bytes;
-    }
-  }
-  std::uint64_t total = 0;
-  std::map<int, std::uint64_t> region;  // per offered source, where its two slots start
-  for (const auto& [source, u] : used) {
-    if (u == 0 || u > eager_bytes_) continue;
-    region[source] = total;
-    total += 2 * inbox_slot_bytes(u);
-  }
-  if (region.empty()) return;
-  // A whole 2 MiB page at least, so that no other allocation shares its IPC mapping.
-  RESHARD_CUDA_CHECK(cudaMalloc(&prepared.inbox, std::max<std::uint64_t>(total, 2 << 20)));
-  const auto exported = exporter.export_pointer(prepared.inbox);
-  if (!exported) {  // refused on an earlier attempt: the sources write directly instead
-    cudaFree(prepared.inbox);
-    prepared.inbox = nullptr;
-    return;
-  }
-  auto* base = static_cast<unsigned char*>(prepared.inbox);
-  for (const auto& [source, start] : region) {
-    UnpackPlan unpack;
-    unpack.source = source;
-    unpack.slot_bytes = inbox_slot_bytes(used[source]);
-    unpack.copies.group.peer = source;
-    std::uint64_t at = 0;
-    for (const PlannedBatch& batch : plan.receives) {
-      if (batch.peer != source) continue;
-      for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-        const CopySpan& span = plan.spans[batch.first_span + s];
-        if (span.bytes == 0) continue;
-        at = next_inbox_offset(at);
-        unpack.copies.add(base + start + at, reinterpret_cast<unsigned char*>(span.data),
-                          span.bytes);
-        at += span.bytes;
-      }
-    }
-    offers.push_back({source, exported->handle, exported->offset + start, unpack.slot_bytes});
-    prepared.unpacks.push_back(std::move(unpack));
-  }
-}
-
 std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     const ExecutionPlan& plan, PreparedRun& prepared, std::vector<CopyDescriptor>& unstage,
-    std::vector<int>& unstage_sources, std::vector<std::uintptr_t>& refused, bool last_attempt) {
+    std::vector<std::uintptr_t>& refused, bool last_attempt) {
   IpcExporter exporter;
   for (std::uintptr_t base : refused) exporter.refuse(base);
   std::vector<WireBatch> batches;
@@ -332,7 +230,6 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   struct Staged {
     std::size_t wire_span;
     const CopySpan* destination;
-    int source;
   };
   std::vector<Staged> staged;
   for (const PlannedBatch& batch : plan.receives) {
@@ -345,7 +242,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       } else {
         prepared.bounce_bytes = (prepared.bounce_bytes + 255) / 256 * 256;
         spans.push_back({kBounceHandle, 0, prepared.bounce_bytes, span.bytes});
-        staged.push_back({spans.size() - 1, &span, batch.peer});
+        staged.push_back({spans.size() - 1, &span});
         prepared.bounce_bytes += span.bytes;
       }
     }
@@ -363,7 +260,6 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       unstage.push_back(
           {static_cast<unsigned char*>(prepared.bounce) + (span.offset - bounce->offset),
            reinterpret_cast<unsigned char*>(s.destination->data), span.bytes, 0});
-      unstage_sources.push_back(s.source);
     }
     RESHARD_LOG(kInfo, staged.size()
                            << " destination range(s), " << format_bytes(prepared.bounce_bytes)
@@ -372,14 +268,10 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
                               "bounce buffer");
   }
 
-  std::vector<WireInbox> offers;
-  offer_inboxes(plan, prepared, exporter, offers);
-
   wire::Writer mine;
   mine.put_array(std::span<const HandleBytes>(exporter.handles()));
   mine.put_array(std::span<const WireBatch>(batches));
   mine.put_array(std::span<const WireSpan>(spans));
-  mine.put_array(std::span<const WireInbox>(offers));
   const auto all = bootstrap_.all_gather(mine.bytes());
 
   // My sends to each peer, in plan order, meet that peer's receives from me in its plan order.
@@ -390,7 +282,6 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     std::vector<HandleBytes> handles;
     std::vector<WireBatch> batches;
     std::vector<WireSpan> spans;
-    std::optional<WireInbox> inbox;  // the peer's offer to this PE
   };
   std::vector<PeerExports> exports(n_pes_);
   std::set<IpcImports::Key> needed;
@@ -401,12 +292,6 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     e.handles = reader.get_array<HandleBytes>();
     e.batches = reader.get_array<WireBatch>();
     e.spans = reader.get_array<WireSpan>();
-    for (const WireInbox& offer : reader.get_array<WireInbox>()) {
-      if (offer.source == me_ && offer.handle < e.handles.size()) {
-        e.inbox = offer;
-        needed.insert({pe, e.handles[offer.handle]});
-      }
-    }
     std::size_t span_index = 0;
     for (const WireBatch& batch : e.batches) {
       for (std::uint32_t s = 0; s < batch.span_count; ++s, ++span_index) {
@@ -429,16 +314,6 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     const auto& peer_spans = exports[pe].spans;
     GroupPlan group;
     group.group.peer = pe;
-    unsigned char* inbox = nullptr;
-    if (const auto& offer = exports[pe].inbox) {
-      inbox = imports_.map(pe, handles[offer->handle], !last_attempt);
-      if (inbox == nullptr) {
-        unmappable.push_back({pe, offer->handle});
-      } else {
-        inbox += offer->offset;
-        group.inbox_stride = offer->slot_bytes;
-      }
-    }
     std::size_t next_send = 0, span_index = 0;
     for (const WireBatch& batch : peer_batches) {
       const std::size_t first = span_index;
@@ -457,9 +332,6 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       for (std::uint32_t s = 0; s < send.span_count; ++s) {
         const CopySpan& source = plan.spans[send.first_span + s];
         const WireSpan& target = peer_spans.at(first + s);
-        if (inbox != nullptr) {
-          group.add_eager(reinterpret_cast<const unsigned char*>(source.data), inbox, source.bytes);
-        }
         if (target.bytes != source.bytes || target.handle >= handles.size()) {
           throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
                                               std::to_string(pe) + " disagree on a span");
@@ -501,26 +373,15 @@ void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& t
     want[g] = std::clamp<std::uint64_t>(std::max(by_bytes, by_pieces), 1, ctas_per_peer_);
     wanted += want[g];
   }
-  // One resident wave at most, leaving the rest of the GPU to the caller's kernels: CTAs wait on
-  // peers' CTAs (an unpack for a peer's send), so every CTA of the grid must be resident at once.
-  const std::uint64_t cap = std::max<std::uint64_t>(sm_count_, groups.size());
-  std::uint64_t sum = 0;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    if (wanted > cap) want[g] = std::max<std::uint64_t>(1, want[g] * cap / wanted);
-    sum += want[g];
-  }
-  // Rounding each group up to one CTA can overshoot the wave: the largest shares give back.
-  while (sum > cap) {
-    auto largest = std::max_element(want.begin(), want.end());
-    if (*largest <= 1) break;
-    --*largest;
-    --sum;
-  }
+  // One resident wave at most, leaving the rest of the GPU to the caller's kernels.
+  const std::uint64_t cap = std::max(1, sm_count_);
   total = 0;
   for (std::size_t g = 0; g < groups.size(); ++g) {
+    const std::uint64_t ctas =
+        wanted <= cap ? want[g] : std::max<std::uint64_t>(1, want[g] * cap / wanted);
     groups[g].first_cta = total;
-    groups[g].cta_count = static_cast<std::uint32_t>(want[g]);
-    total += static_cast<std::uint32_t>(want[g]);
+    groups[g].cta_count = static_cast<std::uint32_t>(ctas);
+    total += static_cast<std::uint32_t>(ctas);
   }
 }
 
@@ -531,10 +392,9 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   throw_device_failure();
   auto prepared = std::make_unique<PreparedRun>();
   std::vector<CopyDescriptor> unstage;
-  std::vector<int> unstage_sources;
 
   std::vector<std::uintptr_t> refused;
-  auto exchanged = exchange_destinations(plan, *prepared, unstage, unstage_sources, refused, false);
+  auto exchanged = exchange_destinations(plan, *prepared, unstage, refused, false);
   if (!exchanged) {
     // Small allocations can share a driver page that a peer already maps under another handle;
     // those are staged instead. The first attempt's bounce buffer lives until the second one is
@@ -542,8 +402,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     auto first_attempt = std::move(prepared);
     prepared = std::make_unique<PreparedRun>();
     unstage.clear();
-    unstage_sources.clear();
-    exchanged = exchange_destinations(plan, *prepared, unstage, unstage_sources, refused, true);
+    exchanged = exchange_destinations(plan, *prepared, unstage, refused, true);
   }
   std::vector<GroupPlan> groups = std::move(*exchanged);
   GroupPlan local;
@@ -572,51 +431,13 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     if (g.group.peer >= 0) {
       g.group.remote_done = SignalLayout::done(peer_signals_[g.group.peer], n_pes_, me_);
       g.group.local_ready = SignalLayout::ready(signals_, n_pes_, g.group.peer);
-      g.group.wait_phase = kPhaseReady;
     }
-  }
-
-  // A pair goes eager where the receiver offered an inbox and both ends run the fused kernel
-  // (copy-engine groups take the begin/copy/end kernels, which have no inbox): every PE learns
-  // which PEs do.
-  const bool fused =
-      std::none_of(groups.begin(), groups.end(), [](const GroupPlan& g) { return g.copy_engine; });
-  std::vector<bool> fused_on(n_pes_);
-  {
-    wire::Writer mine;
-    mine.put<std::uint8_t>(fused ? 1 : 0);
-    const auto all = bootstrap_.all_gather(mine.bytes());
-    for (int pe = 0; pe < n_pes_; ++pe) fused_on[pe] = wire::Reader(all[pe]).get<std::uint8_t>();
-  }
-  std::set<int> eager_sources;
-  for (const UnpackPlan& u : prepared->unpacks) {
-    if (fused && fused_on[u.source]) eager_sources.insert(u.source);
-  }
-  std::uint32_t eager_peers = 0;
-  for (GroupPlan& g : groups) {
-    if (g.group.peer < 0 || g.inbox_stride == 0 || !fused || !fused_on[g.group.peer]) continue;
-    if (g.inbox_used > g.inbox_stride) {
-      throw_error(ErrorCode::kSystem, "internal: PE " + std::to_string(g.group.peer) +
-                                          "'s inbox for PE " + std::to_string(me_) +
-                                          " is smaller than what it sends");
-    }
-    g.make_eager(SignalLayout::consumed(signals_, n_pes_, g.group.peer));
-    ++eager_peers;
-  }
-  // Staged spans from eager sources arrive through the inbox instead of the bounce buffer.
-  {
-    std::vector<CopyDescriptor> kept;
-    for (std::size_t i = 0; i < unstage.size(); ++i) {
-      if (eager_sources.count(unstage_sources[i]) == 0) kept.push_back(unstage[i]);
-    }
-    unstage = std::move(kept);
   }
 
   std::vector<int> sources;
   std::vector<std::uint64_t*> source_ready;
   for (const PlannedBatch& batch : plan.receives) {
-    if (eager_sources.count(batch.peer) == 0 &&
-        std::find(sources.begin(), sources.end(), batch.peer) == sources.end())
+    if (std::find(sources.begin(), sources.end(), batch.peer) == sources.end())
       sources.push_back(batch.peer);
   }
   std::sort(sources.begin(), sources.end());
@@ -632,11 +453,6 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   base.timeout_ns = timeout_ns_;
   base.unroll = unroll_;
   base.trace = trace_;
-  // Runs completed so far (the last one was awaited above): the next run is the first epoch.
-  std::uint64_t runs_so_far = 0;
-  RESHARD_CUDA_CHECK(cudaMemcpy(&runs_so_far, SignalLayout::run_count(signals_, n_pes_),
-                                sizeof runs_so_far, cudaMemcpyDeviceToHost));
-  base.first_epoch = runs_so_far + 1;
 
   std::vector<PeerGroup> sm_groups, signal_groups;
   std::vector<CopyDescriptor> sm_descriptors;
@@ -650,20 +466,6 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     g.group.descriptor_count = static_cast<std::uint32_t>(g.descriptors.size());
     sm_descriptors.insert(sm_descriptors.end(), g.descriptors.begin(), g.descriptors.end());
     sm_groups.push_back(g.group);
-  }
-  for (UnpackPlan& u : prepared->unpacks) {
-    if (eager_sources.count(u.source) == 0) continue;
-    PeerGroup group = u.copies.group;
-    group.first_descriptor = static_cast<std::uint32_t>(sm_descriptors.size());
-    group.descriptor_count = static_cast<std::uint32_t>(u.copies.descriptors.size());
-    group.unpack = 1;
-    group.wait_phase = kPhaseDone;
-    group.local_ready = SignalLayout::done(signals_, n_pes_, u.source);
-    group.remote_done = SignalLayout::consumed(peer_signals_[u.source], n_pes_, me_);
-    group.src_stride = u.slot_bytes;
-    sm_descriptors.insert(sm_descriptors.end(), u.copies.descriptors.begin(),
-                          u.copies.descriptors.end());
-    sm_groups.push_back(group);
   }
   prepared->fused = prepared->copy_engine_groups.empty();
 
@@ -694,9 +496,8 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   std::uint64_t ce_bytes = 0;
   for (const GroupPlan& g : prepared_->copy_engine_groups) ce_bytes += g.group.bytes;
   RESHARD_LOG(kDebug, "cuda plan: " << sm_groups.size() << " SM group(s) on "
-                                    << prepared_->copy_args.cta_count << " CTAs (" << eager_peers
-                                    << " eager send(s), " << eager_sources.size()
-                                    << " eager source(s)), " << prepared_->copy_engine_groups.size()
+                                    << prepared_->copy_args.cta_count << " CTAs, "
+                                    << prepared_->copy_engine_groups.size()
                                     << " copy-engine group(s) of " << format_bytes(ce_bytes));
 }
 

@@ -20,15 +20,8 @@ struct CopyDescriptor {
   std::uint64_t offset;
 };
 
-// One group of the fused kernel's work, with the CTAs that copy it: everything this PE sends to
-// one peer (or copies locally), or, on the eager path, what one peer left in this PE's inbox.
-//   direct send: wait until the peer is ready (ready[peer] >= epoch), write its destinations,
-//                raise its done[me];
-//   eager send:  wait until the peer has emptied this run's inbox slot two runs ago
-//                (consumed[peer] >= epoch - 2), write the slot, raise its done[me];
-//   unpack:      wait for the peer's data (done[peer] >= epoch), copy the slot out into this
-//                PE's destinations, raise the peer's consumed[me].
-// Inbox slots alternate by run: pointers move by (epoch % 2) * stride.
+// Everything this PE copies to one destination (a peer, or itself for local copies), and the CTAs
+// of the SM engine that copy it.
 struct PeerGroup {
   std::uint32_t first_descriptor;
   std::uint32_t descriptor_count;
@@ -36,19 +29,13 @@ struct PeerGroup {
   std::uint32_t first_cta;
   std::uint32_t cta_count;
   std::int32_t peer;                 // -1: local copies, no signalling
-  std::uint32_t wait_lag;            // wait for local_ready >= epoch - wait_lag
-  std::uint32_t wait_phase;          // kPhase* named when that wait runs out
-  std::uint32_t unpack;              // 1: copies out of the inbox (no prefetch before the wait)
-  std::uint64_t* remote_done;        // raised to the epoch when the group's copies are done
-  const std::uint64_t* local_ready;  // awaited before the group's copies start
-  std::uint64_t src_stride;          // inbox slot stride of an unpack group
-  std::uint64_t dst_stride;          // inbox slot stride of an eager send
+  std::uint64_t* remote_done;        // the peer's done[me], mapped here
+  const std::uint64_t* local_ready;  // my ready[peer], raised by the peer when it may be written
 };
 
 // Per-PE flags in device memory, mapped by every peer. Values are run epochs and only grow.
-// ready[p]:    PE p has reached run e, so this PE may write into p's destinations.
-// done[p]:     PE p finished writing this PE's destinations (or its inbox) for run e.
-// consumed[p]: PE p copied out what this PE left in p's inbox in run e.
+// ready[p]: PE p has reached run e, so this PE may write into p's destinations.
+// done[p]:  PE p finished writing this PE's destinations for run e.
 struct SignalLayout {
   RESHARD_HOST_DEVICE static std::uint64_t* ready(std::uint64_t* base, int /*n*/, int pe) {
     return base + pe;
@@ -56,20 +43,17 @@ struct SignalLayout {
   RESHARD_HOST_DEVICE static std::uint64_t* done(std::uint64_t* base, int n, int pe) {
     return base + n + pe;
   }
-  RESHARD_HOST_DEVICE static std::uint64_t* consumed(std::uint64_t* base, int n, int pe) {
-    return base + 2 * n + pe;
-  }
   RESHARD_HOST_DEVICE static std::uint64_t* run_count(std::uint64_t* base, int n) {
-    return base + 3 * n;
+    return base + 2 * n;
   }
   RESHARD_HOST_DEVICE static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
-    return reinterpret_cast<unsigned int*>(base + 3 * n + 1);
+    return reinterpret_cast<unsigned int*>(base + 2 * n + 1);
   }
-  // One arrival counter per group (at most 2n + 1 groups: sends, local copies, unpacks).
+  // One arrival counter per group (at most n + 1 groups).
   RESHARD_HOST_DEVICE static unsigned int* group_arrivals(std::uint64_t* base, int n) {
-    return reinterpret_cast<unsigned int*>(base + 3 * n + 2);
+    return reinterpret_cast<unsigned int*>(base + 2 * n + 2);
   }
-  static std::uint64_t bytes(int n) { return (3 * n + 2) * 8 + (2 * n + 2) * 4; }
+  static std::uint64_t bytes(int n) { return (2 * n + 2) * 8 + (n + 1) * 4; }
 };
 
 // Written by a kernel whose wait ran out (pinned host memory, read by the host after the run).
@@ -89,8 +73,7 @@ struct KernelArgs {
   const PeerGroup* groups;
   std::uint32_t group_count;
   std::uint32_t cta_count;
-  // Receive side: the PEs that write straight into this PE's destinations (eager ones are
-  // awaited by their unpack groups), and their ready[me] flags mapped here.
+  // Receive side: the PEs that write into this PE, and their ready[me] flags mapped here.
   const int* sources;
   std::uint64_t* const* source_ready;
   std::uint32_t source_count;
@@ -101,8 +84,6 @@ struct KernelArgs {
   int unroll;  // 16-byte loads in flight per thread before the stores: 4 or 8
   // RESHARD_CUDA_TRACE: globaltimer stamps of each run's phases (PhaseTrace), else null.
   std::uint64_t* trace;
-  // The first epoch of this schedule: inbox slots are fresh memory before its third run.
-  std::uint64_t first_epoch;
 };
 
 // Where the fused kernel stamps a run's phases: kTraceRuns records of kTracePhases stamps, the
