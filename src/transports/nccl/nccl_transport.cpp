@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "core/env.hpp"
@@ -29,6 +31,17 @@ constexpr std::uint64_t kUnbounded = 1ull << 50;
       throw_error(ErrorCode::kSystem, std::string(#call) +                                         \
                                           " failed: " + ncclGetErrorString(reshard_nccl_status_) + \
                                           " (" + ncclGetLastError(nullptr) + ")");                 \
+  } while (0)
+
+// Inside run(): a failed NCCL call usually means a peer is gone (its proxy socket refuses us);
+// the error names it where it was a local process, and the communicator is aborted so that
+// teardown does not wait on it.
+#define RESHARD_NCCL_RUN_CHECK(call)                                                         \
+  do {                                                                                       \
+    const ncclResult_t reshard_nccl_status_ = (call);                                        \
+    if (reshard_nccl_status_ != ncclSuccess && reshard_nccl_status_ != ncclInProgress)       \
+      fail_run(std::string(#call) + " failed: " + ncclGetErrorString(reshard_nccl_status_) + \
+               " (" + ncclGetLastError(nullptr) + ")");                                      \
   } while (0)
 
 class NcclTransport final : public Transport {
@@ -58,6 +71,8 @@ class NcclTransport final : public Transport {
   void finalize() noexcept override;
 
  private:
+  [[noreturn]] void fail_run(const std::string& nccl_error);
+
   Bootstrap& bootstrap_;
   std::uint32_t group_spans_ = env::nccl_group_spans();
   int me_ = 0;
@@ -122,28 +137,40 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
     }
     for (std::uint32_t first = 0; first < longest; first += group_spans_) {
       const std::uint32_t last = first + group_spans_;
-      RESHARD_NCCL_CHECK(ncclGroupStart());
+      RESHARD_NCCL_RUN_CHECK(ncclGroupStart());
       for (const PlannedBatch* batch : sends) {
         for (std::uint32_t s = first; s < std::min(last, batch->span_count); ++s) {
           const CopySpan& span = plan.spans[batch->first_span + s];
-          RESHARD_NCCL_CHECK(
+          RESHARD_NCCL_RUN_CHECK(
               ncclSend(span.data, span.bytes, ncclUint8, batch->peer, comm_, stream));
         }
       }
       for (const PlannedBatch* batch : receives) {
         for (std::uint32_t s = first; s < std::min(last, batch->span_count); ++s) {
           const CopySpan& span = plan.spans[batch->first_span + s];
-          RESHARD_NCCL_CHECK(
+          RESHARD_NCCL_RUN_CHECK(
               ncclRecv(span.data, span.bytes, ncclUint8, batch->peer, comm_, stream));
         }
       }
-      RESHARD_NCCL_CHECK(ncclGroupEnd());
+      RESHARD_NCCL_RUN_CHECK(ncclGroupEnd());
     }
   }
   if (cuda::record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
     if (stream_handle == nullptr) synchronize();
   }
+}
+
+void NcclTransport::fail_run(const std::string& nccl_error) {
+  const int dead = cuda::first_exited_process(local_pids_);
+  std::string problem = nccl_error;
+  if (dead >= 0) {
+    problem = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
+              ") has exited; " + nccl_error;
+  }
+  abort(problem);
+  throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kSystem,
+              "run() on PE " + std::to_string(me_) + ": " + problem);
 }
 
 void NcclTransport::synchronize() {
@@ -173,9 +200,18 @@ void NcclTransport::abort(const std::string& reason) noexcept {
   if (aborted_) return;
   aborted_ = true;
   RESHARD_LOG(kDebug, "nccl transport aborted: " << reason);
-  if (comm_ != nullptr) {
-    ncclCommAbort(comm_);
-    comm_ = nullptr;
+  if (comm_ == nullptr) return;
+  // ncclCommAbort can itself wait on peers that are gone: it gets a bounded time, then is left
+  // behind (with the communicator) so that the caller still gets its error.
+  ncclComm_t comm = comm_;
+  comm_ = nullptr;
+  std::packaged_task<void()> task([comm] { ncclCommAbort(comm); });
+  auto finished = task.get_future();
+  std::thread(std::move(task)).detach();
+  if (finished.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    RESHARD_LOG(kWarn,
+                "ncclCommAbort did not return within 10 s; its communicator is left "
+                "behind");
   }
 }
 
