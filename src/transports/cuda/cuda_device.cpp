@@ -89,6 +89,14 @@ DeviceScope::DeviceScope(int device) {
   RESHARD_CUDA_CHECK(cudaSetDevice(device));
 }
 
+std::optional<DeviceScope> DeviceScope::try_enter(int device) noexcept {
+  try {
+    return std::optional<DeviceScope>(std::in_place, device);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
 DeviceScope::~DeviceScope() {
   static const auto set_current =
       reinterpret_cast<SetContext>(driver_entry_point("cuCtxSetCurrent"));

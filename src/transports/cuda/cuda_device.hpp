@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -29,6 +30,8 @@ class DeviceScope {
  public:
   explicit DeviceScope(int device);
   ~DeviceScope();
+  // For teardown, which must not throw: the scope, or none where the device cannot be entered.
+  static std::optional<DeviceScope> try_enter(int device) noexcept;
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
 

@@ -646,11 +646,7 @@ void CudaTransport::abort(const std::string& reason) noexcept {
 void CudaTransport::finalize() noexcept {
   if (finalized_) return;
   finalized_ = true;
-  std::optional<DeviceScope> scope;
-  try {
-    scope.emplace(device_);
-  } catch (const Error&) {
-  }
+  const auto scope = DeviceScope::try_enter(device_);
   try {
     if (run_pending_) wait_for(last_run_, "the last run()");
   } catch (const Error& error) {

@@ -39,6 +39,16 @@ bool legacy_ipc_capable(CUdeviceptr base) {
   return capable != 0;
 }
 
+// Mappings open in this process, over every IpcImports (open_ipc_mappings()).
+std::atomic<int> live_mappings{0};
+
+void close_mapping(void* base) noexcept {
+  if (cudaIpcCloseMemHandle(base) == cudaSuccess)
+    live_mappings.fetch_sub(1);
+  else
+    cudaGetLastError();
+}
+
 }  // namespace
 
 std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) {
@@ -69,16 +79,6 @@ std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) 
   return ExportedAddress{*entry->second, reinterpret_cast<std::uintptr_t>(pointer) -
                                              static_cast<std::uintptr_t>(base)};
 }
-
-namespace {
-std::atomic<int> live_mappings{0};
-void close_mapping(void* base) noexcept {
-  if (cudaIpcCloseMemHandle(base) == cudaSuccess)
-    live_mappings.fetch_sub(1);
-  else
-    cudaGetLastError();
-}
-}  // namespace
 
 int open_ipc_mappings() noexcept { return live_mappings.load(); }
 

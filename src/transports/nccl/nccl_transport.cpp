@@ -24,24 +24,25 @@ namespace {
 
 constexpr std::uint64_t kUnbounded = 1ull << 50;
 
-#define RESHARD_NCCL_CHECK(call)                                                                   \
-  do {                                                                                             \
-    const ncclResult_t reshard_nccl_status_ = (call);                                              \
-    if (reshard_nccl_status_ != ncclSuccess && reshard_nccl_status_ != ncclInProgress)             \
-      throw_error(ErrorCode::kSystem, std::string(#call) +                                         \
-                                          " failed: " + ncclGetErrorString(reshard_nccl_status_) + \
-                                          " (" + ncclGetLastError(nullptr) + ")");                 \
+// What a failed NCCL call says, or an empty string when it did not fail.
+std::string nccl_failure(const char* call, ncclResult_t status) {
+  if (status == ncclSuccess || status == ncclInProgress) return {};
+  return std::string(call) + " failed: " + ncclGetErrorString(status) + " (" +
+         ncclGetLastError(nullptr) + ")";
+}
+
+#define RESHARD_NCCL_CHECK(call)                                             \
+  do {                                                                       \
+    if (std::string failure = nccl_failure(#call, (call)); !failure.empty()) \
+      throw_error(ErrorCode::kSystem, failure);                              \
   } while (0)
 
 // Inside run(): a failed NCCL call usually means a peer is gone (its proxy socket refuses us);
 // the error names it where it was a local process, and the communicator is aborted so that
 // teardown does not wait on it.
-#define RESHARD_NCCL_RUN_CHECK(call)                                                         \
-  do {                                                                                       \
-    const ncclResult_t reshard_nccl_status_ = (call);                                        \
-    if (reshard_nccl_status_ != ncclSuccess && reshard_nccl_status_ != ncclInProgress)       \
-      fail_run(std::string(#call) + " failed: " + ncclGetErrorString(reshard_nccl_status_) + \
-               " (" + ncclGetLastError(nullptr) + ")");                                      \
+#define RESHARD_NCCL_RUN_CHECK(call)                                                            \
+  do {                                                                                          \
+    if (std::string failure = nccl_failure(#call, (call)); !failure.empty()) fail_run(failure); \
   } while (0)
 
 class NcclTransport final : public Transport {
@@ -218,11 +219,7 @@ void NcclTransport::abort(const std::string& reason) noexcept {
 void NcclTransport::finalize() noexcept {
   if (finalized_) return;
   finalized_ = true;
-  std::optional<cuda::DeviceScope> scope;
-  try {
-    scope.emplace(device_);
-  } catch (const Error&) {
-  }
+  const auto scope = cuda::DeviceScope::try_enter(device_);
   try {
     synchronize();
   } catch (const Error& error) {

@@ -524,11 +524,7 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
 void NvshmemTransport::finalize() noexcept {
   if (finalized_) return;
   finalized_ = true;
-  std::optional<cuda::DeviceScope> scope;
-  try {
-    scope.emplace(device_);
-  } catch (const Error&) {
-  }
+  const auto scope = cuda::DeviceScope::try_enter(device_);
   if (trace_) {
     static const char* const names[] = {"wait-ack", "pack", "signal", "wait-data", "unpack", "ack"};
     std::string line;
