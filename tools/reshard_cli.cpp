@@ -131,9 +131,10 @@ int main(int argc, char** argv) {
       "All-to-all size sweep on the GPU transports, NCCL and the copy-engine ceiling side by side");
   gpu_cmd->add_option("-s,--sizes", gpu_sizes, "per-peer sizes")->delimiter(',');
   gpu_cmd
-      ->add_option("-e,--engines", gpu.engines, "sm, ce, auto (CUDA transport), nvshmem and nccl")
+      ->add_option("-e,--engines", gpu.engines,
+                   "sm, ce, auto, autotune (CUDA transport), nvshmem and nccl")
       ->delimiter(',')
-      ->check(CLI::IsMember({"sm", "ce", "auto", "nvshmem", "nccl"}));
+      ->check(CLI::IsMember({"sm", "ce", "auto", "autotune", "nvshmem", "nccl"}));
   std::vector<std::string> gpu_workloads = reshard::bench::workload_kinds();
   gpu_workloads.push_back("all-to-all");
   gpu_cmd

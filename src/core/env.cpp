@@ -104,9 +104,9 @@ std::optional<int> device() {
 
 std::string cuda_engine() {
   const std::string engine = get("RESHARD_CUDA_ENGINE").value_or("auto");
-  if (engine != "auto" && engine != "sm" && engine != "ce") {
+  if (engine != "auto" && engine != "sm" && engine != "ce" && engine != "autotune") {
     throw_error(ErrorCode::kInvalidArgument,
-                "RESHARD_CUDA_ENGINE='" + engine + "' is not one of auto, sm, ce");
+                "RESHARD_CUDA_ENGINE='" + engine + "' is not one of auto, sm, ce, autotune");
   }
   return engine;
 }
@@ -151,6 +151,16 @@ std::uint32_t nccl_group_spans() {
 }
 
 bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
+
+int cuda_ce_streams() {
+  const int streams = get_int("RESHARD_CUDA_CE_STREAMS", 4);
+  if (streams < 1 || streams > kMaxCopyEngineStreams) {
+    throw_error(ErrorCode::kInvalidArgument, "RESHARD_CUDA_CE_STREAMS=" + std::to_string(streams) +
+                                                 " is outside 1.." +
+                                                 std::to_string(kMaxCopyEngineStreams));
+  }
+  return streams;
+}
 
 int cuda_unroll() {
   const int unroll = get_int("RESHARD_CUDA_UNROLL", 8);

@@ -33,8 +33,12 @@ std::optional<int> node_size();
 std::optional<std::string> inter_node_transport();
 // RESHARD_DEVICE: CUDA device of this PE (default: local rank modulo the visible devices).
 std::optional<int> device();
-// RESHARD_CUDA_ENGINE: "auto" (by per-peer size), "sm" or "ce" for the CUDA transport.
+// RESHARD_CUDA_ENGINE: "auto" (by per-peer size), "sm", "ce", or "autotune" (times sm, ce and auto
+// at schedule() and all PEs take the fastest) for the CUDA transport.
 std::string cuda_engine();
+// RESHARD_CUDA_CE_STREAMS: streams the copy engine's peers are spread over (default 4).
+inline constexpr int kMaxCopyEngineStreams = 8;
+int cuda_ce_streams();
 // RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine
 // (when its copies also average a quarter of that).
 std::uint64_t cuda_ce_min_bytes();

@@ -34,7 +34,10 @@ using Clock = std::chrono::steady_clock;
 
 constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
-constexpr int kCopyEngineStreams = 4;
+constexpr int kCopyEngineStreams = env::kMaxCopyEngineStreams;
+// Autotune: untimed then timed runs of each candidate engine at schedule().
+constexpr int kAutotuneWarmups = 2;
+constexpr int kAutotuneRuns = 5;
 // Pieces (descriptors) one SM-engine CTA takes on: 4 for each of its 16 warps.
 constexpr std::uint64_t kPiecesPerCta = 64;
 
@@ -76,8 +79,19 @@ struct GroupPlan {
   }
 };
 
+// One copy-engine stream's share of a run: its peers' copies in start order, in the arrays
+// cudaMemcpyBatchAsync takes.
+struct CopyEngineBatch {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> sizes;
+};
+
 // Kernel inputs of one schedule, in device memory.
 struct PreparedRun {
+  std::vector<GroupPlan> groups;  // every destination, in start order; engines not yet chosen
+  KernelArgs base{};
+  std::string engine;  // the one laid out: sm, ce or auto
   DeviceArray<CopyDescriptor> copy_descriptors, unstage_descriptors;
   DeviceArray<PeerGroup> copy_groups, signal_groups, unstage_groups;
   DeviceArray<int> sources;
@@ -86,7 +100,8 @@ struct PreparedRun {
   KernelArgs signal_args{};   // begin/end of a mixed run
   KernelArgs unstage_args{};  // bounce buffer -> destinations
   bool fused = true;
-  std::vector<GroupPlan> copy_engine_groups;  // in start order, rotated by PE
+  std::vector<CopyEngineBatch> copy_engine_batches;  // one per stream used
+  std::uint64_t copy_engine_bytes = 0;
   void* bounce = nullptr;
   std::uint64_t bounce_bytes = 0;
 
@@ -121,6 +136,11 @@ class CudaTransport final : public Transport {
                                                               std::vector<std::uintptr_t>& refused,
                                                               bool last_attempt);
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
+  // Chooses each group's engine by `engine` (sm, ce or auto) and uploads the kernels' inputs.
+  void lay_out(PreparedRun& prepared, const std::string& engine);
+  // Collective: times each engine on the schedule and lays out the one slowest PE finds fastest.
+  void autotune(PreparedRun& prepared);
+  void launch(PreparedRun& prepared, cudaStream_t stream);
   void wait_for(cudaEvent_t event, const char* what);
   void log_trace() noexcept;
   void throw_device_failure();
@@ -132,6 +152,8 @@ class CudaTransport final : public Transport {
   int sm_count_ = 0;
   std::string engine_;
   std::uint64_t copy_engine_min_bytes_ = 0;
+  int copy_engine_streams_used_ = 4;
+  bool batch_copies_ = true;  // cudaMemcpyBatchAsync works here (else one cudaMemcpyAsync each)
   int ctas_per_peer_ = 64;
   std::uint64_t bytes_per_cta_ = 64 << 10;
   int unroll_ = 8;
@@ -161,6 +183,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   DeviceScope scope(device_);
   engine_ = env::cuda_engine();
   copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
+  copy_engine_streams_used_ = env::cuda_ce_streams();
   ctas_per_peer_ = env::cuda_ctas_per_peer();
   bytes_per_cta_ = env::cuda_bytes_per_cta();
   unroll_ = env::cuda_unroll();
@@ -194,6 +217,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   mine.put<std::int32_t>(::getpid());
   mine.put<std::int32_t>(device_);
   mine.put(handle);
+  mine.put<std::uint8_t>(engine_ == "autotune");
   const auto all = bootstrap_.all_gather(mine.bytes());
   peer_signals_.assign(n_pes_, nullptr);
   pids_.assign(n_pes_, 0);
@@ -203,6 +227,14 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
     pids_[pe] = pe == me_ ? 0 : pid;  // only peers are watched
     const int peer_device = reader.get<std::int32_t>();
     const auto peer_handle = reader.get<cudaIpcMemHandle_t>();
+    // Autotune runs the schedule at schedule() time: a PE that does not would leave it waiting.
+    if ((reader.get<std::uint8_t>() != 0) != (engine_ == "autotune")) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "RESHARD_CUDA_ENGINE: PE " + std::to_string(me_) + " has '" + engine_ +
+                      "' but PE " + std::to_string(pe) +
+                      (engine_ == "autotune" ? " has not" : " has 'autotune'") +
+                      "; autotune must be set on every PE or none");
+    }
     if (pe == me_) {
       peer_signals_[pe] = signals_;
       continue;
@@ -419,15 +451,6 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     return order(a.group.peer) < order(b.group.peer);
   });
   for (GroupPlan& g : groups) {
-    // Copy engines pay per copy (one cudaMemcpyAsync each, queued behind one another on
-    // NVSwitch): auto gives them only groups of RESHARD_CUDA_CE_MIN_BYTES whose copies average
-    // at least a quarter of that. A Llama-3-8B refit
-    // (1,000+ copies of 1-500 MiB per peer) ran 33 ms on copy engines, 24 ms on SMs (4x H200,
-    // 2026-11-21).
-    const std::uint64_t mean_copy = g.group.bytes / std::max<std::size_t>(1, g.descriptors.size());
-    g.copy_engine =
-        engine_ == "ce" || (engine_ == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
-                            mean_copy >= copy_engine_min_bytes_ / 4);
     if (g.group.peer >= 0) {
       g.group.remote_done = SignalLayout::done(peer_signals_[g.group.peer], n_pes_, me_);
       g.group.local_ready = SignalLayout::ready(signals_, n_pes_, g.group.peer);
@@ -443,7 +466,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   std::sort(sources.begin(), sources.end());
   for (int s : sources) source_ready.push_back(SignalLayout::ready(peer_signals_[s], n_pes_, me_));
 
-  KernelArgs base{};
+  KernelArgs& base = prepared->base;
   base.sources = prepared->sources.upload(sources);
   base.source_ready = prepared->source_ready.upload(source_ready);
   base.source_count = static_cast<std::uint32_t>(sources.size());
@@ -453,32 +476,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   base.timeout_ns = timeout_ns_;
   base.unroll = unroll_;
   base.trace = trace_;
-
-  std::vector<PeerGroup> sm_groups, signal_groups;
-  std::vector<CopyDescriptor> sm_descriptors;
-  for (GroupPlan& g : groups) {
-    if (g.group.peer >= 0) signal_groups.push_back(g.group);
-    if (g.copy_engine) {
-      prepared->copy_engine_groups.push_back(g);
-      continue;
-    }
-    g.group.first_descriptor = static_cast<std::uint32_t>(sm_descriptors.size());
-    g.group.descriptor_count = static_cast<std::uint32_t>(g.descriptors.size());
-    sm_descriptors.insert(sm_descriptors.end(), g.descriptors.begin(), g.descriptors.end());
-    sm_groups.push_back(g.group);
-  }
-  prepared->fused = prepared->copy_engine_groups.empty();
-
-  prepared->copy_args = base;
-  assign_ctas(sm_groups, prepared->copy_args.cta_count);
-  prepared->copy_args.descriptors = prepared->copy_descriptors.upload(sm_descriptors);
-  prepared->copy_args.groups = prepared->copy_groups.upload(sm_groups);
-  prepared->copy_args.group_count = static_cast<std::uint32_t>(sm_groups.size());
-  if (prepared->fused) prepared->copy_args.cta_count = std::max(1u, prepared->copy_args.cta_count);
-
-  prepared->signal_args = base;
-  prepared->signal_args.groups = prepared->signal_groups.upload(signal_groups);
-  prepared->signal_args.group_count = static_cast<std::uint32_t>(signal_groups.size());
+  prepared->groups = std::move(groups);
 
   if (!unstage.empty()) {
     GroupPlan staged;
@@ -492,13 +490,117 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     prepared->unstage_args.groups = prepared->unstage_groups.upload(unstage_groups);
     prepared->unstage_args.group_count = 1;
   }
+  if (engine_ == "autotune")
+    autotune(*prepared);
+  else
+    lay_out(*prepared, engine_);
   prepared_ = std::move(prepared);
-  std::uint64_t ce_bytes = 0;
-  for (const GroupPlan& g : prepared_->copy_engine_groups) ce_bytes += g.group.bytes;
-  RESHARD_LOG(kDebug, "cuda plan: " << sm_groups.size() << " SM group(s) on "
-                                    << prepared_->copy_args.cta_count << " CTAs, "
-                                    << prepared_->copy_engine_groups.size()
-                                    << " copy-engine group(s) of " << format_bytes(ce_bytes));
+}
+
+void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
+  prepared.engine = engine;
+  prepared.copy_engine_batches.clear();
+  prepared.copy_engine_bytes = 0;
+  std::vector<PeerGroup> sm_groups, signal_groups;
+  std::vector<CopyDescriptor> sm_descriptors;
+  std::size_t copy_engine_groups = 0;
+  for (GroupPlan& g : prepared.groups) {
+    // Copy engines pay per copy (one cudaMemcpyAsync each, queued behind one another on
+    // NVSwitch): auto gives them only groups of RESHARD_CUDA_CE_MIN_BYTES whose copies average
+    // at least a quarter of that. A Llama-3-8B refit
+    // (1,000+ copies of 1-500 MiB per peer) ran 33 ms on copy engines, 24 ms on SMs (4x H200,
+    // 2026-11-21).
+    const std::uint64_t mean_copy = g.group.bytes / std::max<std::size_t>(1, g.descriptors.size());
+    g.copy_engine =
+        engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
+                           mean_copy >= copy_engine_min_bytes_ / 4);
+    if (g.group.peer >= 0) signal_groups.push_back(g.group);
+    if (g.copy_engine) {
+      // Peers take the streams in start order, so each stream's first copy goes to a different
+      // peer, and with one stream every sender walks its peers in its own rotated order.
+      const std::size_t stream = copy_engine_groups++ % copy_engine_streams_used_;
+      if (prepared.copy_engine_batches.size() <= stream)
+        prepared.copy_engine_batches.emplace_back();
+      CopyEngineBatch& batch = prepared.copy_engine_batches[stream];
+      for (const CopyDescriptor& d : g.descriptors) {
+        batch.dsts.push_back(d.dst);
+        batch.srcs.push_back(d.src);
+        batch.sizes.push_back(d.bytes);
+      }
+      prepared.copy_engine_bytes += g.group.bytes;
+      continue;
+    }
+    g.group.first_descriptor = static_cast<std::uint32_t>(sm_descriptors.size());
+    g.group.descriptor_count = static_cast<std::uint32_t>(g.descriptors.size());
+    sm_descriptors.insert(sm_descriptors.end(), g.descriptors.begin(), g.descriptors.end());
+    sm_groups.push_back(g.group);
+  }
+  prepared.fused = copy_engine_groups == 0;
+
+  prepared.copy_args = prepared.base;
+  assign_ctas(sm_groups, prepared.copy_args.cta_count);
+  prepared.copy_args.descriptors = prepared.copy_descriptors.upload(sm_descriptors);
+  prepared.copy_args.groups = prepared.copy_groups.upload(sm_groups);
+  prepared.copy_args.group_count = static_cast<std::uint32_t>(sm_groups.size());
+  if (prepared.fused) prepared.copy_args.cta_count = std::max(1u, prepared.copy_args.cta_count);
+
+  prepared.signal_args = prepared.base;
+  prepared.signal_args.groups = prepared.signal_groups.upload(signal_groups);
+  prepared.signal_args.group_count = static_cast<std::uint32_t>(signal_groups.size());
+  RESHARD_LOG(kDebug, "cuda plan (" << engine << "): " << sm_groups.size() << " SM group(s) on "
+                                    << prepared.copy_args.cta_count << " CTAs, "
+                                    << copy_engine_groups << " copy-engine group(s) of "
+                                    << format_bytes(prepared.copy_engine_bytes) << " on "
+                                    << prepared.copy_engine_batches.size() << " stream(s)");
+}
+
+void CudaTransport::autotune(PreparedRun& prepared) {
+  // The candidates run the real schedule: sources are read and destinations written with what
+  // run() will write. Work the caller queued on them finishes first.
+  RESHARD_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<std::string> candidates{"sm", "ce", "auto"};
+  cudaEvent_t start = nullptr, stop = nullptr;
+  RESHARD_CUDA_CHECK(cudaEventCreate(&start));
+  RESHARD_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> seconds;
+  try {
+    for (const std::string& engine : candidates) {
+      lay_out(prepared, engine);
+      for (int i = 0; i < kAutotuneWarmups; ++i) launch(prepared, stream_);
+      RESHARD_CUDA_CHECK(cudaEventRecord(start, stream_));
+      for (int i = 0; i < kAutotuneRuns; ++i) launch(prepared, stream_);
+      RESHARD_CUDA_CHECK(cudaEventRecord(stop, stream_));
+      wait_for(stop, "autotune's runs");
+      throw_device_failure();
+      float ms = 0;
+      RESHARD_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      seconds.push_back(ms / 1e3 / kAutotuneRuns);
+    }
+  } catch (...) {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    throw;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  // Every PE takes the engine whose slowest PE was fastest: the same data, the same choice.
+  wire::Writer mine;
+  mine.put_array(std::span<const double>(seconds));
+  std::vector<double> slowest(candidates.size(), 0.0);
+  for (const auto& part : bootstrap_.all_gather(mine.bytes())) {
+    wire::Reader reader(part);
+    const auto theirs = reader.get_array<double>();
+    for (std::size_t c = 0; c < candidates.size() && c < theirs.size(); ++c)
+      slowest[c] = std::max(slowest[c], theirs[c]);
+  }
+  const std::size_t best =
+      static_cast<std::size_t>(std::min_element(slowest.begin(), slowest.end()) - slowest.begin());
+  std::ostringstream text;
+  text << "cuda autotune (slowest PE per run):";
+  for (std::size_t c = 0; c < candidates.size(); ++c)
+    text << " " << candidates[c] << " " << slowest[c] * 1e6 << " us" << (c == best ? " <-" : "");
+  RESHARD_LOG(kInfo, text.str());
+  lay_out(prepared, candidates[best]);
 }
 
 void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
@@ -512,19 +614,48 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
   }
   DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
-  PreparedRun& p = *prepared_;
+  launch(*prepared_, stream);
+  if (record_run_unless_capturing(last_run_, stream)) {
+    run_pending_ = true;
+    if (stream_handle == nullptr) synchronize();
+  }
+}
+
+void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
   if (p.fused) {
     launch_fused_copy(p.copy_args, stream);
   } else {
     launch_begin(p.signal_args, stream);
     RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
-    const int used = std::min<int>(kCopyEngineStreams, p.copy_engine_groups.size());
+    const int used = static_cast<int>(p.copy_engine_batches.size());
     for (int i = 0; i < used; ++i)
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(copy_engine_streams_[i], fork_, 0));
-    for (std::size_t g = 0; g < p.copy_engine_groups.size(); ++g) {
-      cudaStream_t side = copy_engine_streams_[g % kCopyEngineStreams];
-      for (const CopyDescriptor& d : p.copy_engine_groups[g].descriptors) {
-        RESHARD_CUDA_CHECK(cudaMemcpyAsync(d.dst, d.src, d.bytes, cudaMemcpyDeviceToDevice, side));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    for (int i = 0; i < used; ++i) {
+      const CopyEngineBatch& batch = p.copy_engine_batches[i];
+      cudaStream_t side = copy_engine_streams_[i];
+      // One call for all of a stream's copies; graphs cannot hold a batch, so a captured run
+      // (and a driver without batches) queues one copy each.
+      if (batch_copies_ && capture == cudaStreamCaptureStatusNone) {
+        cudaMemcpyAttributes attributes{};
+        attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        std::size_t first = 0;
+        const cudaError_t status =
+            cudaMemcpyBatchAsync(batch.dsts.data(), batch.srcs.data(), batch.sizes.data(),
+                                 batch.dsts.size(), &attributes, &first, 1, side);
+        if (status == cudaSuccess) continue;
+        if (status != cudaErrorNotSupported && status != cudaErrorInvalidValue)
+          throw_cuda_error(status, "cudaMemcpyBatchAsync");
+        cudaGetLastError();
+        batch_copies_ = false;
+        RESHARD_LOG(kInfo, "cudaMemcpyBatchAsync refused peer copies ("
+                               << cudaGetErrorString(status)
+                               << "): the copy engine queues one cudaMemcpyAsync per copy");
+      }
+      for (std::size_t c = 0; c < batch.dsts.size(); ++c) {
+        RESHARD_CUDA_CHECK(cudaMemcpyAsync(batch.dsts[c], batch.srcs[c], batch.sizes[c],
+                                           cudaMemcpyDeviceToDevice, side));
       }
     }
     for (int i = 0; i < used; ++i) {
@@ -535,11 +666,6 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
     launch_end(p.signal_args, stream);
   }
   if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
-
-  if (record_run_unless_capturing(last_run_, stream)) {
-    run_pending_ = true;
-    if (stream_handle == nullptr) synchronize();
-  }
 }
 
 void CudaTransport::wait_for(cudaEvent_t event, const char* what) {

@@ -1,0 +1,66 @@
+// Settings read from the environment: a bad value is refused with an error that names the
+// variable and the value, and the defaults hold when the variable is unset.
+#include "core/env.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+#include "reshard/error.hpp"
+
+namespace reshard {
+namespace {
+
+// Sets one variable for the test's scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+
+ private:
+  const char* name_;
+};
+
+void expect_refused(const char* name, const char* value, const std::function<void()>& read) {
+  ScopedEnv scoped(name, value);
+  try {
+    read();
+    ADD_FAILURE() << name << "=" << value << " was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    const std::string text = error.what();
+    EXPECT_NE(text.find(name), std::string::npos) << text;
+    EXPECT_NE(text.find(value), std::string::npos) << text;
+  }
+}
+
+TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
+  expect_refused("RESHARD_CUDA_ENGINE", "fast", [] { env::cuda_engine(); });
+  expect_refused("RESHARD_CUDA_CE_STREAMS", "0", [] { env::cuda_ce_streams(); });
+  expect_refused("RESHARD_CUDA_CE_STREAMS", "9", [] { env::cuda_ce_streams(); });
+  expect_refused("RESHARD_CUDA_CE_STREAMS", "two", [] { env::cuda_ce_streams(); });
+  expect_refused("RESHARD_CUDA_UNROLL", "3", [] { env::cuda_unroll(); });
+  expect_refused("RESHARD_CUDA_CTAS_PER_PEER", "0", [] { env::cuda_ctas_per_peer(); });
+  expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", [] { env::cuda_bytes_per_cta(); });
+  expect_refused("RESHARD_TIMEOUT_S", "-2", [] { env::timeout(); });
+}
+
+TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
+  for (const char* engine : {"auto", "sm", "ce", "autotune"}) {
+    ScopedEnv scoped("RESHARD_CUDA_ENGINE", engine);
+    EXPECT_EQ(env::cuda_engine(), engine);
+  }
+  for (int streams = 1; streams <= env::kMaxCopyEngineStreams; ++streams) {
+    ScopedEnv scoped("RESHARD_CUDA_CE_STREAMS", std::to_string(streams).c_str());
+    EXPECT_EQ(env::cuda_ce_streams(), streams);
+  }
+  ::unsetenv("RESHARD_CUDA_ENGINE");
+  ::unsetenv("RESHARD_CUDA_CE_STREAMS");
+  EXPECT_EQ(env::cuda_engine(), "auto");
+  EXPECT_GE(env::cuda_ce_streams(), 1);
+}
+
+}  // namespace
+}  // namespace reshard
