@@ -113,9 +113,10 @@ std::string cuda_engine() {
 
 std::uint64_t cuda_ce_min_bytes() {
   auto value = get("RESHARD_CUDA_CE_MIN_BYTES");
-  // The SM engine measured ahead of the copy engine at every all-to-all size (4x H200,
-  // 2026-11-21), so auto uses copy engines only for transfers this large.
-  return value ? parse_bytes(*value) : (1ull << 30);
+  // With one copy-engine stream walking the peers in rotated order, the copy engine overtook the
+  // SM engine from 64 MiB per peer in the 4-GPU all-to-all (368 vs 345 GB/s; 16 MiB: 312 vs 317;
+  // 4x H200, 2026-11-22).
+  return value ? parse_bytes(*value) : (32ull << 20);
 }
 
 int cuda_ctas_per_peer() {
@@ -153,7 +154,7 @@ std::uint32_t nccl_group_spans() {
 bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
 
 int cuda_ce_streams() {
-  const int streams = get_int("RESHARD_CUDA_CE_STREAMS", 4);
+  const int streams = get_int("RESHARD_CUDA_CE_STREAMS", 1);
   if (streams < 1 || streams > kMaxCopyEngineStreams) {
     throw_error(ErrorCode::kInvalidArgument, "RESHARD_CUDA_CE_STREAMS=" + std::to_string(streams) +
                                                  " is outside 1.." +

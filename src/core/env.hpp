@@ -36,7 +36,8 @@ std::optional<int> device();
 // RESHARD_CUDA_ENGINE: "auto" (by per-peer size), "sm", "ce", or "autotune" (times sm, ce and auto
 // at schedule() and all PEs take the fastest) for the CUDA transport.
 std::string cuda_engine();
-// RESHARD_CUDA_CE_STREAMS: streams the copy engine's peers are spread over (default 4).
+// RESHARD_CUDA_CE_STREAMS: streams the copy engine's peers are spread over (default 1: one
+// copy-engine copy at a time per GPU is what NVSwitch serves best).
 inline constexpr int kMaxCopyEngineStreams = 8;
 int cuda_ce_streams();
 // RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine

@@ -131,9 +131,28 @@ void check_device_buffer(const Buffer& buffer, int device, const char* transport
   }
 }
 
+namespace {
+
+// The state letter of /proc/<pid>/stat (R, S, T, Z, ...), or 0 when the process is gone.
+char process_state(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return 0;
+  // "pid (command) state ...": the command may hold spaces and parentheses.
+  const auto close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() ? line[close + 2] : '?';
+}
+
+}  // namespace
+
 int first_exited_process(std::span<const pid_t> pids) {
   for (std::size_t i = 0; i < pids.size(); ++i) {
-    if (pids[i] > 0 && ::kill(pids[i], 0) != 0 && errno == ESRCH) return static_cast<int>(i);
+    if (pids[i] <= 0) continue;
+    if (::kill(pids[i], 0) != 0 && errno == ESRCH) return static_cast<int>(i);
+    // A process that has exited stays a zombie until its parent reaps it, while its sockets are
+    // already closed: a peer's "connection refused" arrives before kill() says it is gone.
+    const char state = process_state(pids[i]);
+    if (state == 'Z' || state == 'X') return static_cast<int>(i);
   }
   return -1;
 }
@@ -141,14 +160,8 @@ int first_exited_process(std::span<const pid_t> pids) {
 int first_stopped_process(std::span<const pid_t> pids) {
   for (std::size_t i = 0; i < pids.size(); ++i) {
     if (pids[i] <= 0) continue;
-    std::ifstream stat("/proc/" + std::to_string(pids[i]) + "/stat");
-    std::string line;
-    if (!std::getline(stat, line)) continue;
-    // "pid (command) state ...": the command may hold spaces and parentheses.
-    const auto close = line.rfind(')');
-    if (close != std::string::npos && close + 2 < line.size() &&
-        (line[close + 2] == 'T' || line[close + 2] == 't'))
-      return static_cast<int>(i);
+    const char state = process_state(pids[i]);
+    if (state == 'T' || state == 't') return static_cast<int>(i);
   }
   return -1;
 }
@@ -169,18 +182,17 @@ std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
   return pids;
 }
 
-std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
-                         int* dead, const std::function<std::string()>& transport_problem,
-                         std::span<const int> peers) {
+std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
+                       const std::string& what, int* dead,
+                       const std::function<std::string()>& transport_problem,
+                       std::span<const int> peers) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto limit = env::timeout();
   *dead = -1;
   for (int polls = 0;; ++polls) {
-    const cudaError_t status = cudaEventQuery(event);
-    if (status == cudaSuccess) return {};
-    if (status != cudaErrorNotReady) throw_cuda_error(status, "cudaEventQuery");
-    if (polls < 1000) continue;  // spin briefly first: most runs end within microseconds
+    if (finished()) return {};
+    if (polls < 1000) continue;  // spin briefly first: most waits end within microseconds
     if (transport_problem) {
       if (std::string problem = transport_problem(); !problem.empty()) return problem;
     }
@@ -189,8 +201,8 @@ std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const c
              ") exited mid-run";
     }
     if (Clock::now() - start > limit) {
-      std::string text = std::string("the ") + what + " transfers did not finish within " +
-                         std::to_string(limit.count() / 1000) + " s";
+      std::string text =
+          what + " did not finish within " + std::to_string(limit.count() / 1000) + " s";
       if (const int stopped = first_stopped_process(pids); stopped >= 0) {
         text += ": PE " + std::to_string(stopped) + " (pid " + std::to_string(pids[stopped]) +
                 ") is stopped";
@@ -204,6 +216,19 @@ std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const c
     }
     std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
   }
+}
+
+std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
+                         int* dead, const std::function<std::string()>& transport_problem,
+                         std::span<const int> peers) {
+  const auto finished = [event] {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaSuccess) return true;
+    if (status != cudaErrorNotReady) throw_cuda_error(status, "cudaEventQuery");
+    return false;
+  };
+  return wait_until(finished, pids, std::string("the ") + what + " transfers", dead,
+                    transport_problem, peers);
 }
 
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {

@@ -47,10 +47,15 @@ int first_exited_process(std::span<const pid_t> pids);
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
 // Index of the first process in `pids` that is stopped (SIGSTOP, a debugger), or -1.
 int first_stopped_process(std::span<const pid_t> pids);
-// Waits for `event` (the end of a run): an empty string once it completes, else what went wrong:
+// Polls `finished` until it returns true: an empty string then, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
-// RESHARD_TIMEOUT_S passing while "the <what> transfers" are unfinished — naming a stopped local
-// peer, else the PEs this run exchanges with (`peers`).
+// RESHARD_TIMEOUT_S passing while `what` is unfinished — naming a stopped local peer, else the
+// PEs this run exchanges with (`peers`).
+std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
+                       const std::string& what, int* dead,
+                       const std::function<std::string()>& transport_problem = {},
+                       std::span<const int> peers = {});
+// wait_until for `event` (the end of a run), "the <what> transfers".
 std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
                          int* dead, const std::function<std::string()>& transport_problem = {},
                          std::span<const int> peers = {});

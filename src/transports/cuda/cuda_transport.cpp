@@ -152,7 +152,7 @@ class CudaTransport final : public Transport {
   int sm_count_ = 0;
   std::string engine_;
   std::uint64_t copy_engine_min_bytes_ = 0;
-  int copy_engine_streams_used_ = 4;
+  int copy_engine_streams_used_ = 1;
   bool batch_copies_ = true;  // cudaMemcpyBatchAsync works here (else one cudaMemcpyAsync each)
   int ctas_per_peer_ = 64;
   std::uint64_t bytes_per_cta_ = 64 << 10;

@@ -37,12 +37,13 @@ std::string nccl_failure(const char* call, ncclResult_t status) {
       throw_error(ErrorCode::kSystem, failure);                              \
   } while (0)
 
-// Inside run(): a failed NCCL call usually means a peer is gone (its proxy socket refuses us);
-// the error names it where it was a local process, and the communicator is aborted so that
-// teardown does not wait on it.
-#define RESHARD_NCCL_RUN_CHECK(call)                                                            \
-  do {                                                                                          \
-    if (std::string failure = nccl_failure(#call, (call)); !failure.empty()) fail_run(failure); \
+// Inside run(): the communicator is nonblocking, so a call may return ncclInProgress (connecting
+// to a peer for the first time) and is then awaited with reshard's timeout and dead-peer checks.
+// A failed call usually means a peer is gone (its proxy socket refuses us): the error names it
+// where it was a local process, and the communicator is aborted so that teardown does not wait.
+#define RESHARD_NCCL_RUN_CHECK(call)                                                      \
+  do {                                                                                    \
+    if (std::string failure = settle(#call, (call)); !failure.empty()) fail_run(failure); \
   } while (0)
 
 class NcclTransport final : public Transport {
@@ -72,6 +73,9 @@ class NcclTransport final : public Transport {
   void finalize() noexcept override;
 
  private:
+  // What went wrong with nonblocking call `call` that returned `status`, waiting for it to
+  // finish where it is in progress; empty once it succeeded.
+  std::string settle(const char* call, ncclResult_t status);
   [[noreturn]] void fail_run(const std::string& nccl_error);
 
   Bootstrap& bootstrap_;
@@ -86,6 +90,7 @@ class NcclTransport final : public Transport {
   std::vector<pid_t> local_pids_;  // 0 for PEs on other hosts
   std::vector<int> peers_;         // the PEs the current plan exchanges with, for timeouts
   bool aborted_ = false;
+  std::string abort_reason_;
   bool finalized_ = false;
 };
 
@@ -102,16 +107,26 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap)
   mine.put(id);
   id = wire::Reader(bootstrap_.all_gather(mine.bytes())[0]).get<ncclUniqueId>();
   local_pids_ = cuda::local_peer_pids(bootstrap_);
-  // Every PE reached this point alive, so the blocking init below meets all of them.
-  RESHARD_NCCL_CHECK(ncclCommInitRank(&comm_, n_pes_, id, me_));
+  // Nonblocking: no NCCL call (setup, first connections to a peer, teardown) can then block
+  // beyond RESHARD_TIMEOUT_S on a peer that died, whatever NCCL's own timeouts are.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const ncclResult_t init = ncclCommInitRankConfig(&comm_, n_pes_, id, me_, &config);
+  if (std::string failure = settle("ncclCommInitRankConfig", init); !failure.empty()) {
+    abort(failure);
+    throw_error(ErrorCode::kSystem, "nccl transport on PE " + std::to_string(me_) + ": " + failure);
+  }
   int version = 0;
   ncclGetVersion(&version);
   RESHARD_LOG(kDebug, "nccl transport on device " << device_ << ", NCCL " << version);
 }
 
 void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
-  if (finalized_ || comm_ == nullptr)
-    throw_error(ErrorCode::kInvalidState, "run() after finalize()");
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
+  if (comm_ == nullptr) {
+    throw_error(ErrorCode::kInvalidState, "run() on PE " + std::to_string(me_) +
+                                              " after the NCCL transport failed: " + abort_reason_);
+  }
   cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   for (const LocalCopy& copy : plan.local_copies) {
@@ -162,8 +177,25 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
   }
 }
 
+std::string NcclTransport::settle(const char* call, ncclResult_t status) {
+  if (status != ncclInProgress) return nccl_failure(call, status);
+  ncclResult_t state = ncclInProgress;
+  int dead = -1;
+  std::string problem = cuda::wait_until(
+      [&] {
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
+        return state != ncclInProgress;
+      },
+      local_pids_, std::string("NCCL's ") + call, &dead, {}, peers_);
+  if (!problem.empty()) return problem;
+  return nccl_failure(call, state);
+}
+
 void NcclTransport::fail_run(const std::string& nccl_error) {
-  const int dead = cuda::first_exited_process(local_pids_);
+  // A refused connection can arrive a moment before the peer's exit shows: look for a while.
+  int dead = -1;
+  for (int i = 0; i < 50 && (dead = cuda::first_exited_process(local_pids_)) < 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   std::string problem = nccl_error;
   if (dead >= 0) {
     problem = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
@@ -200,6 +232,7 @@ void NcclTransport::synchronize() {
 void NcclTransport::abort(const std::string& reason) noexcept {
   if (aborted_) return;
   aborted_ = true;
+  abort_reason_ = reason;
   RESHARD_LOG(kDebug, "nccl transport aborted: " << reason);
   if (comm_ == nullptr) return;
   // ncclCommAbort can itself wait on peers that are gone: it gets a bounded time, then is left
@@ -226,8 +259,16 @@ void NcclTransport::finalize() noexcept {
     RESHARD_LOG(kWarn, "finalize: " << error.what());
   }
   if (comm_ != nullptr) {
-    ncclCommDestroy(comm_);
-    comm_ = nullptr;
+    // Flushes and frees the communicator's resources; nonblocking, so it is awaited with the
+    // same limits as a run, and a communicator that cannot finish is aborted instead.
+    const std::string failure = settle("ncclCommFinalize", ncclCommFinalize(comm_));
+    if (failure.empty()) {
+      ncclCommDestroy(comm_);
+      comm_ = nullptr;
+    } else {
+      RESHARD_LOG(kWarn, "finalize: " << failure);
+      abort(failure);
+    }
   }
   if (last_run_) cudaEventDestroy(last_run_);
   if (stream_) cudaStreamDestroy(stream_);
