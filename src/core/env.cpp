@@ -151,6 +151,8 @@ std::uint32_t nccl_group_spans() {
   return static_cast<std::uint32_t>(spans);
 }
 
+bool nccl_nonblocking() { return get_int("RESHARD_NCCL_NONBLOCKING", 1) != 0; }
+
 bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
 
 int cuda_ce_streams() {

@@ -52,6 +52,9 @@ std::uint64_t cuda_bytes_per_cta();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
 
+// RESHARD_NCCL_NONBLOCKING: NCCL communicator in nonblocking mode, every call awaited with
+// RESHARD_TIMEOUT_S and dead-peer checks (default 1); 0: NCCL's blocking calls.
+bool nccl_nonblocking();
 // RESHARD_NCCL_GROUP_SPANS: most spans per (peer, direction) in one NCCL group (default 64).
 std::uint32_t nccl_group_spans();
 // RESHARD_NVSHMEM_STAGING_BYTES: symmetric staging each PE allocates for the NVSHMEM transport,

@@ -37,14 +37,20 @@ std::string nccl_failure(const char* call, ncclResult_t status) {
       throw_error(ErrorCode::kSystem, failure);                              \
   } while (0)
 
-// Inside run(): the communicator is nonblocking, so a call may return ncclInProgress (connecting
-// to a peer for the first time) and is then awaited with reshard's timeout and dead-peer checks.
-// A failed call usually means a peer is gone (its proxy socket refuses us): the error names it
-// where it was a local process, and the communicator is aborted so that teardown does not wait.
-#define RESHARD_NCCL_RUN_CHECK(call)                                                      \
-  do {                                                                                    \
-    if (std::string failure = settle(#call, (call)); !failure.empty()) fail_run(failure); \
+// Inside run(): with a nonblocking communicator a call may return ncclInProgress and is then
+// awaited with reshard's timeout and dead-peer checks. A failed call usually means a peer is gone
+// (its proxy socket refuses us): the error names it where it was a local process, and the
+// communicator is aborted so that teardown does not wait on it.
+#define RESHARD_NCCL_RUN_CHECK(call)                                \
+  do {                                                              \
+    if (Failure failure = settle(#call, (call))) fail_run(failure); \
   } while (0)
+
+struct Failure {
+  std::string text;  // empty: none
+  ErrorCode code = ErrorCode::kSystem;
+  explicit operator bool() const { return !text.empty(); }
+};
 
 class NcclTransport final : public Transport {
  public:
@@ -73,10 +79,10 @@ class NcclTransport final : public Transport {
   void finalize() noexcept override;
 
  private:
-  // What went wrong with nonblocking call `call` that returned `status`, waiting for it to
-  // finish where it is in progress; empty once it succeeded.
-  std::string settle(const char* call, ncclResult_t status);
-  [[noreturn]] void fail_run(const std::string& nccl_error);
+  // What went wrong with call `call` that returned `status`, waiting for it to finish where it
+  // is in progress (nonblocking communicator); none once it succeeded.
+  Failure settle(const char* call, ncclResult_t status);
+  [[noreturn]] void fail_run(const Failure& failure);
 
   Bootstrap& bootstrap_;
   std::uint32_t group_spans_ = env::nccl_group_spans();
@@ -109,12 +115,14 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap)
   local_pids_ = cuda::local_peer_pids(bootstrap_);
   // Nonblocking: no NCCL call (setup, first connections to a peer, teardown) can then block
   // beyond RESHARD_TIMEOUT_S on a peer that died, whatever NCCL's own timeouts are.
+  // RESHARD_NCCL_NONBLOCKING=0 trades that for NCCL's blocking calls (no helper thread per
+  // group: less host time per run).
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  config.blocking = env::nccl_nonblocking() ? 0 : 1;
   const ncclResult_t init = ncclCommInitRankConfig(&comm_, n_pes_, id, me_, &config);
-  if (std::string failure = settle("ncclCommInitRankConfig", init); !failure.empty()) {
-    abort(failure);
-    throw_error(ErrorCode::kSystem, "nccl transport on PE " + std::to_string(me_) + ": " + failure);
+  if (Failure failure = settle("ncclCommInitRankConfig", init)) {
+    abort(failure.text);
+    throw_error(failure.code, "nccl transport on PE " + std::to_string(me_) + ": " + failure.text);
   }
   int version = 0;
   ncclGetVersion(&version);
@@ -177,8 +185,8 @@ void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
   }
 }
 
-std::string NcclTransport::settle(const char* call, ncclResult_t status) {
-  if (status != ncclInProgress) return nccl_failure(call, status);
+Failure NcclTransport::settle(const char* call, ncclResult_t status) {
+  if (status != ncclInProgress) return {nccl_failure(call, status)};
   ncclResult_t state = ncclInProgress;
   int dead = -1;
   std::string problem = cuda::wait_until(
@@ -187,23 +195,26 @@ std::string NcclTransport::settle(const char* call, ncclResult_t status) {
         return state != ncclInProgress;
       },
       local_pids_, std::string("NCCL's ") + call, &dead, {}, peers_);
-  if (!problem.empty()) return problem;
-  return nccl_failure(call, state);
+  if (!problem.empty()) return {problem, dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout};
+  return {nccl_failure(call, state)};
 }
 
-void NcclTransport::fail_run(const std::string& nccl_error) {
-  // A refused connection can arrive a moment before the peer's exit shows: look for a while.
-  int dead = -1;
-  for (int i = 0; i < 50 && (dead = cuda::first_exited_process(local_pids_)) < 0; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  std::string problem = nccl_error;
-  if (dead >= 0) {
-    problem = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
-              ") has exited; " + nccl_error;
+void NcclTransport::fail_run(const Failure& failure) {
+  Failure named = failure;
+  if (named.code == ErrorCode::kSystem) {
+    // NCCL's own error (a refused connection) can arrive a moment before the peer's exit shows:
+    // look for a dead local PE for a while, to name it.
+    int dead = -1;
+    for (int i = 0; i < 50 && (dead = cuda::first_exited_process(local_pids_, true)) < 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (dead >= 0) {
+      named.text = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
+                   ") has exited; " + failure.text;
+      named.code = ErrorCode::kPeerFailure;
+    }
   }
-  abort(problem);
-  throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kSystem,
-              "run() on PE " + std::to_string(me_) + ": " + problem);
+  abort(named.text);
+  throw_error(named.code, "run() on PE " + std::to_string(me_) + ": " + named.text);
 }
 
 void NcclTransport::synchronize() {
@@ -259,15 +270,15 @@ void NcclTransport::finalize() noexcept {
     RESHARD_LOG(kWarn, "finalize: " << error.what());
   }
   if (comm_ != nullptr) {
-    // Flushes and frees the communicator's resources; nonblocking, so it is awaited with the
-    // same limits as a run, and a communicator that cannot finish is aborted instead.
-    const std::string failure = settle("ncclCommFinalize", ncclCommFinalize(comm_));
-    if (failure.empty()) {
+    // Flushes and frees the communicator's resources; a nonblocking communicator's finalize is
+    // awaited with the same limits as a run, and one that cannot finish is aborted instead.
+    const Failure failure = settle("ncclCommFinalize", ncclCommFinalize(comm_));
+    if (!failure) {
       ncclCommDestroy(comm_);
       comm_ = nullptr;
     } else {
-      RESHARD_LOG(kWarn, "finalize: " << failure);
-      abort(failure);
+      RESHARD_LOG(kWarn, "finalize: " << failure.text);
+      abort(failure.text);
     }
   }
   if (last_run_) cudaEventDestroy(last_run_);
