@@ -41,7 +41,7 @@ std::string cuda_engine();
 inline constexpr int kMaxCopyEngineStreams = 8;
 int cuda_ce_streams();
 // RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine
-// (when its copies also average a quarter of that).
+// (when those bytes go in at most 4 copies; default 32 MiB).
 std::uint64_t cuda_ce_min_bytes();
 // RESHARD_CUDA_CTAS_PER_PEER: most CTAs the SM engine gives one peer (default 64; the total stays
 // within one wave).

@@ -38,6 +38,8 @@ constexpr int kCopyEngineStreams = env::kMaxCopyEngineStreams;
 // Autotune: untimed then timed runs of each candidate engine at schedule().
 constexpr int kAutotuneWarmups = 2;
 constexpr int kAutotuneRuns = 5;
+// Most copies to one peer that auto still gives the copy engine (see lay_out).
+constexpr std::size_t kCopyEngineMaxCopies = 4;
 // Pieces (descriptors) one SM-engine CTA takes on: 4 for each of its 16 warps.
 constexpr std::uint64_t kPiecesPerCta = 64;
 
@@ -505,15 +507,13 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
   std::vector<CopyDescriptor> sm_descriptors;
   std::size_t copy_engine_groups = 0;
   for (GroupPlan& g : prepared.groups) {
-    // Copy engines pay per copy (one cudaMemcpyAsync each, queued behind one another on
-    // NVSwitch): auto gives them only groups of RESHARD_CUDA_CE_MIN_BYTES whose copies average
-    // at least a quarter of that. A Llama-3-8B refit
-    // (1,000+ copies of 1-500 MiB per peer) ran 33 ms on copy engines, 24 ms on SMs (4x H200,
-    // 2026-11-21).
-    const std::uint64_t mean_copy = g.group.bytes / std::max<std::size_t>(1, g.descriptors.size());
+    // Copy engines win on a few large copies per peer (4-GPU all-to-all from 64 MiB per peer:
+    // 368 vs 345 GB/s) and lose on many: a Llama-3-8B refit (hundreds of copies per peer) ran
+    // 32.2 ms on them, 22.8 on SMs (4x H200, 2026-11-22). auto gives them only peers of at least
+    // RESHARD_CUDA_CE_MIN_BYTES in at most kCopyEngineMaxCopies copies; autotune decides the rest.
     g.copy_engine =
         engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
-                           mean_copy >= copy_engine_min_bytes_ / 4);
+                           g.descriptors.size() <= kCopyEngineMaxCopies);
     if (g.group.peer >= 0) signal_groups.push_back(g.group);
     if (g.copy_engine) {
       // Peers take the streams in start order, so each stream's first copy goes to a different
