@@ -132,9 +132,9 @@ int main(int argc, char** argv) {
   gpu_cmd->add_option("-s,--sizes", gpu_sizes, "per-peer sizes")->delimiter(',');
   gpu_cmd
       ->add_option("-e,--engines", gpu.engines,
-                   "sm, ce, auto, split, autotune (CUDA transport), nvshmem and nccl")
+                   "sm, ce, auto, autotune (CUDA transport), nvshmem and nccl")
       ->delimiter(',')
-      ->check(CLI::IsMember({"sm", "ce", "auto", "split", "autotune", "nvshmem", "nccl"}));
+      ->check(CLI::IsMember({"sm", "ce", "auto", "autotune", "nvshmem", "nccl"}));
   std::vector<std::string> gpu_workloads = reshard::bench::workload_kinds();
   gpu_workloads.push_back("all-to-all");
   gpu_cmd

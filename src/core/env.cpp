@@ -104,10 +104,9 @@ std::optional<int> device() {
 
 std::string cuda_engine() {
   const std::string engine = get("RESHARD_CUDA_ENGINE").value_or("auto");
-  if (engine != "auto" && engine != "sm" && engine != "ce" && engine != "split" &&
-      engine != "autotune") {
+  if (engine != "auto" && engine != "sm" && engine != "ce" && engine != "autotune") {
     throw_error(ErrorCode::kInvalidArgument,
-                "RESHARD_CUDA_ENGINE='" + engine + "' is not one of auto, sm, ce, split, autotune");
+                "RESHARD_CUDA_ENGINE='" + engine + "' is not one of auto, sm, ce, autotune");
   }
   return engine;
 }
@@ -155,19 +154,6 @@ std::uint32_t nccl_group_spans() {
 bool nccl_nonblocking() { return get_int("RESHARD_NCCL_NONBLOCKING", 1) != 0; }
 
 bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
-
-double cuda_split() {
-  const auto value = get("RESHARD_CUDA_SPLIT");
-  if (!value) return 0.5;
-  try {
-    std::size_t used = 0;
-    const double share = std::stod(*value, &used);
-    if (used == value->size() && share > 0 && share < 1) return share;
-  } catch (const std::exception&) {
-  }
-  throw_error(ErrorCode::kInvalidArgument,
-              "RESHARD_CUDA_SPLIT='" + *value + "' is not a fraction between 0 and 1");
-}
 
 int cuda_ce_streams() {
   const int streams = get_int("RESHARD_CUDA_CE_STREAMS", 1);

@@ -33,12 +33,9 @@ std::optional<int> node_size();
 std::optional<std::string> inter_node_transport();
 // RESHARD_DEVICE: CUDA device of this PE (default: local rank modulo the visible devices).
 std::optional<int> device();
-// RESHARD_CUDA_ENGINE: "auto" (by per-peer size and copy count), "sm", "ce", "split" (each peer's
-// bytes shared between the copy engine and SMs) or "autotune" (times sm, ce, auto and split at
-// schedule() and all PEs take the fastest) for the CUDA transport.
+// RESHARD_CUDA_ENGINE: "auto" (by per-peer size), "sm", "ce", or "autotune" (times sm, ce and auto
+// at schedule() and all PEs take the fastest) for the CUDA transport.
 std::string cuda_engine();
-// RESHARD_CUDA_SPLIT: the copy engine's share of each peer's bytes under "split" (default 0.5).
-double cuda_split();
 // RESHARD_CUDA_CE_STREAMS: streams the copy engine's peers are spread over (default 1: one
 // copy-engine copy at a time per GPU is what NVSwitch serves best).
 inline constexpr int kMaxCopyEngineStreams = 8;

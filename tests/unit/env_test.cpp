@@ -41,9 +41,6 @@ TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_CUDA_CE_STREAMS", "0", [] { env::cuda_ce_streams(); });
   expect_refused("RESHARD_CUDA_CE_STREAMS", "9", [] { env::cuda_ce_streams(); });
   expect_refused("RESHARD_CUDA_CE_STREAMS", "two", [] { env::cuda_ce_streams(); });
-  expect_refused("RESHARD_CUDA_SPLIT", "0", [] { env::cuda_split(); });
-  expect_refused("RESHARD_CUDA_SPLIT", "1", [] { env::cuda_split(); });
-  expect_refused("RESHARD_CUDA_SPLIT", "half", [] { env::cuda_split(); });
   expect_refused("RESHARD_CUDA_UNROLL", "3", [] { env::cuda_unroll(); });
   expect_refused("RESHARD_CUDA_CTAS_PER_PEER", "0", [] { env::cuda_ctas_per_peer(); });
   expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", [] { env::cuda_bytes_per_cta(); });
@@ -51,17 +48,13 @@ TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
 }
 
 TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
-  for (const char* engine : {"auto", "sm", "ce", "split", "autotune"}) {
+  for (const char* engine : {"auto", "sm", "ce", "autotune"}) {
     ScopedEnv scoped("RESHARD_CUDA_ENGINE", engine);
     EXPECT_EQ(env::cuda_engine(), engine);
   }
   for (int streams = 1; streams <= env::kMaxCopyEngineStreams; ++streams) {
     ScopedEnv scoped("RESHARD_CUDA_CE_STREAMS", std::to_string(streams).c_str());
     EXPECT_EQ(env::cuda_ce_streams(), streams);
-  }
-  {
-    ScopedEnv scoped("RESHARD_CUDA_SPLIT", "0.25");
-    EXPECT_DOUBLE_EQ(env::cuda_split(), 0.25);
   }
   ::unsetenv("RESHARD_CUDA_ENGINE");
   ::unsetenv("RESHARD_CUDA_CE_STREAMS");

@@ -93,7 +93,7 @@ struct CopyEngineBatch {
 struct PreparedRun {
   std::vector<GroupPlan> groups;  // every destination, in start order; engines not yet chosen
   KernelArgs base{};
-  std::string engine;  // the one laid out: sm, ce, auto or split
+  std::string engine;  // the one laid out: sm, ce or auto
   DeviceArray<CopyDescriptor> copy_descriptors, unstage_descriptors;
   DeviceArray<PeerGroup> copy_groups, signal_groups, unstage_groups;
   DeviceArray<int> sources;
@@ -138,8 +138,7 @@ class CudaTransport final : public Transport {
                                                               std::vector<std::uintptr_t>& refused,
                                                               bool last_attempt);
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
-  // Chooses each group's engine by `engine` (sm, ce, auto or split) and uploads the kernels'
-  // inputs.
+  // Chooses each group's engine by `engine` (sm, ce or auto) and uploads the kernels' inputs.
   void lay_out(PreparedRun& prepared, const std::string& engine);
   // Collective: times each engine on the schedule and lays out the one slowest PE finds fastest.
   void autotune(PreparedRun& prepared);
@@ -156,7 +155,6 @@ class CudaTransport final : public Transport {
   std::string engine_;
   std::uint64_t copy_engine_min_bytes_ = 0;
   int copy_engine_streams_used_ = 1;
-  double split_ = 0.5;        // the copy engine's share of a peer's bytes under engine "split"
   bool batch_copies_ = true;  // cudaMemcpyBatchAsync works here (else one cudaMemcpyAsync each)
   int ctas_per_peer_ = 64;
   std::uint64_t bytes_per_cta_ = 64 << 10;
@@ -188,7 +186,6 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   engine_ = env::cuda_engine();
   copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
   copy_engine_streams_used_ = env::cuda_ce_streams();
-  split_ = env::cuda_split();
   ctas_per_peer_ = env::cuda_ctas_per_peer();
   bytes_per_cta_ = env::cuda_bytes_per_cta();
   unroll_ = env::cuda_unroll();
@@ -514,50 +511,29 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
     // 368 vs 345 GB/s) and lose on many: a Llama-3-8B refit (hundreds of copies per peer) ran
     // 32.2 ms on them, 22.8 on SMs (4x H200, 2026-11-22). auto gives them only peers of at least
     // RESHARD_CUDA_CE_MIN_BYTES in at most kCopyEngineMaxCopies copies; autotune decides the rest.
-    // split gives each peer's first RESHARD_CUDA_SPLIT of its bytes to the copy engine and the
-    // rest to SMs, both at once.
-    std::uint64_t ce_bytes = 0;
-    if (engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
-                           g.descriptors.size() <= kCopyEngineMaxCopies)) {
-      ce_bytes = g.group.bytes;
-    } else if (engine == "split" && g.group.peer >= 0) {
-      ce_bytes =
-          static_cast<std::uint64_t>(static_cast<double>(g.group.bytes) * split_) / 4096 * 4096;
-    }
-    g.copy_engine = ce_bytes > 0;
+    g.copy_engine =
+        engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
+                           g.descriptors.size() <= kCopyEngineMaxCopies);
     if (g.group.peer >= 0) signal_groups.push_back(g.group);
-    CopyEngineBatch* batch = nullptr;
-    if (ce_bytes > 0) {
+    if (g.copy_engine) {
       // Peers take the streams in start order, so each stream's first copy goes to a different
       // peer, and with one stream every sender walks its peers in its own rotated order.
       const std::size_t stream = copy_engine_groups++ % copy_engine_streams_used_;
       if (prepared.copy_engine_batches.size() <= stream)
         prepared.copy_engine_batches.emplace_back();
-      batch = &prepared.copy_engine_batches[stream];
-      prepared.copy_engine_bytes += ce_bytes;
-    }
-    GroupPlan sm_part;
-    sm_part.group = g.group;
-    sm_part.group.bytes = 0;
-    std::uint64_t at = 0;
-    for (const CopyDescriptor& d : g.descriptors) {
-      const std::uint64_t to_ce = ce_bytes > at ? std::min(d.bytes, ce_bytes - at) : 0;
-      if (to_ce > 0) {
-        batch->dsts.push_back(d.dst);
-        batch->srcs.push_back(d.src);
-        batch->sizes.push_back(to_ce);
+      CopyEngineBatch& batch = prepared.copy_engine_batches[stream];
+      for (const CopyDescriptor& d : g.descriptors) {
+        batch.dsts.push_back(d.dst);
+        batch.srcs.push_back(d.src);
+        batch.sizes.push_back(d.bytes);
       }
-      if (to_ce < d.bytes) sm_part.add(d.src + to_ce, d.dst + to_ce, d.bytes - to_ce);
-      at += d.bytes;
+      prepared.copy_engine_bytes += g.group.bytes;
+      continue;
     }
-    // A peer with nothing for the copy engine keeps its SM group even when empty: in a fused run
-    // that group's CTAs are what raise the peer's done flag.
-    if (sm_part.group.bytes == 0 && ce_bytes > 0) continue;
-    sm_part.group.first_descriptor = static_cast<std::uint32_t>(sm_descriptors.size());
-    sm_part.group.descriptor_count = static_cast<std::uint32_t>(sm_part.descriptors.size());
-    sm_descriptors.insert(sm_descriptors.end(), sm_part.descriptors.begin(),
-                          sm_part.descriptors.end());
-    sm_groups.push_back(sm_part.group);
+    g.group.first_descriptor = static_cast<std::uint32_t>(sm_descriptors.size());
+    g.group.descriptor_count = static_cast<std::uint32_t>(g.descriptors.size());
+    sm_descriptors.insert(sm_descriptors.end(), g.descriptors.begin(), g.descriptors.end());
+    sm_groups.push_back(g.group);
   }
   prepared.fused = copy_engine_groups == 0;
 
@@ -582,7 +558,7 @@ void CudaTransport::autotune(PreparedRun& prepared) {
   // The candidates run the real schedule: sources are read and destinations written with what
   // run() will write. Work the caller queued on them finishes first.
   RESHARD_CUDA_CHECK(cudaDeviceSynchronize());
-  const std::vector<std::string> candidates{"sm", "ce", "auto", "split"};
+  const std::vector<std::string> candidates{"sm", "ce", "auto"};
   cudaEvent_t start = nullptr, stop = nullptr;
   RESHARD_CUDA_CHECK(cudaEventCreate(&start));
   RESHARD_CUDA_CHECK(cudaEventCreate(&stop));
