@@ -45,6 +45,7 @@ TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_CUDA_CTAS_PER_PEER", "0", [] { env::cuda_ctas_per_peer(); });
   expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", [] { env::cuda_bytes_per_cta(); });
   expect_refused("RESHARD_TIMEOUT_S", "-2", [] { env::timeout(); });
+  expect_refused("RESHARD_NCCL_NONBLOCKING", "yes", [] { env::nccl_nonblocking(); });
 }
 
 TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
@@ -59,6 +60,7 @@ TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
   ::unsetenv("RESHARD_CUDA_ENGINE");
   ::unsetenv("RESHARD_CUDA_CE_STREAMS");
   EXPECT_EQ(env::cuda_engine(), "auto");
+  EXPECT_TRUE(env::nccl_nonblocking());
   EXPECT_GE(env::cuda_ce_streams(), 1);
 }
 
