@@ -59,6 +59,7 @@ TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
   }
   ::unsetenv("RESHARD_CUDA_ENGINE");
   ::unsetenv("RESHARD_CUDA_CE_STREAMS");
+  ::unsetenv("RESHARD_NCCL_NONBLOCKING");
   EXPECT_EQ(env::cuda_engine(), "auto");
   EXPECT_TRUE(env::nccl_nonblocking());
   EXPECT_GE(env::cuda_ce_streams(), 1);
