@@ -634,6 +634,7 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     for (int i = 0; i < used; ++i) {
       const CopyEngineBatch& batch = p.copy_engine_batches[i];
+      if (batch.dsts.empty()) continue;  // peers with nothing to send (a batch must not be empty)
       cudaStream_t side = copy_engine_streams_[i];
       // One call for all of a stream's copies; graphs cannot hold a batch, so a captured run
       // (and a driver without batches) queues one copy each.
