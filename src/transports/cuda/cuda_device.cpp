@@ -189,10 +189,10 @@ std::string wait_until(const std::function<bool()>& finished, std::span<const pi
   const auto start = Clock::now();
   const auto limit = env::timeout();
   *dead = -1;
-  for (int polls = 0;; ++polls) {
+  for (;;) {
     if (finished()) return {};
     // Spin for the first 2 ms: most waits end within microseconds, and a sleep costs 50+ us.
-    if (polls % 256 != 255 || Clock::now() - start < std::chrono::milliseconds(2)) continue;
+    if (Clock::now() - start < std::chrono::milliseconds(2)) continue;
     if (transport_problem) {
       if (std::string problem = transport_problem(); !problem.empty()) return problem;
     }

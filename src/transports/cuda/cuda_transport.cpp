@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -559,30 +560,26 @@ void CudaTransport::autotune(PreparedRun& prepared) {
   // run() will write. Work the caller queued on them finishes first.
   RESHARD_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<std::string> candidates{"sm", "ce", "auto"};
-  cudaEvent_t start = nullptr, stop = nullptr;
-  RESHARD_CUDA_CHECK(cudaEventCreate(&start));
-  RESHARD_CUDA_CHECK(cudaEventCreate(&stop));
+  // Destroyed on every way out, a failed run's exception included.
+  auto timing_event = [] {
+    cudaEvent_t event = nullptr;
+    RESHARD_CUDA_CHECK(cudaEventCreate(&event));
+    return std::unique_ptr<CUevent_st, cudaError_t (*)(cudaEvent_t)>(event, cudaEventDestroy);
+  };
+  const auto start = timing_event(), stop = timing_event();
   std::vector<double> seconds;
-  try {
-    for (const std::string& engine : candidates) {
-      lay_out(prepared, engine);
-      for (int i = 0; i < kAutotuneWarmups; ++i) launch(prepared, stream_);
-      RESHARD_CUDA_CHECK(cudaEventRecord(start, stream_));
-      for (int i = 0; i < kAutotuneRuns; ++i) launch(prepared, stream_);
-      RESHARD_CUDA_CHECK(cudaEventRecord(stop, stream_));
-      wait_for(stop, "autotune's runs");
-      throw_device_failure();
-      float ms = 0;
-      RESHARD_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      seconds.push_back(ms / 1e3 / kAutotuneRuns);
-    }
-  } catch (...) {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    throw;
+  for (const std::string& engine : candidates) {
+    lay_out(prepared, engine);
+    for (int i = 0; i < kAutotuneWarmups; ++i) launch(prepared, stream_);
+    RESHARD_CUDA_CHECK(cudaEventRecord(start.get(), stream_));
+    for (int i = 0; i < kAutotuneRuns; ++i) launch(prepared, stream_);
+    RESHARD_CUDA_CHECK(cudaEventRecord(stop.get(), stream_));
+    wait_for(stop.get(), "autotune's runs");
+    throw_device_failure();
+    float ms = 0;
+    RESHARD_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    seconds.push_back(ms / 1e3 / kAutotuneRuns);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   // Every PE takes the engine whose slowest PE was fastest: the same data, the same choice.
   wire::Writer mine;
   mine.put_array(std::span<const double>(seconds));
