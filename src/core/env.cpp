@@ -153,6 +153,8 @@ std::uint32_t nccl_group_spans() {
 
 bool nccl_nonblocking() { return get_int("RESHARD_NCCL_NONBLOCKING", 1) != 0; }
 
+bool cuda_early_launch() { return get_int("RESHARD_CUDA_EARLY_LAUNCH", 1) != 0; }
+
 bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
 
 int cuda_ce_streams() {

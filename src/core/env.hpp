@@ -51,6 +51,9 @@ int cuda_ctas_per_peer();
 std::uint64_t cuda_bytes_per_cta();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
+// RESHARD_CUDA_EARLY_LAUNCH: the SM engine's kernel is launched with programmatic dependent launch,
+// so it is on the GPU when the stream's previous kernel ends (default 1; 0 launches it plainly).
+bool cuda_early_launch();
 
 // RESHARD_NCCL_NONBLOCKING: NCCL communicator in nonblocking mode, every call awaited with
 // RESHARD_TIMEOUT_S and dead-peer checks (default 1); 0: NCCL's blocking calls.

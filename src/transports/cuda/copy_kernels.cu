@@ -25,6 +25,26 @@ __device__ __forceinline__ void store_release(std::uint64_t* flag, std::uint64_t
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
+// Programmatic dependent launch (sm_90): a run launched with it may start while the stream's
+// previous kernel is still finishing; everything before wait_for_previous_grid() reads only the
+// schedule's own arguments, everything after it sees the previous kernel's writes. Both are no-ops
+// for a kernel launched without it.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void let_next_grid_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void store_relaxed(std::uint64_t* flag, std::uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
 __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
                                unsigned int phase) {
   volatile DeviceStatus* status = a.status;
@@ -213,16 +233,22 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   __shared__ Prefetch plan;
   std::uint64_t* signals = a.signals;
   if (threadIdx.x == 0) {
+    // The schedule's descriptors only: this overlaps the previous kernel's end.
+    group_index = a.group_count == 0 ? 0 : find_group(a, blockIdx.x);
+    may_write = a.group_count > 0;
+    prefetched = may_write && plan_prefetch(a, a.groups[group_index],
+                                            blockIdx.x - a.groups[group_index].first_cta, &plan);
+  }
+  // Sources, destinations and signals belong to the stream's earlier work from here on.
+  wait_for_previous_grid();
+  let_next_grid_launch();
+  if (threadIdx.x == 0) {
     epoch =
         *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
     if (blockIdx.x == 0) stamp(a, epoch, kTraceStart);
     if (blockIdx.x == 0) {
       for (std::uint32_t s = 0; s < a.source_count; ++s) store_release(a.source_ready[s], epoch);
     }
-    group_index = a.group_count == 0 ? 0 : find_group(a, blockIdx.x);
-    may_write = a.group_count > 0;
-    prefetched = may_write && plan_prefetch(a, a.groups[group_index],
-                                            blockIdx.x - a.groups[group_index].first_cta, &plan);
   }
   __syncthreads();
   // Sources are this PE's and ready at kernel start (stream order): load them now.
@@ -267,8 +293,10 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
       unsigned int* arrivals = SignalLayout::group_arrivals(signals, a.n_pes) + group_index;
       if (atomicAdd(arrivals, 1u) == g.cta_count - 1) {
         *arrivals = 0;
-        __threadfence_system();
-        store_release(g.remote_done, epoch);
+        // One fence (acquire for the other CTAs' arrivals, release for the store below) instead
+        // of a full fence followed by a releasing store: one system-scope drain fewer per peer.
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        store_relaxed(g.remote_done, epoch);
       }
     }
   }
@@ -326,9 +354,17 @@ __global__ void end_kernel(KernelArgs a) {
 
 }  // namespace
 
-void launch_fused_copy(const KernelArgs& args, cudaStream_t stream) {
-  fused_copy_kernel<<<args.cta_count == 0 ? 1 : args.cta_count, kCopyThreads, 0, stream>>>(args);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
+void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_launch) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(args.cta_count == 0 ? 1 : args.cta_count);
+  config.blockDim = dim3(kCopyThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = early_launch ? 1 : 0;
+  RESHARD_CUDA_CHECK(cudaLaunchKernelEx(&config, fused_copy_kernel, args));
 }
 
 __global__ void raise_kernel(std::uint64_t* flag, std::uint64_t value, KernelArgs a) {

@@ -12,8 +12,10 @@ constexpr int kCopyThreads = 512;
 
 // SM engine, one launch per run: raises ready for the sources, waits until each destination is
 // ready, copies, raises done per destination from its last CTA, and the grid's last CTA waits
-// until every source's data has landed.
-void launch_fused_copy(const KernelArgs& args, cudaStream_t stream);
+// until every source's data has landed. With early_launch (programmatic dependent launch) the
+// kernel may be put on the GPU before the stream's previous kernel ends; it reads nothing but its
+// own arguments until that kernel is done.
+void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_launch);
 // Copies the groups' descriptors and nothing else (no flags): the SM share of a mixed run, and
 // the copy out of a bounce buffer.
 void launch_plain_copy(const KernelArgs& args, cudaStream_t stream);

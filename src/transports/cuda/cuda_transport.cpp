@@ -160,6 +160,7 @@ class CudaTransport final : public Transport {
   int ctas_per_peer_ = 64;
   std::uint64_t bytes_per_cta_ = 64 << 10;
   int unroll_ = 8;
+  bool early_launch_ = true;
   std::uint64_t timeout_ns_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_engine_streams_[kCopyEngineStreams] = {};
@@ -190,6 +191,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   ctas_per_peer_ = env::cuda_ctas_per_peer();
   bytes_per_cta_ = env::cuda_bytes_per_cta();
   unroll_ = env::cuda_unroll();
+  early_launch_ = env::cuda_early_launch();
   timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -620,7 +622,7 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
 
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
   if (p.fused) {
-    launch_fused_copy(p.copy_args, stream);
+    launch_fused_copy(p.copy_args, stream, early_launch_);
   } else {
     launch_begin(p.signal_args, stream);
     RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
