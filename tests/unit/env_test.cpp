@@ -46,6 +46,7 @@ TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", [] { env::cuda_bytes_per_cta(); });
   expect_refused("RESHARD_TIMEOUT_S", "-2", [] { env::timeout(); });
   expect_refused("RESHARD_NCCL_NONBLOCKING", "yes", [] { env::nccl_nonblocking(); });
+  expect_refused("RESHARD_CUDA_EARLY_LAUNCH", "on", [] { env::cuda_early_launch(); });
 }
 
 TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
@@ -59,8 +60,14 @@ TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
   }
   ::unsetenv("RESHARD_CUDA_ENGINE");
   ::unsetenv("RESHARD_CUDA_CE_STREAMS");
+  {
+    ScopedEnv scoped("RESHARD_CUDA_EARLY_LAUNCH", "0");
+    EXPECT_FALSE(env::cuda_early_launch());
+  }
   ::unsetenv("RESHARD_NCCL_NONBLOCKING");
+  ::unsetenv("RESHARD_CUDA_EARLY_LAUNCH");
   EXPECT_EQ(env::cuda_engine(), "auto");
+  EXPECT_TRUE(env::cuda_early_launch());
   EXPECT_TRUE(env::nccl_nonblocking());
   EXPECT_GE(env::cuda_ce_streams(), 1);
 }
