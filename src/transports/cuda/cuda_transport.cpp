@@ -65,7 +65,6 @@ struct WireBatch {
 struct GroupPlan {
   PeerGroup group{};
   std::vector<CopyDescriptor> descriptors;
-  bool copy_engine = false;
 
   void add(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
     if (bytes == 0) return;
@@ -94,7 +93,6 @@ struct CopyEngineBatch {
 struct PreparedRun {
   std::vector<GroupPlan> groups;  // every destination, in start order; engines not yet chosen
   KernelArgs base{};
-  std::string engine;  // the one laid out: sm, ce or auto
   DeviceArray<CopyDescriptor> copy_descriptors, unstage_descriptors;
   DeviceArray<PeerGroup> copy_groups, signal_groups, unstage_groups;
   DeviceArray<int> sources;
@@ -503,7 +501,6 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
 }
 
 void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
-  prepared.engine = engine;
   prepared.copy_engine_batches.clear();
   prepared.copy_engine_bytes = 0;
   std::vector<PeerGroup> sm_groups, signal_groups;
@@ -514,11 +511,11 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
     // 368 vs 345 GB/s) and lose on many: a Llama-3-8B refit (hundreds of copies per peer) ran
     // 32.2 ms on them, 22.8 on SMs (4x H200, 2026-11-22). auto gives them only peers of at least
     // RESHARD_CUDA_CE_MIN_BYTES in at most kCopyEngineMaxCopies copies; autotune decides the rest.
-    g.copy_engine =
+    const bool copy_engine =
         engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
                            g.descriptors.size() <= kCopyEngineMaxCopies);
     if (g.group.peer >= 0) signal_groups.push_back(g.group);
-    if (g.copy_engine) {
+    if (copy_engine) {
       // Peers take the streams in start order, so each stream's first copy goes to a different
       // peer, and with one stream every sender walks its peers in its own rotated order.
       const std::size_t stream = copy_engine_groups++ % copy_engine_streams_used_;
