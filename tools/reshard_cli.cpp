@@ -148,6 +148,8 @@ int main(int argc, char** argv) {
   gpu_cmd->add_option("--warmup", gpu.warmup, "untimed runs first")->check(CLI::Range(0, 1000));
   gpu_cmd->add_option("--max-iters", gpu.max_iterations, "most runs per timed repeat")
       ->check(CLI::Range(1, 100000));
+  gpu_cmd->add_flag("--graph", gpu.graph,
+                    "time CUDA-transport runs as replays of one captured run (CUDA graph)");
   gpu_cmd->add_option("--json", gpu.json_path, "append results as JSON lines to this file");
   gpu_cmd->add_option("--commit", gpu.commit, "source revision recorded in the JSON lines");
 

@@ -55,6 +55,9 @@ struct GpuBenchOptions {
   int warmup = 5;
   int repeats = 5;
   int max_iterations = 200;
+  // CUDA-transport runs are timed as replays of one run(stream) captured in a CUDA graph (the
+  // host cost per run is then the replay's); NCCL and NVSHMEM runs stay plain.
+  bool graph = false;
   std::string json_path;
   std::string commit;
 };

@@ -108,13 +108,30 @@ Timing summarize(std::vector<double> per_repeat) {
 // service; returns with every run finished.
 Timing time_scheduled_runs(Bootstrap& bootstrap, CopyService& service,
                            const GpuBenchOptions& options, cudaStream_t stream, int iterations) {
-  warm_up(bootstrap, stream, options.warmup, [&] { service.run(stream); });
+  cudaGraphExec_t replay = nullptr;
+  if (options.graph && service.transport_name() == "cuda") {
+    cudaGraph_t graph = nullptr;
+    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    service.run(stream);
+    BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+    BENCH_CUDA(cudaGraphInstantiate(&replay, graph, 0));
+    BENCH_CUDA(cudaGraphDestroy(graph));
+  }
+  auto run = [&] {
+    if (replay != nullptr)
+      BENCH_CUDA(cudaGraphLaunch(replay, stream));
+    else
+      service.run(stream);
+  };
+  warm_up(bootstrap, stream, options.warmup, run);
   double host_us = 0;
   Timing t = summarize(
       time_repeats(bootstrap, stream, options.repeats, iterations, &host_us, [&](int count) {
-        for (int i = 0; i < count; ++i) service.run(stream);
+        for (int i = 0; i < count; ++i) run();
       }));
   t.host_us = host_us;
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  if (replay != nullptr) BENCH_CUDA(cudaGraphExecDestroy(replay));
   service.synchronize();
   return t;
 }
@@ -209,6 +226,8 @@ Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
   return t;
 }
 
+bool is_cuda_engine(const std::string& engine) { return engine != "nccl" && engine != "nvshmem"; }
+
 }  // namespace
 
 std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBenchOptions& options) {
@@ -245,8 +264,9 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
   if (me == 0) {
     std::printf(
         "reshard bench-gpu: all-to-all, %d x %s, per-GPU egress GB/s (us per all-to-all), "
-        "median of %d repeats\n",
-        n, prop.name, options.repeats);
+        "median of %d repeats%s\n",
+        n, prop.name, options.repeats,
+        options.graph ? "; CUDA engines replay one captured run (CUDA graph)" : "");
     std::printf("%-9s", "per-peer");
     for (const std::string& e : chosen.engines) std::printf(" | %-17s", e.c_str());
     std::printf(" | %-10s | best/nccl | best/ceil | host us/run\n", "CE 1-peer");
@@ -282,9 +302,11 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
       if (json.is_open()) {
         json << "{\"bench\":\"all_to_all\",\"date\":\"" << utc_date() << "\",\"versions\":\""
              << component_versions() << "\",\"device\":\"" << prop.name << "\",\"gpus\":" << n
-             << ",\"engine\":\"" << chosen.engines[e] << "\",\"per_peer_bytes\":" << size
-             << ",\"seconds\":" << timings[e].seconds << ",\"gbps_per_gpu\":" << rate
-             << ",\"spread\":" << timings[e].spread << ",\"host_us_per_run\":" << timings[e].host_us
+             << ",\"engine\":\"" << chosen.engines[e]
+             << (options.graph && is_cuda_engine(chosen.engines[e]) ? "+graph" : "")
+             << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
+             << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
+             << ",\"host_us_per_run\":" << timings[e].host_us
              << ",\"wrong_bytes\":" << timings[e].wrong << ",\"commit\":\"" << options.commit
              << "\"}\n";
       }
