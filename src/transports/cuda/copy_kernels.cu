@@ -53,6 +53,7 @@ __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
   status->phase = phase;
   __threadfence_system();
   status->code = code;
+  if (a.failure != nullptr) *static_cast<volatile unsigned int*>(a.failure) = code;
 }
 
 // Spins until *flag >= epoch. False when the wait ran out, was cancelled, or another wait of this
@@ -77,8 +78,13 @@ __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, co
   return true;
 }
 
+// The pinned status also carries what the host sets (abort), at the price of a read over PCIe.
 __device__ __forceinline__ bool failed(const KernelArgs& a) {
   return static_cast<volatile DeviceStatus*>(a.status)->code != 0;
+}
+
+__device__ __forceinline__ bool failed_here(const KernelArgs& a) {
+  return a.failure != nullptr && *static_cast<volatile unsigned int*>(a.failure) != 0;
 }
 
 // Copies n elements of V with kUnroll loads in flight per thread before their stores; `lane` of
@@ -320,27 +326,61 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
 }
 
 __global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) {
-  if (failed(a)) return;
+  // Nothing is written after a failed wait of this PE (the begin kernel's for a peer's ready).
+  if (failed_here(a)) return;
   const std::uint32_t g = find_group(a, blockIdx.x);
   copy_share(a, a.groups[g], blockIdx.x - a.groups[g].first_cta);
+  if (a.trace != nullptr && blockIdx.x == 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const std::uint64_t epoch =
+          *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(a.signals, a.n_pes)) +
+          1;
+      stamp(a, epoch, kTraceCopied);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads) flagged_copy_kernel(KernelArgs a, CopyFlags f) {
+  __shared__ bool go;
+  if (threadIdx.x == 0) {
+    go = !failed_here(a) &&
+         (f.wait == nullptr || wait_at_least(f.wait, f.wait_value, a, f.peer, f.phase));
+  }
+  __syncthreads();
+  if (go && blockIdx.x < a.groups[0].cta_count) copy_share(a, a.groups[0], blockIdx.x);
+  if (f.raise == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  // As in the fused kernel: each CTA's stores are ordered before its arrival, the last arrival
+  // publishes them all.
+  __threadfence_system();
+  if (atomicAdd(f.arrivals, 1u) != gridDim.x - 1) return;
+  *f.arrivals = 0;
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  if (!failed_here(a)) store_relaxed(f.raise, f.raise_value);
 }
 
 __global__ void begin_kernel(KernelArgs a) {
   std::uint64_t* signals = a.signals;
   const std::uint64_t epoch =
       *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+  if (threadIdx.x == 0) stamp(a, epoch, kTraceStart);
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x)
     store_release(a.source_ready[s], epoch);
   for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
     if (a.groups[g].peer >= 0)
       wait_at_least(a.groups[g].local_ready, epoch, a, a.groups[g].peer, kPhaseReady);
   }
+  __syncthreads();
+  if (threadIdx.x == 0) stamp(a, epoch, kTraceReady);
 }
 
 __global__ void end_kernel(KernelArgs a) {
   std::uint64_t* signals = a.signals;
   const std::uint64_t epoch =
       *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+  if (threadIdx.x == 0) stamp(a, epoch, kTraceSignalled);
   if (!failed(a)) {
     __threadfence_system();
     for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
@@ -352,8 +392,10 @@ __global__ void end_kernel(KernelArgs a) {
                   kPhaseDone);
   }
   __syncthreads();
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
+    stamp(a, epoch, kTraceAllDone);
     *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) = epoch;
+  }
 }
 
 }  // namespace
@@ -397,6 +439,12 @@ void launch_wait(const std::uint64_t* flag, std::uint64_t value, int peer, unsig
 void launch_plain_copy(const KernelArgs& args, cudaStream_t stream) {
   if (args.cta_count == 0) return;
   plain_copy_kernel<<<args.cta_count, kCopyThreads, 0, stream>>>(args);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_flagged_copy(const KernelArgs& args, const CopyFlags& flags, cudaStream_t stream) {
+  flagged_copy_kernel<<<args.cta_count == 0 ? 1 : args.cta_count, kCopyThreads, 0, stream>>>(args,
+                                                                                             flags);
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 

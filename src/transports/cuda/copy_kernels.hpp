@@ -26,6 +26,20 @@ void launch_raise(std::uint64_t* flag, std::uint64_t value, const KernelArgs& ar
                   cudaStream_t stream);
 void launch_wait(const std::uint64_t* flag, std::uint64_t value, int peer, unsigned int phase,
                  const KernelArgs& args, cudaStream_t stream);
+// What a flagged copy waits for before it copies and raises once every CTA has copied.
+struct CopyFlags {
+  const std::uint64_t* wait = nullptr;  // null: copy at once
+  std::uint64_t wait_value = 0;         // copy once *wait >= wait_value
+  int peer = -1;                        // whom the wait is for (named if it runs out)
+  unsigned int phase = 0;               // kPhaseReady or kPhaseDone
+  std::uint64_t* raise = nullptr;       // null: nothing to raise
+  std::uint64_t raise_value = 0;
+  unsigned int* arrivals = nullptr;  // device counter, zero between launches (needed with raise)
+};
+// One group (args.groups[0]) in one launch: every CTA waits for flags.wait, copies its slice, and
+// the last CTA to finish raises flags.raise (system scope, after the CTAs' stores). It replaces a
+// wait kernel, a copy kernel and a raise kernel in a row; nothing is written once a wait failed.
+void launch_flagged_copy(const KernelArgs& args, const CopyFlags& flags, cudaStream_t stream);
 // Copy-engine runs are framed by these single-CTA kernels: begin raises ready and waits until every
 // destination group's peer is ready; end raises done for every group and waits for every source.
 void launch_begin(const KernelArgs& args, cudaStream_t stream);

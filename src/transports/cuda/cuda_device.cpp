@@ -184,10 +184,10 @@ std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
                        const std::string& what, int* dead,
                        const std::function<std::string()>& transport_problem,
-                       std::span<const int> peers) {
+                       std::span<const int> peers, std::chrono::milliseconds grace) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const auto limit = env::timeout();
+  const auto limit = env::timeout() + grace;
   *dead = -1;
   for (;;) {
     if (finished()) return {};
@@ -221,7 +221,7 @@ std::string wait_until(const std::function<bool()>& finished, std::span<const pi
 
 std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
                          int* dead, const std::function<std::string()>& transport_problem,
-                         std::span<const int> peers) {
+                         std::span<const int> peers, std::chrono::milliseconds grace) {
   const auto finished = [event] {
     const cudaError_t status = cudaEventQuery(event);
     if (status == cudaSuccess) return true;
@@ -229,7 +229,7 @@ std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const c
     return false;
   };
   return wait_until(finished, pids, std::string("the ") + what + " transfers", dead,
-                    transport_problem, peers);
+                    transport_problem, peers, grace);
 }
 
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <sys/types.h>
 
+#include <chrono>
 #include <functional>
 #include <optional>
 #include <span>
@@ -52,16 +53,18 @@ std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
 int first_stopped_process(std::span<const pid_t> pids);
 // Polls `finished` until it returns true: an empty string then, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
-// RESHARD_TIMEOUT_S passing while `what` is unfinished — naming a stopped local peer, else the
-// PEs this run exchanges with (`peers`).
+// RESHARD_TIMEOUT_S (plus `grace`) passing while `what` is unfinished — naming a stopped local
+// peer, else the PEs this run exchanges with (`peers`).
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
                        const std::string& what, int* dead,
                        const std::function<std::string()>& transport_problem = {},
-                       std::span<const int> peers = {});
+                       std::span<const int> peers = {},
+                       std::chrono::milliseconds grace = std::chrono::milliseconds(0));
 // wait_until for `event` (the end of a run), "the <what> transfers".
 std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
                          int* dead, const std::function<std::string()>& transport_problem = {},
-                         std::span<const int> peers = {});
+                         std::span<const int> peers = {},
+                         std::chrono::milliseconds grace = std::chrono::milliseconds(0));
 // Records `event` on `stream` after a run and returns true, unless the stream is being captured
 // into a graph (then the run only exists in the graph and there is nothing to wait for).
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);

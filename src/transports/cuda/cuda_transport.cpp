@@ -14,7 +14,6 @@
 #include <optional>
 #include <set>
 #include <sstream>
-#include <thread>
 
 #include "core/env.hpp"
 #include "core/transport.hpp"
@@ -31,7 +30,6 @@ namespace reshard {
 namespace {
 
 using namespace cuda;
-using Clock = std::chrono::steady_clock;
 
 constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
@@ -476,6 +474,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   base.signals = signals_;
   base.n_pes = n_pes_;
   base.status = status_device_;
+  base.failure = SignalLayout::failure(signals_, n_pes_);
   base.timeout_ns = timeout_ns_;
   base.unroll = unroll_;
   base.trace = trace_;
@@ -511,6 +510,9 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
     // 368 vs 345 GB/s) and lose on many: a Llama-3-8B refit (hundreds of copies per peer) ran
     // 32.2 ms on them, 22.8 on SMs (4x H200, 2026-11-22). auto gives them only peers of at least
     // RESHARD_CUDA_CE_MIN_BYTES in at most kCopyEngineMaxCopies copies; autotune decides the rest.
+    // A peer goes whole to one engine: sharing each peer's bytes between the copy engine and SMs
+    // at once measured no better than the better of the two (4x H200, 2026-11-22: 16 MiB 310
+    // GB/s vs 330 on SMs, 64 MiB 352 vs 367 on the copy engine).
     const bool copy_engine =
         engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
                            g.descriptors.size() <= kCopyEngineMaxCopies);
@@ -655,42 +657,37 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
                                            cudaMemcpyDeviceToDevice, side));
       }
     }
+    // The SM share runs while the copy engines work (it was queued after the join, which made
+    // a mixed run the sum of its two parts); the end kernel waits for both.
+    launch_plain_copy(p.copy_args, stream);
     for (int i = 0; i < used; ++i) {
       RESHARD_CUDA_CHECK(cudaEventRecord(joins_[i], copy_engine_streams_[i]));
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, joins_[i], 0));
     }
-    launch_plain_copy(p.copy_args, stream);
     launch_end(p.signal_args, stream);
   }
   if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
 }
 
 void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
-  const auto start = Clock::now();
-  const auto limit = env::timeout() + std::chrono::seconds(10);
+  // The kernels' own waits give up at RESHARD_TIMEOUT_S and say whom they waited for; the host
+  // allows them 10 s more to report it.
+  const auto grace = std::chrono::seconds(10);
   int dead = -1;
-  for (int polls = 0;; ++polls) {
-    const cudaError_t status = cudaEventQuery(event);
-    if (status == cudaSuccess) break;
-    if (status != cudaErrorNotReady) throw_cuda_error(status, "cudaEventQuery");
-    if (polls > 1000) {
-      if (dead < 0 && (dead = first_exited_process(pids_)) >= 0) {
-        // The kernels stop waiting for a peer that cannot answer any more.
-        reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
-      }
-      if (Clock::now() - start > limit) {
-        throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + what +
-                                             " did not finish on the GPU within " +
-                                             std::to_string(limit.count() / 1000) + " s");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 1000 : 20));
-    }
-  }
+  const std::string problem = wait_for_run(event, pids_, what, &dead, {}, {}, grace);
   if (dead >= 0) {
+    // The kernels stop waiting for a peer that cannot answer any more, and must have ended
+    // before the caller frees what they touch.
+    reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
+    int ignored = -1;
+    if (std::string stuck = wait_for_run(event, {}, what, &ignored, {}, {}, grace); !stuck.empty())
+      throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + stuck);
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
                                              std::to_string(dead) + " (pid " +
                                              std::to_string(pids_[dead]) + ") exited mid-run");
   }
+  if (!problem.empty())
+    throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + problem);
 }
 
 void CudaTransport::synchronize() {

@@ -53,7 +53,11 @@ struct SignalLayout {
   RESHARD_HOST_DEVICE static unsigned int* group_arrivals(std::uint64_t* base, int n) {
     return reinterpret_cast<unsigned int*>(base + 2 * n + 2);
   }
-  static std::uint64_t bytes(int n) { return (2 * n + 2) * 8 + (n + 1) * 4; }
+  // Set beside the pinned status when a wait of this PE's kernels fails (see KernelArgs).
+  RESHARD_HOST_DEVICE static unsigned int* failure(std::uint64_t* base, int n) {
+    return group_arrivals(base, n) + n + 1;
+  }
+  static std::uint64_t bytes(int n) { return (2 * n + 2) * 8 + (n + 2) * 4; }
 };
 
 // Written by a kernel whose wait ran out (pinned host memory, read by the host after the run).
@@ -80,6 +84,10 @@ struct KernelArgs {
   std::uint64_t* signals;  // this PE's SignalLayout
   int n_pes;
   DeviceStatus* status;  // device pointer of the pinned status
+  // Device memory, nonzero once a wait failed (set with status->code). The copy kernels check
+  // this, not the pinned status: a read of host memory from every CTA delayed each CTA's copy
+  // by tens of microseconds (4 GPUs, 1 MiB all-to-all: 45 instead of 193 GB/s).
+  unsigned int* failure;
   std::uint64_t timeout_ns;
   int unroll;  // 16-byte loads in flight per thread before the stores: 4 or 8
   // RESHARD_CUDA_TRACE: globaltimer stamps of each run's phases (PhaseTrace), else null.
@@ -89,6 +97,9 @@ struct KernelArgs {
 // Where the fused kernel stamps a run's phases: kTraceRuns records of kTracePhases stamps, the
 // record of run e at (e % kTraceRuns). CTA 0 stamps its start, the moment its peer was ready, the
 // end of its copy and its done signal; the last CTA stamps when every source's data had landed.
+// A mixed (SM + copy engine) run stamps the begin kernel's start and the moment every peer was
+// ready, the end of the SM kernel's CTA 0, the end kernel's start (the copy engines are done) and
+// the moment every source's data had landed.
 inline constexpr int kTraceRuns = 1024;
 inline constexpr int kTracePhases = 5;
 enum TracePhase : int { kTraceStart, kTraceReady, kTraceCopied, kTraceSignalled, kTraceAllDone };

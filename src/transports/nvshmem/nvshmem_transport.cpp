@@ -5,9 +5,11 @@
 // Per batch (one per round: the scheduler builds rounds as matchings), the sender waits until the
 // receiver has drained the inbox slot it is about to fill, fills it, and raises the slot's signal;
 // the receiver waits for that signal, unpacks, and acknowledges. A peer NVSHMEM maps into this
-// process (NVLink) is filled by the copy kernel writing straight into its inbox; any other peer
-// gets the batch packed into a local outbox slot and put (nvshmemx_putmem_on_stream, quiet, then
-// the signal). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as across nodes.
+// process (NVLink) gets the SM variant: one kernel per batch waits for the slot, stores straight
+// into the peer's inbox and raises its signal from the last CTA, and one kernel on the receiver
+// waits, unpacks and acknowledges the same way. Any other peer gets the copy-engine variant: the
+// batch is packed into a local outbox slot and put (nvshmemx_putmem_on_stream, quiet, then the
+// signal). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as across nodes.
 // Everything is queued on the stream: no per-round host synchronisation, no global barrier.
 // The host API only (nvshmemx_hostlib_init_attr): no relocatable device code, no device library.
 #include <nvshmem_host.h>
@@ -166,12 +168,7 @@ struct StagedBatch {
   int slot = 0;
   bool mapped = false;  // send: written straight into the peer's inbox
   std::uint32_t group = 0;
-  // Batches of few spans are copied by the copy engines (cudaMemcpyAsync per span): SM copies
-  // into and out of the symmetric heap run far below the copy engines' rate there.
-  std::vector<LocalCopy> engine_copies;
 };
-
-constexpr std::uint32_t kMaxEngineSpans = 16;
 
 class NvshmemTransport final : public Transport {
  public:
@@ -195,14 +192,6 @@ class NvshmemTransport final : public Transport {
  private:
   void build_copies(const ExecutionPlan& plan);
   KernelArgs args_for(std::uint32_t group) const;
-  void copy_batch(const StagedBatch& batch, const KernelArgs& args, cudaStream_t stream) {
-    if (batch.engine_copies.empty()) return cuda::launch_plain_copy(args, stream);
-    for (const LocalCopy& copy : batch.engine_copies) {
-      RESHARD_CUDA_CHECK(
-          cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDeviceToDevice, stream));
-    }
-  }
-  std::vector<LocalCopy>* engine_copies_ = nullptr;  // while build_copies fills a batch
 
   Runtime& rt_ = runtime();
   int me_ = 0;
@@ -212,8 +201,11 @@ class NvshmemTransport final : public Transport {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t last_run_ = nullptr;
   bool run_pending_ = false;
-  cuda::DeviceStatus* status_ = nullptr;  // pinned, mapped: stops the copy kernels on abort
+  cuda::DeviceStatus* status_ = nullptr;  // pinned, mapped: stops the waits on abort
   cuda::DeviceStatus* status_device_ = nullptr;
+  // Device memory, nonzero once a wait failed or the run was aborted: copy kernels skip.
+  unsigned int* failure_ = nullptr;
+  unsigned int* arrivals_ = nullptr;  // the flagged copy's CTA count (the word after failure_)
   std::vector<pid_t> local_pids_;
   // The schedule, resolved: local copies, then each round's send and receive batches.
   std::vector<StagedBatch> sends_, receives_;
@@ -233,8 +225,8 @@ class NvshmemTransport final : public Transport {
   // RESHARD_NVSHMEM_TRACE=1 (diagnosis): waits after every step of a run and adds its time to
   // trace_[step], printed at finalize. The waits serialise everything.
   bool trace_ = env::nvshmem_trace();
-  std::array<double, 6> trace_seconds_{};
-  std::array<std::uint64_t, 6> trace_count_{};
+  std::array<double, 4> trace_seconds_{};
+  std::array<std::uint64_t, 4> trace_count_{};
   template <typename Step>
   void step(int kind, cudaStream_t stream, Step&& body) {
     if (!trace_) return body();
@@ -282,6 +274,9 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
   *status_ = {};
   RESHARD_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_, 0));
+  RESHARD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&failure_), 2 * sizeof *failure_));
+  RESHARD_CUDA_CHECK(cudaMemset(failure_, 0, 2 * sizeof *failure_));
+  arrivals_ = failure_ + 1;
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
   nodes_ = map_nodes(bootstrap);
@@ -294,6 +289,7 @@ KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
   args.group_count = 1;
   args.cta_count = groups_[group].cta_count;
   args.status = status_device_;
+  args.failure = failure_;
   args.n_pes = n_pes_;
   args.timeout_ns = static_cast<std::uint64_t>(env::timeout().count()) * 1000000;
   return args;
@@ -316,7 +312,6 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   };
   auto add = [&](PeerGroup& group, const std::byte* src, std::byte* dst, std::uint64_t bytes) {
     if (bytes == 0) return;
-    if (engine_copies_ != nullptr) engine_copies_->push_back({src, dst, bytes});
     descriptors.push_back({reinterpret_cast<const unsigned char*>(src),
                            reinterpret_cast<unsigned char*>(dst), bytes, group.bytes});
     group.bytes += bytes;
@@ -342,8 +337,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
       auto* mapped = direct_ && nodes_.same_node(me_, batch.peer)
                          ? static_cast<std::byte*>(nvshmem_ptr(rt_.inbox(me_, slot), batch.peer))
                          : nullptr;
-      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, mapped != nullptr, 0, {}};
-      engine_copies_ = batch.span_count <= kMaxEngineSpans ? &staged.engine_copies : nullptr;
+      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, mapped != nullptr, 0};
       staged.group = add_group([&](PeerGroup& group) {
         std::byte* out = mapped != nullptr ? mapped : rt_.outbox(slot);
         for (std::uint32_t s = 0; s < batch.span_count; ++s) {
@@ -356,8 +350,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   }
   for (const PlannedBatch& batch : plan.receives) {
     for (int slot = 0; slot < kDepth; ++slot) {
-      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, false, 0, {}};
-      engine_copies_ = batch.span_count <= kMaxEngineSpans ? &staged.engine_copies : nullptr;
+      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, false, 0};
       staged.group = add_group([&](PeerGroup& group) {
         const std::byte* in = rt_.inbox(batch.peer, slot);
         for (std::uint32_t s = 0; s < batch.span_count; ++s) {
@@ -378,7 +371,6 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     }
     remote_ack_[peer] = static_cast<std::uint64_t*>(nvshmem_ptr(rt_.ack_signal(me_), peer));
   }
-  engine_copies_ = nullptr;
   std::size_t mapped = 0;
   for (const StagedBatch& batch : sends_) mapped += batch.mapped;
   RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << sends_.size() / kDepth
@@ -423,29 +415,37 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
       const bool mapped = sends_[next_send].mapped;
       const StagedBatch& batch =
           sends_[next_send + (mapped ? slot : static_cast<int>(rt_.outbox_uses++ % kDepth))];
-      const KernelArgs args = args_for(batch.group);
+      // One kernel waits until the peer drained the slot, fills it (the peer's inbox itself
+      // where NVSHMEM maps it here, else the outbox) and, when it wrote the inbox, raises the
+      // slot's signal from its last CTA.
+      cuda::CopyFlags flags;
       if (const auto previous = rt_.last_put[peer][slot]) {
-        step(0, stream, [&] {
-          cuda::launch_wait(rt_.ack_signal(peer), *previous + 1, peer, cuda::kPhaseReady, args,
-                            stream);
-        });
+        flags.wait = rt_.ack_signal(peer);
+        flags.wait_value = *previous + 1;
+        flags.peer = peer;
+        flags.phase = cuda::kPhaseReady;
       }
-      step(1, stream, [&] { copy_batch(batch, args, stream); });
       if (mapped && remote_data_[peer][slot] != nullptr) {
-        // The kernel wrote the peer's inbox; once it is complete, the signal tells the peer.
-        step(2, stream,
-             [&] { cuda::launch_raise(remote_data_[peer][slot], sequence + 1, args, stream); });
-      } else if (mapped) {
-        nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                     peer, stream);
-      } else {
+        flags.raise = remote_data_[peer][slot];
+        flags.raise_value = sequence + 1;
+        flags.arrivals = arrivals_;
+      }
+      step(0, stream, [&] { cuda::launch_flagged_copy(args_for(batch.group), flags, stream); });
+      if (mapped && flags.raise == nullptr) {
+        step(1, stream, [&] {
+          nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
+                                       peer, stream);
+        });
+      } else if (!mapped) {
         // put, quiet, signal: the signal may only land once the data has (NVSHMEM orders
         // neither a put and a later signal op to another PE, nor two puts, without the quiet).
-        nvshmemx_putmem_on_stream(rt_.inbox(me_, slot), rt_.outbox(batch.slot), batch.bytes, peer,
-                                  stream);
-        nvshmemx_quiet_on_stream(stream);
-        nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                     peer, stream);
+        step(1, stream, [&] {
+          nvshmemx_putmem_on_stream(rt_.inbox(me_, slot), rt_.outbox(batch.slot), batch.bytes, peer,
+                                    stream);
+          nvshmemx_quiet_on_stream(stream);
+          nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
+                                       peer, stream);
+        });
       }
       rt_.last_put[peer][slot] = sequence;
     }
@@ -455,17 +455,24 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
       const std::uint64_t sequence = rt_.received[peer]++;
       const int slot = static_cast<int>(sequence % kDepth);
       const StagedBatch& batch = receives_[next_receive + slot];
-      const KernelArgs args = args_for(batch.group);
-      step(3, stream, [&] {
-        cuda::launch_wait(rt_.data_signal(peer, slot), sequence + 1, peer, cuda::kPhaseDone, args,
-                          stream);
-      });
-      step(4, stream, [&] { copy_batch(batch, args, stream); });
+      // One kernel waits for the slot's data, unpacks it and, where the peer is mapped here,
+      // acknowledges from its last CTA.
+      cuda::CopyFlags flags;
+      flags.wait = rt_.data_signal(peer, slot);
+      flags.wait_value = sequence + 1;
+      flags.peer = peer;
+      flags.phase = cuda::kPhaseDone;
       if (remote_ack_[peer] != nullptr) {
-        step(5, stream, [&] { cuda::launch_raise(remote_ack_[peer], sequence + 1, args, stream); });
-      } else {
-        nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), sequence + 1, NVSHMEM_SIGNAL_SET, peer,
-                                     stream);
+        flags.raise = remote_ack_[peer];
+        flags.raise_value = sequence + 1;
+        flags.arrivals = arrivals_;
+      }
+      step(2, stream, [&] { cuda::launch_flagged_copy(args_for(batch.group), flags, stream); });
+      if (flags.raise == nullptr) {
+        step(3, stream, [&] {
+          nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), sequence + 1, NVSHMEM_SIGNAL_SET, peer,
+                                       stream);
+        });
       }
     }
   }
@@ -507,7 +514,7 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
   rt_.broken = "an earlier run failed (" + reason + ")";
   if (status_ != nullptr) {
     status_->cancel = 1;
-    status_->code = cuda::kStatusCancelled;  // copy kernels stop at once
+    status_->code = cuda::kStatusCancelled;  // waits and signals stop at once
   }
   // Release this PE's own waits: raise every signal it waits on past any value a run expects,
   // so the stream drains (its copies skip) instead of spinning until the process ends.
@@ -515,6 +522,7 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
     cudaStream_t side = nullptr;
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
       cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_bytes(), side);  // 0x7f7f...: above any count
+      if (failure_ != nullptr) cudaMemsetAsync(failure_, 0xff, sizeof *failure_, side);
       cudaStreamSynchronize(side);
       cudaStreamDestroy(side);
     }
@@ -526,9 +534,11 @@ void NvshmemTransport::finalize() noexcept {
   finalized_ = true;
   const auto scope = cuda::DeviceScope::try_enter(device_);
   if (trace_) {
-    static const char* const names[] = {"wait-ack", "pack", "signal", "wait-data", "unpack", "ack"};
+    // send: wait for the slot, fill it (and signal a mapped peer); put: put, quiet and signal
+    // (or the signal alone); receive: wait for the data, unpack (and acknowledge a mapped peer).
+    static const char* const names[] = {"send", "put", "receive", "ack"};
     std::string line;
-    for (int k = 0; k < 6; ++k) {
+    for (std::size_t k = 0; k < trace_seconds_.size(); ++k) {
       line += std::string(" ") + names[k] + " " +
               std::to_string(trace_count_[k] ? trace_seconds_[k] / trace_count_[k] * 1e6 : 0) +
               " us x" + std::to_string(trace_count_[k]);
@@ -544,6 +554,9 @@ void NvshmemTransport::finalize() noexcept {
   if (last_run_) cudaEventDestroy(last_run_);
   if (stream_) cudaStreamDestroy(stream_);
   if (status_) cudaFreeHost(status_);
+  if (failure_ != nullptr && !aborted_) cudaFree(failure_);
+  failure_ = nullptr;
+  arrivals_ = nullptr;
   last_run_ = nullptr;
   stream_ = nullptr;
   status_ = nullptr;
