@@ -344,8 +344,24 @@ __global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) 
 __global__ void __launch_bounds__(kCopyThreads) flagged_copy_kernel(KernelArgs a, CopyFlags f) {
   __shared__ bool go;
   if (threadIdx.x == 0) {
-    go = !failed_here(a) &&
-         (f.wait == nullptr || wait_at_least(f.wait, f.wait_value, a, f.peer, f.phase));
+    go = !failed_here(a);
+    if (go && f.wait != nullptr) {
+      if (blockIdx.x == 0) {
+        go = wait_at_least(f.wait, f.wait_value, a, f.peer, f.phase);
+      } else {
+        // The other CTAs poll gently while the peer's data streams in; CTA 0's bounded wait
+        // records a timeout or cancellation, which stops them. Every CTA spinning flat out
+        // (system-scope loads, the pinned status every 64 spins) cut a 4-GPU NVSHMEM all-to-all
+        // at 16 MiB from 241 to 71-74 GB/s in some runs (4x H200, 2026-11-22).
+        while (load_acquire(f.wait) < f.wait_value) {
+          if (failed_here(a)) {
+            go = false;
+            break;
+          }
+          __nanosleep(256);
+        }
+      }
+    }
   }
   __syncthreads();
   if (go && blockIdx.x < a.groups[0].cta_count) copy_share(a, a.groups[0], blockIdx.x);
