@@ -429,29 +429,6 @@ void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_l
   RESHARD_CUDA_CHECK(cudaLaunchKernelEx(&config, fused_copy_kernel, args));
 }
 
-__global__ void raise_kernel(std::uint64_t* flag, std::uint64_t value, KernelArgs a) {
-  if (failed(a)) return;
-  __threadfence_system();
-  store_release(flag, value);
-}
-
-__global__ void wait_kernel(const std::uint64_t* flag, std::uint64_t value, int peer,
-                            unsigned int phase, KernelArgs a) {
-  wait_at_least(flag, value, a, peer, phase);
-}
-
-void launch_raise(std::uint64_t* flag, std::uint64_t value, const KernelArgs& args,
-                  cudaStream_t stream) {
-  raise_kernel<<<1, 1, 0, stream>>>(flag, value, args);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_wait(const std::uint64_t* flag, std::uint64_t value, int peer, unsigned int phase,
-                 const KernelArgs& args, cudaStream_t stream) {
-  wait_kernel<<<1, 1, 0, stream>>>(flag, value, peer, phase, args);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
-}
-
 void launch_plain_copy(const KernelArgs& args, cudaStream_t stream) {
   if (args.cta_count == 0) return;
   plain_copy_kernel<<<args.cta_count, kCopyThreads, 0, stream>>>(args);

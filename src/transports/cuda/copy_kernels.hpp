@@ -19,13 +19,6 @@ void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_l
 // Copies the groups' descriptors and nothing else (no flags): the SM share of a mixed run, and
 // the copy out of a bounce buffer.
 void launch_plain_copy(const KernelArgs& args, cudaStream_t stream);
-// One thread raises *flag to `value` (release, system scope) once the stream's earlier work is
-// done, unless the run failed; the other waits until *flag >= value, bounded by args.timeout_ns
-// and reported through args.status (as waiting for `peer` in `phase`).
-void launch_raise(std::uint64_t* flag, std::uint64_t value, const KernelArgs& args,
-                  cudaStream_t stream);
-void launch_wait(const std::uint64_t* flag, std::uint64_t value, int peer, unsigned int phase,
-                 const KernelArgs& args, cudaStream_t stream);
 // What a flagged copy waits for before it copies and raises once every CTA has copied.
 struct CopyFlags {
   const std::uint64_t* wait = nullptr;  // null: copy at once
