@@ -83,6 +83,7 @@ std::optional<std::uint64_t> test_corrupt_task() {
 
 bool nvshmem_direct() { return get_int("RESHARD_NVSHMEM_DIRECT", 1) != 0; }
 
+bool nvshmem_send_stream() { return get_int("RESHARD_NVSHMEM_SEND_STREAM", 1) != 0; }
 bool nvshmem_trace() { return get_int("RESHARD_NVSHMEM_TRACE", 0) != 0; }
 
 bool cuda_trace() { return get_int("RESHARD_CUDA_TRACE", 0) != 0; }

@@ -66,6 +66,9 @@ std::uint64_t nvshmem_staging_bytes();
 // RESHARD_NVSHMEM_DIRECT=0: the NVSHMEM transport puts through its outbox even to peers it could
 // write directly (over NVLink), which is the path a peer on another node takes.
 bool nvshmem_direct();
+// RESHARD_NVSHMEM_SEND_STREAM=0: the NVSHMEM transport queues its sends on the caller's stream,
+// between the receives, instead of on a stream of their own (default 1).
+bool nvshmem_send_stream();
 // RESHARD_NVSHMEM_TRACE=1: the NVSHMEM transport times every step of a run (diagnosis; it
 // serialises the run) and logs the means at finalize.
 bool nvshmem_trace();

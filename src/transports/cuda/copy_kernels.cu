@@ -25,6 +25,10 @@ __device__ __forceinline__ void store_release(std::uint64_t* flag, std::uint64_t
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
+__device__ __forceinline__ void store_relaxed(std::uint64_t* flag, std::uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
 // Programmatic dependent launch (sm_90): a run launched with it may start while the stream's
 // previous kernel is still finishing; everything before wait_for_previous_grid() reads only the
 // schedule's own arguments, everything after it sees the previous kernel's writes. Both are no-ops
@@ -41,8 +45,33 @@ __device__ __forceinline__ void let_next_grid_launch() {
 #endif
 }
 
-__device__ __forceinline__ void store_relaxed(std::uint64_t* flag, std::uint64_t value) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+// A wait longer than this marks this PE as stuck on its peer (SignalLayout::waiting_on): long
+// against a healthy wait, short against any timeout.
+constexpr std::uint64_t kStuckNs = 1000000;
+
+// Where the chain of stuck waits that starts at `peer` ends: a PE whose own kernels wait on
+// another PE names it in its waiting_on word. A 4-PE NVSHMEM run whose PE 1 stopped left PE 3
+// stuck on PE 1 in an early round and PE 2 stuck on PE 3 in a later one; PE 2 then named PE 3
+// only. The walk stops at a PE not mapped here, at one not stuck, and before any PE it has
+// already passed (this one included), so a cycle ends at the last PE new to it.
+__device__ int stuck_behind(const KernelArgs& a, int peer) {
+  constexpr int kMaxHops = 64;
+  int chain[kMaxHops];
+  int length = 0;
+  int at = peer;
+  while (a.peer_waiting_on != nullptr && length < kMaxHops && at >= 0 && at < a.n_pes) {
+    const std::uint64_t* word = a.peer_waiting_on[at];
+    if (word == nullptr) break;
+    const std::uint64_t next = *reinterpret_cast<const volatile std::uint64_t*>(word);
+    if (next == 0 || next > static_cast<std::uint64_t>(a.n_pes)) break;
+    const int pe = static_cast<int>(next - 1);
+    bool seen = pe == a.me || pe == at;
+    for (int k = 0; k < length && !seen; ++k) seen = chain[k] == pe;
+    if (seen) break;
+    chain[length++] = at;
+    at = pe;
+  }
+  return at;
 }
 
 __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
@@ -50,6 +79,7 @@ __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
   volatile DeviceStatus* status = a.status;
   if (status->code != 0) return;
   status->peer = peer;
+  status->stuck_behind = code == kStatusTimeout ? stuck_behind(a, peer) : peer;
   status->phase = phase;
   __threadfence_system();
   status->code = code;
@@ -57,10 +87,13 @@ __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
 }
 
 // Spins until *flag >= epoch. False when the wait ran out, was cancelled, or another wait of this
-// run already failed (then nothing more is written or awaited).
+// run already failed (then nothing more is written or awaited). A long wait names its peer in
+// this PE's waiting_on word until it ends (a timed-out wait leaves it there).
 __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, const KernelArgs& a,
                               int peer, unsigned int phase) {
   const std::uint64_t start = global_timer_ns();
+  const std::uint64_t stuck_mark = static_cast<std::uint64_t>(peer) + 1;
+  bool marked = false;
   for (unsigned int spins = 1; load_acquire(flag) < epoch; ++spins) {
     if (spins % 64 == 0) {
       volatile DeviceStatus* status = a.status;
@@ -69,11 +102,21 @@ __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, co
         record_failure(a, kStatusCancelled, peer, phase);
         return false;
       }
-      if (global_timer_ns() - start > a.timeout_ns) {
+      const std::uint64_t waited = global_timer_ns() - start;
+      if (waited > a.timeout_ns) {
         record_failure(a, kStatusTimeout, peer, phase);
         return false;
       }
+      // Other waits of this run may share the word: mark again if one of them cleared it.
+      if (waited > kStuckNs && a.waiting_on != nullptr &&
+          *reinterpret_cast<volatile std::uint64_t*>(a.waiting_on) != stuck_mark) {
+        store_relaxed(a.waiting_on, stuck_mark);
+        marked = true;
+      }
     }
+  }
+  if (marked) {
+    atomicCAS(reinterpret_cast<unsigned long long*>(a.waiting_on), stuck_mark, 0ull);
   }
   return true;
 }
@@ -198,6 +241,33 @@ __device__ __forceinline__ void stamp(const KernelArgs& a, std::uint64_t epoch, 
   if (a.trace != nullptr) a.trace[(epoch % kTraceRuns) * kTracePhases + phase] = global_timer_ns();
 }
 
+// The epoch of the run this kernel belongs to: one past the last run this PE completed.
+__device__ __forceinline__ std::uint64_t this_run_epoch(const KernelArgs& a) {
+  return *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(a.signals, a.n_pes)) +
+         1;
+}
+
+__device__ __forceinline__ void complete_run(const KernelArgs& a, std::uint64_t epoch) {
+  *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(a.signals, a.n_pes)) = epoch;
+}
+
+// Called by thread 0 of each of `ctas` CTAs once the CTA's stores are done (after a barrier):
+// the last to arrive stores `value` to the peer's `flag`, which publishes every CTA's stores.
+// Each CTA's cumulative system fence orders its stores (seen by thread 0 at the barrier) before
+// its arrival; the last arrival's single fence.acq_rel.sys (acquire for the others' arrivals,
+// release for the store) costs one system-scope drain fewer than a full fence and a releasing
+// store. The counter is back at zero for the next launch. With `unless_failed`, nothing is raised
+// once a wait of this PE failed (the CTAs then copied nothing).
+__device__ __forceinline__ void arrive_and_raise(unsigned int* arrivals, std::uint32_t ctas,
+                                                 std::uint64_t* flag, std::uint64_t value,
+                                                 const KernelArgs& a, bool unless_failed) {
+  __threadfence_system();
+  if (atomicAdd(arrivals, 1u) != ctas - 1) return;
+  *arrivals = 0;
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  if (!(unless_failed && failed_here(a))) store_relaxed(flag, value);
+}
+
 // A CTA slice that is one piece, 16-byte aligned at both ends, of at most this many vectors per
 // thread is loaded into registers before the peer is ready and stored once it is: the loads (and
 // the descriptor lookups before them) then overlap the wait instead of following it.
@@ -249,8 +319,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   wait_for_previous_grid();
   let_next_grid_launch();
   if (threadIdx.x == 0) {
-    epoch =
-        *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+    epoch = this_run_epoch(a);
     if (blockIdx.x == 0) stamp(a, epoch, kTraceStart);
     if (blockIdx.x == 0) {
       // No fence before "ready": the stream's earlier work (what read or wrote the destinations
@@ -297,17 +366,8 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   if (may_write) {
     const PeerGroup& g = a.groups[group_index];
     if (g.peer >= 0) {
-      // Cumulative fence: the CTA's stores (seen by this thread at the barrier) reach the peer
-      // before the arrival, and the last arrival publishes them all with its release store.
-      __threadfence_system();
-      unsigned int* arrivals = SignalLayout::group_arrivals(signals, a.n_pes) + group_index;
-      if (atomicAdd(arrivals, 1u) == g.cta_count - 1) {
-        *arrivals = 0;
-        // One fence (acquire for the other CTAs' arrivals, release for the store below) instead
-        // of a full fence followed by a releasing store: one system-scope drain fewer per peer.
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
-        store_relaxed(g.remote_done, epoch);
-      }
+      arrive_and_raise(SignalLayout::group_arrivals(signals, a.n_pes) + group_index, g.cta_count,
+                       g.remote_done, epoch, a, false);
     }
   }
   if (blockIdx.x == 0) stamp(a, epoch, kTraceSignalled);
@@ -322,7 +382,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
       break;
   }
   stamp(a, epoch, kTraceAllDone);
-  *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) = epoch;
+  complete_run(a, epoch);
 }
 
 __global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) {
@@ -332,12 +392,7 @@ __global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) 
   copy_share(a, a.groups[g], blockIdx.x - a.groups[g].first_cta);
   if (a.trace != nullptr && blockIdx.x == 0) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-      const std::uint64_t epoch =
-          *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(a.signals, a.n_pes)) +
-          1;
-      stamp(a, epoch, kTraceCopied);
-    }
+    if (threadIdx.x == 0) stamp(a, this_run_epoch(a), kTraceCopied);
   }
 }
 
@@ -367,20 +422,11 @@ __global__ void __launch_bounds__(kCopyThreads) flagged_copy_kernel(KernelArgs a
   if (go && blockIdx.x < a.groups[0].cta_count) copy_share(a, a.groups[0], blockIdx.x);
   if (f.raise == nullptr) return;
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  // As in the fused kernel: each CTA's stores are ordered before its arrival, the last arrival
-  // publishes them all.
-  __threadfence_system();
-  if (atomicAdd(f.arrivals, 1u) != gridDim.x - 1) return;
-  *f.arrivals = 0;
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-  if (!failed_here(a)) store_relaxed(f.raise, f.raise_value);
+  if (threadIdx.x == 0) arrive_and_raise(f.arrivals, gridDim.x, f.raise, f.raise_value, a, true);
 }
 
 __global__ void begin_kernel(KernelArgs a) {
-  std::uint64_t* signals = a.signals;
-  const std::uint64_t epoch =
-      *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+  const std::uint64_t epoch = this_run_epoch(a);
   if (threadIdx.x == 0) stamp(a, epoch, kTraceStart);
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x)
     store_release(a.source_ready[s], epoch);
@@ -393,9 +439,7 @@ __global__ void begin_kernel(KernelArgs a) {
 }
 
 __global__ void end_kernel(KernelArgs a) {
-  std::uint64_t* signals = a.signals;
-  const std::uint64_t epoch =
-      *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) + 1;
+  const std::uint64_t epoch = this_run_epoch(a);
   if (threadIdx.x == 0) stamp(a, epoch, kTraceSignalled);
   if (!failed(a)) {
     __threadfence_system();
@@ -404,13 +448,13 @@ __global__ void end_kernel(KernelArgs a) {
     }
   }
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x) {
-    wait_at_least(SignalLayout::done(signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],
+    wait_at_least(SignalLayout::done(a.signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],
                   kPhaseDone);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     stamp(a, epoch, kTraceAllDone);
-    *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(signals, a.n_pes)) = epoch;
+    complete_run(a, epoch);
   }
 }
 

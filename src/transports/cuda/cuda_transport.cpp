@@ -166,8 +166,9 @@ class CudaTransport final : public Transport {
   bool run_pending_ = false;
   std::uint64_t* trace_ = nullptr;  // RESHARD_CUDA_TRACE: device stamps, see TracePhase
   std::uint64_t* signals_ = nullptr;
-  std::vector<std::uint64_t*> peer_signals_;  // mapped; [me_] is signals_
-  DeviceStatus* status_ = nullptr;            // pinned host memory
+  std::vector<std::uint64_t*> peer_signals_;           // mapped; [me_] is signals_
+  DeviceArray<const std::uint64_t*> peer_waiting_on_;  // each PE's SignalLayout::waiting_on
+  DeviceStatus* status_ = nullptr;                     // pinned host memory
   DeviceStatus* status_device_ = nullptr;
   std::vector<pid_t> pids_;
   IpcImports signal_imports_;  // peers' flags, for the transport's lifetime
@@ -191,7 +192,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  for (int i = 0; i < kCopyEngineStreams; ++i) {
+  for (int i = 0; i < copy_engine_streams_used_; ++i) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_engine_streams_[i], cudaStreamNonBlocking));
     RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&joins_[i], cudaEventDisableTiming));
   }
@@ -248,6 +249,10 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
     std::memcpy(bytes.data(), &peer_handle, sizeof peer_handle);
     peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
   }
+  std::vector<const std::uint64_t*> waiting_on;
+  for (std::uint64_t* signals : peer_signals_)
+    waiting_on.push_back(SignalLayout::waiting_on(signals, n_pes_));
+  peer_waiting_on_.upload(waiting_on);
   bootstrap_.barrier();  // every PE has mapped every other's flags before any run
   RESHARD_LOG(kDebug, "cuda transport on device " << device_ << " (" << sm_count_
                                                   << " SMs), engine " << engine_);
@@ -473,6 +478,9 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   base.source_count = static_cast<std::uint32_t>(sources.size());
   base.signals = signals_;
   base.n_pes = n_pes_;
+  base.me = me_;
+  base.waiting_on = SignalLayout::waiting_on(signals_, n_pes_);
+  base.peer_waiting_on = peer_waiting_on_.get();
   base.status = status_device_;
   base.failure = SignalLayout::failure(signals_, n_pes_);
   base.timeout_ns = timeout_ns_;
@@ -710,12 +718,14 @@ void CudaTransport::throw_device_failure() {
   }
   const auto seconds = timeout_ns_ / 1000000000ull;
   if (status->phase == kPhaseReady) {
-    text << "PE " << peer << " did not make its destination ready within " << seconds
-         << " s (is it calling run()? RESHARD_TIMEOUT_S sets the limit)";
+    text << "PE " << peer << " did not make its destination ready within " << seconds << " s";
   } else {
-    text << "the data from PE " << peer << " did not arrive within " << seconds
-         << " s (is it calling run()? RESHARD_TIMEOUT_S sets the limit)";
+    text << "the data from PE " << peer << " did not arrive within " << seconds << " s";
   }
+  if (status->stuck_behind != peer) {
+    text << "; PE " << peer << " is itself stuck waiting, behind PE " << status->stuck_behind;
+  }
+  text << " (is PE " << status->stuck_behind << " calling run()? RESHARD_TIMEOUT_S sets the limit)";
   throw_error(ErrorCode::kTimeout, text.str());
 }
 

@@ -25,6 +25,7 @@ class DeviceArray {
         cudaMemcpy(data_, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
     return data_;
   }
+  T* get() const { return data_; }
   void reset() noexcept {
     if (data_ != nullptr) cudaFree(data_);
     data_ = nullptr;

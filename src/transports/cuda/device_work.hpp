@@ -36,6 +36,8 @@ struct PeerGroup {
 // Per-PE flags in device memory, mapped by every peer. Values are run epochs and only grow.
 // ready[p]: PE p has reached run e, so this PE may write into p's destinations.
 // done[p]:  PE p finished writing this PE's destinations for run e.
+// waiting_on: 1 + the PE a wait of this PE's kernels has been stuck on for a while (0: none), read
+// by a peer whose own wait on this PE runs out, to name the PE at the end of the chain.
 struct SignalLayout {
   RESHARD_HOST_DEVICE static std::uint64_t* ready(std::uint64_t* base, int /*n*/, int pe) {
     return base + pe;
@@ -46,24 +48,28 @@ struct SignalLayout {
   RESHARD_HOST_DEVICE static std::uint64_t* run_count(std::uint64_t* base, int n) {
     return base + 2 * n;
   }
+  RESHARD_HOST_DEVICE static std::uint64_t* waiting_on(std::uint64_t* base, int n) {
+    return base + 2 * n + 1;
+  }
   RESHARD_HOST_DEVICE static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
-    return reinterpret_cast<unsigned int*>(base + 2 * n + 1);
+    return reinterpret_cast<unsigned int*>(base + 2 * n + 2);
   }
   // One arrival counter per group (at most n + 1 groups).
   RESHARD_HOST_DEVICE static unsigned int* group_arrivals(std::uint64_t* base, int n) {
-    return reinterpret_cast<unsigned int*>(base + 2 * n + 2);
+    return grid_arrivals(base, n) + 1;
   }
   // Set beside the pinned status when a wait of this PE's kernels fails (see KernelArgs).
   RESHARD_HOST_DEVICE static unsigned int* failure(std::uint64_t* base, int n) {
     return group_arrivals(base, n) + n + 1;
   }
-  static std::uint64_t bytes(int n) { return (2 * n + 2) * 8 + (n + 2) * 4; }
+  static std::uint64_t bytes(int n) { return (2 * n + 2) * 8 + (n + 3) * 4; }
 };
 
 // Written by a kernel whose wait ran out (pinned host memory, read by the host after the run).
 struct DeviceStatus {
   unsigned int code;    // 0 ok, kStatus*
   int peer;             // whom it waited for
+  int stuck_behind;     // where the chain of stuck waits from `peer` ends (`peer` if it was not)
   unsigned int phase;   // kPhase*
   unsigned int cancel;  // set by the host: stop waiting (a peer process died, or abort())
 };
@@ -83,6 +89,11 @@ struct KernelArgs {
   std::uint32_t source_count;
   std::uint64_t* signals;  // this PE's SignalLayout
   int n_pes;
+  int me;
+  // This PE's waiting_on word (SignalLayout), and each PE's as mapped here (null where a PE is
+  // not mapped): a wait that runs out follows them from the PE it waited for. Both optional.
+  std::uint64_t* waiting_on;
+  const std::uint64_t* const* peer_waiting_on;
   DeviceStatus* status;  // device pointer of the pinned status
   // Device memory, nonzero once a wait failed (set with status->code). The copy kernels check
   // this, not the pinned status: a read of host memory from every CTA delayed each CTA's copy

@@ -70,17 +70,20 @@ struct Runtime {
   std::vector<std::array<std::optional<std::uint64_t>, kDepth>> last_put;
   std::uint64_t outbox_uses = 0;
 
-  // Heap layout, identical on every PE: data signals [peer][slot], acknowledgements [peer],
-  // inboxes [peer][slot][chunk], outboxes [slot][chunk].
+  // Heap layout, identical on every PE: data signals [peer][slot], acknowledgements [peer], the
+  // waiting_on word (see cuda::SignalLayout), inboxes [peer][slot][chunk], outboxes [slot][chunk].
   std::uint64_t* data_signal(int peer, int slot) const {
     return reinterpret_cast<std::uint64_t*>(heap) + peer * kDepth + slot;
   }
   std::uint64_t* ack_signal(int peer) const {
     return reinterpret_cast<std::uint64_t*>(heap) + size * kDepth + peer;
   }
-  std::uint64_t signal_bytes() const {
-    return align_up(sizeof(std::uint64_t) * size * (kDepth + 1));
+  std::uint64_t* waiting_on() const {
+    return reinterpret_cast<std::uint64_t*>(heap) + size * (kDepth + 1);
   }
+  // The data signals and acknowledgements.
+  std::uint64_t signal_words_bytes() const { return sizeof(std::uint64_t) * size * (kDepth + 1); }
+  std::uint64_t signal_bytes() const { return align_up(signal_words_bytes() + 8); }
   std::byte* inbox(int peer, int slot) const {
     return heap + signal_bytes() + (static_cast<std::uint64_t>(peer) * kDepth + slot) * chunk;
   }
@@ -199,13 +202,25 @@ class NvshmemTransport final : public Transport {
   int device_ = -1;
   int sm_count_ = 1;
   cudaStream_t stream_ = nullptr;
+  // Sends go on their own stream, forked from the caller's and joined back at the end of run():
+  // a round's sends then need not wait behind the previous round's receives. Receives never
+  // wait on this PE's sends, so the two streams cannot wait on each other in a cycle.
+  bool send_stream_enabled_ = env::nvshmem_send_stream();
+  cudaStream_t send_stream_ = nullptr;
+  cudaEvent_t fork_ = nullptr;
+  cudaEvent_t join_ = nullptr;
   cudaEvent_t last_run_ = nullptr;
   bool run_pending_ = false;
   cuda::DeviceStatus* status_ = nullptr;  // pinned, mapped: stops the waits on abort
   cuda::DeviceStatus* status_device_ = nullptr;
   // Device memory, nonzero once a wait failed or the run was aborted: copy kernels skip.
   unsigned int* failure_ = nullptr;
-  unsigned int* arrivals_ = nullptr;  // the flagged copy's CTA count (the word after failure_)
+  // The flagged copies' CTA counts, one per stream (sends, receives): the two words after failure_.
+  unsigned int* send_arrivals_ = nullptr;
+  unsigned int* receive_arrivals_ = nullptr;
+  std::uint64_t timeout_ns_ = 0;
+  // Each PE's waiting_on word where NVSHMEM maps it here (null elsewhere), for the kernels.
+  DeviceArray<const std::uint64_t*> peer_waiting_on_;
   std::vector<pid_t> local_pids_;
   // The schedule, resolved: local copies, then each round's send and receive batches.
   std::vector<StagedBatch> sends_, receives_;
@@ -268,18 +283,29 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
     rt_.in_use = true;
   }
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking));
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
   RESHARD_CUDA_CHECK(
       cudaHostAlloc(reinterpret_cast<void**>(&status_), sizeof *status_, cudaHostAllocMapped));
   *status_ = {};
   RESHARD_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_, 0));
-  RESHARD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&failure_), 2 * sizeof *failure_));
-  RESHARD_CUDA_CHECK(cudaMemset(failure_, 0, 2 * sizeof *failure_));
-  arrivals_ = failure_ + 1;
+  RESHARD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&failure_), 3 * sizeof *failure_));
+  RESHARD_CUDA_CHECK(cudaMemset(failure_, 0, 3 * sizeof *failure_));
+  send_arrivals_ = failure_ + 1;
+  receive_arrivals_ = failure_ + 2;
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
   nodes_ = map_nodes(bootstrap);
+  timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000;
+  std::vector<const std::uint64_t*> waiting_on(n_pes_, nullptr);
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (nodes_.same_node(me_, pe))
+      waiting_on[pe] = static_cast<const std::uint64_t*>(nvshmem_ptr(rt_.waiting_on(), pe));
+  }
+  peer_waiting_on_.upload(waiting_on);
 }
 
 KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
@@ -291,11 +317,18 @@ KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
   args.status = status_device_;
   args.failure = failure_;
   args.n_pes = n_pes_;
-  args.timeout_ns = static_cast<std::uint64_t>(env::timeout().count()) * 1000000;
+  args.me = me_;
+  args.waiting_on = rt_.waiting_on();
+  args.peer_waiting_on = peer_waiting_on_.get();
+  args.timeout_ns = timeout_ns_;
   return args;
 }
 
 void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
+  // On two streams a send and a receive kernel run at once, and a receive kernel's CTAs wait
+  // for the peers' sends: each gets at most half the SMs, so both are always resident together
+  // and neither PE's sends can be starved of SMs by its own waiting receive.
+  const int max_ctas = send_stream_enabled_ ? sm_count_ / 2 : sm_count_;
   std::vector<CopyDescriptor> descriptors;
   groups_.clear();
   auto add_group = [&](auto&& fill) {
@@ -306,7 +339,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     group.descriptor_count =
         static_cast<std::uint32_t>(descriptors.size()) - group.first_descriptor;
     group.cta_count = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
-        (group.bytes + kBytesPerCta - 1) / kBytesPerCta, 1, std::max(1, sm_count_)));
+        (group.bytes + kBytesPerCta - 1) / kBytesPerCta, 1, std::max(1, max_ctas)));
     groups_.push_back(group);
     return static_cast<std::uint32_t>(groups_.size() - 1);
   };
@@ -402,10 +435,19 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
                 "the nvshmem transport cannot be captured in a CUDA graph (its signal values "
                 "advance every run); use the cuda transport for graph capture");
   }
+  // With trace on, one stream: each step is timed alone.
+  const bool two_streams = send_stream_enabled_ && !trace_;
+  cudaStream_t sends = stream;
+  if (two_streams) {
+    sends = send_stream_;
+    RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    RESHARD_CUDA_CHECK(cudaStreamWaitEvent(sends, fork_, 0));
+  }
   if (local_group_) cuda::launch_plain_copy(args_for(*local_group_), stream);
   // Batches come in round order, kDepth entries each (one per slot); per round, the sends go
   // out first, then the receives drain: a slot's previous batch was acknowledged in an earlier
-  // round, so no PE waits on one that is waiting on it.
+  // round, so no PE waits on one that is waiting on it. On two streams, the receives of every
+  // round drain while the sends go out.
   std::size_t next_send = 0, next_receive = 0;
   for (std::uint32_t round = 0; round < plan.rounds; ++round) {
     for (; next_send < sends_.size() && sends_[next_send].round == round; next_send += kDepth) {
@@ -428,23 +470,23 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
       if (mapped && remote_data_[peer][slot] != nullptr) {
         flags.raise = remote_data_[peer][slot];
         flags.raise_value = sequence + 1;
-        flags.arrivals = arrivals_;
+        flags.arrivals = send_arrivals_;
       }
-      step(0, stream, [&] { cuda::launch_flagged_copy(args_for(batch.group), flags, stream); });
+      step(0, sends, [&] { cuda::launch_flagged_copy(args_for(batch.group), flags, sends); });
       if (mapped && flags.raise == nullptr) {
-        step(1, stream, [&] {
+        step(1, sends, [&] {
           nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                       peer, stream);
+                                       peer, sends);
         });
       } else if (!mapped) {
         // put, quiet, signal: the signal may only land once the data has (NVSHMEM orders
         // neither a put and a later signal op to another PE, nor two puts, without the quiet).
-        step(1, stream, [&] {
+        step(1, sends, [&] {
           nvshmemx_putmem_on_stream(rt_.inbox(me_, slot), rt_.outbox(batch.slot), batch.bytes, peer,
-                                    stream);
-          nvshmemx_quiet_on_stream(stream);
+                                    sends);
+          nvshmemx_quiet_on_stream(sends);
           nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                       peer, stream);
+                                       peer, sends);
         });
       }
       rt_.last_put[peer][slot] = sequence;
@@ -465,7 +507,7 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
       if (remote_ack_[peer] != nullptr) {
         flags.raise = remote_ack_[peer];
         flags.raise_value = sequence + 1;
-        flags.arrivals = arrivals_;
+        flags.arrivals = receive_arrivals_;
       }
       step(2, stream, [&] { cuda::launch_flagged_copy(args_for(batch.group), flags, stream); });
       if (flags.raise == nullptr) {
@@ -475,6 +517,10 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
         });
       }
     }
+  }
+  if (two_streams) {
+    RESHARD_CUDA_CHECK(cudaEventRecord(join_, sends));
+    RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
   }
   RESHARD_CUDA_CHECK(cudaGetLastError());
   RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
@@ -494,12 +540,17 @@ void NvshmemTransport::synchronize() {
                 "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   if (status_ != nullptr && status_->code != 0) {
-    // A device-side wait ran out (or was cancelled): the peer it waited for is named.
-    const std::string problem =
+    // A device-side wait ran out (or was cancelled): the peer it waited for is named, and the
+    // PE that peer is itself stuck behind, where that is known.
+    const int peer = status_->peer, behind = status_->stuck_behind;
+    std::string problem =
         std::string(status_->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
-        " waiting for PE " + std::to_string(status_->peer) +
-        (status_->phase == cuda::kPhaseReady ? " to drain its inbox" : " to deliver its data") +
-        " (RESHARD_TIMEOUT_S sets the limit)";
+        " waiting for PE " + std::to_string(peer) +
+        (status_->phase == cuda::kPhaseReady ? " to drain its inbox" : " to deliver its data");
+    if (status_->code == cuda::kStatusTimeout && behind != peer)
+      problem += "; PE " + std::to_string(peer) + " is itself stuck waiting, behind PE " +
+                 std::to_string(behind);
+    problem += " (RESHARD_TIMEOUT_S sets the limit)";
     abort(problem);
     throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
@@ -521,7 +572,8 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
   if (rt_.heap != nullptr) {
     cudaStream_t side = nullptr;
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
-      cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_bytes(), side);  // 0x7f7f...: above any count
+      // 0x7f7f...: above any count. The waiting_on word stays: peers may still follow it.
+      cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_words_bytes(), side);
       if (failure_ != nullptr) cudaMemsetAsync(failure_, 0xff, sizeof *failure_, side);
       cudaStreamSynchronize(side);
       cudaStreamDestroy(side);
@@ -551,14 +603,18 @@ void NvshmemTransport::finalize() noexcept {
     RESHARD_LOG(kWarn, "finalize: " << error.what());
   }
   if (!aborted_ && stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (!aborted_ && send_stream_ != nullptr) cudaStreamSynchronize(send_stream_);
   if (last_run_) cudaEventDestroy(last_run_);
+  if (fork_) cudaEventDestroy(fork_);
+  if (join_) cudaEventDestroy(join_);
   if (stream_) cudaStreamDestroy(stream_);
+  if (send_stream_) cudaStreamDestroy(send_stream_);
   if (status_) cudaFreeHost(status_);
   if (failure_ != nullptr && !aborted_) cudaFree(failure_);
-  failure_ = nullptr;
-  arrivals_ = nullptr;
+  failure_ = send_arrivals_ = receive_arrivals_ = nullptr;
   last_run_ = nullptr;
-  stream_ = nullptr;
+  fork_ = join_ = nullptr;
+  stream_ = send_stream_ = nullptr;
   status_ = nullptr;
   std::lock_guard lock(rt_.mutex);
   rt_.in_use = false;
