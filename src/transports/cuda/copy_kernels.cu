@@ -485,6 +485,13 @@ void launch_flagged_copy(const KernelArgs& args, const CopyFlags& flags, cudaStr
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 
+int flagged_copy_ctas_per_sm() {
+  int ctas = 0;
+  RESHARD_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, flagged_copy_kernel, kCopyThreads, 0));
+  return ctas;
+}
+
 void launch_begin(const KernelArgs& args, cudaStream_t stream) {
   begin_kernel<<<1, 128, 0, stream>>>(args);
   RESHARD_CUDA_CHECK(cudaGetLastError());

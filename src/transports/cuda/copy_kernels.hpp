@@ -33,6 +33,8 @@ struct CopyFlags {
 // the last CTA to finish raises flags.raise (system scope, after the CTAs' stores). It replaces a
 // wait kernel, a copy kernel and a raise kernel in a row; nothing is written once a wait failed.
 void launch_flagged_copy(const KernelArgs& args, const CopyFlags& flags, cudaStream_t stream);
+// How many CTAs of the flagged copy one SM of the current device holds at once.
+int flagged_copy_ctas_per_sm();
 // Copy-engine runs are framed by these single-CTA kernels: begin raises ready and waits until every
 // destination group's peer is ready; end raises done for every group and waits for every source.
 void launch_begin(const KernelArgs& args, cudaStream_t stream);

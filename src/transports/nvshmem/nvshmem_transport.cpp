@@ -201,6 +201,7 @@ class NvshmemTransport final : public Transport {
   int n_pes_ = 0;
   int device_ = -1;
   int sm_count_ = 1;
+  int ctas_per_sm_ = 1;  // flagged copy CTAs one SM holds
   cudaStream_t stream_ = nullptr;
   // Sends go on their own stream, forked from the caller's and joined back at the end of run():
   // a round's sends then need not wait behind the previous round's receives. Receives never
@@ -262,6 +263,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
   device_ = cuda::select_device(bootstrap);
   cuda::DeviceScope scope(device_);
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
+  ctas_per_sm_ = cuda::flagged_copy_ctas_per_sm();
   {
     std::lock_guard lock(rt_.mutex);
     if (!rt_.broken.empty()) {
@@ -326,9 +328,11 @@ KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
 
 void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   // On two streams a send and a receive kernel run at once, and a receive kernel's CTAs wait
-  // for the peers' sends: each gets at most half the SMs, so both are always resident together
-  // and neither PE's sends can be starved of SMs by its own waiting receive.
-  const int max_ctas = send_stream_enabled_ ? sm_count_ / 2 : sm_count_;
+  // for the peers' sends: each gets at most half of what the GPU holds at once, so both are
+  // always resident together and a PE's sends are never starved of SMs by its own waiting
+  // receive. At 40 registers a thread an SM holds 3 CTAs, so the cap stays at one per SM.
+  const int resident = sm_count_ * std::max(1, ctas_per_sm_);
+  const int max_ctas = std::min(sm_count_, send_stream_enabled_ ? resident / 2 : resident);
   std::vector<CopyDescriptor> descriptors;
   groups_.clear();
   auto add_group = [&](auto&& fill) {
