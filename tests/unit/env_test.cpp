@@ -46,6 +46,7 @@ TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", [] { env::cuda_bytes_per_cta(); });
   expect_refused("RESHARD_TIMEOUT_S", "-2", [] { env::timeout(); });
   expect_refused("RESHARD_NCCL_NONBLOCKING", "yes", [] { env::nccl_nonblocking(); });
+  expect_refused("RESHARD_NVSHMEM_SEND_STREAM", "yes", [] { env::nvshmem_send_stream(); });
   expect_refused("RESHARD_CUDA_EARLY_LAUNCH", "on", [] { env::cuda_early_launch(); });
 }
 
