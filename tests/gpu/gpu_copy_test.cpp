@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
@@ -79,6 +80,15 @@ struct GpuWorkload {
     if (cudaStreamSynchronize(stream) != cudaSuccess) return UINT64_MAX;
     return bench::verify_receive_buffer(workload, me, iteration, host_recv);
   }
+  // Iterations [first, first + runs): stage, run on `stream` (no host sync before the run), check.
+  void run_checked(CopyService& service, std::uint32_t first, std::uint32_t runs,
+                   cudaStream_t stream, const std::string& what) {
+    for (std::uint32_t iteration = first; iteration < first + runs; ++iteration) {
+      stage(iteration, stream);
+      service.run(stream);
+      EXPECT_EQ(check(iteration, stream), 0u) << what << " run " << iteration;
+    }
+  }
 
   bench::Workload workload;
   PeId me;
@@ -125,13 +135,9 @@ TEST(StreamOrder, RunFollowsAndPrecedesTheCallersStreamWork) {
   service->schedule();
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (std::uint32_t iteration = 0; iteration < 5; ++iteration) {
-    // A long kernel-free delay before the fill would be ideal; a large fill is enough to expose a
-    // transport that starts before its stream predecessors.
-    w.stage(iteration, stream);
-    service->run(stream);
-    EXPECT_EQ(w.check(iteration, stream), 0u) << "iteration " << iteration;
-  }
+  // A long kernel-free delay before the fill would be ideal; a large fill is enough to expose a
+  // transport that starts before its stream predecessors.
+  w.run_checked(*service, 0, 5, stream, "random 3 MiB");
   service->synchronize();
   CUDA_OK(cudaStreamDestroy(stream));
   EXPECT_TRUE(all_pes(!HasFailure()));
@@ -198,12 +204,11 @@ TEST(Stress, RandomSchedulesWithRepeatedRunsStayExact) {
     service->set_verify(seed % 3 == 0);
     service->schedule();
     ++schedules;
-    for (std::uint32_t iteration = 0; iteration < 1 + seed % 3; ++iteration, ++runs) {
-      w.stage(iteration, stream);
-      service->run(stream);
-      EXPECT_EQ(w.check(iteration, stream), 0u)
-          << kinds[seed % 4] << " size " << size << " seed " << seed << " run " << iteration;
-    }
+    const auto repeats = static_cast<std::uint32_t>(1 + seed % 3);
+    w.run_checked(*service, 0, repeats, stream,
+                  std::string(kinds[seed % 4]) + " size " + std::to_string(size) + " seed " +
+                      std::to_string(seed));
+    runs += repeats;
     service->synchronize();
     service->clear_requests();
   }
@@ -224,11 +229,7 @@ TEST(VerifyMode, GpuRangesAreCheckedAndCorruptionIsNamedOnEveryPe) {
   service->schedule();
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (std::uint32_t iteration = 0; iteration < 2; ++iteration) {
-    w.stage(iteration, stream);
-    service->run(stream);
-    EXPECT_EQ(w.check(iteration, stream), 0u) << "iteration " << iteration;
-  }
+  w.run_checked(*service, 0, 2, stream, "verified");
   TaskId victim = 0;
   for (const bench::WorkItem& item : w.workload.items)
     if (item.bytes > 0) victim = item.task;
@@ -242,9 +243,7 @@ TEST(VerifyMode, GpuRangesAreCheckedAndCorruptionIsNamedOnEveryPe) {
     EXPECT_EQ(error.tasks(), std::vector<std::uint64_t>{victim}) << error.what();
   }
   ::unsetenv("RESHARD_TEST_CORRUPT_TASK");
-  w.stage(3, stream);
-  service->run(stream);
-  EXPECT_EQ(w.check(3, stream), 0u);
+  w.run_checked(*service, 3, 1, stream, "after the corruption");
   CUDA_OK(cudaStreamDestroy(stream));
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
