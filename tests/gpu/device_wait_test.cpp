@@ -1,0 +1,181 @@
+// The device-side waits of the GPU transports, on one GPU: a wait that runs out records whom it
+// waited for and where the chain of stuck waits from there ends (read from each PE's waiting_on
+// word), and a long wait marks this PE's own word until it ends. The other PEs' words are played
+// by pinned host memory, so each case sets up exactly the chain it checks. Exits 77 (skipped)
+// without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "transports/cuda/copy_kernels.hpp"
+
+namespace reshard::cuda {
+namespace {
+
+constexpr int kPes = 4;
+constexpr int kMe = 2;
+constexpr int kPeer = 3;  // the PE this PE's wait is for
+
+// Pinned host memory mapped into the device: the kernel and the test both see it at once.
+template <typename T>
+struct Pinned {
+  explicit Pinned(std::size_t n) {
+    EXPECT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host), n * sizeof(T), cudaHostAllocMapped),
+              cudaSuccess);
+    EXPECT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), host, 0), cudaSuccess);
+    for (std::size_t i = 0; i < n; ++i) host[i] = T{};
+  }
+  ~Pinned() { cudaFreeHost(host); }
+  volatile T& operator[](std::size_t i) { return const_cast<volatile T&>(host[i]); }
+  T load(std::size_t i) const { return const_cast<const volatile T&>(host[i]); }
+  T* host = nullptr;
+  T* device = nullptr;
+};
+
+class DeviceWaits : public testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&group_device_, sizeof(PeerGroup)), cudaSuccess);
+    PeerGroup group{};  // nothing to copy: the wait is what is under test
+    group.cta_count = 1;
+    group.peer = kPeer;
+    ASSERT_EQ(cudaMemcpy(group_device_, &group, sizeof group, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&failure_, sizeof(unsigned int)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&peer_words_device_, kPes * sizeof(std::uint64_t*)), cudaSuccess);
+    map_every_pe();
+  }
+  void TearDown() override {
+    cudaStreamDestroy(stream_);
+    cudaFree(group_device_);
+    cudaFree(failure_);
+    cudaFree(peer_words_device_);
+  }
+
+  // Which PEs' waiting_on words this PE sees (null: not mapped, as a PE on another node).
+  void map_pes(const std::vector<bool>& mapped) {
+    std::vector<const std::uint64_t*> pointers(kPes);
+    for (int pe = 0; pe < kPes; ++pe) pointers[pe] = mapped[pe] ? words_.device + pe : nullptr;
+    ASSERT_EQ(cudaMemcpy(peer_words_device_, pointers.data(), kPes * sizeof pointers[0],
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  void map_every_pe() { map_pes(std::vector<bool>(kPes, true)); }
+
+  // Launches one flagged copy that waits for PE kPeer's flag (never raised unless the test does).
+  void launch_wait(std::uint64_t timeout_ns, bool with_peer_words = true) {
+    std::memset(status_.host, 0, sizeof(DeviceStatus));
+    ASSERT_EQ(cudaMemset(failure_, 0, sizeof(unsigned int)), cudaSuccess);
+    KernelArgs args{};
+    args.groups = group_device_;
+    args.group_count = 1;
+    args.cta_count = 1;
+    args.n_pes = kPes;
+    args.me = kMe;
+    args.waiting_on = words_.device + kMe;
+    args.peer_waiting_on = with_peer_words ? peer_words_device_ : nullptr;
+    args.status = status_.device;
+    args.failure = failure_;
+    args.timeout_ns = timeout_ns;
+    CopyFlags flags;
+    flags.wait = flag_.device;
+    flags.wait_value = 1;
+    flags.peer = kPeer;
+    flags.phase = kPhaseDone;
+    launch_flagged_copy(args, flags, stream_);
+  }
+
+  // Sets the other PEs' words (PE + 1 each is stuck on; 0 not stuck), lets this PE's wait run
+  // out, and gives back where it says the chain ends.
+  int stuck_behind(const std::vector<std::uint64_t>& words, bool with_peer_words = true) {
+    for (int pe = 0; pe < kPes; ++pe) words_[pe] = pe == kMe ? 0 : words[pe];
+    flag_[0] = 0;
+    launch_wait(20'000'000, with_peer_words);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    const DeviceStatus status = *status_.host;  // the stream is done: plain reads
+    EXPECT_EQ(status.code, kStatusTimeout);
+    EXPECT_EQ(status.peer, kPeer);
+    EXPECT_EQ(status.phase, kPhaseDone);
+    // The wait lasted 20 ms: it named its peer in this PE's word, and left it there.
+    EXPECT_EQ(words_.load(kMe), std::uint64_t{kPeer + 1});
+    unsigned int failure = 0;
+    EXPECT_EQ(cudaMemcpy(&failure, failure_, sizeof failure, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(failure, kStatusTimeout);
+    return status.stuck_behind;
+  }
+
+  cudaStream_t stream_ = nullptr;
+  PeerGroup* group_device_ = nullptr;
+  unsigned int* failure_ = nullptr;
+  const std::uint64_t** peer_words_device_ = nullptr;
+  Pinned<std::uint64_t> words_{kPes};
+  Pinned<std::uint64_t> flag_{1};
+  Pinned<DeviceStatus> status_{1};
+};
+
+TEST_F(DeviceWaits, ATimeoutNamesThePeerWhenItIsNotStuck) {
+  EXPECT_EQ(stuck_behind({0, 0, 0, 0}), kPeer);
+}
+
+TEST_F(DeviceWaits, ATimeoutNamesThePeTheChainEndsAt) {
+  EXPECT_EQ(stuck_behind({0, 0, 0, 1 + 1}), 1);      // 3 -> 1
+  EXPECT_EQ(stuck_behind({1 + 1, 0, 0, 0 + 1}), 1);  // 3 -> 0 -> 1
+  EXPECT_EQ(stuck_behind({0, 0 + 1, 0, 1 + 1}), 0);  // 3 -> 1 -> 0
+}
+
+TEST_F(DeviceWaits, ACycleEndsAtTheLastPeNewToTheChain) {
+  EXPECT_EQ(stuck_behind({0, 3 + 1, 0, 1 + 1}), 1);    // 3 -> 1 -> 3
+  EXPECT_EQ(stuck_behind({0, 0, 0, 3 + 1}), kPeer);    // 3 -> 3
+  EXPECT_EQ(stuck_behind({0, 0, 0, kMe + 1}), kPeer);  // 3 -> this PE
+  EXPECT_EQ(stuck_behind({0, kMe + 1, 0, 1 + 1}), 1);  // 3 -> 1 -> this PE
+}
+
+TEST_F(DeviceWaits, TheWalkStopsAtUnmappedPesAndNonsense) {
+  map_pes({true, false, true, true});
+  EXPECT_EQ(stuck_behind({0, 0 + 1, 0, 1 + 1}), 1);  // PE 1's word is not visible here
+  map_every_pe();
+  EXPECT_EQ(stuck_behind({0, 0, 0, 99}), kPeer);  // not a PE
+  EXPECT_EQ(stuck_behind({0, 0, 0, 1 + 1}, /*with_peer_words=*/false), kPeer);
+}
+
+TEST_F(DeviceWaits, ALongWaitMarksThisPeUntilItEnds) {
+  for (int pe = 0; pe < kPes; ++pe) words_[pe] = 0;
+  flag_[0] = 0;
+  launch_wait(10'000'000'000ull);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (words_.load(kMe) == 0 && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(words_.load(kMe), std::uint64_t{kPeer + 1}) << "a wait of over 1 ms left no mark";
+  EXPECT_EQ(cudaStreamQuery(stream_), cudaErrorNotReady) << "the wait ended without its flag";
+  flag_[0] = 1;  // the peer arrives
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  EXPECT_EQ(status_.host->code, 0u);
+  EXPECT_EQ(words_.load(kMe), 0u) << "the mark outlived the wait";
+}
+
+TEST_F(DeviceWaits, AShortWaitLeavesNoMark) {
+  for (int pe = 0; pe < kPes; ++pe) words_[pe] = 0;
+  flag_[0] = 1;  // already there
+  launch_wait(10'000'000'000ull);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  EXPECT_EQ(status_.host->code, 0u);
+  EXPECT_EQ(words_.load(kMe), 0u);
+}
+
+}  // namespace
+}  // namespace reshard::cuda
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("skipped: no CUDA device\n");
+    return 77;  // ctest: skipped
+  }
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
