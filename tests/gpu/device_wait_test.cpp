@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/single_gpu_main.hpp"
 #include "transports/cuda/copy_kernels.hpp"
 
 namespace reshard::cuda {
@@ -171,11 +172,5 @@ TEST_F(DeviceWaits, AShortWaitLeavesNoMark) {
 }  // namespace reshard::cuda
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("skipped: no CUDA device\n");
-    return 77;  // ctest: skipped
-  }
-  testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return reshard::testing_support::run_single_gpu_tests(argc, argv);
 }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "execution/box_view.hpp"
+#include "support/single_gpu_main.hpp"
 #include "transforms/conversions.hpp"
 
 namespace reshard::exec {
@@ -199,11 +200,5 @@ TEST(TransformKernels, CastsMatchTheReferenceBitForBit) {
 }  // namespace reshard::exec
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("skipped: no CUDA device\n");
-    return 77;  // ctest: skipped
-  }
-  testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return reshard::testing_support::run_single_gpu_tests(argc, argv);
 }

@@ -181,6 +181,12 @@ std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
   return pids;
 }
 
+std::string stuck_behind_clause(const volatile DeviceStatus& status) {
+  if (status.code != kStatusTimeout || status.stuck_behind == status.peer) return {};
+  return "; PE " + std::to_string(status.peer) + " is itself stuck waiting, behind PE " +
+         std::to_string(status.stuck_behind);
+}
+
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
                        const std::string& what, int* dead,
                        const std::function<std::string()>& transport_problem,

@@ -13,6 +13,7 @@
 
 #include "reshard/bootstrap.hpp"
 #include "reshard/types.hpp"
+#include "transports/cuda/device_work.hpp"
 
 namespace reshard::cuda {
 
@@ -51,6 +52,9 @@ int first_exited_process(std::span<const pid_t> pids, bool count_zombies = false
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
 // Index of the first process in `pids` that is stopped (SIGSTOP, a debugger), or -1.
 int first_stopped_process(std::span<const pid_t> pids);
+// "; PE p is itself stuck waiting, behind PE q" for a timed-out device wait whose peer p was
+// itself stuck (see SignalLayout::waiting_on), else empty.
+std::string stuck_behind_clause(const volatile DeviceStatus& status);
 // Polls `finished` until it returns true: an empty string then, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
 // RESHARD_TIMEOUT_S (plus `grace`) passing while `what` is unfinished — naming a stopped local

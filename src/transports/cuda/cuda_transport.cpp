@@ -722,9 +722,7 @@ void CudaTransport::throw_device_failure() {
   } else {
     text << "the data from PE " << peer << " did not arrive within " << seconds << " s";
   }
-  if (status->stuck_behind != peer) {
-    text << "; PE " << peer << " is itself stuck waiting, behind PE " << status->stuck_behind;
-  }
+  text << stuck_behind_clause(*status);
   text << " (is PE " << status->stuck_behind << " calling run()? RESHARD_TIMEOUT_S sets the limit)";
   throw_error(ErrorCode::kTimeout, text.str());
 }

@@ -546,15 +546,11 @@ void NvshmemTransport::synchronize() {
   if (status_ != nullptr && status_->code != 0) {
     // A device-side wait ran out (or was cancelled): the peer it waited for is named, and the
     // PE that peer is itself stuck behind, where that is known.
-    const int peer = status_->peer, behind = status_->stuck_behind;
-    std::string problem =
+    const std::string problem =
         std::string(status_->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
-        " waiting for PE " + std::to_string(peer) +
-        (status_->phase == cuda::kPhaseReady ? " to drain its inbox" : " to deliver its data");
-    if (status_->code == cuda::kStatusTimeout && behind != peer)
-      problem += "; PE " + std::to_string(peer) + " is itself stuck waiting, behind PE " +
-                 std::to_string(behind);
-    problem += " (RESHARD_TIMEOUT_S sets the limit)";
+        " waiting for PE " + std::to_string(status_->peer) +
+        (status_->phase == cuda::kPhaseReady ? " to drain its inbox" : " to deliver its data") +
+        cuda::stuck_behind_clause(*status_) + " (RESHARD_TIMEOUT_S sets the limit)";
     abort(problem);
     throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
