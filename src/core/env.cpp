@@ -84,6 +84,15 @@ std::optional<std::uint64_t> test_corrupt_task() {
 bool nvshmem_direct() { return get_int("RESHARD_NVSHMEM_DIRECT", 1) != 0; }
 
 bool nvshmem_send_stream() { return get_int("RESHARD_NVSHMEM_SEND_STREAM", 1) != 0; }
+int nvshmem_peers_per_round() {
+  const int peers = get_int("RESHARD_NVSHMEM_PEERS_PER_ROUND", 0);
+  if (peers < 0) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_NVSHMEM_PEERS_PER_ROUND=" + std::to_string(peers) +
+                    " is negative (0: every peer)");
+  }
+  return peers;
+}
 bool nvshmem_trace() { return get_int("RESHARD_NVSHMEM_TRACE", 0) != 0; }
 
 bool cuda_trace() { return get_int("RESHARD_CUDA_TRACE", 0) != 0; }

@@ -69,6 +69,9 @@ bool nvshmem_direct();
 // RESHARD_NVSHMEM_SEND_STREAM=0: the NVSHMEM transport queues its sends on the caller's stream,
 // between the receives, instead of on a stream of their own (default 1).
 bool nvshmem_send_stream();
+// RESHARD_NVSHMEM_PEERS_PER_ROUND: most peers each way in one round of the NVSHMEM transport
+// (default 0: every peer at once; 1 is the matching schedule, one kernel per peer and direction).
+int nvshmem_peers_per_round();
 // RESHARD_NVSHMEM_TRACE=1: the NVSHMEM transport times every step of a run (diagnosis; it
 // serialises the run) and logs the means at finalize.
 bool nvshmem_trace();

@@ -245,8 +245,10 @@ Schedule build_schedule(std::span<const Transfer> transfers, int n_pes,
   if (options.chunk_bytes == 0) {
     throw_error(ErrorCode::kInvalidArgument, "scheduler chunk_bytes must be positive");
   }
-  if (options.max_peers_per_round < 1 || options.max_peers_per_round > 255) {
-    throw_error(ErrorCode::kInvalidArgument, "scheduler max_peers_per_round must be in 1..255");
+  if (options.max_peers_per_round < 1) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "scheduler max_peers_per_round must be at least 1, not " +
+                    std::to_string(options.max_peers_per_round));
   }
   Schedule schedule;
   schedule.n_pes = n_pes;

@@ -1,14 +1,15 @@
 // The device-side waits of the GPU transports, on one GPU: a wait that runs out records whom it
 // waited for and where the chain of stuck waits from there ends (read from each PE's waiting_on
-// word), and a long wait marks this PE's own word until it ends. The other PEs' words are played
-// by pinned host memory, so each case sets up exactly the chain it checks. Exits 77 (skipped)
-// without a GPU.
+// word), and a long wait marks this PE's own word until it ends; the groups of one flagged launch
+// wait, copy and raise independently. The other PEs' words and flags are played by pinned host
+// memory, so each case sets up exactly what it checks. Exits 77 (skipped) without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -88,7 +89,9 @@ class DeviceWaits : public testing::Test {
     flags.wait_value = 1;
     flags.peer = kPeer;
     flags.phase = kPhaseDone;
-    launch_flagged_copy(args, flags, stream_);
+    FlaggedLaunch launch;
+    launch.add(0, 1, flags);
+    launch_flagged_copies(args, launch, stream_);
   }
 
   // Sets the other PEs' words (PE + 1 each is stuck on; 0 not stuck), lets this PE's wait run
@@ -166,6 +169,108 @@ TEST_F(DeviceWaits, AShortWaitLeavesNoMark) {
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   EXPECT_EQ(status_.host->code, 0u);
   EXPECT_EQ(words_.load(kMe), 0u);
+}
+
+// One flagged launch of three groups (several CTAs, odd sizes and offsets): the group whose flag
+// never comes holds back neither the others' copies nor their raises, and every group raises only
+// after its bytes have landed. The arrival counters are reusable: a second launch raises again.
+TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const std::vector<std::uint64_t> sizes = {(1 << 20) + 3, 4097, 200001};
+  const std::vector<std::uint32_t> ctas = {5, 1, 3};
+  const std::uint64_t total = sizes[0] + sizes[1] + sizes[2] + 64;
+  unsigned char *src = nullptr, *dst = nullptr;
+  ASSERT_EQ(cudaMalloc(&src, total), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dst, total), cudaSuccess);
+  std::vector<unsigned char> pattern(total);
+  std::mt19937 random(7);
+  for (auto& byte : pattern) byte = static_cast<unsigned char>(random());
+  ASSERT_EQ(cudaMemcpy(src, pattern.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<CopyDescriptor> descriptors;
+  std::vector<PeerGroup> groups;
+  std::uint64_t at = 1;  // every piece unaligned
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    descriptors.push_back({src + at, dst + at + 7, sizes[g], 0});
+    PeerGroup group{};
+    group.first_descriptor = static_cast<std::uint32_t>(g);
+    group.descriptor_count = 1;
+    group.bytes = sizes[g];
+    group.cta_count = ctas[g];
+    group.peer = static_cast<std::int32_t>(g);
+    groups.push_back(group);
+    at += sizes[g] + 9;
+  }
+  ASSERT_LE(at + 7, total);  // the last destination piece ends inside the buffer
+  CopyDescriptor* descriptors_device = nullptr;
+  PeerGroup* groups_device = nullptr;
+  unsigned int* counters = nullptr;  // failure word, then the arrival counters
+  ASSERT_EQ(cudaMalloc(&descriptors_device, sizeof(CopyDescriptor) * descriptors.size()),
+            cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&groups_device, sizeof(PeerGroup) * groups.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&counters, sizeof(unsigned int) * (1 + kMaxFlaggedGroups)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(counters, 0, sizeof(unsigned int) * (1 + kMaxFlaggedGroups)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(descriptors_device, descriptors.data(),
+                       sizeof(CopyDescriptor) * descriptors.size(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(groups_device, groups.data(), sizeof(PeerGroup) * groups.size(),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  Pinned<std::uint64_t> waits(3), raised(3);
+  Pinned<DeviceStatus> status(1);
+  KernelArgs args{};
+  args.descriptors = descriptors_device;
+  args.groups = groups_device;
+  args.n_pes = 3;
+  args.me = 0;
+  args.status = status.device;
+  args.failure = counters;
+  args.timeout_ns = 20'000'000'000ull;
+  args.unroll = 4;
+
+  for (std::uint64_t run = 1; run <= 2; ++run) {
+    ASSERT_EQ(cudaMemset(dst, 0, total), cudaSuccess);
+    waits[0] = run;  // group 1's flag comes later
+    waits[2] = run;
+    FlaggedLaunch launch;
+    launch.arrivals = counters + 1;
+    for (std::uint32_t g = 0; g < 3; ++g) {
+      CopyFlags flags;
+      flags.wait = waits.device + g;
+      flags.wait_value = run;
+      flags.peer = static_cast<int>(g);
+      flags.phase = kPhaseDone;
+      flags.raise = raised.device + g;
+      flags.raise_value = 10 * run + g;
+      launch.add(g, ctas[g], flags);
+    }
+    launch_flagged_copies(args, launch, stream);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((raised.load(0) != 10 * run || raised.load(2) != 10 * run + 2) &&
+           std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_EQ(raised.load(0), 10 * run) << "run " << run << ": group 0 held back";
+    EXPECT_EQ(raised.load(2), 10 * run + 2) << "run " << run << ": group 2 held back";
+    EXPECT_NE(raised.load(1), 10 * run + 1) << "group 1 raised before its flag came";
+    EXPECT_EQ(cudaStreamQuery(stream), cudaErrorNotReady);
+    waits[1] = run;
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(status.host->code, 0u);
+    EXPECT_EQ(raised.load(1), 10 * run + 1);
+    std::vector<unsigned char> landed(total);
+    ASSERT_EQ(cudaMemcpy(landed.data(), dst, total, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (const CopyDescriptor& d : descriptors) {
+      const std::uint64_t from = d.src - src, to = d.dst - dst;
+      EXPECT_EQ(std::memcmp(landed.data() + to, pattern.data() + from, d.bytes), 0)
+          << "run " << run << ": the " << d.bytes << "-byte piece differs";
+    }
+  }
+  cudaFree(counters);
+  cudaFree(groups_device);
+  cudaFree(descriptors_device);
+  cudaFree(dst);
+  cudaFree(src);
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

@@ -47,6 +47,8 @@ TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_TIMEOUT_S", "-2", [] { env::timeout(); });
   expect_refused("RESHARD_NCCL_NONBLOCKING", "yes", [] { env::nccl_nonblocking(); });
   expect_refused("RESHARD_NVSHMEM_SEND_STREAM", "yes", [] { env::nvshmem_send_stream(); });
+  expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "-1", [] { env::nvshmem_peers_per_round(); });
+  expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "all", [] { env::nvshmem_peers_per_round(); });
   expect_refused("RESHARD_CUDA_EARLY_LAUNCH", "on", [] { env::cuda_early_launch(); });
 }
 
@@ -65,6 +67,12 @@ TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
     ScopedEnv scoped("RESHARD_CUDA_EARLY_LAUNCH", "0");
     EXPECT_FALSE(env::cuda_early_launch());
   }
+  {
+    ScopedEnv scoped("RESHARD_NVSHMEM_PEERS_PER_ROUND", "1");
+    EXPECT_EQ(env::nvshmem_peers_per_round(), 1);
+  }
+  ::unsetenv("RESHARD_NVSHMEM_PEERS_PER_ROUND");
+  EXPECT_EQ(env::nvshmem_peers_per_round(), 0);
   ::unsetenv("RESHARD_NCCL_NONBLOCKING");
   ::unsetenv("RESHARD_CUDA_EARLY_LAUNCH");
   EXPECT_EQ(env::cuda_engine(), "auto");

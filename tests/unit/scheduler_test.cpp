@@ -112,6 +112,25 @@ TEST(Scheduler, EmptyAndZeroByteWorkloads) {
   EXPECT_EQ(check_schedule(schedule), "");
 }
 
+// Transports that move every peer at once (CUDA, NCCL) ask for k = the number of PEs, which a
+// job of more than 255 PEs exceeds.
+TEST(Scheduler, TakesEveryPeerPerRoundInLargeJobs) {
+  constexpr int kPes = 300;
+  std::mt19937 rng(11);
+  std::vector<Transfer> transfers;
+  for (int src = 0; src < kPes; ++src) {
+    for (int k = 0; k < 3; ++k) {
+      const int dst = static_cast<int>(rng() % kPes);
+      transfers.push_back({static_cast<TaskId>(transfers.size()), src, dst, 1 + rng() % 100000});
+    }
+  }
+  SchedulerOptions options;
+  options.max_peers_per_round = kPes;
+  const Schedule schedule = build_schedule(transfers, kPes, options);
+  EXPECT_EQ(check_schedule(schedule), "");
+  EXPECT_LE(schedule.makespan_bytes, 2 * schedule.lower_bound_bytes);
+}
+
 TEST(Scheduler, RefusesBadOptions) {
   EXPECT_THROW(build_schedule({}, 0, {}), Error);
   SchedulerOptions no_chunk;

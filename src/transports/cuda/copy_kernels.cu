@@ -396,18 +396,26 @@ __global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) 
   }
 }
 
-__global__ void __launch_bounds__(kCopyThreads) flagged_copy_kernel(KernelArgs a, CopyFlags f) {
+__global__ void __launch_bounds__(kCopyThreads)
+    flagged_copy_kernel(KernelArgs a, const __grid_constant__ FlaggedLaunch launch) {
   __shared__ bool go;
+  __shared__ std::uint32_t entry;
   if (threadIdx.x == 0) {
+    std::uint32_t e = 0;
+    while (e + 1 < launch.count && launch.groups[e + 1].first_cta <= blockIdx.x) ++e;
+    entry = e;
+    const FlaggedGroup& mine = launch.groups[e];
+    const CopyFlags& f = mine.flags;
     go = !failed_here(a);
     if (go && f.wait != nullptr) {
-      if (blockIdx.x == 0) {
+      if (blockIdx.x == mine.first_cta) {
         go = wait_at_least(f.wait, f.wait_value, a, f.peer, f.phase);
       } else {
-        // The other CTAs poll gently while the peer's data streams in; CTA 0's bounded wait
-        // records a timeout or cancellation, which stops them. Every CTA spinning flat out
-        // (system-scope loads, the pinned status every 64 spins) cut a 4-GPU NVSHMEM all-to-all
-        // at 16 MiB from 241 to 71-74 GB/s in some runs (4x H200, 2026-11-22).
+        // The other CTAs poll gently while the peer's data streams in; the group's first CTA
+        // makes the bounded wait and records a timeout or cancellation, which stops them. Every
+        // CTA spinning flat out (system-scope loads, the pinned status every 64 spins) cut a
+        // 4-GPU NVSHMEM all-to-all at 16 MiB from 241 to 71-74 GB/s in some runs (4x H200,
+        // 2026-11-22).
         while (load_acquire(f.wait) < f.wait_value) {
           if (failed_here(a)) {
             go = false;
@@ -419,10 +427,15 @@ __global__ void __launch_bounds__(kCopyThreads) flagged_copy_kernel(KernelArgs a
     }
   }
   __syncthreads();
-  if (go && blockIdx.x < a.groups[0].cta_count) copy_share(a, a.groups[0], blockIdx.x);
-  if (f.raise == nullptr) return;
+  const FlaggedGroup& mine = launch.groups[entry];
+  const PeerGroup& group = a.groups[mine.group];
+  if (go) copy_share(a, group, blockIdx.x - mine.first_cta);
+  if (mine.flags.raise == nullptr) return;
   __syncthreads();
-  if (threadIdx.x == 0) arrive_and_raise(f.arrivals, gridDim.x, f.raise, f.raise_value, a, true);
+  if (threadIdx.x == 0) {
+    arrive_and_raise(launch.arrivals + entry, group.cta_count, mine.flags.raise,
+                     mine.flags.raise_value, a, true);
+  }
 }
 
 __global__ void begin_kernel(KernelArgs a) {
@@ -479,9 +492,10 @@ void launch_plain_copy(const KernelArgs& args, cudaStream_t stream) {
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_flagged_copy(const KernelArgs& args, const CopyFlags& flags, cudaStream_t stream) {
-  flagged_copy_kernel<<<args.cta_count == 0 ? 1 : args.cta_count, kCopyThreads, 0, stream>>>(args,
-                                                                                             flags);
+void launch_flagged_copies(const KernelArgs& args, const FlaggedLaunch& launch,
+                           cudaStream_t stream) {
+  if (launch.count == 0) return;
+  flagged_copy_kernel<<<launch.cta_count, kCopyThreads, 0, stream>>>(args, launch);
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 

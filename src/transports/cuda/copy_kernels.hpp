@@ -19,7 +19,7 @@ void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_l
 // Copies the groups' descriptors and nothing else (no flags): the SM share of a mixed run, and
 // the copy out of a bounce buffer.
 void launch_plain_copy(const KernelArgs& args, cudaStream_t stream);
-// What a flagged copy waits for before it copies and raises once every CTA has copied.
+// What one group of a flagged copy waits for before it copies, and raises once its CTAs have.
 struct CopyFlags {
   const std::uint64_t* wait = nullptr;  // null: copy at once
   std::uint64_t wait_value = 0;         // copy once *wait >= wait_value
@@ -27,12 +27,35 @@ struct CopyFlags {
   unsigned int phase = 0;               // kPhaseReady or kPhaseDone
   std::uint64_t* raise = nullptr;       // null: nothing to raise
   std::uint64_t raise_value = 0;
-  unsigned int* arrivals = nullptr;  // device counter, zero between launches (needed with raise)
 };
-// One group (args.groups[0]) in one launch: every CTA waits for flags.wait, copies its slice, and
-// the last CTA to finish raises flags.raise (system scope, after the CTAs' stores). It replaces a
-// wait kernel, a copy kernel and a raise kernel in a row; nothing is written once a wait failed.
-void launch_flagged_copy(const KernelArgs& args, const CopyFlags& flags, cudaStream_t stream);
+// Groups one flagged launch copies: each its own flags, CTAs and arrival counter.
+constexpr int kMaxFlaggedGroups = 16;
+struct FlaggedGroup {
+  std::uint32_t group = 0;      // index into KernelArgs::groups; its cta_count CTAs copy it
+  std::uint32_t first_cta = 0;  // where its CTAs start in the launch
+  CopyFlags flags;
+};
+struct FlaggedLaunch {
+  std::uint32_t count = 0;
+  std::uint32_t cta_count = 0;
+  // kMaxFlaggedGroups device counters, zero between launches; one launch at a time uses them
+  // (launches that share them must share a stream).
+  unsigned int* arrivals = nullptr;
+  FlaggedGroup groups[kMaxFlaggedGroups];
+
+  bool full() const { return count == kMaxFlaggedGroups; }
+  // Appends args.groups[group]; `ctas` is that group's cta_count.
+  void add(std::uint32_t group, std::uint32_t ctas, const CopyFlags& flags) {
+    groups[count++] = {group, cta_count, flags};
+    cta_count += ctas;
+  }
+};
+// Every group of `launch` in one kernel: a group's CTAs wait for its flags.wait, copy their
+// slices, and the group's last CTA to finish raises flags.raise (system scope, after every CTA's
+// stores). A group never waits on another group of the same launch, so they need not be resident
+// together. Nothing is written once a wait of this PE failed.
+void launch_flagged_copies(const KernelArgs& args, const FlaggedLaunch& launch,
+                           cudaStream_t stream);
 // How many CTAs of the flagged copy one SM of the current device holds at once.
 int flagged_copy_ctas_per_sm();
 // Copy-engine runs are framed by these single-CTA kernels: begin raises ready and waits until every

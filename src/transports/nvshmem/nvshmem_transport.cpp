@@ -2,14 +2,16 @@
 // signals on the caller's stream. It reaches whatever NVSHMEM reaches (NVLink, InfiniBand through
 // its IBRC/IBGDA/UCX transports), so it is the one-sided path across nodes.
 //
-// Per batch (one per round: the scheduler builds rounds as matchings), the sender waits until the
-// receiver has drained the inbox slot it is about to fill, fills it, and raises the slot's signal;
-// the receiver waits for that signal, unpacks, and acknowledges. A peer NVSHMEM maps into this
-// process (NVLink) gets the SM variant: one kernel per batch waits for the slot, stores straight
-// into the peer's inbox and raises its signal from the last CTA, and one kernel on the receiver
-// waits, unpacks and acknowledges the same way. Any other peer gets the copy-engine variant: the
-// batch is packed into a local outbox slot and put (nvshmemx_putmem_on_stream, quiet, then the
-// signal). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as across nodes.
+// Per batch, the sender waits until the receiver has drained the inbox slot it is about to fill,
+// fills it, and raises the slot's signal; the receiver waits for that signal, unpacks, and
+// acknowledges. A round carries batches to and from any number of peers; its batches are taken in
+// waves (wave w holds each pair's w-th batch of the round, so a peer appears once per wave), and
+// one kernel moves a whole wave's batches to the peers NVSHMEM maps into this process (NVLink):
+// each group of CTAs waits for its slot, stores straight into the peer's inbox through
+// nvshmem_ptr and raises the slot's signal from its last CTA; one kernel on the receiver waits,
+// unpacks and acknowledges each batch the same way. Any other peer gets the copy-engine variant:
+// the batch is packed into a local outbox slot and put (nvshmemx_putmem_on_stream, quiet, then
+// the signal). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as across nodes.
 // Everything is queued on the stream: no per-round host synchronisation, no global barrier.
 // The host API only (nvshmemx_hostlib_init_attr): no relocatable device code, no device library.
 #include <nvshmem_host.h>
@@ -18,6 +20,7 @@
 #include <array>
 #include <chrono>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -160,17 +163,25 @@ void initialize(Runtime& rt, Bootstrap& bootstrap, int device) {
                                                << " bytes per peer");
 }
 
-// One batch as this PE moves it: the peer, its bytes, and the copy kernel that packs it into an
-// outbox slot (send) or unpacks it from the peer's inbox slot (receive).
+// One batch as this PE moves it: the peer, its bytes, and a copy group per slot that packs it into
+// the peer's inbox slot or an outbox slot (send), or unpacks it from the peer's inbox slot
+// (receive). Which slot a batch uses depends on how many batches went before it, in this run and
+// the earlier ones, so run() picks the group.
 struct StagedBatch {
   int peer = 0;
-  std::uint32_t round = 0;
   std::uint64_t bytes = 0;
-  // Receive, and send to a mapped peer: the inbox slot the kernel copies from / into. Send to
-  // any other peer: the outbox slot it packs into.
-  int slot = 0;
-  bool mapped = false;  // send: written straight into the peer's inbox
-  std::uint32_t group = 0;
+  // Send: written straight into the peer's inbox and signalled by the kernel. Receive:
+  // acknowledged by the kernel. Otherwise put through the outbox / acknowledged by NVSHMEM.
+  bool mapped = false;
+  std::array<std::uint32_t, kDepth> group{};
+};
+
+// The batches of one wave of one round, as indices into the send and receive lists, in the
+// order their copies are launched (up to cuda::kMaxFlaggedGroups groups per kernel).
+struct Wave {
+  std::vector<std::uint32_t> sends;  // mapped sends, then the ones put through the outbox
+  std::uint32_t mapped_sends = 0;
+  std::vector<std::uint32_t> receives;
 };
 
 class NvshmemTransport final : public Transport {
@@ -179,9 +190,12 @@ class NvshmemTransport final : public Transport {
   ~NvshmemTransport() override { finalize(); }
 
   const char* name() const override { return "nvshmem"; }
-  // One peer each way per round: the puts of one PE go out one after another on its stream, and
-  // a matching lets every slot be drained before it is filled again without waiting in a cycle.
-  TransportCaps caps() const override { return {rt_.chunk, 1, rt_.chunk}; }
+  // Every peer in one round unless RESHARD_NVSHMEM_PEERS_PER_ROUND says fewer: the waves keep
+  // every slot drained before it is filled again without waiting in a cycle (see build_waves).
+  TransportCaps caps() const override {
+    const int limit = env::nvshmem_peers_per_round();
+    return {rt_.chunk, limit == 0 ? n_pes_ : std::min(limit, n_pes_), rt_.chunk};
+  }
   int device() const override { return device_; }
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nvshmem");
@@ -194,7 +208,13 @@ class NvshmemTransport final : public Transport {
 
  private:
   void build_copies(const ExecutionPlan& plan);
+  void build_waves(const ExecutionPlan& plan);
+  void share_ctas(const std::vector<std::uint32_t>& batches, std::size_t first, std::size_t count,
+                  const std::vector<StagedBatch>& list);
   KernelArgs args_for(std::uint32_t group) const;
+  KernelArgs launch_args() const;
+  void send_wave(const Wave& wave, cudaStream_t stream);
+  void receive_wave(const Wave& wave, cudaStream_t stream);
 
   Runtime& rt_ = runtime();
   int me_ = 0;
@@ -207,6 +227,7 @@ class NvshmemTransport final : public Transport {
   // a round's sends then need not wait behind the previous round's receives. Receives never
   // wait on this PE's sends, so the two streams cannot wait on each other in a cycle.
   bool send_stream_enabled_ = env::nvshmem_send_stream();
+  bool two_streams() const { return send_stream_enabled_ && !trace_; }
   cudaStream_t send_stream_ = nullptr;
   cudaEvent_t fork_ = nullptr;
   cudaEvent_t join_ = nullptr;
@@ -216,15 +237,18 @@ class NvshmemTransport final : public Transport {
   cuda::DeviceStatus* status_device_ = nullptr;
   // Device memory, nonzero once a wait failed or the run was aborted: copy kernels skip.
   unsigned int* failure_ = nullptr;
-  // The flagged copies' CTA counts, one per stream (sends, receives): the two words after failure_.
+  // The flagged copies' per-group CTA counts, one set per stream (sends, receives), after failure_.
   unsigned int* send_arrivals_ = nullptr;
   unsigned int* receive_arrivals_ = nullptr;
+  int max_ctas_ = 1;  // CTAs of one flagged launch
   std::uint64_t timeout_ns_ = 0;
   // Each PE's waiting_on word where NVSHMEM maps it here (null elsewhere), for the kernels.
   DeviceArray<const std::uint64_t*> peer_waiting_on_;
   std::vector<pid_t> local_pids_;
-  // The schedule, resolved: local copies, then each round's send and receive batches.
+  // The schedule, resolved: local copies, each round's send and receive batches, and the waves
+  // that run them, in order.
   std::vector<StagedBatch> sends_, receives_;
+  std::vector<Wave> waves_;
   std::vector<PeerGroup> groups_;
   DeviceArray<CopyDescriptor> descriptors_;
   DeviceArray<PeerGroup> device_groups_;
@@ -294,10 +318,17 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
   *status_ = {};
   RESHARD_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_, 0));
-  RESHARD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&failure_), 3 * sizeof *failure_));
-  RESHARD_CUDA_CHECK(cudaMemset(failure_, 0, 3 * sizeof *failure_));
+  constexpr std::size_t kWords = 1 + 2 * cuda::kMaxFlaggedGroups;
+  RESHARD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&failure_), kWords * sizeof *failure_));
+  RESHARD_CUDA_CHECK(cudaMemset(failure_, 0, kWords * sizeof *failure_));
   send_arrivals_ = failure_ + 1;
-  receive_arrivals_ = failure_ + 2;
+  receive_arrivals_ = send_arrivals_ + cuda::kMaxFlaggedGroups;
+  // On two streams a send and a receive kernel run at once, and a receive kernel's CTAs wait
+  // for the peers' sends: each gets at most half of what the GPU holds at once, so both are
+  // always resident together and a PE's sends are never starved of SMs by its own waiting
+  // receive. At 64 registers a thread an SM holds 2 CTAs, so the cap stays at one per SM.
+  const int resident = sm_count_ * std::max(1, ctas_per_sm_);
+  max_ctas_ = std::max(1, std::min(sm_count_, two_streams() ? resident / 2 : resident));
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
   nodes_ = map_nodes(bootstrap);
@@ -310,12 +341,10 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
   peer_waiting_on_.upload(waiting_on);
 }
 
-KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
+KernelArgs NvshmemTransport::launch_args() const {
   KernelArgs args{};
   args.descriptors = descriptors_device_;
-  args.groups = groups_device_ + group;
-  args.group_count = 1;
-  args.cta_count = groups_[group].cta_count;
+  args.groups = groups_device_;
   args.status = status_device_;
   args.failure = failure_;
   args.n_pes = n_pes_;
@@ -326,13 +355,15 @@ KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
   return args;
 }
 
+KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
+  KernelArgs args = launch_args();
+  args.groups = groups_device_ + group;
+  args.group_count = 1;
+  args.cta_count = groups_[group].cta_count;
+  return args;
+}
+
 void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
-  // On two streams a send and a receive kernel run at once, and a receive kernel's CTAs wait
-  // for the peers' sends: each gets at most half of what the GPU holds at once, so both are
-  // always resident together and a PE's sends are never starved of SMs by its own waiting
-  // receive. At 40 registers a thread an SM holds 3 CTAs, so the cap stays at one per SM.
-  const int resident = sm_count_ * std::max(1, ctas_per_sm_);
-  const int max_ctas = std::min(sm_count_, send_stream_enabled_ ? resident / 2 : resident);
   std::vector<CopyDescriptor> descriptors;
   groups_.clear();
   auto add_group = [&](auto&& fill) {
@@ -342,8 +373,8 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     fill(group);
     group.descriptor_count =
         static_cast<std::uint32_t>(descriptors.size()) - group.first_descriptor;
-    group.cta_count = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
-        (group.bytes + kBytesPerCta - 1) / kBytesPerCta, 1, std::max(1, max_ctas)));
+    group.cta_count = static_cast<std::uint32_t>(
+        std::clamp<std::uint64_t>((group.bytes + kBytesPerCta - 1) / kBytesPerCta, 1, max_ctas_));
     groups_.push_back(group);
     return static_cast<std::uint32_t>(groups_.size() - 1);
   };
@@ -359,45 +390,6 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
       for (const LocalCopy& copy : plan.local_copies) add(group, copy.src, copy.dst, copy.bytes);
     });
   }
-  // Which slot a batch uses depends on how many batches went before it, in this run and the
-  // earlier ones, so every batch gets a copy kernel per slot and run() picks one.
-  sends_.clear();
-  receives_.clear();
-  for (const PlannedBatch& batch : plan.sends) {
-    if (batch.bytes > rt_.chunk) {
-      throw_error(ErrorCode::kValidation, "a batch of " + std::to_string(batch.bytes) +
-                                              " bytes exceeds the NVSHMEM slot of " +
-                                              std::to_string(rt_.chunk) + " bytes");
-    }
-    for (int slot = 0; slot < kDepth; ++slot) {
-      // Where NVSHMEM maps the peer's inbox here, nvshmem_ptr gives its address.
-      auto* mapped = direct_ && nodes_.same_node(me_, batch.peer)
-                         ? static_cast<std::byte*>(nvshmem_ptr(rt_.inbox(me_, slot), batch.peer))
-                         : nullptr;
-      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, mapped != nullptr, 0};
-      staged.group = add_group([&](PeerGroup& group) {
-        std::byte* out = mapped != nullptr ? mapped : rt_.outbox(slot);
-        for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-          const CopySpan& span = plan.spans[batch.first_span + s];
-          add(group, span.data, out + group.bytes, span.bytes);
-        }
-      });
-      sends_.push_back(staged);
-    }
-  }
-  for (const PlannedBatch& batch : plan.receives) {
-    for (int slot = 0; slot < kDepth; ++slot) {
-      StagedBatch staged{batch.peer, batch.round, batch.bytes, slot, false, 0};
-      staged.group = add_group([&](PeerGroup& group) {
-        const std::byte* in = rt_.inbox(batch.peer, slot);
-        for (std::uint32_t s = 0; s < batch.span_count; ++s) {
-          const CopySpan& span = plan.spans[batch.first_span + s];
-          add(group, in + group.bytes, span.data, span.bytes);
-        }
-      });
-      receives_.push_back(staged);
-    }
-  }
   remote_data_.assign(n_pes_, {});
   remote_ack_.assign(n_pes_, nullptr);
   for (int peer = 0; direct_ && peer < n_pes_; ++peer) {
@@ -408,14 +400,124 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     }
     remote_ack_[peer] = static_cast<std::uint64_t*>(nvshmem_ptr(rt_.ack_signal(me_), peer));
   }
+  // A peer is mapped when NVSHMEM maps its inbox and signals here (nvshmem_ptr non-null).
+  auto mapped_inbox = [&](int peer, int slot) -> std::byte* {
+    if (remote_data_[peer][slot] == nullptr || remote_ack_[peer] == nullptr) return nullptr;
+    return static_cast<std::byte*>(nvshmem_ptr(rt_.inbox(me_, slot), peer));
+  };
+  sends_.clear();
+  receives_.clear();
+  for (const PlannedBatch& batch : plan.sends) {
+    if (batch.bytes > rt_.chunk) {
+      throw_error(ErrorCode::kValidation, "a batch of " + std::to_string(batch.bytes) +
+                                              " bytes to PE " + std::to_string(batch.peer) +
+                                              " exceeds the NVSHMEM slot of " +
+                                              std::to_string(rt_.chunk) + " bytes");
+    }
+    StagedBatch staged{batch.peer, batch.bytes, mapped_inbox(batch.peer, 0) != nullptr, {}};
+    for (int slot = 0; slot < kDepth; ++slot) {
+      staged.group[slot] = add_group([&](PeerGroup& group) {
+        std::byte* out = staged.mapped ? mapped_inbox(batch.peer, slot) : rt_.outbox(slot);
+        for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+          const CopySpan& span = plan.spans[batch.first_span + s];
+          add(group, span.data, out + group.bytes, span.bytes);
+        }
+      });
+    }
+    sends_.push_back(staged);
+  }
+  for (const PlannedBatch& batch : plan.receives) {
+    StagedBatch staged{batch.peer, batch.bytes, remote_ack_[batch.peer] != nullptr, {}};
+    for (int slot = 0; slot < kDepth; ++slot) {
+      staged.group[slot] = add_group([&](PeerGroup& group) {
+        const std::byte* in = rt_.inbox(batch.peer, slot);
+        for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+          const CopySpan& span = plan.spans[batch.first_span + s];
+          add(group, in + group.bytes, span.data, span.bytes);
+        }
+      });
+    }
+    receives_.push_back(staged);
+  }
+  build_waves(plan);
   std::size_t mapped = 0;
   for (const StagedBatch& batch : sends_) mapped += batch.mapped;
-  RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << sends_.size() / kDepth
-                                           << " send batches, " << mapped / kDepth
-                                           << " written straight into the peer's inbox, the rest "
-                                              "put through the outbox");
+  RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << sends_.size() << " send batches ("
+                                           << mapped << " written straight into the peer's inbox, "
+                                           << sends_.size() - mapped << " put) in " << waves_.size()
+                                           << " waves over " << plan.rounds << " rounds");
   descriptors_device_ = descriptors_.upload(descriptors);
   groups_device_ = device_groups_.upload(groups_);
+}
+
+// A round may hold several batches of one pair (the scheduler merges matching rounds), and a
+// batch waits for the acknowledgement of the pair's batch kDepth before it. Wave w of a round
+// holds each pair's w-th batch of the round, on both PEs of the pair alike; waves run in (round,
+// wave) order, and per wave the sends go before the receives. A batch then waits only on
+// batches of earlier waves, and a stream never holds a kernel behind one of a later wave, so no
+// PE waits on one that waits on it; and a wave's kernel never waits on itself.
+void NvshmemTransport::build_waves(const ExecutionPlan& plan) {
+  struct Key {
+    std::uint32_t round, wave;
+    bool operator<(const Key& other) const {
+      return round != other.round ? round < other.round : wave < other.wave;
+    }
+  };
+  std::vector<std::pair<Key, std::uint32_t>> sends, receives;
+  auto number = [](const std::vector<PlannedBatch>& batches, auto& out) {
+    std::map<std::pair<std::uint32_t, int>, std::uint32_t> seen;  // (round, peer) -> batches
+    for (std::uint32_t i = 0; i < batches.size(); ++i) {
+      const PlannedBatch& b = batches[i];
+      out.push_back({Key{b.round, seen[{b.round, b.peer}]++}, i});
+    }
+  };
+  number(plan.sends, sends);
+  number(plan.receives, receives);
+  std::map<Key, Wave> waves;
+  for (const auto& [key, i] : sends) {
+    if (sends_[i].mapped) waves[key].sends.push_back(i);
+  }
+  for (const auto& [key, i] : sends) {
+    if (!sends_[i].mapped) waves[key].sends.push_back(i);
+  }
+  for (const auto& [key, i] : receives) waves[key].receives.push_back(i);
+  waves_.clear();
+  for (auto& [key, wave] : waves) {
+    for (std::uint32_t i : wave.sends) wave.mapped_sends += sends_[i].mapped;
+    // The CTAs of one launch are shared by its groups; a put batch is packed alone.
+    const std::size_t per_launch =
+        std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+    for (std::size_t first = 0; first < wave.mapped_sends; first += per_launch) {
+      share_ctas(wave.sends, first, std::min<std::size_t>(per_launch, wave.mapped_sends - first),
+                 sends_);
+    }
+    for (std::size_t first = 0; first < wave.receives.size(); first += per_launch) {
+      share_ctas(wave.receives, first,
+                 std::min<std::size_t>(per_launch, wave.receives.size() - first), receives_);
+    }
+    waves_.push_back(std::move(wave));
+  }
+}
+
+// Gives batches[first, first + count) CTAs of one launch: each what its bytes want (one per
+// kBytesPerCta) when they fit in max_ctas_ together, else a share by bytes, one at least.
+void NvshmemTransport::share_ctas(const std::vector<std::uint32_t>& batches, std::size_t first,
+                                  std::size_t count, const std::vector<StagedBatch>& list) {
+  std::uint64_t total = 0, wanted = 0;
+  for (std::size_t k = first; k < first + count; ++k) {
+    total += list[batches[k]].bytes;
+    wanted += groups_[list[batches[k]].group[0]].cta_count;
+  }
+  if (wanted <= static_cast<std::uint64_t>(max_ctas_)) return;
+  const std::uint64_t spare = static_cast<std::uint64_t>(max_ctas_) - count;
+  for (std::size_t k = first; k < first + count; ++k) {
+    const StagedBatch& batch = list[batches[k]];
+    const std::uint64_t share = total == 0 ? 0 : spare * batch.bytes / total;
+    for (std::uint32_t group : batch.group) {
+      groups_[group].cta_count =
+          static_cast<std::uint32_t>(std::min<std::uint64_t>(groups_[group].cta_count, 1 + share));
+    }
+  }
 }
 
 void NvshmemTransport::prepare(const ExecutionPlan& plan) {
@@ -425,7 +527,97 @@ void NvshmemTransport::prepare(const ExecutionPlan& plan) {
   prepared_ = true;
 }
 
-void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
+// The wave's sends to mapped peers in as few kernels as their groups allow: each group waits
+// until its peer drained the slot, writes the peer's inbox and raises the slot's signal from its
+// last CTA. Then each put batch: packed into an outbox slot (after the same wait), put, quiet,
+// signal.
+void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
+  const KernelArgs args = launch_args();
+  cuda::FlaggedLaunch launch;
+  launch.arrivals = send_arrivals_;
+  auto flush = [&] {
+    step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
+    launch = {};
+    launch.arrivals = send_arrivals_;
+  };
+  const std::size_t per_launch =
+      std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+  for (std::size_t k = 0; k < wave.sends.size(); ++k) {
+    const StagedBatch& batch = sends_[wave.sends[k]];
+    const int peer = batch.peer;
+    const std::uint64_t sequence = rt_.sent[peer]++;
+    const int slot = static_cast<int>(sequence % kDepth);
+    cuda::CopyFlags flags;
+    if (const auto previous = rt_.last_put[peer][slot]) {
+      flags.wait = rt_.ack_signal(peer);
+      flags.wait_value = *previous + 1;
+      flags.peer = peer;
+      flags.phase = cuda::kPhaseReady;
+    }
+    rt_.last_put[peer][slot] = sequence;
+    if (batch.mapped) {
+      flags.raise = remote_data_[peer][slot];
+      flags.raise_value = sequence + 1;
+      launch.add(batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
+      if (launch.count == per_launch || k + 1 == wave.mapped_sends) flush();
+      continue;
+    }
+    // put, quiet, signal: the signal may only land once the data has (NVSHMEM orders neither a
+    // put and a later signal op to another PE, nor two puts, without the quiet).
+    const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
+    launch.add(batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
+    flush();
+    step(1, stream, [&] {
+      nvshmemx_putmem_on_stream(rt_.inbox(me_, slot), rt_.outbox(outbox), batch.bytes, peer,
+                                stream);
+      nvshmemx_quiet_on_stream(stream);
+      nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
+                                   peer, stream);
+    });
+  }
+}
+
+// The wave's receives in as few kernels as their groups allow: each group waits for its slot's
+// data, unpacks it and, where the peer is mapped here, acknowledges from its last CTA; the
+// others are acknowledged through NVSHMEM once their kernel is done.
+void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
+  const KernelArgs args = launch_args();
+  const std::size_t per_launch =
+      std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+  std::vector<std::pair<int, std::uint64_t>> acks;  // (peer, value) after the kernel
+  for (std::size_t first = 0; first < wave.receives.size(); first += per_launch) {
+    cuda::FlaggedLaunch launch;
+    launch.arrivals = receive_arrivals_;
+    acks.clear();
+    const std::size_t last = std::min(wave.receives.size(), first + per_launch);
+    for (std::size_t k = first; k < last; ++k) {
+      const StagedBatch& batch = receives_[wave.receives[k]];
+      const int peer = batch.peer;
+      const std::uint64_t sequence = rt_.received[peer]++;
+      const int slot = static_cast<int>(sequence % kDepth);
+      cuda::CopyFlags flags;
+      flags.wait = rt_.data_signal(peer, slot);
+      flags.wait_value = sequence + 1;
+      flags.peer = peer;
+      flags.phase = cuda::kPhaseDone;
+      if (batch.mapped) {
+        flags.raise = remote_ack_[peer];
+        flags.raise_value = sequence + 1;
+      } else {
+        acks.emplace_back(peer, sequence + 1);
+      }
+      launch.add(batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
+    }
+    step(2, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
+    for (const auto& [peer, value] : acks) {
+      step(3, stream, [&] {
+        nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), value, NVSHMEM_SIGNAL_SET, peer, stream);
+      });
+    }
+  }
+}
+
+void NvshmemTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   if (!prepared_) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
   if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
@@ -440,89 +632,20 @@ void NvshmemTransport::run(const ExecutionPlan& plan, void* stream_handle) {
                 "advance every run); use the cuda transport for graph capture");
   }
   // With trace on, one stream: each step is timed alone.
-  const bool two_streams = send_stream_enabled_ && !trace_;
   cudaStream_t sends = stream;
-  if (two_streams) {
+  if (two_streams()) {
     sends = send_stream_;
     RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
     RESHARD_CUDA_CHECK(cudaStreamWaitEvent(sends, fork_, 0));
   }
   if (local_group_) cuda::launch_plain_copy(args_for(*local_group_), stream);
-  // Batches come in round order, kDepth entries each (one per slot); per round, the sends go
-  // out first, then the receives drain: a slot's previous batch was acknowledged in an earlier
-  // round, so no PE waits on one that is waiting on it. On two streams, the receives of every
-  // round drain while the sends go out.
-  std::size_t next_send = 0, next_receive = 0;
-  for (std::uint32_t round = 0; round < plan.rounds; ++round) {
-    for (; next_send < sends_.size() && sends_[next_send].round == round; next_send += kDepth) {
-      const int peer = sends_[next_send].peer;
-      const std::uint64_t sequence = rt_.sent[peer]++;
-      const int slot = static_cast<int>(sequence % kDepth);
-      const bool mapped = sends_[next_send].mapped;
-      const StagedBatch& batch =
-          sends_[next_send + (mapped ? slot : static_cast<int>(rt_.outbox_uses++ % kDepth))];
-      // One kernel waits until the peer drained the slot, fills it (the peer's inbox itself
-      // where NVSHMEM maps it here, else the outbox) and, when it wrote the inbox, raises the
-      // slot's signal from its last CTA.
-      cuda::CopyFlags flags;
-      if (const auto previous = rt_.last_put[peer][slot]) {
-        flags.wait = rt_.ack_signal(peer);
-        flags.wait_value = *previous + 1;
-        flags.peer = peer;
-        flags.phase = cuda::kPhaseReady;
-      }
-      if (mapped && remote_data_[peer][slot] != nullptr) {
-        flags.raise = remote_data_[peer][slot];
-        flags.raise_value = sequence + 1;
-        flags.arrivals = send_arrivals_;
-      }
-      step(0, sends, [&] { cuda::launch_flagged_copy(args_for(batch.group), flags, sends); });
-      if (mapped && flags.raise == nullptr) {
-        step(1, sends, [&] {
-          nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                       peer, sends);
-        });
-      } else if (!mapped) {
-        // put, quiet, signal: the signal may only land once the data has (NVSHMEM orders
-        // neither a put and a later signal op to another PE, nor two puts, without the quiet).
-        step(1, sends, [&] {
-          nvshmemx_putmem_on_stream(rt_.inbox(me_, slot), rt_.outbox(batch.slot), batch.bytes, peer,
-                                    sends);
-          nvshmemx_quiet_on_stream(sends);
-          nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                       peer, sends);
-        });
-      }
-      rt_.last_put[peer][slot] = sequence;
-    }
-    for (; next_receive < receives_.size() && receives_[next_receive].round == round;
-         next_receive += kDepth) {
-      const int peer = receives_[next_receive].peer;
-      const std::uint64_t sequence = rt_.received[peer]++;
-      const int slot = static_cast<int>(sequence % kDepth);
-      const StagedBatch& batch = receives_[next_receive + slot];
-      // One kernel waits for the slot's data, unpacks it and, where the peer is mapped here,
-      // acknowledges from its last CTA.
-      cuda::CopyFlags flags;
-      flags.wait = rt_.data_signal(peer, slot);
-      flags.wait_value = sequence + 1;
-      flags.peer = peer;
-      flags.phase = cuda::kPhaseDone;
-      if (remote_ack_[peer] != nullptr) {
-        flags.raise = remote_ack_[peer];
-        flags.raise_value = sequence + 1;
-        flags.arrivals = receive_arrivals_;
-      }
-      step(2, stream, [&] { cuda::launch_flagged_copy(args_for(batch.group), flags, stream); });
-      if (flags.raise == nullptr) {
-        step(3, stream, [&] {
-          nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), sequence + 1, NVSHMEM_SIGNAL_SET, peer,
-                                       stream);
-        });
-      }
-    }
+  // On one stream each wave's receives follow its sends; on two, the receives of every wave
+  // drain while the later waves' sends go out.
+  for (const Wave& wave : waves_) {
+    send_wave(wave, sends);
+    receive_wave(wave, stream);
   }
-  if (two_streams) {
+  if (two_streams()) {
     RESHARD_CUDA_CHECK(cudaEventRecord(join_, sends));
     RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
   }
