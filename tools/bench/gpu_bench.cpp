@@ -104,12 +104,18 @@ Timing summarize(std::vector<double> per_repeat) {
   return t;
 }
 
+// Whether --graph replays a captured run on this service (only the CUDA transport can be
+// captured); the JSON label says so from the same fact.
+bool replays_graph(const GpuBenchOptions& options, const CopyService& service) {
+  return options.graph && service.transport_name() == "cuda";
+}
+
 // Warms up, then times `iterations` back-to-back run(stream) calls per repeat on a scheduled
 // service; returns with every run finished.
 Timing time_scheduled_runs(Bootstrap& bootstrap, CopyService& service,
                            const GpuBenchOptions& options, cudaStream_t stream, int iterations) {
   cudaGraphExec_t replay = nullptr;
-  if (options.graph && service.transport_name() == "cuda") {
+  if (replays_graph(options, service)) {
     cudaGraph_t graph = nullptr;
     BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     service.run(stream);
@@ -226,8 +232,6 @@ Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
   return t;
 }
 
-bool is_cuda_engine(const std::string& engine) { return engine != "nccl" && engine != "nvshmem"; }
-
 }  // namespace
 
 std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBenchOptions& options) {
@@ -303,7 +307,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
         json << "{\"bench\":\"all_to_all\",\"date\":\"" << utc_date() << "\",\"versions\":\""
              << component_versions() << "\",\"device\":\"" << prop.name << "\",\"gpus\":" << n
              << ",\"engine\":\"" << chosen.engines[e]
-             << (options.graph && is_cuda_engine(chosen.engines[e]) ? "+graph" : "")
+             << (replays_graph(options, *services[e]) ? "+graph" : "")
              << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
              << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
              << ",\"host_us_per_run\":" << timings[e].host_us
