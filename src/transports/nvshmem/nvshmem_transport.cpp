@@ -10,8 +10,9 @@
 // each group of CTAs waits for its slot, stores straight into the peer's inbox through
 // nvshmem_ptr and raises the slot's signal from its last CTA; one kernel on the receiver waits,
 // unpacks and acknowledges each batch the same way. Any other peer gets the copy-engine variant:
-// the batch is packed into a local outbox slot and put (nvshmemx_putmem_on_stream, quiet, then
-// the signal). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as across nodes.
+// the batch is packed into a local outbox slot and put with its signal
+// (nvshmemx_putmem_signal_on_stream). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as
+// across nodes.
 // Everything is queued on the stream: no per-round host synchronisation, no global barrier.
 // The host API only (nvshmemx_hostlib_init_attr): no relocatable device code, no device library.
 #include <nvshmem_host.h>
@@ -529,8 +530,8 @@ void NvshmemTransport::prepare(const ExecutionPlan& plan) {
 
 // The wave's sends to mapped peers in as few kernels as their groups allow: each group waits
 // until its peer drained the slot, writes the peer's inbox and raises the slot's signal from its
-// last CTA. Then each put batch: packed into an outbox slot (after the same wait), put, quiet,
-// signal.
+// last CTA. Then each put batch: packed into an outbox slot (after the same wait) and put with
+// its signal.
 void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
   const KernelArgs args = launch_args();
   cuda::FlaggedLaunch launch;
@@ -562,17 +563,16 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
       if (launch.count == per_launch || k + 1 == wave.mapped_sends) flush();
       continue;
     }
-    // put, quiet, signal: the signal may only land once the data has (NVSHMEM orders neither a
-    // put and a later signal op to another PE, nor two puts, without the quiet).
+    // Put with signal: NVSHMEM delivers the signal only after the data, with no quiet between
+    // (a quiet waits for every put of this PE to complete), and the stream moves on once the
+    // outbox slot may be filled again.
     const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
     launch.add(batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
     flush();
     step(1, stream, [&] {
-      nvshmemx_putmem_on_stream(rt_.inbox(me_, slot), rt_.outbox(outbox), batch.bytes, peer,
-                                stream);
-      nvshmemx_quiet_on_stream(stream);
-      nvshmemx_signal_op_on_stream(rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                   peer, stream);
+      nvshmemx_putmem_signal_on_stream(rt_.inbox(me_, slot), rt_.outbox(outbox), batch.bytes,
+                                       rt_.data_signal(me_, slot), sequence + 1,
+                                       NVSHMEM_SIGNAL_SET, peer, stream);
     });
   }
 }
@@ -709,8 +709,8 @@ void NvshmemTransport::finalize() noexcept {
   finalized_ = true;
   const auto scope = cuda::DeviceScope::try_enter(device_);
   if (trace_) {
-    // send: wait for the slot, fill it (and signal a mapped peer); put: put, quiet and signal
-    // (or the signal alone); receive: wait for the data, unpack (and acknowledge a mapped peer).
+    // send: wait for the slot, fill it (and signal a mapped peer); put: put with signal; receive:
+    // wait for the data, unpack (and acknowledge a mapped peer); ack: acknowledge a put peer.
     static const char* const names[] = {"send", "put", "receive", "ack"};
     std::string line;
     for (std::size_t k = 0; k < trace_seconds_.size(); ++k) {
