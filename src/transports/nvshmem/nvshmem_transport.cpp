@@ -571,8 +571,8 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     flush();
     step(1, stream, [&] {
       nvshmemx_putmem_signal_on_stream(rt_.inbox(me_, slot), rt_.outbox(outbox), batch.bytes,
-                                       rt_.data_signal(me_, slot), sequence + 1,
-                                       NVSHMEM_SIGNAL_SET, peer, stream);
+                                       rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
+                                       peer, stream);
     });
   }
 }
