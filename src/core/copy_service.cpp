@@ -382,14 +382,19 @@ ScheduleReport CopyService::schedule() {
     summary.put_array(std::span<const RequestClaim>(my_receives));
     summary.put<std::uint64_t>(local_problems.size());
     for (const std::string& problem : local_problems) summary.put_string(problem);
-    summary.put<std::uint64_t>(self.transport->caps().chunk_bytes);
-    summary.put<std::uint64_t>(self.transport->caps().min_chunk_bytes);
+    // Every PE must build the same schedule: the batch sizes and peers per round are the
+    // smallest any PE allows (its transport, or RESHARD_CHUNK_BYTES set on that PE alone).
+    const TransportCaps caps = self.transport->caps();
+    summary.put<std::uint64_t>(std::min(caps.chunk_bytes, env::chunk_bytes().value_or(UINT64_MAX)));
+    summary.put<std::uint64_t>(caps.min_chunk_bytes);
+    summary.put<std::int64_t>(caps.max_peers_per_round);
     const auto gathered = self.bootstrap->all_gather(summary.bytes());
 
     std::vector<RequestClaim> all_sends, all_receives;
     std::ostringstream problems;
     std::size_t problem_count = 0;
     std::uint64_t chunk_bytes = UINT64_MAX, min_chunk_bytes = UINT64_MAX;
+    std::int64_t peers_per_round = INT64_MAX;
     for (int pe = 0; pe < n; ++pe) {
       wire::Reader reader(gathered[pe]);
       for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_sends.push_back(c);
@@ -403,6 +408,7 @@ ScheduleReport CopyService::schedule() {
       }
       chunk_bytes = std::min(chunk_bytes, reader.get<std::uint64_t>());
       min_chunk_bytes = std::min(min_chunk_bytes, reader.get<std::uint64_t>());
+      peers_per_round = std::min(peers_per_round, reader.get<std::int64_t>());
     }
     if (problem_count > 0) {
       if (problem_count > 8) problems << "\n  - ... and " << problem_count - 8 << " more";
@@ -412,9 +418,9 @@ ScheduleReport CopyService::schedule() {
     }
     const std::vector<Transfer> transfers = match_requests(all_sends, all_receives, n);
     SchedulerOptions options;
-    options.chunk_bytes = std::min(chunk_bytes, env::chunk_bytes().value_or(chunk_bytes));
+    options.chunk_bytes = chunk_bytes;
     options.min_chunk_bytes = std::min(min_chunk_bytes, options.chunk_bytes);
-    options.max_peers_per_round = self.transport->caps().max_peers_per_round;
+    options.max_peers_per_round = static_cast<int>(std::clamp<std::int64_t>(peers_per_round, 1, n));
     const Schedule schedule = build_schedule(transfers, n, options);
     self.plan = self.build_plan(schedule);
     self.transport->prepare(self.plan);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <span>
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
@@ -147,6 +148,29 @@ TEST(Stress, RandomSchedulesWithRepeatedRunsStayExact) {
     std::printf("stress: %llu schedules, %llu runs\n", static_cast<unsigned long long>(schedules),
                 static_cast<unsigned long long>(runs));
   EXPECT_GT(schedules, 0u);
+}
+
+// A setting that shapes the schedule, set on one PE only: every PE still builds the same schedule
+// (the smallest chunk any PE allows), so the bytes arrive and the reports agree.
+TEST(CopyService, PesAgreeOnTheScheduleWhenOnlyOneSetsTheChunk) {
+  const int me = bootstrap()->rank();
+  if (me == 0) ::setenv("RESHARD_CHUNK_BYTES", "4KiB", 1);
+  auto service = make_service();
+  const auto w = bench::make_workload("uniform", service->n_pes(), 100000, 5);
+  Buffers b = register_workload(*service, w);
+  const ScheduleReport report = service->schedule();
+  if (me == 0) ::unsetenv("RESHARD_CHUNK_BYTES");
+  for (std::uint32_t iteration = 1; iteration <= 2; ++iteration)
+    EXPECT_EQ(run_and_verify(*service, w, b, iteration), 0u) << "run " << iteration;
+  // 100,000 bytes per pair in batches of at most 4 KiB: 25 per pair, on every PE's report.
+  const int n = service->n_pes();
+  const std::uint64_t pairs = static_cast<std::uint64_t>(n) * (n - 1);
+  EXPECT_EQ(report.batches, pairs * 25);
+  const std::uint64_t mine[2] = {report.batches, report.rounds};
+  const auto reports = bootstrap()->all_gather(std::as_bytes(std::span(mine)));
+  for (int pe = 0; pe < n; ++pe)
+    EXPECT_TRUE(reports[pe] == reports[0]) << "PE " << pe << " differs";
+  service->finalize();
 }
 
 TEST(CopyService, ReportsProperties) {
