@@ -242,6 +242,10 @@ class NvshmemTransport final : public Transport {
   unsigned int* send_arrivals_ = nullptr;
   unsigned int* receive_arrivals_ = nullptr;
   int max_ctas_ = 1;  // CTAs of one flagged launch
+  // Batches one flagged launch carries: each needs a CTA at least.
+  std::size_t groups_per_launch() const {
+    return std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+  }
   std::uint64_t timeout_ns_ = 0;
   // Each PE's waiting_on word where NVSHMEM maps it here (null elsewhere), for the kernels.
   DeviceArray<const std::uint64_t*> peer_waiting_on_;
@@ -486,8 +490,7 @@ void NvshmemTransport::build_waves(const ExecutionPlan& plan) {
   for (auto& [key, wave] : waves) {
     for (std::uint32_t i : wave.sends) wave.mapped_sends += sends_[i].mapped;
     // The CTAs of one launch are shared by its groups; a put batch is packed alone.
-    const std::size_t per_launch =
-        std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+    const std::size_t per_launch = groups_per_launch();
     for (std::size_t first = 0; first < wave.mapped_sends; first += per_launch) {
       share_ctas(wave.sends, first, std::min<std::size_t>(per_launch, wave.mapped_sends - first),
                  sends_);
@@ -541,8 +544,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     launch = {};
     launch.arrivals = send_arrivals_;
   };
-  const std::size_t per_launch =
-      std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+  const std::size_t per_launch = groups_per_launch();
   for (std::size_t k = 0; k < wave.sends.size(); ++k) {
     const StagedBatch& batch = sends_[wave.sends[k]];
     const int peer = batch.peer;
@@ -582,8 +584,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
 // others are acknowledged through NVSHMEM once their kernel is done.
 void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
   const KernelArgs args = launch_args();
-  const std::size_t per_launch =
-      std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+  const std::size_t per_launch = groups_per_launch();
   std::vector<std::pair<int, std::uint64_t>> acks;  // (peer, value) after the kernel
   for (std::size_t first = 0; first < wave.receives.size(); first += per_launch) {
     cuda::FlaggedLaunch launch;
