@@ -21,10 +21,6 @@ __device__ __forceinline__ std::uint64_t load_acquire(const std::uint64_t* flag)
   return value;
 }
 
-__device__ __forceinline__ void store_release(std::uint64_t* flag, std::uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
-}
-
 __device__ __forceinline__ void store_relaxed(std::uint64_t* flag, std::uint64_t value) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
@@ -119,11 +115,6 @@ __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, co
     atomicCAS(reinterpret_cast<unsigned long long*>(a.waiting_on), stuck_mark, 0ull);
   }
   return true;
-}
-
-// The pinned status also carries what the host sets (abort), at the price of a read over PCIe.
-__device__ __forceinline__ bool failed(const KernelArgs& a) {
-  return static_cast<volatile DeviceStatus*>(a.status)->code != 0;
 }
 
 __device__ __forceinline__ bool failed_here(const KernelArgs& a) {
@@ -390,10 +381,6 @@ __global__ void __launch_bounds__(kCopyThreads) plain_copy_kernel(KernelArgs a) 
   if (failed_here(a)) return;
   const std::uint32_t g = find_group(a, blockIdx.x);
   copy_share(a, a.groups[g], blockIdx.x - a.groups[g].first_cta);
-  if (a.trace != nullptr && blockIdx.x == 0) {
-    __syncthreads();
-    if (threadIdx.x == 0) stamp(a, this_run_epoch(a), kTraceCopied);
-  }
 }
 
 __global__ void __launch_bounds__(kCopyThreads)
@@ -441,8 +428,9 @@ __global__ void __launch_bounds__(kCopyThreads)
 __global__ void begin_kernel(KernelArgs a) {
   const std::uint64_t epoch = this_run_epoch(a);
   if (threadIdx.x == 0) stamp(a, epoch, kTraceStart);
+  // A plain store, as in the fused kernel: the stream's earlier work is complete.
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x)
-    store_release(a.source_ready[s], epoch);
+    store_relaxed(a.source_ready[s], epoch);
   for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
     if (a.groups[g].peer >= 0)
       wait_at_least(a.groups[g].local_ready, epoch, a, a.groups[g].peer, kPhaseReady);
@@ -453,12 +441,19 @@ __global__ void begin_kernel(KernelArgs a) {
 
 __global__ void end_kernel(KernelArgs a) {
   const std::uint64_t epoch = this_run_epoch(a);
-  if (threadIdx.x == 0) stamp(a, epoch, kTraceSignalled);
-  if (!failed(a)) {
-    __threadfence_system();
-    for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
-      if (a.groups[g].peer >= 0) store_release(a.groups[g].remote_done, epoch);
+  // The copies before this kernel are complete (stream order). One thread raises every peer's
+  // done behind one system fence, unless a wait of this PE failed (the device failure word: the
+  // pinned status, read over PCIe, cost this step microseconds on every run). A releasing store
+  // per peer drained the memory system once per peer.
+  if (threadIdx.x == 0) {
+    stamp(a, epoch, kTraceCopied);
+    if (!failed_here(a)) {
+      asm volatile("fence.acq_rel.sys;" ::: "memory");
+      for (std::uint32_t g = 0; g < a.group_count; ++g) {
+        if (a.groups[g].peer >= 0) store_relaxed(a.groups[g].remote_done, epoch);
+      }
     }
+    stamp(a, epoch, kTraceSignalled);
   }
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x) {
     wait_at_least(SignalLayout::done(a.signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],

@@ -632,16 +632,21 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     launch_fused_copy(p.copy_args, stream, early_launch_);
   } else {
     launch_begin(p.signal_args, stream);
-    RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
     const int used = static_cast<int>(p.copy_engine_batches.size());
-    for (int i = 0; i < used; ++i)
-      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(copy_engine_streams_[i], fork_, 0));
+    // With one copy-engine batch and no SM share nothing runs beside the copies: they go on the
+    // caller's stream itself, without the fork and join (two cross-stream waits per run).
+    const bool on_stream = used == 1 && p.copy_args.cta_count == 0;
+    if (!on_stream) {
+      RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
+      for (int i = 0; i < used; ++i)
+        RESHARD_CUDA_CHECK(cudaStreamWaitEvent(copy_engine_streams_[i], fork_, 0));
+    }
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     for (int i = 0; i < used; ++i) {
       const CopyEngineBatch& batch = p.copy_engine_batches[i];
       if (batch.dsts.empty()) continue;  // peers with nothing to send (a batch must not be empty)
-      cudaStream_t side = copy_engine_streams_[i];
+      cudaStream_t side = on_stream ? stream : copy_engine_streams_[i];
       // One call for all of a stream's copies; graphs cannot hold a batch, so a captured run
       // (and a driver without batches) queues one copy each.
       if (batch_copies_ && capture == cudaStreamCaptureStatusNone) {
@@ -668,7 +673,7 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     // The SM share runs while the copy engines work (it was queued after the join, which made
     // a mixed run the sum of its two parts); the end kernel waits for both.
     launch_plain_copy(p.copy_args, stream);
-    for (int i = 0; i < used; ++i) {
+    for (int i = 0; !on_stream && i < used; ++i) {
       RESHARD_CUDA_CHECK(cudaEventRecord(joins_[i], copy_engine_streams_[i]));
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, joins_[i], 0));
     }

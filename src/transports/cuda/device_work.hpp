@@ -108,9 +108,9 @@ struct KernelArgs {
 // Where the fused kernel stamps a run's phases: kTraceRuns records of kTracePhases stamps, the
 // record of run e at (e % kTraceRuns). CTA 0 stamps its start, the moment its peer was ready, the
 // end of its copy and its done signal; the last CTA stamps when every source's data had landed.
-// A mixed (SM + copy engine) run stamps the begin kernel's start and the moment every peer was
-// ready, the end of the SM kernel's CTA 0, the end kernel's start (the copy engines are done) and
-// the moment every source's data had landed.
+// A copy-engine or mixed (SM + copy engine) run stamps the begin kernel's start and the moment
+// every peer was ready, the end kernel's start (the copies are done), the moment it had raised
+// done for every peer, and the moment every source's data had landed.
 inline constexpr int kTraceRuns = 1024;
 inline constexpr int kTracePhases = 5;
 enum TracePhase : int { kTraceStart, kTraceReady, kTraceCopied, kTraceSignalled, kTraceAllDone };
