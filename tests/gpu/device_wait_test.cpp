@@ -90,7 +90,7 @@ class DeviceWaits : public testing::Test {
     flags.peer = kPeer;
     flags.phase = kPhaseDone;
     FlaggedLaunch launch;
-    launch.add(0, 1, flags);
+    ASSERT_TRUE(launch.add(0, 1, flags));
     launch_flagged_copies(args, launch, stream_);
   }
 
@@ -242,7 +242,7 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
       flags.phase = kPhaseDone;
       flags.raise = raised.device + g;
       flags.raise_value = 10 * run + g;
-      launch.add(g, ctas[g], flags);
+      ASSERT_TRUE(launch.add(g, ctas[g], flags));
     }
     launch_flagged_copies(args, launch, stream);
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);

@@ -43,11 +43,13 @@ struct FlaggedLaunch {
   unsigned int* arrivals = nullptr;
   FlaggedGroup groups[kMaxFlaggedGroups];
 
-  bool full() const { return count == kMaxFlaggedGroups; }
-  // Appends args.groups[group]; `ctas` is that group's cta_count.
-  void add(std::uint32_t group, std::uint32_t ctas, const CopyFlags& flags) {
+  // Appends args.groups[group]; `ctas` is that group's cta_count. False (nothing added) once the
+  // launch holds kMaxFlaggedGroups groups.
+  [[nodiscard]] bool add(std::uint32_t group, std::uint32_t ctas, const CopyFlags& flags) {
+    if (count == kMaxFlaggedGroups) return false;
     groups[count++] = {group, cta_count, flags};
     cta_count += ctas;
+    return true;
   }
 };
 // Every group of `launch` in one kernel: a group's CTAs wait for its flags.wait, copy their

@@ -54,6 +54,16 @@ constexpr std::uint64_t kBytesPerCta = 64 << 10;
 
 std::uint64_t align_up(std::uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Adds a group to a launch the caller sized to fit (groups_per_launch()).
+void add_to_launch(cuda::FlaggedLaunch& launch, std::uint32_t group, std::uint32_t ctas,
+                   const cuda::CopyFlags& flags) {
+  if (!launch.add(group, ctas, flags)) {
+    throw_error(ErrorCode::kInvalidState, "nvshmem: a flagged launch of more than " +
+                                              std::to_string(cuda::kMaxFlaggedGroups) +
+                                              " groups (a bug in reshard)");
+  }
+}
+
 // NVSHMEM is initialised once per process and stays up until the process ends: initialising it
 // again after nvshmem_finalize is not supported, and its finalize is a collective that would hang
 // beside a dead peer. The symmetric heap, its slots and the per-pair batch counters live here too,
@@ -561,7 +571,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     if (batch.mapped) {
       flags.raise = remote_data_[peer][slot];
       flags.raise_value = sequence + 1;
-      launch.add(batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
+      add_to_launch(launch, batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
       if (launch.count == per_launch || k + 1 == wave.mapped_sends) flush();
       continue;
     }
@@ -569,7 +579,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     // (a quiet waits for every put of this PE to complete), and the stream moves on once the
     // outbox slot may be filled again.
     const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
-    launch.add(batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
+    add_to_launch(launch, batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
     flush();
     step(1, stream, [&] {
       nvshmemx_putmem_signal_on_stream(rt_.inbox(me_, slot), rt_.outbox(outbox), batch.bytes,
@@ -607,7 +617,7 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
       } else {
         acks.emplace_back(peer, sequence + 1);
       }
-      launch.add(batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
+      add_to_launch(launch, batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
     }
     step(2, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
     for (const auto& [peer, value] : acks) {
