@@ -15,6 +15,7 @@
 
 #include "support/single_gpu_main.hpp"
 #include "transports/cuda/copy_kernels.hpp"
+#include "transports/cuda/device_array.hpp"
 
 namespace reshard::cuda {
 namespace {
@@ -180,13 +181,12 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
   const std::vector<std::uint64_t> sizes = {(1 << 20) + 3, 4097, 200001};
   const std::vector<std::uint32_t> ctas = {5, 1, 3};
   const std::uint64_t total = sizes[0] + sizes[1] + sizes[2] + 64;
-  unsigned char *src = nullptr, *dst = nullptr;
-  ASSERT_EQ(cudaMalloc(&src, total), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&dst, total), cudaSuccess);
   std::vector<unsigned char> pattern(total);
   std::mt19937 random(7);
   for (auto& byte : pattern) byte = static_cast<unsigned char>(random());
-  ASSERT_EQ(cudaMemcpy(src, pattern.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
+  DeviceArray<unsigned char> source, destination;
+  unsigned char* src = source.upload(pattern);
+  unsigned char* dst = destination.upload(std::vector<unsigned char>(total));
   std::vector<CopyDescriptor> descriptors;
   std::vector<PeerGroup> groups;
   std::uint64_t at = 1;  // every piece unaligned
@@ -202,25 +202,16 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
     at += sizes[g] + 9;
   }
   ASSERT_LE(at + 7, total);  // the last destination piece ends inside the buffer
-  CopyDescriptor* descriptors_device = nullptr;
-  PeerGroup* groups_device = nullptr;
-  unsigned int* counters = nullptr;  // failure word, then the arrival counters
-  ASSERT_EQ(cudaMalloc(&descriptors_device, sizeof(CopyDescriptor) * descriptors.size()),
-            cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&groups_device, sizeof(PeerGroup) * groups.size()), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&counters, sizeof(unsigned int) * (1 + kMaxFlaggedGroups)), cudaSuccess);
-  ASSERT_EQ(cudaMemset(counters, 0, sizeof(unsigned int) * (1 + kMaxFlaggedGroups)), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(descriptors_device, descriptors.data(),
-                       sizeof(CopyDescriptor) * descriptors.size(), cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(groups_device, groups.data(), sizeof(PeerGroup) * groups.size(),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  DeviceArray<CopyDescriptor> descriptors_device;
+  DeviceArray<PeerGroup> groups_device;
+  DeviceArray<unsigned int> counter_words;  // failure word, then the arrival counters
+  unsigned int* counters =
+      counter_words.upload(std::vector<unsigned int>(1 + kMaxFlaggedGroups, 0));
   Pinned<std::uint64_t> waits(3), raised(3);
   Pinned<DeviceStatus> status(1);
   KernelArgs args{};
-  args.descriptors = descriptors_device;
-  args.groups = groups_device;
+  args.descriptors = descriptors_device.upload(descriptors);
+  args.groups = groups_device.upload(groups);
   args.n_pes = 3;
   args.me = 0;
   args.status = status.device;
@@ -265,11 +256,6 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
           << "run " << run << ": the " << d.bytes << "-byte piece differs";
     }
   }
-  cudaFree(counters);
-  cudaFree(groups_device);
-  cudaFree(descriptors_device);
-  cudaFree(dst);
-  cudaFree(src);
   cudaStreamDestroy(stream);
 }
 

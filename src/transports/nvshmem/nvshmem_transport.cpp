@@ -54,7 +54,7 @@ constexpr std::uint64_t kBytesPerCta = 64 << 10;
 
 std::uint64_t align_up(std::uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// Adds a group to a launch the caller sized to fit (groups_per_launch()).
+// Adds a group to a launch the caller sized to fit (for_each_launch).
 void add_to_launch(cuda::FlaggedLaunch& launch, std::uint32_t group, std::uint32_t ctas,
                    const cuda::CopyFlags& flags) {
   if (!launch.add(group, ctas, flags)) {
@@ -220,7 +220,7 @@ class NvshmemTransport final : public Transport {
  private:
   void build_copies(const ExecutionPlan& plan);
   void build_waves(const ExecutionPlan& plan);
-  void share_ctas(const std::vector<std::uint32_t>& batches, std::size_t first, std::size_t count,
+  void share_ctas(const std::vector<std::uint32_t>& batches, std::size_t first, std::size_t last,
                   const std::vector<StagedBatch>& list);
   KernelArgs args_for(std::uint32_t group) const;
   KernelArgs launch_args() const;
@@ -252,9 +252,15 @@ class NvshmemTransport final : public Transport {
   unsigned int* send_arrivals_ = nullptr;
   unsigned int* receive_arrivals_ = nullptr;
   int max_ctas_ = 1;  // CTAs of one flagged launch
-  // Batches one flagged launch carries: each needs a CTA at least.
-  std::size_t groups_per_launch() const {
-    return std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+  // Calls body(first, last) for each flagged launch that carries batches [0, count) of a wave's
+  // list: as many per launch as one launch holds, each batch needing a CTA at least. Sharing the
+  // CTAs at schedule() and launching at run() split the list the same way through it.
+  template <typename Body>
+  void for_each_launch(std::size_t count, Body&& body) const {
+    const std::size_t width =
+        std::min<std::size_t>(cuda::kMaxFlaggedGroups, static_cast<std::size_t>(max_ctas_));
+    for (std::size_t first = 0; first < count; first += width)
+      body(first, std::min(count, first + width));
   }
   std::uint64_t timeout_ns_ = 0;
   // Each PE's waiting_on word where NVSHMEM maps it here (null elsewhere), for the kernels.
@@ -472,12 +478,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
 // batches of earlier waves, and a stream never holds a kernel behind one of a later wave, so no
 // PE waits on one that waits on it; and a wave's kernel never waits on itself.
 void NvshmemTransport::build_waves(const ExecutionPlan& plan) {
-  struct Key {
-    std::uint32_t round, wave;
-    bool operator<(const Key& other) const {
-      return round != other.round ? round < other.round : wave < other.wave;
-    }
-  };
+  using Key = std::pair<std::uint32_t, std::uint32_t>;  // (round, wave)
   std::vector<std::pair<Key, std::uint32_t>> sends, receives;
   auto number = [](const std::vector<PlannedBatch>& batches, auto& out) {
     std::map<std::pair<std::uint32_t, int>, std::uint32_t> seen;  // (round, peer) -> batches
@@ -500,31 +501,29 @@ void NvshmemTransport::build_waves(const ExecutionPlan& plan) {
   for (auto& [key, wave] : waves) {
     for (std::uint32_t i : wave.sends) wave.mapped_sends += sends_[i].mapped;
     // The CTAs of one launch are shared by its groups; a put batch is packed alone.
-    const std::size_t per_launch = groups_per_launch();
-    for (std::size_t first = 0; first < wave.mapped_sends; first += per_launch) {
-      share_ctas(wave.sends, first, std::min<std::size_t>(per_launch, wave.mapped_sends - first),
-                 sends_);
-    }
-    for (std::size_t first = 0; first < wave.receives.size(); first += per_launch) {
-      share_ctas(wave.receives, first,
-                 std::min<std::size_t>(per_launch, wave.receives.size() - first), receives_);
-    }
+    for_each_launch(wave.mapped_sends, [&](std::size_t first, std::size_t last) {
+      share_ctas(wave.sends, first, last, sends_);
+    });
+    for_each_launch(wave.receives.size(), [&](std::size_t first, std::size_t last) {
+      share_ctas(wave.receives, first, last, receives_);
+    });
     waves_.push_back(std::move(wave));
   }
 }
 
-// Gives batches[first, first + count) CTAs of one launch: each what its bytes want (one per
-// kBytesPerCta) when they fit in max_ctas_ together, else a share by bytes, one at least.
+// Gives batches[first, last) CTAs of one launch: each what its bytes want (one per kBytesPerCta)
+// when they fit in max_ctas_ together, else a share by bytes, one at least.
 void NvshmemTransport::share_ctas(const std::vector<std::uint32_t>& batches, std::size_t first,
-                                  std::size_t count, const std::vector<StagedBatch>& list) {
+                                  std::size_t last, const std::vector<StagedBatch>& list) {
+  const std::size_t count = last - first;
   std::uint64_t total = 0, wanted = 0;
-  for (std::size_t k = first; k < first + count; ++k) {
+  for (std::size_t k = first; k < last; ++k) {
     total += list[batches[k]].bytes;
     wanted += groups_[list[batches[k]].group[0]].cta_count;
   }
   if (wanted <= static_cast<std::uint64_t>(max_ctas_)) return;
   const std::uint64_t spare = static_cast<std::uint64_t>(max_ctas_) - count;
-  for (std::size_t k = first; k < first + count; ++k) {
+  for (std::size_t k = first; k < last; ++k) {
     const StagedBatch& batch = list[batches[k]];
     const std::uint64_t share = total == 0 ? 0 : spare * batch.bytes / total;
     for (std::uint32_t group : batch.group) {
@@ -547,44 +546,52 @@ void NvshmemTransport::prepare(const ExecutionPlan& plan) {
 // its signal.
 void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
   const KernelArgs args = launch_args();
-  cuda::FlaggedLaunch launch;
-  launch.arrivals = send_arrivals_;
-  auto flush = [&] {
-    step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
-    launch = {};
-    launch.arrivals = send_arrivals_;
-  };
-  const std::size_t per_launch = groups_per_launch();
-  for (std::size_t k = 0; k < wave.sends.size(); ++k) {
-    const StagedBatch& batch = sends_[wave.sends[k]];
-    const int peer = batch.peer;
-    const std::uint64_t sequence = rt_.sent[peer]++;
-    const int slot = static_cast<int>(sequence % kDepth);
+  // The batch's sequence number and slot; its flags wait until the peer acknowledged the batch
+  // that last used the slot.
+  auto next_send = [&](const StagedBatch& batch, std::uint64_t* sequence, int* slot) {
+    *sequence = rt_.sent[batch.peer]++;
+    *slot = static_cast<int>(*sequence % kDepth);
     cuda::CopyFlags flags;
-    if (const auto previous = rt_.last_put[peer][slot]) {
-      flags.wait = rt_.ack_signal(peer);
+    if (const auto previous = rt_.last_put[batch.peer][*slot]) {
+      flags.wait = rt_.ack_signal(batch.peer);
       flags.wait_value = *previous + 1;
-      flags.peer = peer;
+      flags.peer = batch.peer;
       flags.phase = cuda::kPhaseReady;
     }
-    rt_.last_put[peer][slot] = sequence;
-    if (batch.mapped) {
-      flags.raise = remote_data_[peer][slot];
+    rt_.last_put[batch.peer][*slot] = *sequence;
+    return flags;
+  };
+  for_each_launch(wave.mapped_sends, [&](std::size_t first, std::size_t last) {
+    cuda::FlaggedLaunch launch;
+    launch.arrivals = send_arrivals_;
+    for (std::size_t k = first; k < last; ++k) {
+      const StagedBatch& batch = sends_[wave.sends[k]];
+      std::uint64_t sequence = 0;
+      int slot = 0;
+      cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
+      flags.raise = remote_data_[batch.peer][slot];
       flags.raise_value = sequence + 1;
       add_to_launch(launch, batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
-      if (launch.count == per_launch || k + 1 == wave.mapped_sends) flush();
-      continue;
     }
+    step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
+  });
+  for (std::size_t k = wave.mapped_sends; k < wave.sends.size(); ++k) {
+    const StagedBatch& batch = sends_[wave.sends[k]];
+    std::uint64_t sequence = 0;
+    int slot = 0;
+    const cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
+    const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
+    cuda::FlaggedLaunch launch;
+    launch.arrivals = send_arrivals_;
+    add_to_launch(launch, batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
+    step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
     // Put with signal: NVSHMEM delivers the signal only after the data, with no quiet between
     // (a quiet waits for every put of this PE to complete), and the stream moves on once the
     // outbox slot may be filled again.
-    const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
-    add_to_launch(launch, batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
-    flush();
     step(1, stream, [&] {
       nvshmemx_putmem_signal_on_stream(rt_.inbox(me_, slot), rt_.outbox(outbox), batch.bytes,
                                        rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                       peer, stream);
+                                       batch.peer, stream);
     });
   }
 }
@@ -594,13 +601,11 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
 // others are acknowledged through NVSHMEM once their kernel is done.
 void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
   const KernelArgs args = launch_args();
-  const std::size_t per_launch = groups_per_launch();
   std::vector<std::pair<int, std::uint64_t>> acks;  // (peer, value) after the kernel
-  for (std::size_t first = 0; first < wave.receives.size(); first += per_launch) {
+  for_each_launch(wave.receives.size(), [&](std::size_t first, std::size_t last) {
     cuda::FlaggedLaunch launch;
     launch.arrivals = receive_arrivals_;
     acks.clear();
-    const std::size_t last = std::min(wave.receives.size(), first + per_launch);
     for (std::size_t k = first; k < last; ++k) {
       const StagedBatch& batch = receives_[wave.receives[k]];
       const int peer = batch.peer;
@@ -625,7 +630,7 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
         nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), value, NVSHMEM_SIGNAL_SET, peer, stream);
       });
     }
-  }
+  });
 }
 
 void NvshmemTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
