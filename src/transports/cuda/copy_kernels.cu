@@ -426,6 +426,9 @@ __global__ void __launch_bounds__(kCopyThreads)
 }
 
 __global__ void begin_kernel(KernelArgs a) {
+  // Launched early (programmatic dependent launch) behind the previous run's end kernel: the run
+  // count is that kernel's to write until it is done.
+  wait_for_previous_grid();
   const std::uint64_t epoch = this_run_epoch(a);
   if (threadIdx.x == 0) stamp(a, epoch, kTraceStart);
   // A plain store, as in the fused kernel: the stream's earlier work is complete.
@@ -436,18 +439,27 @@ __global__ void begin_kernel(KernelArgs a) {
       wait_at_least(a.groups[g].local_ready, epoch, a, a.groups[g].peer, kPhaseReady);
   }
   __syncthreads();
-  if (threadIdx.x == 0) stamp(a, epoch, kTraceReady);
+  if (threadIdx.x == 0) {
+    stamp(a, epoch, kTraceReady);
+    // What the copy engine copies into each peer's done flag after that peer's data: this run
+    // only if every destination was ready (after a failed wait the peers keep waiting and time
+    // out, as they do for an SM-engine run that stopped).
+    if (!failed_here(a)) store_relaxed(SignalLayout::ready_epoch(a.signals, a.n_pes), epoch);
+  }
 }
 
 __global__ void end_kernel(KernelArgs a) {
+  // The next run's begin kernel may take its place on the GPU now; it waits for this one's end.
+  let_next_grid_launch();
   const std::uint64_t epoch = this_run_epoch(a);
-  // The copies before this kernel are complete (stream order). One thread raises every peer's
-  // done behind one system fence, unless a wait of this PE failed (the device failure word: the
-  // pinned status, read over PCIe, cost this step microseconds on every run). A releasing store
-  // per peer drained the memory system once per peer.
+  // The copies before this kernel are complete (stream order). One thread raises done for the
+  // groups the copy engine did not signal (the SM share of a mixed run) behind one system fence,
+  // unless a wait of this PE failed (the device failure word: the pinned status, read over PCIe,
+  // cost this step microseconds on every run). A releasing store per peer drained the memory
+  // system once per peer.
   if (threadIdx.x == 0) {
     stamp(a, epoch, kTraceCopied);
-    if (!failed_here(a)) {
+    if (a.group_count > 0 && !failed_here(a)) {
       asm volatile("fence.acq_rel.sys;" ::: "memory");
       for (std::uint32_t g = 0; g < a.group_count; ++g) {
         if (a.groups[g].peer >= 0) store_relaxed(a.groups[g].remote_done, epoch);
@@ -468,17 +480,30 @@ __global__ void end_kernel(KernelArgs a) {
 
 }  // namespace
 
-void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_launch) {
+namespace {
+
+// With early_launch, the kernel may be put on the GPU while the stream's previous kernel ends
+// (programmatic dependent launch); it calls wait_for_previous_grid() before it reads anything
+// that kernel writes.
+void launch_maybe_early(void (*kernel)(KernelArgs), const KernelArgs& args, unsigned int ctas,
+                        unsigned int threads, cudaStream_t stream, bool early_launch) {
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(args.cta_count == 0 ? 1 : args.cta_count);
-  config.blockDim = dim3(kCopyThreads);
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(threads);
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = early_launch ? 1 : 0;
-  RESHARD_CUDA_CHECK(cudaLaunchKernelEx(&config, fused_copy_kernel, args));
+  RESHARD_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
+}
+
+}  // namespace
+
+void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_launch) {
+  launch_maybe_early(fused_copy_kernel, args, args.cta_count == 0 ? 1 : args.cta_count,
+                     kCopyThreads, stream, early_launch);
 }
 
 void launch_plain_copy(const KernelArgs& args, cudaStream_t stream) {
@@ -501,9 +526,8 @@ int flagged_copy_ctas_per_sm() {
   return ctas;
 }
 
-void launch_begin(const KernelArgs& args, cudaStream_t stream) {
-  begin_kernel<<<1, 128, 0, stream>>>(args);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
+void launch_begin(const KernelArgs& args, cudaStream_t stream, bool early_launch) {
+  launch_maybe_early(begin_kernel, args, 1, 128, stream, early_launch);
 }
 
 void launch_end(const KernelArgs& args, cudaStream_t stream) {

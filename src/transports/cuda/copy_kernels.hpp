@@ -60,9 +60,11 @@ void launch_flagged_copies(const KernelArgs& args, const FlaggedLaunch& launch,
                            cudaStream_t stream);
 // How many CTAs of the flagged copy one SM of the current device holds at once.
 int flagged_copy_ctas_per_sm();
-// Copy-engine runs are framed by these single-CTA kernels: begin raises ready and waits until every
-// destination group's peer is ready; end raises done for every group and waits for every source.
-void launch_begin(const KernelArgs& args, cudaStream_t stream);
+// Copy-engine runs are framed by these single-CTA kernels: begin raises ready, waits until every
+// destination group's peer is ready and then sets SignalLayout::ready_epoch, which the copy engine
+// copies into each peer's done flag after its data; end raises done for the groups it is given
+// (the SM share of a mixed run) and waits for every source. early_launch as for the fused kernel.
+void launch_begin(const KernelArgs& args, cudaStream_t stream, bool early_launch);
 void launch_end(const KernelArgs& args, cudaStream_t stream);
 
 }  // namespace reshard::cuda

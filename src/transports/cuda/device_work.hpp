@@ -51,8 +51,13 @@ struct SignalLayout {
   RESHARD_HOST_DEVICE static std::uint64_t* waiting_on(std::uint64_t* base, int n) {
     return base + 2 * n + 1;
   }
+  // The run a copy-engine run's begin kernel found every destination ready for: the copy engine
+  // copies it into a peer's done[me] right after that peer's data.
+  RESHARD_HOST_DEVICE static std::uint64_t* ready_epoch(std::uint64_t* base, int n) {
+    return base + 2 * n + 2;
+  }
   RESHARD_HOST_DEVICE static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
-    return reinterpret_cast<unsigned int*>(base + 2 * n + 2);
+    return reinterpret_cast<unsigned int*>(base + 2 * n + 3);
   }
   // One arrival counter per group (at most n + 1 groups).
   RESHARD_HOST_DEVICE static unsigned int* group_arrivals(std::uint64_t* base, int n) {
@@ -62,7 +67,7 @@ struct SignalLayout {
   RESHARD_HOST_DEVICE static unsigned int* failure(std::uint64_t* base, int n) {
     return group_arrivals(base, n) + n + 1;
   }
-  static std::uint64_t bytes(int n) { return (2 * n + 2) * 8 + (n + 3) * 4; }
+  static std::uint64_t bytes(int n) { return (2 * n + 3) * 8 + (n + 3) * 4; }
 };
 
 // Written by a kernel whose wait ran out (pinned host memory, read by the host after the run).
@@ -109,8 +114,9 @@ struct KernelArgs {
 // record of run e at (e % kTraceRuns). CTA 0 stamps its start, the moment its peer was ready, the
 // end of its copy and its done signal; the last CTA stamps when every source's data had landed.
 // A copy-engine or mixed (SM + copy engine) run stamps the begin kernel's start and the moment
-// every peer was ready, the end kernel's start (the copies are done), the moment it had raised
-// done for every peer, and the moment every source's data had landed.
+// every peer was ready, the end kernel's start (the copies and the copy engine's done flags are
+// done), the moment it had raised done for the SM share, and the moment every source's data had
+// landed.
 inline constexpr int kTraceRuns = 1024;
 inline constexpr int kTracePhases = 5;
 enum TracePhase : int { kTraceStart, kTraceReady, kTraceCopied, kTraceSignalled, kTraceAllDone };
