@@ -80,13 +80,17 @@ struct GroupPlan {
 };
 
 // One copy-engine stream's share of a run: its peers' copies in start order, in the arrays
-// cudaMemcpyBatchAsync takes, and where each peer's copies end (each is followed by its done flag).
+// cudaMemcpyBatchAsync takes, and per peer where its copies end and the done flag that follows
+// them.
 struct CopyEngineBatch {
+  struct Peer {
+    std::size_t copies_end;
+    std::uint64_t* done;  // the peer's done[me], mapped here (null: local copies)
+  };
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<std::size_t> sizes;
-  std::vector<std::size_t> peer_end;
-  std::vector<std::uint64_t*> peer_done;  // the peer's done[me], mapped here
+  std::vector<Peer> peers;
 };
 
 // Kernel inputs of one schedule, in device memory.
@@ -545,8 +549,7 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
         batch.srcs.push_back(d.src);
         batch.sizes.push_back(d.bytes);
       }
-      batch.peer_end.push_back(batch.dsts.size());
-      batch.peer_done.push_back(g.group.remote_done);
+      batch.peers.push_back({batch.dsts.size(), g.group.remote_done});
       prepared.copy_engine_bytes += g.group.bytes;
       continue;
     }
@@ -667,13 +670,12 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
       // the early-launched begin kernel; a batch does not order its copies, so each peer's copies
       // form their own batch).
       std::size_t begin = 0;
-      for (std::size_t k = 0; k < batch.peer_end.size(); ++k) {
-        queue_copies(batch, begin, batch.peer_end[k], may_batch, side);
-        begin = batch.peer_end[k];
-        if (batch.peer_done[k] != nullptr) {
-          RESHARD_CUDA_CHECK(cudaMemcpyAsync(batch.peer_done[k], ready_epoch_,
-                                             sizeof(std::uint64_t), cudaMemcpyDeviceToDevice,
-                                             side));
+      for (const CopyEngineBatch::Peer& peer : batch.peers) {
+        queue_copies(batch, begin, peer.copies_end, may_batch, side);
+        begin = peer.copies_end;
+        if (peer.done != nullptr) {
+          RESHARD_CUDA_CHECK(cudaMemcpyAsync(peer.done, ready_epoch_, sizeof(std::uint64_t),
+                                             cudaMemcpyDeviceToDevice, side));
         }
       }
     }
