@@ -219,6 +219,47 @@ TEST(Stress, RandomSchedulesWithRepeatedRunsStayExact) {
   CUDA_OK(cudaStreamDestroy(stream));
 }
 
+// Schedules that leave a pair of PEs out for some runs and then bring it back, each run on a
+// stream with no host sync: a PE's done flags must catch up on the runs that left a peer out.
+// Each PE sends `bytes` to the PEs `hops` ahead (0: a local copy only, no peer at all).
+bench::Workload ring_workload(int n_pes, std::vector<int> hops, std::uint64_t bytes) {
+  bench::Workload w;
+  w.name = "ring";
+  w.n_pes = n_pes;
+  w.send_buffer_bytes.assign(n_pes, bytes * hops.size());
+  w.recv_buffer_bytes.assign(n_pes, bytes * hops.size());
+  for (int pe = 0; pe < n_pes; ++pe) {
+    for (std::size_t k = 0; k < hops.size(); ++k) {
+      const int dst = (pe + hops[k]) % n_pes;
+      w.items.push_back({static_cast<TaskId>(pe * 64 + k), pe, dst, bytes, k * bytes, k * bytes});
+    }
+  }
+  return w;
+}
+
+TEST(Schedules, PairsLeftOutForSomeRunsCompleteWhenTheyReturn) {
+  auto service = make_service();
+  const int n = service->n_pes();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // (hops, runs): local only, the next PE, local only, the next again, every PE, the next.
+  std::vector<int> everyone;
+  for (int hop = 0; hop < n; ++hop) everyone.push_back(hop);
+  const std::vector<std::pair<std::vector<int>, std::uint32_t>> phases = {
+      {{0}, 2}, {{1}, 2}, {{0}, 3}, {{1}, 1}, {everyone, 2}, {{1}, 2}};
+  std::uint32_t iteration = 0;
+  for (std::size_t p = 0; p < phases.size(); ++p) {
+    GpuWorkload w(*service, ring_workload(n, phases[p].first, (256 << 10) + 3));
+    service->schedule();
+    w.run_checked(*service, iteration, phases[p].second, stream, "phase " + std::to_string(p));
+    iteration += phases[p].second;
+    service->synchronize();
+    service->clear_requests();
+  }
+  CUDA_OK(cudaStreamDestroy(stream));
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 // Verify mode on GPU memory: runs on a stream are checked once they complete; a byte flipped on
 // the GPU after the transfer is named on every PE as an integrity error, and the next run is
 // clean again.

@@ -247,16 +247,33 @@ __device__ __forceinline__ void complete_run(const KernelArgs& a, std::uint64_t 
 // Each CTA's cumulative system fence orders its stores (seen by thread 0 at the barrier) before
 // its arrival; the last arrival's single fence.acq_rel.sys (acquire for the others' arrivals,
 // release for the store) costs one system-scope drain fewer than a full fence and a releasing
-// store. The counter is back at zero for the next launch. With `unless_failed`, nothing is raised
-// once a wait of this PE failed (the CTAs then copied nothing).
+// store. The counter is back at zero for the next launch. Nothing is raised once a wait of this
+// PE failed (the CTAs then copied nothing).
 __device__ __forceinline__ void arrive_and_raise(unsigned int* arrivals, std::uint32_t ctas,
                                                  std::uint64_t* flag, std::uint64_t value,
-                                                 const KernelArgs& a, bool unless_failed) {
+                                                 const KernelArgs& a) {
   __threadfence_system();
   if (atomicAdd(arrivals, 1u) != ctas - 1) return;
   *arrivals = 0;
   asm volatile("fence.acq_rel.sys;" ::: "memory");
-  if (!(unless_failed && failed_here(a))) store_relaxed(flag, value);
+  if (!failed_here(a)) store_relaxed(flag, value);
+}
+
+// Adds this CTA's share of the run to the peer's done flag (see done_share) once its stores are
+// done (thread 0, after a barrier): the releasing reduction publishes the CTA's stores with it.
+// CTA 0 of the group also adds the units of runs that left this peer out since it last raised
+// the flag, and records this run.
+__device__ __forceinline__ void add_done_share(const KernelArgs& a, const PeerGroup& g,
+                                               std::uint32_t cta, std::uint64_t epoch) {
+  std::uint64_t add = done_share(cta, g.cta_count);
+  if (cta == 0) {
+    auto* last = reinterpret_cast<volatile std::uint64_t*>(
+        SignalLayout::signalled(a.signals, a.n_pes, g.peer));
+    add += done_mark(epoch - 1 - *last);
+    *last = epoch;
+  }
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(g.remote_done), "l"(add)
+               : "memory");
 }
 
 // A CTA slice that is one piece, 16-byte aligned at both ends, of at most this many vectors per
@@ -356,10 +373,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   if (blockIdx.x == 0) stamp(a, epoch, kTraceCopied);
   if (may_write) {
     const PeerGroup& g = a.groups[group_index];
-    if (g.peer >= 0) {
-      arrive_and_raise(SignalLayout::group_arrivals(signals, a.n_pes) + group_index, g.cta_count,
-                       g.remote_done, epoch, a, false);
-    }
+    if (g.peer >= 0) add_done_share(a, g, blockIdx.x - g.first_cta, epoch);
   }
   if (blockIdx.x == 0) stamp(a, epoch, kTraceSignalled);
   __threadfence();
@@ -368,8 +382,8 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   *grid = 0;
   // The last CTA: the kernel ends only when every source's bytes have landed here.
   for (std::uint32_t s = 0; s < a.source_count; ++s) {
-    if (!wait_at_least(SignalLayout::done(signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],
-                       kPhaseDone))
+    if (!wait_at_least(SignalLayout::done(signals, a.n_pes, a.sources[s]), done_mark(epoch), a,
+                       a.sources[s], kPhaseDone))
       break;
   }
   stamp(a, epoch, kTraceAllDone);
@@ -421,7 +435,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   __syncthreads();
   if (threadIdx.x == 0) {
     arrive_and_raise(launch.arrivals + entry, group.cta_count, mine.flags.raise,
-                     mine.flags.raise_value, a, true);
+                     mine.flags.raise_value, a);
   }
 }
 
@@ -444,7 +458,15 @@ __global__ void begin_kernel(KernelArgs a) {
     // What the copy engine copies into each peer's done flag after that peer's data: this run
     // only if every destination was ready (after a failed wait the peers keep waiting and time
     // out, as they do for an SM-engine run that stopped).
-    if (!failed_here(a)) store_relaxed(SignalLayout::ready_epoch(a.signals, a.n_pes), epoch);
+    if (!failed_here(a))
+      store_relaxed(SignalLayout::ready_epoch(a.signals, a.n_pes), done_mark(epoch));
+  }
+  // Every peer's done flag is set whole this run (by the copy engine, or by the end kernel for
+  // the SM share of a mixed run): a later SM-engine run adds to it from here.
+  if (failed_here(a)) return;
+  for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
+    const int peer = a.groups[g].peer;
+    if (peer >= 0) *SignalLayout::signalled(a.signals, a.n_pes, peer) = epoch;
   }
 }
 
@@ -462,14 +484,14 @@ __global__ void end_kernel(KernelArgs a) {
     if (a.group_count > 0 && !failed_here(a)) {
       asm volatile("fence.acq_rel.sys;" ::: "memory");
       for (std::uint32_t g = 0; g < a.group_count; ++g) {
-        if (a.groups[g].peer >= 0) store_relaxed(a.groups[g].remote_done, epoch);
+        if (a.groups[g].peer >= 0) store_relaxed(a.groups[g].remote_done, done_mark(epoch));
       }
     }
     stamp(a, epoch, kTraceSignalled);
   }
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x) {
-    wait_at_least(SignalLayout::done(a.signals, a.n_pes, a.sources[s]), epoch, a, a.sources[s],
-                  kPhaseDone);
+    wait_at_least(SignalLayout::done(a.signals, a.n_pes, a.sources[s]), done_mark(epoch), a,
+                  a.sources[s], kPhaseDone);
   }
   __syncthreads();
   if (threadIdx.x == 0) {

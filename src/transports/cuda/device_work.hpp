@@ -33,9 +33,9 @@ struct PeerGroup {
   const std::uint64_t* local_ready;  // my ready[peer], raised by the peer when it may be written
 };
 
-// Per-PE flags in device memory, mapped by every peer. Values are run epochs and only grow.
-// ready[p]: PE p has reached run e, so this PE may write into p's destinations.
-// done[p]:  PE p finished writing this PE's destinations for run e.
+// Per-PE flags in device memory, mapped by every peer. Values only grow.
+// ready[p]: PE p has reached run e (the value is e), so this PE may write into p's destinations.
+// done[p]:  PE p finished writing this PE's destinations for run e: the value is done_mark(e).
 // waiting_on: 1 + the PE a wait of this PE's kernels has been stuck on for a while (0: none), read
 // by a peer whose own wait on this PE runs out, to name the PE at the end of the chain.
 struct SignalLayout {
@@ -51,24 +51,41 @@ struct SignalLayout {
   RESHARD_HOST_DEVICE static std::uint64_t* waiting_on(std::uint64_t* base, int n) {
     return base + 2 * n + 1;
   }
-  // The run a copy-engine run's begin kernel found every destination ready for: the copy engine
-  // copies it into a peer's done[me] right after that peer's data.
+  // The run a copy-engine run's begin kernel found every destination ready for, as done_mark():
+  // the copy engine copies it into a peer's done[me] right after that peer's data.
   RESHARD_HOST_DEVICE static std::uint64_t* ready_epoch(std::uint64_t* base, int n) {
     return base + 2 * n + 2;
   }
-  RESHARD_HOST_DEVICE static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
-    return reinterpret_cast<unsigned int*>(base + 2 * n + 3);
+  // signalled[p]: the last run in which this PE raised p's done[me] (p's flag holds its
+  // done_mark). The SM engine's CTAs add to that flag rather than store it, so a run that follows
+  // runs without p adds the runs it missed (see done_share).
+  RESHARD_HOST_DEVICE static std::uint64_t* signalled(std::uint64_t* base, int n, int pe) {
+    return base + 2 * n + 3 + pe;
   }
-  // One arrival counter per group (at most n + 1 groups).
-  RESHARD_HOST_DEVICE static unsigned int* group_arrivals(std::uint64_t* base, int n) {
-    return grid_arrivals(base, n) + 1;
+  RESHARD_HOST_DEVICE static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
+    return reinterpret_cast<unsigned int*>(base + 3 * n + 3);
   }
   // Set beside the pinned status when a wait of this PE's kernels fails (see KernelArgs).
   RESHARD_HOST_DEVICE static unsigned int* failure(std::uint64_t* base, int n) {
-    return group_arrivals(base, n) + n + 1;
+    return grid_arrivals(base, n) + 1;
   }
-  static std::uint64_t bytes(int n) { return (2 * n + 3) * 8 + (n + 3) * 4; }
+  static std::uint64_t bytes(int n) { return (3 * n + 3) * 8 + 2 * 4; }
 };
+
+// A done flag grows by one unit per run. The SM engine's CTAs each add their share of it straight
+// into the peer's flag with a releasing reduction, so no CTA waits to count the others first (2x
+// H200, 4 KiB exchange: signalling 2.8 -> 1.8 us, the run 6.4 -> 5.5 us). The copy engine and the
+// end kernel store done_mark(e) whole.
+inline constexpr int kDoneShift = 16;
+RESHARD_HOST_DEVICE inline std::uint64_t done_mark(std::uint64_t epoch) {
+  return epoch << kDoneShift;
+}
+// CTA `cta` of `ctas` (at most 2^kDoneShift) of a group: the shares of a run add up to one unit.
+RESHARD_HOST_DEVICE inline std::uint64_t done_share(std::uint32_t cta, std::uint32_t ctas) {
+  constexpr std::uint64_t kUnit = std::uint64_t{1} << kDoneShift;
+  const std::uint64_t share = kUnit / ctas;
+  return cta == 0 ? kUnit - share * (ctas - 1) : share;
+}
 
 // Written by a kernel whose wait ran out (pinned host memory, read by the host after the run).
 struct DeviceStatus {
