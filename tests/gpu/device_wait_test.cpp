@@ -174,7 +174,8 @@ TEST_F(DeviceWaits, AShortWaitLeavesNoMark) {
 
 // One flagged launch of three groups (several CTAs, odd sizes and offsets): the group whose flag
 // never comes holds back neither the others' copies nor their raises, and every group raises only
-// after its bytes have landed. The arrival counters are reusable: a second launch raises again.
+// after its bytes have landed, by exactly the units it was given (shares of every CTA, CTA 0 the
+// units beyond the first): a second launch adds on top of the first.
 TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
@@ -204,10 +205,18 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
   ASSERT_LE(at + 7, total);  // the last destination piece ends inside the buffer
   DeviceArray<CopyDescriptor> descriptors_device;
   DeviceArray<PeerGroup> groups_device;
-  DeviceArray<unsigned int> counter_words;  // failure word, then the arrival counters
-  unsigned int* counters =
-      counter_words.upload(std::vector<unsigned int>(1 + kMaxFlaggedGroups, 0));
-  Pinned<std::uint64_t> waits(3), raised(3);
+  DeviceArray<unsigned int> failure_word;
+  unsigned int* failure = failure_word.upload(std::vector<unsigned int>(1, 0));
+  Pinned<std::uint64_t> waits(3);
+  // The raised flags in device memory (the kernel adds to them with system-scope reductions),
+  // read while the kernel still waits: plain copies, ordered with nothing on its stream.
+  DeviceArray<std::uint64_t> raised_words;
+  std::uint64_t* raised = raised_words.upload(std::vector<std::uint64_t>(3, 0));
+  auto raised_value = [&](int g) {
+    std::uint64_t value = 0;
+    EXPECT_EQ(cudaMemcpy(&value, raised + g, sizeof value, cudaMemcpyDeviceToHost), cudaSuccess);
+    return value;
+  };
   Pinned<DeviceStatus> status(1);
   KernelArgs args{};
   args.descriptors = descriptors_device.upload(descriptors);
@@ -215,7 +224,7 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
   args.n_pes = 3;
   args.me = 0;
   args.status = status.device;
-  args.failure = counters;
+  args.failure = failure;
   args.timeout_ns = 20'000'000'000ull;
   args.unroll = 4;
 
@@ -224,30 +233,32 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
     waits[0] = run;  // group 1's flag comes later
     waits[2] = run;
     FlaggedLaunch launch;
-    launch.arrivals = counters + 1;
     for (std::uint32_t g = 0; g < 3; ++g) {
       CopyFlags flags;
       flags.wait = waits.device + g;
       flags.wait_value = run;
       flags.peer = static_cast<int>(g);
       flags.phase = kPhaseDone;
-      flags.raise = raised.device + g;
-      flags.raise_value = 10 * run + g;
+      flags.raise = raised + g;
+      // Group g's flag ends run r at done_mark(10 r + g): the first run adds 10 + g units.
+      flags.raise_units = run == 1 ? 10 + g : 10;
       ASSERT_TRUE(launch.add(g, ctas[g], flags));
     }
     launch_flagged_copies(args, launch, stream);
+    auto mark = [&](std::uint32_t g) { return done_mark(10 * run + g); };
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while ((raised.load(0) != 10 * run || raised.load(2) != 10 * run + 2) &&
+    while ((raised_value(0) != mark(0) || raised_value(2) != mark(2)) &&
            std::chrono::steady_clock::now() < give_up)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    EXPECT_EQ(raised.load(0), 10 * run) << "run " << run << ": group 0 held back";
-    EXPECT_EQ(raised.load(2), 10 * run + 2) << "run " << run << ": group 2 held back";
-    EXPECT_NE(raised.load(1), 10 * run + 1) << "group 1 raised before its flag came";
+    EXPECT_EQ(raised_value(0), mark(0)) << "run " << run << ": group 0 held back";
+    EXPECT_EQ(raised_value(2), mark(2)) << "run " << run << ": group 2 held back";
+    EXPECT_EQ(raised_value(1), run == 1 ? 0 : done_mark(11))
+        << "group 1 raised before its flag came";
     EXPECT_EQ(cudaStreamQuery(stream), cudaErrorNotReady);
     waits[1] = run;
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     EXPECT_EQ(status.host->code, 0u);
-    EXPECT_EQ(raised.load(1), 10 * run + 1);
+    EXPECT_EQ(raised_value(1), mark(1));
     std::vector<unsigned char> landed(total);
     ASSERT_EQ(cudaMemcpy(landed.data(), dst, total, cudaMemcpyDeviceToHost), cudaSuccess);
     for (const CopyDescriptor& d : descriptors) {

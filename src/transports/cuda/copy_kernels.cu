@@ -242,21 +242,8 @@ __device__ __forceinline__ void complete_run(const KernelArgs& a, std::uint64_t 
   *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(a.signals, a.n_pes)) = epoch;
 }
 
-// Called by thread 0 of each of `ctas` CTAs once the CTA's stores are done (after a barrier):
-// the last to arrive stores `value` to the peer's `flag`, which publishes every CTA's stores.
-// Each CTA's cumulative system fence orders its stores (seen by thread 0 at the barrier) before
-// its arrival; the last arrival's single fence.acq_rel.sys (acquire for the others' arrivals,
-// release for the store) costs one system-scope drain fewer than a full fence and a releasing
-// store. The counter is back at zero for the next launch. Nothing is raised once a wait of this
-// PE failed (the CTAs then copied nothing).
-__device__ __forceinline__ void arrive_and_raise(unsigned int* arrivals, std::uint32_t ctas,
-                                                 std::uint64_t* flag, std::uint64_t value,
-                                                 const KernelArgs& a) {
-  __threadfence_system();
-  if (atomicAdd(arrivals, 1u) != ctas - 1) return;
-  *arrivals = 0;
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-  if (!failed_here(a)) store_relaxed(flag, value);
+__device__ __forceinline__ void add_release(std::uint64_t* flag, std::uint64_t value) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
 // Adds this CTA's share of the run to the peer's done flag (see done_share) once its stores are
@@ -272,8 +259,7 @@ __device__ __forceinline__ void add_done_share(const KernelArgs& a, const PeerGr
     add += done_mark(epoch - 1 - *last);
     *last = epoch;
   }
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(g.remote_done), "l"(add)
-               : "memory");
+  add_release(g.remote_done, add);
 }
 
 // A CTA slice that is one piece, 16-byte aligned at both ends, of at most this many vectors per
@@ -433,9 +419,13 @@ __global__ void __launch_bounds__(kCopyThreads)
   if (go) copy_share(a, group, blockIdx.x - mine.first_cta);
   if (mine.flags.raise == nullptr) return;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    arrive_and_raise(launch.arrivals + entry, group.cta_count, mine.flags.raise,
-                     mine.flags.raise_value, a);
+  // Each CTA adds its share (CTA 0 the units beyond the first too), unless a wait of this PE
+  // failed: then the CTAs may have copied nothing.
+  if (threadIdx.x == 0 && !failed_here(a)) {
+    const std::uint32_t cta = blockIdx.x - mine.first_cta;
+    std::uint64_t add = done_share(cta, group.cta_count);
+    if (cta == 0) add += done_mark(mine.flags.raise_units - 1);
+    add_release(mine.flags.raise, add);
   }
 }
 

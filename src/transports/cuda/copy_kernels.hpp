@@ -11,8 +11,8 @@ namespace reshard::cuda {
 constexpr int kCopyThreads = 512;
 
 // SM engine, one launch per run: raises ready for the sources, waits until each destination is
-// ready, copies, raises done per destination from its last CTA, and the grid's last CTA waits
-// until every source's data has landed. With early_launch (programmatic dependent launch) the
+// ready, copies, each CTA adds its share to its destination's done flag, and the grid's last CTA
+// waits until every source's data has landed. With early_launch (programmatic dependent launch) the
 // kernel may be put on the GPU before the stream's previous kernel ends; it reads nothing but its
 // own arguments until that kernel is done.
 void launch_fused_copy(const KernelArgs& args, cudaStream_t stream, bool early_launch);
@@ -26,9 +26,9 @@ struct CopyFlags {
   int peer = -1;                        // whom the wait is for (named if it runs out)
   unsigned int phase = 0;               // kPhaseReady or kPhaseDone
   std::uint64_t* raise = nullptr;       // null: nothing to raise
-  std::uint64_t raise_value = 0;
+  std::uint64_t raise_units = 1;        // *raise grows by done_mark(raise_units) (done_share)
 };
-// Groups one flagged launch copies: each its own flags, CTAs and arrival counter.
+// Groups one flagged launch copies: each its own flags and CTAs.
 constexpr int kMaxFlaggedGroups = 16;
 struct FlaggedGroup {
   std::uint32_t group = 0;      // index into KernelArgs::groups; its cta_count CTAs copy it
@@ -38,9 +38,6 @@ struct FlaggedGroup {
 struct FlaggedLaunch {
   std::uint32_t count = 0;
   std::uint32_t cta_count = 0;
-  // kMaxFlaggedGroups device counters, zero between launches; one launch at a time uses them
-  // (launches that share them must share a stream).
-  unsigned int* arrivals = nullptr;
   FlaggedGroup groups[kMaxFlaggedGroups];
 
   // Appends args.groups[group]; `ctas` is that group's cta_count. False (nothing added) once the
@@ -53,8 +50,9 @@ struct FlaggedLaunch {
   }
 };
 // Every group of `launch` in one kernel: a group's CTAs wait for its flags.wait, copy their
-// slices, and the group's last CTA to finish raises flags.raise (system scope, after every CTA's
-// stores). A group never waits on another group of the same launch, so they need not be resident
+// slices, and each adds its share of flags.raise_units to flags.raise (a releasing system-scope
+// reduction after the CTA's stores; the flag reaches its mark when every CTA's share has landed).
+// A group never waits on another group of the same launch, so they need not be resident
 // together. Nothing is written once a wait of this PE failed.
 void launch_flagged_copies(const KernelArgs& args, const FlaggedLaunch& launch,
                            cudaStream_t stream);

@@ -249,8 +249,6 @@ class NvshmemTransport final : public Transport {
   // Device memory, nonzero once a wait failed or the run was aborted: copy kernels skip.
   unsigned int* failure_ = nullptr;
   // The flagged copies' per-group CTA counts, one set per stream (sends, receives), after failure_.
-  unsigned int* send_arrivals_ = nullptr;
-  unsigned int* receive_arrivals_ = nullptr;
   int max_ctas_ = 1;  // CTAs of one flagged launch
   // Calls body(first, last) for each flagged launch that carries batches [0, count) of a wave's
   // list: as many per launch as one launch holds, each batch needing a CTA at least. Sharing the
@@ -339,11 +337,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
   *status_ = {};
   RESHARD_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_, 0));
-  constexpr std::size_t kWords = 1 + 2 * cuda::kMaxFlaggedGroups;
-  RESHARD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&failure_), kWords * sizeof *failure_));
-  RESHARD_CUDA_CHECK(cudaMemset(failure_, 0, kWords * sizeof *failure_));
-  send_arrivals_ = failure_ + 1;
-  receive_arrivals_ = send_arrivals_ + cuda::kMaxFlaggedGroups;
+  RESHARD_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&failure_), sizeof *failure_));
+  RESHARD_CUDA_CHECK(cudaMemset(failure_, 0, sizeof *failure_));
   // On two streams a send and a receive kernel run at once, and a receive kernel's CTAs wait
   // for the peers' sends: each gets at most half of what the GPU holds at once, so both are
   // always resident together and a PE's sends are never starved of SMs by its own waiting
@@ -540,37 +535,42 @@ void NvshmemTransport::prepare(const ExecutionPlan& plan) {
   prepared_ = true;
 }
 
+// Signal values: once batch q of a pair has landed, its slot's data signal holds
+// cuda::done_mark(q + 1); once it was unpacked, the pair's acknowledgement holds done_mark(q + 1).
+// NVSHMEM sets them whole on the put path; a mapped peer's flagged kernels add to them, each CTA
+// its share (cuda::done_share), so no CTA waits to count the others first.
+
 // The wave's sends to mapped peers in as few kernels as their groups allow: each group waits
-// until its peer drained the slot, writes the peer's inbox and raises the slot's signal from its
-// last CTA. Then each put batch: packed into an outbox slot (after the same wait) and put with
+// until its peer drained the slot, writes the peer's inbox and adds to the slot's signal from
+// each CTA. Then each put batch: packed into an outbox slot (after the same wait) and put with
 // its signal.
 void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
   const KernelArgs args = launch_args();
   // The batch's sequence number and slot; its flags wait until the peer acknowledged the batch
-  // that last used the slot.
+  // that last used the slot, and raise the slot's signal from that batch's mark to this one's.
   auto next_send = [&](const StagedBatch& batch, std::uint64_t* sequence, int* slot) {
     *sequence = rt_.sent[batch.peer]++;
     *slot = static_cast<int>(*sequence % kDepth);
     cuda::CopyFlags flags;
+    flags.raise_units = *sequence + 1;
     if (const auto previous = rt_.last_put[batch.peer][*slot]) {
       flags.wait = rt_.ack_signal(batch.peer);
-      flags.wait_value = *previous + 1;
+      flags.wait_value = cuda::done_mark(*previous + 1);
       flags.peer = batch.peer;
       flags.phase = cuda::kPhaseReady;
+      flags.raise_units -= *previous + 1;
     }
     rt_.last_put[batch.peer][*slot] = *sequence;
     return flags;
   };
   for_each_launch(wave.mapped_sends, [&](std::size_t first, std::size_t last) {
     cuda::FlaggedLaunch launch;
-    launch.arrivals = send_arrivals_;
     for (std::size_t k = first; k < last; ++k) {
       const StagedBatch& batch = sends_[wave.sends[k]];
       std::uint64_t sequence = 0;
       int slot = 0;
       cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
       flags.raise = remote_data_[batch.peer][slot];
-      flags.raise_value = sequence + 1;
       add_to_launch(launch, batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
     }
     step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
@@ -582,7 +582,6 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     const cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
     const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
     cuda::FlaggedLaunch launch;
-    launch.arrivals = send_arrivals_;
     add_to_launch(launch, batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
     step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
     // Put with signal: NVSHMEM delivers the signal only after the data, with no quiet between
@@ -590,21 +589,20 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     // outbox slot may be filled again.
     step(1, stream, [&] {
       nvshmemx_putmem_signal_on_stream(rt_.inbox(me_, slot), rt_.outbox(outbox), batch.bytes,
-                                       rt_.data_signal(me_, slot), sequence + 1, NVSHMEM_SIGNAL_SET,
-                                       batch.peer, stream);
+                                       rt_.data_signal(me_, slot), cuda::done_mark(sequence + 1),
+                                       NVSHMEM_SIGNAL_SET, batch.peer, stream);
     });
   }
 }
 
 // The wave's receives in as few kernels as their groups allow: each group waits for its slot's
-// data, unpacks it and, where the peer is mapped here, acknowledges from its last CTA; the
-// others are acknowledged through NVSHMEM once their kernel is done.
+// data, unpacks it and, where the peer is mapped here, acknowledges from each CTA; the others are
+// acknowledged through NVSHMEM once their kernel is done.
 void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
   const KernelArgs args = launch_args();
   std::vector<std::pair<int, std::uint64_t>> acks;  // (peer, value) after the kernel
   for_each_launch(wave.receives.size(), [&](std::size_t first, std::size_t last) {
     cuda::FlaggedLaunch launch;
-    launch.arrivals = receive_arrivals_;
     acks.clear();
     for (std::size_t k = first; k < last; ++k) {
       const StagedBatch& batch = receives_[wave.receives[k]];
@@ -613,14 +611,13 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
       const int slot = static_cast<int>(sequence % kDepth);
       cuda::CopyFlags flags;
       flags.wait = rt_.data_signal(peer, slot);
-      flags.wait_value = sequence + 1;
+      flags.wait_value = cuda::done_mark(sequence + 1);
       flags.peer = peer;
       flags.phase = cuda::kPhaseDone;
       if (batch.mapped) {
-        flags.raise = remote_ack_[peer];
-        flags.raise_value = sequence + 1;
+        flags.raise = remote_ack_[peer];  // one unit: the acknowledgements of a pair go in order
       } else {
-        acks.emplace_back(peer, sequence + 1);
+        acks.emplace_back(peer, cuda::done_mark(sequence + 1));
       }
       add_to_launch(launch, batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
     }
@@ -750,7 +747,7 @@ void NvshmemTransport::finalize() noexcept {
   if (send_stream_) cudaStreamDestroy(send_stream_);
   if (status_) cudaFreeHost(status_);
   if (failure_ != nullptr && !aborted_) cudaFree(failure_);
-  failure_ = send_arrivals_ = receive_arrivals_ = nullptr;
+  failure_ = nullptr;
   last_run_ = nullptr;
   fork_ = join_ = nullptr;
   stream_ = send_stream_ = nullptr;
