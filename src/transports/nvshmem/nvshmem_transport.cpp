@@ -248,7 +248,6 @@ class NvshmemTransport final : public Transport {
   cuda::DeviceStatus* status_device_ = nullptr;
   // Device memory, nonzero once a wait failed or the run was aborted: copy kernels skip.
   unsigned int* failure_ = nullptr;
-  // The flagged copies' per-group CTA counts, one set per stream (sends, receives), after failure_.
   int max_ctas_ = 1;  // CTAs of one flagged launch
   // Calls body(first, last) for each flagged launch that carries batches [0, count) of a wave's
   // list: as many per launch as one launch holds, each batch needing a CTA at least. Sharing the
