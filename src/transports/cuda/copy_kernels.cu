@@ -242,24 +242,30 @@ __device__ __forceinline__ void complete_run(const KernelArgs& a, std::uint64_t 
   *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(a.signals, a.n_pes)) = epoch;
 }
 
-__device__ __forceinline__ void add_release(std::uint64_t* flag, std::uint64_t value) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+// Adds this CTA's part of `units` units to `flag` (thread 0, after a barrier, once the CTA's
+// stores are done): every CTA its done_share of one unit, CTA 0 also the units beyond the first.
+// The releasing reduction publishes the CTA's stores with it; the flag gains all `units` when the
+// last CTA's part lands.
+__device__ __forceinline__ void add_units(std::uint64_t* flag, std::uint32_t cta,
+                                          std::uint32_t ctas, std::uint64_t units) {
+  std::uint64_t add = done_share(cta, ctas);
+  if (cta == 0) add += done_mark(units - 1);
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(flag), "l"(add) : "memory");
 }
 
-// Adds this CTA's share of the run to the peer's done flag (see done_share) once its stores are
-// done (thread 0, after a barrier): the releasing reduction publishes the CTA's stores with it.
-// CTA 0 of the group also adds the units of runs that left this peer out since it last raised
-// the flag, and records this run.
+// Raises the peer's done flag to this run's mark from each CTA of the group. The group's CTA 0
+// also adds the units of runs that left this peer out since it last raised the flag, and records
+// this run.
 __device__ __forceinline__ void add_done_share(const KernelArgs& a, const PeerGroup& g,
                                                std::uint32_t cta, std::uint64_t epoch) {
-  std::uint64_t add = done_share(cta, g.cta_count);
+  std::uint64_t units = 1;
   if (cta == 0) {
     auto* last = reinterpret_cast<volatile std::uint64_t*>(
         SignalLayout::signalled(a.signals, a.n_pes, g.peer));
-    add += done_mark(epoch - 1 - *last);
+    units = epoch - *last;
     *last = epoch;
   }
-  add_release(g.remote_done, add);
+  add_units(g.remote_done, cta, g.cta_count, units);
 }
 
 // A CTA slice that is one piece, 16-byte aligned at both ends, of at most this many vectors per
@@ -419,13 +425,10 @@ __global__ void __launch_bounds__(kCopyThreads)
   if (go) copy_share(a, group, blockIdx.x - mine.first_cta);
   if (mine.flags.raise == nullptr) return;
   __syncthreads();
-  // Each CTA adds its share (CTA 0 the units beyond the first too), unless a wait of this PE
-  // failed: then the CTAs may have copied nothing.
+  // Unless a wait of this PE failed: then the CTAs may have copied nothing.
   if (threadIdx.x == 0 && !failed_here(a)) {
-    const std::uint32_t cta = blockIdx.x - mine.first_cta;
-    std::uint64_t add = done_share(cta, group.cta_count);
-    if (cta == 0) add += done_mark(mine.flags.raise_units - 1);
-    add_release(mine.flags.raise, add);
+    add_units(mine.flags.raise, blockIdx.x - mine.first_cta, group.cta_count,
+              mine.flags.raise_units);
   }
 }
 
