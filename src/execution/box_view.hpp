@@ -22,6 +22,15 @@ struct BoxView {
   // Element offset of the first element of `row`.
   RESHARD_HD std::int64_t row_start(std::int64_t row) const {
     std::int64_t offset = base;
+    if (rows <= 0xffffffffll) {  // every extent fits too: 32-bit divisions, far cheaper on GPUs
+      auto rest = static_cast<std::uint32_t>(row);
+      for (int d = outer_dims - 1; d >= 0; --d) {
+        const auto extent = static_cast<std::uint32_t>(outer_extent[d]);
+        offset += static_cast<std::int64_t>(rest % extent) * outer_stride[d];
+        rest /= extent;
+      }
+      return offset;
+    }
     for (int d = outer_dims - 1; d >= 0; --d) {
       const std::int64_t extent = outer_extent[d];
       offset += (row % extent) * outer_stride[d];

@@ -75,50 +75,103 @@ __device__ __forceinline__ void store_bytes(void* data, std::int64_t index, int 
   for (int i = 0; i < count; ++i) out[i] = bytes[i];
 }
 
-// A warp covers 256 elements of one row (8 MX blocks, 4 lanes of 8 elements each), so the row's
-// position is computed once per 256 elements and the loads are 16-byte vectors. The block maximum
-// is two shuffles inside each group of 4 lanes (max is order-independent, NaN propagates).
+// A work item is 256 elements of one row (8 MX blocks, 4 lanes of 8 elements each), so the loads
+// are 16-byte vectors and a block's maximum is two shuffles inside each group of 4 lanes (max is
+// order-independent, NaN propagates). Each warp takes a contiguous run of items and walks it with
+// a cursor, issuing the loads of kMxItemsInFlight items before encoding any.
 constexpr int kLanesPerMxBlock = kMxBlock / kPerThread;
 constexpr int kPerWarp = 32 * kPerThread;
+constexpr int kMxItemsInFlight = 4;
 
 __host__ __device__ std::int64_t mx_tasks_per_row(const MxJob& job) {
   return (job.src.view.cols + kPerWarp - 1) / kPerWarp;
 }
 
+// Where a warp is in its run: the job, the row, the 256-element chunk of the row, and the row's
+// starts in the three views. The starts are recomputed only when the row changes: the divisions
+// behind them, done per item, cost more than the conversion itself.
+struct MxCursor {
+  std::uint32_t job;
+  std::int64_t row, chunk, per_row;
+  std::int64_t src_row, data_row, scale_row;
+
+  __device__ void seek_row(const MxJob& current) {
+    src_row = current.src.view.row_start(row);
+    data_row = current.data.view.row_start(row);
+    scale_row = current.scale.view.row_start(row);
+  }
+  __device__ MxCursor(const JobList<MxJob>& list, std::uint64_t item) : job(list.find(item)) {
+    per_row = mx_tasks_per_row(list.jobs[job]);
+    const auto t = static_cast<std::int64_t>(item - list.first[job]);
+    row = t / per_row;
+    chunk = t % per_row;
+    seek_row(list.jobs[job]);
+  }
+  // To the next item; there must be one.
+  __device__ void advance(const JobList<MxJob>& list) {
+    if (++chunk < per_row) return;
+    chunk = 0;
+    ++row;
+    if (static_cast<std::uint64_t>(row * per_row) >= list.first[job + 1] - list.first[job]) {
+      do {
+        ++job;
+      } while (list.first[job + 1] == list.first[job]);  // jobs without items
+      row = 0;
+      per_row = mx_tasks_per_row(list.jobs[job]);
+    }
+    seek_row(list.jobs[job]);
+  }
+};
+
 __global__ void mx_quantize_kernel(JobList<MxJob> list) {
   const unsigned lane = threadIdx.x % 32;
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
-  for (std::uint64_t item =
-           (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
-       item < list.items; item += warps) {
-    const std::uint32_t j = list.find(item);
-    const BlockRef& src = list.jobs[j].src;
-    const BlockRef& data = list.jobs[j].data;
-    const BlockRef& scale = list.jobs[j].scale;
-    const bool round_up = list.jobs[j].round_up;
-    auto* scales = static_cast<std::uint8_t*>(scale.data);
-    const std::int64_t per_row = mx_tasks_per_row(list.jobs[j]);
-    const auto t = static_cast<std::int64_t>(item - list.first[j]);
-    const std::int64_t row = t / per_row;
-    const std::int64_t col = (t % per_row) * kPerWarp + lane * kPerThread;
-    // Rows hold whole MX blocks, so the 4 lanes of a block are active together.
-    const bool active = col < src.view.cols;
-    float v[kPerThread];
-    load_elements(src, src.view.row_start(row) + col, active ? kPerThread : 0, v);
-    float amax = 0.0f;
+  const std::uint64_t warp =
+      (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
+  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
+  const std::uint64_t begin = warp * per_warp;
+  const std::uint64_t end = min(list.items, begin + per_warp);
+  if (begin >= end) return;
+  MxCursor cursor(list, begin);
+  for (std::uint64_t item = begin; item < end; item += kMxItemsInFlight) {
+    float v[kMxItemsInFlight][kPerThread];
+    std::uint32_t job[kMxItemsInFlight];
+    std::int64_t col[kMxItemsInFlight], data_at[kMxItemsInFlight], scale_at[kMxItemsInFlight];
+    bool active[kMxItemsInFlight];
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) amax = abs_max(amax, v[i]);
-#pragma unroll
-    for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
-      amax = abs_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    for (int u = 0; u < kMxItemsInFlight; ++u) {
+      const bool inside = item + u < end;
+      const MxJob& current = list.jobs[cursor.job];
+      job[u] = cursor.job;
+      col[u] = cursor.chunk * kPerWarp + lane * kPerThread;
+      data_at[u] = cursor.data_row + col[u];
+      scale_at[u] = cursor.scale_row + col[u] / kMxBlock;
+      // Rows hold whole MX blocks, so the 4 lanes of a block are active together.
+      active[u] = inside && col[u] < current.src.view.cols;
+      load_elements(current.src, active[u] ? cursor.src_row + col[u] : 0,
+                    active[u] ? kPerThread : 0, v[u]);
+      if (item + u + 1 < end) cursor.advance(list);
     }
-    if (!active) continue;
-    const std::uint8_t bits = mx_scale_bits(amax, round_up);
-    if (lane % kLanesPerMxBlock == 0) scales[scale.view.row_start(row) + col / kMxBlock] = bits;
-    std::uint8_t encoded[kPerThread];
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) encoded[i] = mx_encode(v[i], bits);
-    store_bytes(data.data, data.view.row_start(row) + col, kPerThread, encoded);
+    for (int u = 0; u < kMxItemsInFlight; ++u) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) amax = abs_max(amax, v[u][i]);
+#pragma unroll
+      for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
+        amax = abs_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      }
+      if (!active[u]) continue;
+      const MxJob& current = list.jobs[job[u]];
+      const std::uint8_t bits = mx_scale_bits(amax, current.round_up);
+      if (lane % kLanesPerMxBlock == 0) {
+        static_cast<std::uint8_t*>(current.scale.data)[scale_at[u]] = bits;
+      }
+      std::uint8_t encoded[kPerThread];
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) encoded[i] = mx_encode(v[u][i], bits);
+      store_bytes(current.data.data, data_at[u], kPerThread, encoded);
+    }
   }
 }
 
@@ -199,10 +252,10 @@ void run_jobs(const std::vector<Job>& jobs, JobUpload& upload, void* stream, Ite
   if (jobs.empty()) return;
   std::uint64_t items = 0;
   std::size_t prefix_offset = 0;
-  const std::vector<std::byte> bytes = job_bytes(jobs, items_of, items, prefix_offset);
+  job_bytes(jobs, items_of, items, prefix_offset, upload.scratch);
   if (items == 0) return;
   auto cuda_stream = static_cast<cudaStream_t>(stream);
-  const std::byte* device_list = upload.upload(bytes, cuda_stream);
+  const std::byte* device_list = upload.upload(upload.scratch, cuda_stream);
   launch(JobList<Job>{reinterpret_cast<const Job*>(device_list),
                       reinterpret_cast<const std::uint64_t*>(device_list + prefix_offset),
                       static_cast<std::uint32_t>(jobs.size()), items},
@@ -243,7 +296,9 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
       },
       // Whole warps only (256-thread CTAs), so the shuffles are legal.
       [](const JobList<MxJob>& list, cudaStream_t s) {
-        mx_quantize_kernel<<<grid_of((list.items + 7) / 8), 256, 0, s>>>(list);
+        mx_quantize_kernel<<<
+            grid_of((list.items + 8 * kMxItemsInFlight - 1) / (8 * kMxItemsInFlight)), 256, 0, s>>>(
+            list);
       });
 }
 

@@ -1,7 +1,9 @@
 // Number-format conversions shared by the CPU reference and the CUDA kernels: one source, so the
 // GPU results are bit-identical to the reference by construction and the tests check the kernels'
-// indexing, reductions and scale placement. Scaling is done in double, where multiplying by a
-// power of two is exact, so each value is rounded once (round to nearest even).
+// indexing, reductions and scale placement. Each value is rounded once (to nearest even): the MX
+// paths scale by powers of two on the integer bits (on GPUs that have one, the FP8 conversion
+// instruction, checked against them for every bf16 value and scale), the block-FP8 path divides
+// in double.
 #pragma once
 
 #include <cmath>
@@ -124,21 +126,70 @@ RESHARD_HD std::uint8_t double_to_e4m3(double value) {
 constexpr int kMxBlock = 32;
 constexpr std::uint8_t kE8m0Nan = 0xff;
 
-// floor(log2(magnitude)) for a finite, positive float.
-RESHARD_HD int floor_log2(float magnitude) {
-  int exponent = 0;
-  frexpf(magnitude, &exponent);
-  return exponent - 1;
+// A finite, nonzero float magnitude as significand * 2^(exponent - 23) with the significand in
+// [2^23, 2^24): subnormals normalised, so the MX paths below work on integers only (the double
+// arithmetic they replace cost more than the memory traffic of a quantization kernel).
+struct Normalized {
+  std::uint32_t significand;
+  int exponent;  // floor(log2(magnitude))
+};
+
+RESHARD_HD int leading_zeros(std::uint32_t word) {
+#if defined(__CUDA_ARCH__)
+  return __clz(static_cast<int>(word));
+#else
+  return word == 0 ? 32 : __builtin_clz(word);
+#endif
+}
+
+RESHARD_HD Normalized normalize(std::uint32_t magnitude_bits) {
+  const std::uint32_t exponent_field = magnitude_bits >> 23;
+  const std::uint32_t mantissa = magnitude_bits & 0x7fffffu;
+  if (exponent_field != 0) {
+    return {mantissa | 0x800000u, static_cast<int>(exponent_field) - 127};
+  }
+  const int shift = leading_zeros(mantissa) - 8;  // brings the top bit to bit 23
+  return {mantissa << shift, -126 - shift};
+}
+
+// significand / 2^drop (1 <= drop <= 31), rounded to nearest, ties to even.
+RESHARD_HD std::uint32_t round_shift(std::uint32_t significand, int drop) {
+  const std::uint32_t kept = significand >> drop;
+  const std::uint32_t rest = significand & ((1u << drop) - 1u);
+  const std::uint32_t half = 1u << (drop - 1);
+  return kept + ((rest > half || (rest == half && (kept & 1u) != 0)) ? 1u : 0u);
+}
+
+// double_to_e4m3(value * 2^scale) for a float value, exactly, without floating-point arithmetic:
+// NaN gives 0x7f, magnitudes from 448 (infinities too) saturate, the rest round to nearest even.
+RESHARD_HD std::uint8_t scaled_to_e4m3(float value, int scale) {
+  const std::uint32_t bits = float_bits(value);
+  const auto sign = static_cast<std::uint8_t>((bits >> 24) & 0x80u);
+  const std::uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return 0x7f;
+  if (magnitude == 0x7f800000u) return sign | 0x7e;
+  if (magnitude == 0) return sign;
+  const Normalized n = normalize(magnitude);
+  const int exponent = n.exponent + scale;
+  if (exponent > 8 || (exponent == 8 && n.significand >= 0xe00000u)) return sign | 0x7e;
+  if (exponent < -6) {  // subnormal steps of 2^-9: significand * 2^(exponent - 14)
+    const int drop = 14 - exponent;
+    return drop > 24 ? sign : static_cast<std::uint8_t>(sign | round_shift(n.significand, drop));
+  }
+  const std::uint32_t steps = round_shift(n.significand, 20);  // 8..16: implicit one + mantissa
+  const std::uint32_t code = (static_cast<std::uint32_t>(exponent + 7) << 3) + steps - 8;
+  return static_cast<std::uint8_t>(sign | (code > 0x7e ? 0x7eu : code));
 }
 
 // The shared exponent of a block from its largest magnitude. OCP (v1.0, section 6.3):
 // floor(log2(amax)) - emax(E4M3) = -8, which may saturate the largest elements; the round-up rule
-// picks the smallest exponent with amax / 2^e <= 448, which never does.
+// picks the smallest exponent with amax / 2^e <= 448 (a significand above 1.75), which never does.
 RESHARD_HD std::uint8_t mx_scale_bits(float amax, bool round_up) {
   if (!(amax == amax) || amax > 3.4028234663852886e38f) return kE8m0Nan;  // NaN or Inf in block
   if (amax == 0.0f) return 0;  // an all-zero block: smallest scale, elements encode as zeros
-  int exponent = floor_log2(amax) - 8;
-  if (round_up && ldexp(static_cast<double>(amax), -exponent) > kE4m3Max) exponent += 1;
+  const Normalized n = normalize(float_bits(amax) & 0x7fffffffu);
+  int exponent = n.exponent - 8;
+  if (round_up && n.significand > 0xe00000u) exponent += 1;
   if (exponent < -127) exponent = -127;
   if (exponent > 127) exponent = 127;
   return static_cast<std::uint8_t>(exponent + 127);
@@ -148,9 +199,29 @@ RESHARD_HD double mx_scale_value(std::uint8_t bits) {
   return ldexp(1.0, static_cast<int>(bits) - 127);
 }
 
+// 2^scale as a float, scale in [-127, 127] (2^-127 is a subnormal, still exact).
+RESHARD_HD float power_of_two(int scale) {
+  return bits_float(scale >= -126 ? static_cast<std::uint32_t>(scale + 127) << 23 : 0x00400000u);
+}
+
 RESHARD_HD std::uint8_t mx_encode(float value, std::uint8_t scale_bits) {
   if (scale_bits == kE8m0Nan) return 0x7f;
-  return double_to_e4m3(ldexp(static_cast<double>(value), 127 - static_cast<int>(scale_bits)));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // The GPU's own conversion (round to nearest even, saturating at 448), as scaled_to_e4m3 does
+  // it: the integer path costs a quantization kernel most of its time. The multiply by a power
+  // of two (without flushing subnormals) is exact down to the float subnormals, far below
+  // E4M3's, where both give a signed zero. NaN gives 0x7f whatever its sign.
+  if (value != value) return 0x7f;
+  float scaled;
+  asm("mul.rn.f32 %0, %1, %2;"
+      : "=f"(scaled)
+      : "f"(value), "f"(power_of_two(127 - static_cast<int>(scale_bits))));
+  std::uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(scaled));
+  return static_cast<std::uint8_t>(pair & 0xffu);
+#else
+  return scaled_to_e4m3(value, 127 - static_cast<int>(scale_bits));
+#endif
 }
 
 RESHARD_HD float mx_decode(std::uint8_t value, std::uint8_t scale_bits) {

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -11,6 +13,7 @@
 #include "execution/box_view.hpp"
 #include "support/single_gpu_main.hpp"
 #include "transforms/conversions.hpp"
+#include "transforms/number_formats.hpp"
 
 namespace reshard::exec {
 namespace {
@@ -126,6 +129,125 @@ TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
       EXPECT_EQ(d_data.download(), data) << describe(c) << " round_up " << round_up;
       EXPECT_EQ(d_scales.download(), scales) << describe(c) << " round_up " << round_up;
     }
+  }
+}
+
+// Many jobs in one launch, as a refit queues them: random blocks (1-3 outer dimensions, rows of
+// 32 to 1,000 elements, some of one row, some cut from a larger tensor) of one shared source, so
+// warps walk across rows and jobs in every way the sizes allow.
+// Every bf16 value under every scale a block can have (its largest element sets the scale): the
+// kernel, which encodes with the GPU's FP8 conversion, against the host's integer arithmetic
+// (itself checked against double arithmetic in the unit tests).
+TEST(TransformKernels, MxEncodesEveryBf16UnderEveryScaleLikeTheReference) {
+  std::vector<std::uint16_t> values;
+  for (int e = -119; e <= 127; ++e) {
+    const float amax = std::ldexp(2.0f - 1.0f / 128, e);  // the largest bf16 below 2^(e + 1)
+    const std::uint16_t amax_bits = formats::float_to_bf16(amax);
+    int in_block = 0;
+    auto push = [&](std::uint16_t h) {
+      if (in_block == 0) {
+        values.push_back(amax_bits);
+        in_block = 1;
+      }
+      values.push_back(h);
+      in_block = (in_block + 1) % 32;
+    };
+    for (std::uint32_t h = 0; h < 0x10000; ++h) {
+      const float v = formats::bf16_to_float(static_cast<std::uint16_t>(h));
+      if (!std::isnan(v) && std::fabs(v) <= amax) push(static_cast<std::uint16_t>(h));
+    }
+    while (in_block != 0) push(0);
+  }
+  while (values.size() % 256 != 0) values.push_back(0);
+  const auto rows = static_cast<std::int64_t>(values.size() / 256);
+  const BoxView v = view_of(Box::whole({rows, 256}), {rows, 256}, false);
+  const BoxView sv = view_of(Box::whole({rows, 8}), {rows, 8}, false);
+  DeviceCopy d_src(values.data(), values.size() * 2);
+  for (bool round_up : {false, true}) {
+    std::vector<std::uint8_t> data(values.size(), 0xab), scales(values.size() / 32, 0xab);
+    mx_quantize({values.data(), DType::kBFloat16, v}, {data.data(), DType::kFloat8E4M3, v},
+                {scales.data(), DType::kFloat8E8M0, sv}, round_up, MemoryKind::kHost, nullptr);
+    DeviceCopy d_data(data.size()), d_scales(scales.size());
+    mx_quantize({d_src.pointer, DType::kBFloat16, v}, {d_data.pointer, DType::kFloat8E4M3, v},
+                {d_scales.pointer, DType::kFloat8E8M0, sv}, round_up, MemoryKind::kCuda, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = d_data.download();
+    const auto got_scales = d_scales.download();
+    ASSERT_EQ(got_scales, scales) << "round_up " << round_up;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      ASSERT_EQ(got[i], data[i]) << "bf16 0x" << std::hex << values[i] << " in a block of scale 0x"
+                                 << int{scales[i / 32]} << std::dec << ", round_up " << round_up;
+    }
+  }
+}
+
+TEST(TransformKernels, MxQueueOfManyJobsMatchesTheReferenceBitForBit) {
+  std::mt19937 rng(31);
+  struct Block {
+    std::vector<std::int64_t> shape;
+    Box box;
+    std::size_t src_at, out_at, scale_at;  // element offsets in the shared buffers
+  };
+  std::vector<Block> blocks;
+  std::size_t src_total = 0, out_total = 0, scale_total = 0;
+  for (int b = 0; b < 300; ++b) {
+    const int dims = 1 + static_cast<int>(rng() % 3);
+    std::vector<std::int64_t> shape(dims);
+    Box box{dims, {}, {}};
+    for (int d = 0; d < dims; ++d) {
+      const bool last = d == dims - 1;
+      shape[d] = last ? 32 * (1 + rng() % 32) : 1 + rng() % 6;
+      const std::int64_t unit = last ? 32 : 1;
+      const std::int64_t units = shape[d] / unit;
+      const std::int64_t first = static_cast<std::int64_t>(rng() % units);
+      box.offset[d] = first * unit;
+      box.extent[d] = (1 + static_cast<std::int64_t>(rng() % (units - first))) * unit;
+    }
+    if (b % 7 == 0) box.extent[0] = 0;  // an empty block: no work items
+    const auto n = static_cast<std::size_t>(elements_of(shape));
+    blocks.push_back({shape, box, src_total, out_total, scale_total});
+    src_total += n + 8;  // keeps every tensor 16-byte aligned
+    out_total += n;
+    scale_total += n / 32;
+  }
+  const auto src = salted_tensor(src_total, DType::kBFloat16, 41);
+  std::vector<std::uint8_t> data(out_total, 0xab), scales(scale_total, 0xab);
+  DeviceCopy d_src(src.data(), src.size()), d_data(data.size()), d_scales(scales.size());
+  ConversionQueue queue;
+  for (const Block& block : blocks) {
+    std::vector<std::int64_t> scale_shape = block.shape;
+    scale_shape.back() /= 32;
+    Box scale_box = block.box;
+    scale_box.offset[block.box.ndim - 1] /= 32;
+    scale_box.extent[block.box.ndim - 1] /= 32;
+    const BoxView v = view_of(block.box, block.shape, false);
+    const BoxView sv = view_of(scale_box, scale_shape, false);
+    auto at = [](auto* base, std::size_t offset, std::size_t size) {
+      return static_cast<void*>(reinterpret_cast<std::uint8_t*>(base) + offset * size);
+    };
+    mx_quantize({at(const_cast<std::uint8_t*>(src.data()), block.src_at, 2), DType::kBFloat16, v},
+                {at(data.data(), block.out_at, 1), DType::kFloat8E4M3, v},
+                {at(scales.data(), block.scale_at, 1), DType::kFloat8E8M0, sv}, block.shape[0] % 2,
+                MemoryKind::kHost, nullptr);
+    queue.mx_quantize({{at(d_src.pointer, block.src_at, 2), DType::kBFloat16, v},
+                       {at(d_data.pointer, block.out_at, 1), DType::kFloat8E4M3, v},
+                       {at(d_scales.pointer, block.scale_at, 1), DType::kFloat8E8M0, sv},
+                       block.shape[0] % 2 == 1},
+                      Buffer::cuda(d_src.pointer, d_src.bytes, 0));
+  }
+  queue.flush(nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got_data = d_data.download(), got_scales = d_scales.download();
+  for (const Block& block : blocks) {
+    const auto n = static_cast<std::size_t>(elements_of(block.shape));
+    ASSERT_TRUE(std::equal(data.begin() + block.out_at, data.begin() + block.out_at + n,
+                           got_data.begin() + block.out_at))
+        << "data of block " << block.box.str() << " of a tensor of " << block.shape.size()
+        << " dims";
+    ASSERT_TRUE(std::equal(scales.begin() + block.scale_at,
+                           scales.begin() + block.scale_at + n / 32,
+                           got_scales.begin() + block.scale_at))
+        << "scales of block " << block.box.str();
   }
 }
 

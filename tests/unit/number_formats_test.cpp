@@ -4,8 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "reshard/error.hpp"
 #include "reshard/transform.hpp"
@@ -73,6 +75,63 @@ TEST(NumberFormats, MxScaleRulesDifferOnlyWhereOcpWouldSaturate) {
   EXPECT_EQ(mx_scale_bits(std::numeric_limits<float>::quiet_NaN(), true), kE8m0Nan);
   EXPECT_EQ(mx_scale_bits(1e-40f, false), 0);  // subnormal amax: the smallest scale, clamped
   EXPECT_TRUE(std::isnan(mx_decode(0x10, kE8m0Nan)));
+}
+
+// The MX paths work on integer bits; their specification is the arithmetic in double: scaling by a
+// power of two is exact there, so double_to_e4m3 rounds the exact product once.
+std::uint8_t mx_encode_in_double(float value, std::uint8_t scale_bits) {
+  if (scale_bits == kE8m0Nan) return 0x7f;
+  return double_to_e4m3(std::ldexp(static_cast<double>(value), 127 - static_cast<int>(scale_bits)));
+}
+
+std::uint8_t mx_scale_bits_in_double(float amax, bool round_up) {
+  if (std::isnan(amax) || std::isinf(amax)) return kE8m0Nan;
+  if (amax == 0.0f) return 0;
+  int exponent = std::ilogb(amax) - 8;
+  if (round_up && std::ldexp(static_cast<double>(amax), -exponent) > kE4m3Max) exponent += 1;
+  return static_cast<std::uint8_t>(std::clamp(exponent, -127, 127) + 127);
+}
+
+TEST(NumberFormats, MxEncodingMatchesTheDoubleArithmeticForEveryBf16AndScale) {
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    const float value = bf16_to_float(static_cast<std::uint16_t>(h));
+    for (int scale = 0; scale < 256; ++scale) {
+      const auto bits = static_cast<std::uint8_t>(scale);
+      ASSERT_EQ(mx_encode(value, bits), mx_encode_in_double(value, bits))
+          << "bf16 0x" << std::hex << h << " scale " << std::dec << scale;
+    }
+    const float magnitude = std::fabs(value);
+    for (bool round_up : {false, true}) {
+      ASSERT_EQ(mx_scale_bits(magnitude, round_up), mx_scale_bits_in_double(magnitude, round_up))
+          << "bf16 0x" << std::hex << h << " round_up " << round_up;
+    }
+  }
+}
+
+TEST(NumberFormats, MxEncodingMatchesTheDoubleArithmeticForRandomFloats) {
+  std::mt19937 rng(2026);
+  // Every float bit pattern is equally likely, so subnormals, NaN payloads and the ties of the
+  // low mantissa bits that bf16 lacks all come up.
+  for (int i = 0; i < 4'000'000; ++i) {
+    const float value = bits_float(rng());
+    const auto scale = static_cast<std::uint8_t>(rng());
+    ASSERT_EQ(mx_encode(value, scale), mx_encode_in_double(value, scale))
+        << "float 0x" << std::hex << float_bits(value) << " scale " << std::dec << int{scale};
+    const float magnitude = std::fabs(value);
+    ASSERT_EQ(mx_scale_bits(magnitude, i % 2 == 0), mx_scale_bits_in_double(magnitude, i % 2 == 0))
+        << "float 0x" << std::hex << float_bits(value);
+  }
+  // Exact ties at every subnormal and normal step of E4M3, for a few scales.
+  for (int scale : {100, 127, 140}) {
+    for (int code = 0; code < 0x7e; ++code) {
+      const double low = e4m3_to_float(static_cast<std::uint8_t>(code));
+      const double high = e4m3_to_float(static_cast<std::uint8_t>(code + 1));
+      const auto value = static_cast<float>(std::ldexp((low + high) / 2, scale - 127));
+      const auto bits = static_cast<std::uint8_t>(scale);
+      ASSERT_EQ(mx_encode(value, bits), mx_encode_in_double(value, bits)) << "code " << code;
+      ASSERT_EQ(mx_encode(-value, bits), mx_encode_in_double(-value, bits)) << "code " << code;
+    }
+  }
 }
 
 TEST(NumberFormats, ReferenceMxfp8QuantizesBlocksOfThirtyTwo) {
