@@ -38,7 +38,9 @@ struct JobList {
 };
 
 // Host-side job lists reach the device through pinned memory and a copy queued on the stream, so
-// a flush never waits for the GPU; the previous copy must have left the pinned buffer first.
+// a flush never waits for the GPU; the previous copy must have left the pinned buffer first. A
+// list equal to the one in device memory is not sent again: refits that queue the same jobs
+// (the same tensors) upload nothing.
 class JobUpload {
  public:
   ~JobUpload() {
@@ -48,6 +50,7 @@ class JobUpload {
     if (device_memory_ != nullptr) cudaFree(device_memory_);
   }
   const std::byte* upload(const std::vector<std::byte>& bytes, cudaStream_t stream) {
+    if (device_memory_ != nullptr && bytes == sent_) return current();
     if (done_ == nullptr)
       RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     RESHARD_CUDA_CHECK(cudaEventSynchronize(done_));  // the last upload has left pinned_
@@ -65,6 +68,7 @@ class JobUpload {
     RESHARD_CUDA_CHECK(
         cudaMemcpyAsync(device_memory_, pinned_, bytes.size(), cudaMemcpyHostToDevice, stream));
     RESHARD_CUDA_CHECK(cudaEventRecord(done_, stream));
+    sent_ = bytes;
     return static_cast<const std::byte*>(device_memory_);
   }
   // Call after queuing a kernel that reads the list on `stream`.
@@ -79,6 +83,9 @@ class JobUpload {
   // What the caller needs to launch on the list again without rebuilding it.
   std::uint64_t items = 0;
   std::size_t prefix_offset = 0;
+  // The caller's scratch for building the next list (kept, so its pages are not faulted in anew
+  // at every refit).
+  std::vector<std::byte> scratch;
 
  private:
   void* pinned_ = nullptr;
@@ -86,20 +93,20 @@ class JobUpload {
   std::size_t capacity_ = 0;
   cudaEvent_t done_ = nullptr;
   cudaEvent_t used_ = nullptr;
+  std::vector<std::byte> sent_;  // what device_memory_ holds
 };
 
-// The jobs followed by their first items (the prefix of `items_of`), as one byte array.
+// The jobs followed by their first items (the prefix of `items_of`), as one byte array in `bytes`.
 template <typename Job, typename ItemsOf>
-inline std::vector<std::byte> job_bytes(const std::vector<Job>& jobs, ItemsOf items_of,
-                                        std::uint64_t& total, std::size_t& prefix_offset) {
+inline void job_bytes(const std::vector<Job>& jobs, ItemsOf items_of, std::uint64_t& total,
+                      std::size_t& prefix_offset, std::vector<std::byte>& bytes) {
   prefix_offset = (jobs.size() * sizeof(Job) + 7) / 8 * 8;
-  std::vector<std::byte> bytes(prefix_offset + (jobs.size() + 1) * sizeof(std::uint64_t));
+  bytes.assign(prefix_offset + (jobs.size() + 1) * sizeof(std::uint64_t), std::byte{0});
   std::memcpy(bytes.data(), jobs.data(), jobs.size() * sizeof(Job));
   auto* first = reinterpret_cast<std::uint64_t*>(bytes.data() + prefix_offset);
   first[0] = 0;
   for (std::size_t i = 0; i < jobs.size(); ++i) first[i + 1] = first[i] + items_of(jobs[i]);
   total = first[jobs.size()];
-  return bytes;
 }
 
 }  // namespace reshard::exec::cuda

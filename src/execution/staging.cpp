@@ -77,6 +77,13 @@ bool same_place(const Buffer& a, const Buffer& b) {
 
 }  // namespace
 
+std::size_t StagingPool::KeyHash::operator()(const Key& key) const {
+  const auto [sending, task, index] = key;
+  const std::uint64_t mixed =
+      (task * 0x9e3779b97f4a7c15ull) ^ (static_cast<std::uint64_t>(index) << 1) ^ (sending ? 1 : 0);
+  return static_cast<std::size_t>(mixed ^ (mixed >> 29));
+}
+
 const Buffer& StagingPool::slot(const Key& key, const Buffer& like, std::size_t bytes) {
   Slot& slot = slots_[key];
   if (slot.buffer.data == nullptr || slot.capacity < bytes || !same_place(slot.buffer, like)) {

@@ -106,9 +106,8 @@ void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void*
                       void* stream) {
   auto& list = *static_cast<JobUpload*>(upload);
   if (!uploaded) {
-    const std::vector<std::byte> bytes =
-        job_bytes(copies, items_of, list.items, list.prefix_offset);
-    if (list.items > 0) list.upload(bytes, static_cast<cudaStream_t>(stream));
+    job_bytes(copies, items_of, list.items, list.prefix_offset, list.scratch);
+    if (list.items > 0) list.upload(list.scratch, static_cast<cudaStream_t>(stream));
   }
   if (list.items == 0) return;
   const std::byte* device_list = list.current();

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstddef>
-#include <map>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "execution/box_view.hpp"
@@ -58,8 +58,13 @@ class StagingPool {
   };
   std::byte* carve(const Buffer& like, std::size_t bytes);
 
+  // Hashed: a refit of a MoE model looks up tens of thousands of keys, twice per op.
+  struct KeyHash {
+    std::size_t operator()(const Key& key) const;
+  };
+
   std::vector<Chunk> chunks_;
-  std::map<Key, Slot> slots_;
+  std::unordered_map<Key, Slot, KeyHash> slots_;
 };
 
 // One block copy between row views (`element_bytes` per element; the views' rows and columns

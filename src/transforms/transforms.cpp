@@ -2,8 +2,9 @@
 // receiver-side variant. They own their wire buffers (kept per op, so every refit returns the same
 // ones and the schedule is reused) and write the caller's destination buffers in place.
 
-#include <map>
-#include <set>
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "execution/staging.hpp"
@@ -66,6 +67,18 @@ class TransformBase : public ReshardTransform {
     queue_.pack(src.data, view, element, wire);
     return wire;
   }
+  // Where a received dense block lands: straight in the destination tensor where the block is
+  // contiguous there (nothing to unpack at the end), in a wire buffer of the transform's
+  // otherwise. `view` is the block in the tensor, rows merged.
+  Buffer landing(const OpSlice& slice, const Buffer& tensor, int index, const BoxView& view,
+                 std::size_t element) {
+    const auto bytes = static_cast<std::size_t>(view.elements()) * element;
+    if (!view.contiguous()) return wire_.get(false, slice.op, index, bytes, tensor);
+    Buffer part = tensor;
+    part.data = at_byte(tensor) + view.base * element;
+    part.bytes = bytes;
+    return part;
+  }
   void require_scale(const std::string& name, const OpSlice& slice, const LocalTensor& dst,
                      std::size_t scale_bytes) const {
     if (dst.dtype != DType::kFloat8E4M3) {
@@ -99,11 +112,29 @@ class TransformBase : public ReshardTransform {
   // Replicas of a destination ask for the same source slice once each: the first op of a refit
   // converts it, the others send the same wire buffers (the same ones at every refit, since the
   // ops come in plan order).
-  using SliceKey = std::pair<const void*, std::vector<std::int64_t>>;
+  struct SliceKey {
+    const void* tensor;
+    Box local;
+    bool operator==(const SliceKey& other) const {
+      return tensor == other.tensor && local.ndim == other.local.ndim &&
+             std::equal(local.offset.begin(), local.offset.begin() + local.ndim,
+                        other.local.offset.begin()) &&
+             std::equal(local.extent.begin(), local.extent.begin() + local.ndim,
+                        other.local.extent.begin());
+    }
+  };
+  struct SliceKeyHash {
+    std::size_t operator()(const SliceKey& key) const {
+      auto mixed = reinterpret_cast<std::uintptr_t>(key.tensor);
+      for (int d = 0; d < key.local.ndim; ++d) {
+        mixed = (mixed ^ static_cast<std::uint64_t>(key.local.offset[d])) * 0x100000001b3ull;
+        mixed = (mixed ^ static_cast<std::uint64_t>(key.local.extent[d])) * 0x100000001b3ull;
+      }
+      return static_cast<std::size_t>(mixed ^ (mixed >> 31));
+    }
+  };
   static SliceKey slice_key(const LocalTensor& src, const Box& local) {
-    std::vector<std::int64_t> box(local.offset.begin(), local.offset.begin() + local.ndim);
-    box.insert(box.end(), local.extent.begin(), local.extent.begin() + local.ndim);
-    return {src.data.data, std::move(box)};
+    return {src.data.data, local};
   }
   // The slice's buffers if this refit converted it already. An op seen twice means a new refit
   // began without a flush (the last one failed half-way): nothing converted then is reused.
@@ -115,8 +146,8 @@ class TransformBase : public ReshardTransform {
     auto it = converted_.find(key);
     return it == converted_.end() ? nullptr : &it->second;
   }
-  const std::vector<Buffer>& remember(SliceKey key, std::vector<Buffer> buffers) {
-    return converted_[std::move(key)] = std::move(buffers);
+  const std::vector<Buffer>& remember(const SliceKey& key, std::vector<Buffer> buffers) {
+    return converted_[key] = std::move(buffers);
   }
 
   WireBuffers wire_;
@@ -124,8 +155,9 @@ class TransformBase : public ReshardTransform {
 
  private:
   std::string filter_;
-  std::map<SliceKey, std::vector<Buffer>> converted_;  // this refit's, until flush()
-  std::set<TaskId> sent_ops_;
+  // Hashed: a MoE refit converts tens of thousands of slices.
+  std::unordered_map<SliceKey, std::vector<Buffer>, SliceKeyHash> converted_;  // until flush()
+  std::unordered_set<TaskId> sent_ops_;
 };
 
 // ---- casts ----
@@ -155,10 +187,18 @@ class CastTransform final : public TransformBase {
   }
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
     check_dtype(slice, dst.dtype, "destination");
+    if (dst.dtype == wire_dtype_) {
+      return {landing(slice, dst.data, 0, exec::view_of(slice.local, slice.local_shape, true),
+                      dtype_size(dst.dtype))};
+    }
     return {wire_.get(false, slice.op, 0, wire_bytes(slice), dst.data)};
   }
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
                      void*) override {
+    if (dst.dtype == wire_dtype_ &&
+        exec::view_of(slice.local, slice.local_shape, true).contiguous()) {
+      return;  // it landed in place
+    }
     queue_.convert(
         {{wire[0].data, wire_dtype_, exec::dense_view(slice.local)},
          {dst.data.data, dst.dtype, exec::view_of(slice.local, slice.local_shape, false)}},
@@ -201,7 +241,7 @@ class ScaledFp8Transform : public TransformBase {
     check_alignment(slice);
     require_float_source(name(), slice, src);
     if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0)};
-    SliceKey key = slice_key(src, slice.local);
+    const SliceKey key = slice_key(src, slice.local);
     if (const std::vector<Buffer>* done = converted(slice.op, key)) return *done;
     const Box scales = scale_box(slice.local);
     Buffer data = wire_.get(true, slice.op, 0, elements(slice.local), src.data);
@@ -209,7 +249,7 @@ class ScaledFp8Transform : public TransformBase {
     quantize({src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
              {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
              {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data);
-    return remember(std::move(key), {data, scale});
+    return remember(key, {data, scale});
   }
 
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
@@ -219,8 +259,8 @@ class ScaledFp8Transform : public TransformBase {
     if (side_ == QuantizeSide::kReceiver) {
       return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
     }
-    return {wire_.get(false, slice.op, 0, n, dst.data),
-            wire_.get(false, slice.op, 1, scale_bytes(scale_box(slice.local)), dst.data)};
+    return {landing(slice, dst.data, 0, exec::view_of(slice.local, slice.local_shape, true), 1),
+            landing(slice, dst.scale, 1, scale_view(slice), dtype_size(scale_dtype()))};
   }
 
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
@@ -235,9 +275,12 @@ class ScaledFp8Transform : public TransformBase {
           dst.data);
       return;
     }
-    queue_.unpack(wire[0], dst.data, exec::view_of(slice.local, slice.local_shape, true), 1);
-    queue_.unpack(wire[1], dst.scale, exec::view_of(scales, shape, true),
-                  dtype_size(scale_dtype()));
+    // Blocks contiguous in the destination landed there (prepare_recv).
+    const BoxView data_view = exec::view_of(slice.local, slice.local_shape, true);
+    if (!data_view.contiguous()) queue_.unpack(wire[0], dst.data, data_view, 1);
+    const BoxView scale_at = scale_view(slice);
+    if (!scale_at.contiguous())
+      queue_.unpack(wire[1], dst.scale, scale_at, dtype_size(scale_dtype()));
   }
 
  protected:
@@ -256,6 +299,10 @@ class ScaledFp8Transform : public TransformBase {
                         const exec::BlockRef& scale, const Box& block, const Buffer& memory) = 0;
 
   static std::size_t elements(const Box& box) { return static_cast<std::size_t>(box.elements()); }
+  // The slice's scales in the destination's scale tensor, rows merged.
+  BoxView scale_view(const OpSlice& slice) const {
+    return exec::view_of(scale_box(slice.local), scale_shape(slice.local_shape), true);
+  }
   std::size_t scale_bytes(const Box& scales) const {
     return elements(scales) * dtype_size(scale_dtype());
   }

@@ -111,7 +111,17 @@ void for_each_element(const Shard& shard, Fn fn) {
   }
 }
 
-enum class Mode { kPlain, kCastFp32, kMxReceiver, kMxSender, kBlockReceiver, kBlockSender };
+// kCastFp32 sends bf16 and widens on arrival; kFp32Wire widens on the sender, so the wire and
+// the destination share a dtype and contiguous slices land in place.
+enum class Mode {
+  kPlain,
+  kCastFp32,
+  kFp32Wire,
+  kMxReceiver,
+  kMxSender,
+  kBlockReceiver,
+  kBlockSender
+};
 
 const char* mode_name(Mode mode) {
   switch (mode) {
@@ -119,6 +129,8 @@ const char* mode_name(Mode mode) {
       return "plain";
     case Mode::kCastFp32:
       return "cast-fp32";
+    case Mode::kFp32Wire:
+      return "fp32-wire";
     case Mode::kMxReceiver:
       return "mxfp8-receiver";
     case Mode::kMxSender:
@@ -137,6 +149,8 @@ std::shared_ptr<ReshardTransform> transform_for(Mode mode) {
       return nullptr;
     case Mode::kCastFp32:
       return make_cast_transform(DType::kBFloat16);
+    case Mode::kFp32Wire:
+      return make_cast_transform(DType::kFloat32);
     case Mode::kMxReceiver:
       return make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp);
     case Mode::kMxSender:
@@ -171,7 +185,7 @@ Expected expected_for(const ParamSpec& param, std::uint32_t p, Mode mode,
   const std::int64_t rows = n / std::max<std::int64_t>(1, cols);
   if (!converted) {
     out.bf16 = std::move(source);
-  } else if (mode == Mode::kCastFp32) {
+  } else if (mode == Mode::kCastFp32 || mode == Mode::kFp32Wire) {
     out.dtype = DType::kFloat32;
     for (std::uint16_t v : source) out.fp32.push_back(formats::bf16_to_float(v));
   } else if (mode == Mode::kMxReceiver || mode == Mode::kMxSender) {
@@ -401,8 +415,9 @@ TEST_P(Reshard, EveryDestinationElementMatchesItsReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, Reshard,
-                         testing::Values(Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver,
-                                         Mode::kMxSender, Mode::kBlockReceiver, Mode::kBlockSender),
+                         testing::Values(Mode::kPlain, Mode::kCastFp32, Mode::kFp32Wire,
+                                         Mode::kMxReceiver, Mode::kMxSender, Mode::kBlockReceiver,
+                                         Mode::kBlockSender),
                          [](const auto& info) {
                            std::string name = mode_name(info.param);
                            for (char& ch : name) ch = ch == '-' ? '_' : ch;
