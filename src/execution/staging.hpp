@@ -93,6 +93,7 @@ class BlockCopyBatch {
                   std::size_t element_bytes);
   void clear();
   bool empty() const { return copies_.empty(); }
+  std::size_t size() const { return copies_.size(); }
   void run(void* stream);
 
  private:

@@ -184,6 +184,13 @@ void ConversionQueue::unpack(const Buffer& in, const Buffer& tensor, const BoxVi
   copies_.add_unpack(in, tensor, view, element_bytes);
 }
 
+void ConversionQueue::flush_if_full(void* stream) {
+  constexpr std::size_t kJobsPerLaunch = 512;
+  if (converts_.size() + mx_.size() + blocks_.size() + copies_.size() >= kJobsPerLaunch) {
+    flush(stream);
+  }
+}
+
 void ConversionQueue::flush(void* stream) {
   // Packs feed the conversions of the same flush (a sender packing a slice it then converts does
   // not happen today, but the order keeps it right).

@@ -169,7 +169,11 @@ __global__ void mx_quantize_kernel(JobList<MxJob> list) {
       }
       std::uint8_t encoded[kPerThread];
 #pragma unroll
-      for (int i = 0; i < kPerThread; ++i) encoded[i] = mx_encode(v[u][i], bits);
+      for (int i = 0; i < kPerThread; i += 2) {
+        const std::uint16_t pair = mx_encode_pair(v[u][i], v[u][i + 1], bits);
+        encoded[i] = static_cast<std::uint8_t>(pair & 0xffu);
+        encoded[i + 1] = static_cast<std::uint8_t>(pair >> 8);
+      }
       store_bytes(current.data.data, data_at[u], kPerThread, encoded);
     }
   }

@@ -57,6 +57,9 @@ class ConversionQueue {
               std::size_t element_bytes);
   // Launches what was queued on `stream` (copies first, then conversions) and empties the queue.
   void flush(void* stream);
+  // flush() once enough is queued, so the GPU converts while the host is still queuing the rest
+  // (a MoE refit queues tens of thousands of slices, for tens of milliseconds).
+  void flush_if_full(void* stream);
 
  private:
   void on_gpu();  // where GPU jobs are queued: makes their upload buffers

@@ -1,9 +1,9 @@
 // Number-format conversions shared by the CPU reference and the CUDA kernels: one source, so the
 // GPU results are bit-identical to the reference by construction and the tests check the kernels'
 // indexing, reductions and scale placement. Each value is rounded once (to nearest even): the MX
-// paths scale by powers of two on the integer bits (on GPUs that have one, the FP8 conversion
-// instruction, checked against them for every bf16 value and scale), the block-FP8 path divides
-// in double.
+// paths scale by powers of two on the integer bits (the kernels on GPUs that have one use the FP8
+// conversion instruction, checked against them for every bf16 value and scale), the block-FP8
+// path divides in double.
 #pragma once
 
 #include <cmath>
@@ -206,21 +206,29 @@ RESHARD_HD float power_of_two(int scale) {
 
 RESHARD_HD std::uint8_t mx_encode(float value, std::uint8_t scale_bits) {
   if (scale_bits == kE8m0Nan) return 0x7f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  // The GPU's own conversion (round to nearest even, saturating at 448), as scaled_to_e4m3 does
-  // it: the integer path costs a quantization kernel most of its time. The multiply by a power
-  // of two (without flushing subnormals) is exact down to the float subnormals, far below
-  // E4M3's, where both give a signed zero. NaN gives 0x7f whatever its sign.
-  if (value != value) return 0x7f;
-  float scaled;
-  asm("mul.rn.f32 %0, %1, %2;"
-      : "=f"(scaled)
-      : "f"(value), "f"(power_of_two(127 - static_cast<int>(scale_bits))));
-  std::uint16_t pair;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(scaled));
-  return static_cast<std::uint8_t>(pair & 0xffu);
-#else
   return scaled_to_e4m3(value, 127 - static_cast<int>(scale_bits));
+}
+
+// mx_encode of two values of one block: `low` in the low byte. On GPUs that have one, with the
+// FP8 conversion instruction (round to nearest even, saturating at 448, as scaled_to_e4m3; the
+// integer path costs a quantization kernel most of its time). The multiply by a power of two,
+// without flushing subnormals, is exact down to the float subnormals, far below E4M3's, where
+// both paths give a signed zero; NaN gives 0x7f whatever its sign.
+RESHARD_HD std::uint16_t mx_encode_pair(float low, float high, std::uint8_t scale_bits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (scale_bits == kE8m0Nan) return 0x7f7f;
+  const float factor = power_of_two(127 - static_cast<int>(scale_bits));
+  float scaled_low, scaled_high;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(scaled_low) : "f"(low), "f"(factor));
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(scaled_high) : "f"(high), "f"(factor));
+  std::uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(scaled_high), "f"(scaled_low));
+  if (low != low) pair = static_cast<std::uint16_t>((pair & 0xff00u) | 0x7fu);
+  if (high != high) pair = static_cast<std::uint16_t>((pair & 0x00ffu) | 0x7f00u);
+  return pair;
+#else
+  return static_cast<std::uint16_t>(mx_encode(low, scale_bits) |
+                                    (static_cast<std::uint16_t>(mx_encode(high, scale_bits)) << 8));
 #endif
 }
 

@@ -151,7 +151,8 @@ class TransformBase : public ReshardTransform {
   }
 
   WireBuffers wire_;
-  exec::ConversionQueue queue_;  // this refit's GPU work, launched by flush()
+  // This refit's GPU work, launched by flush() or by the hooks in batches as it grows.
+  exec::ConversionQueue queue_;
 
  private:
   std::string filter_;
@@ -175,7 +176,9 @@ class CastTransform final : public TransformBase {
   std::string name() const override { return std::string("cast-") + dtype_name(wire_dtype_); }
   bool should_transform(const ParamSpec& param) const override { return is_float(param.dtype); }
 
-  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src, void*) override {
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
+                                   void* stream) override {
+    queue_.flush_if_full(stream);
     check_dtype(slice, src.dtype, "source");
     if (src.dtype == wire_dtype_) return {source_slice(slice, src, 0)};
     Buffer wire = wire_.get(true, slice.op, 0, wire_bytes(slice), src.data);
@@ -194,7 +197,8 @@ class CastTransform final : public TransformBase {
     return {wire_.get(false, slice.op, 0, wire_bytes(slice), dst.data)};
   }
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
-                     void*) override {
+                     void* stream) override {
+    queue_.flush_if_full(stream);
     if (dst.dtype == wire_dtype_ &&
         exec::view_of(slice.local, slice.local_shape, true).contiguous()) {
       return;  // it landed in place
@@ -237,7 +241,9 @@ class ScaledFp8Transform : public TransformBase {
            name_selected(param);
   }
 
-  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src, void*) override {
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
+                                   void* stream) override {
+    queue_.flush_if_full(stream);
     check_alignment(slice);
     require_float_source(name(), slice, src);
     if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0)};
@@ -264,7 +270,8 @@ class ScaledFp8Transform : public TransformBase {
   }
 
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
-                     void*) override {
+                     void* stream) override {
+    queue_.flush_if_full(stream);
     const Box scales = scale_box(slice.local);
     const std::vector<std::int64_t> shape = scale_shape(slice.local_shape);
     if (side_ == QuantizeSide::kReceiver) {
