@@ -95,6 +95,20 @@ std::int64_t elements_of(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
+// The views of an MX block and of its scales (one per 32 elements of the last dimension).
+struct MxViews {
+  BoxView data, scales;
+};
+
+MxViews mx_views(const std::vector<std::int64_t>& shape, const Box& block) {
+  std::vector<std::int64_t> scale_shape = shape;
+  scale_shape.back() /= 32;
+  Box scale_block = block;
+  scale_block.offset[block.ndim - 1] /= 32;
+  scale_block.extent[block.ndim - 1] /= 32;
+  return {view_of(block, shape, false), view_of(scale_block, scale_shape, false)};
+}
+
 TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
   const std::vector<QuantizeCase> cases = {
       {kShape, kBlock, DType::kBFloat16, 0},
@@ -108,13 +122,7 @@ TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
     const std::size_t n = static_cast<std::size_t>(elements_of(c.shape));
     const std::size_t size = dtype_size(c.dtype);
     const auto src = salted_tensor(n + c.shift, c.dtype, seed++);
-    std::vector<std::int64_t> scale_shape = c.shape;
-    scale_shape.back() /= 32;
-    Box scale_block = c.block;
-    scale_block.offset[c.block.ndim - 1] /= 32;
-    scale_block.extent[c.block.ndim - 1] /= 32;
-    const BoxView v = view_of(c.block, c.shape, false);
-    const BoxView sv = view_of(scale_block, scale_shape, false);
+    const auto [v, sv] = mx_views(c.shape, c.block);
     DeviceCopy d_src(src.data(), src.size());
     void* shifted = static_cast<std::uint8_t*>(d_src.pointer) + c.shift * size;
     for (bool round_up : {false, true}) {
@@ -215,13 +223,7 @@ TEST(TransformKernels, MxQueueOfManyJobsMatchesTheReferenceBitForBit) {
   DeviceCopy d_src(src.data(), src.size()), d_data(data.size()), d_scales(scales.size());
   ConversionQueue queue;
   for (const Block& block : blocks) {
-    std::vector<std::int64_t> scale_shape = block.shape;
-    scale_shape.back() /= 32;
-    Box scale_box = block.box;
-    scale_box.offset[block.box.ndim - 1] /= 32;
-    scale_box.extent[block.box.ndim - 1] /= 32;
-    const BoxView v = view_of(block.box, block.shape, false);
-    const BoxView sv = view_of(scale_box, scale_shape, false);
+    const auto [v, sv] = mx_views(block.shape, block.box);
     auto at = [](auto* base, std::size_t offset, std::size_t size) {
       return static_cast<void*>(reinterpret_cast<std::uint8_t*>(base) + offset * size);
     };
