@@ -424,6 +424,22 @@ INSTANTIATE_TEST_SUITE_P(Modes, Reshard,
                            return name;
                          });
 
+// A MoE model of 1,152 small expert weights, every rank receiving all of them: more ops than a
+// transform launches at once (512 jobs), so on GPUs the conversions go in batches while the hooks
+// still run; replicas of a slice come from one conversion on the sender.
+TEST(ReshardBatches, ManySmallWeightsAreConvertedInBatches) {
+  auto service = make_service();
+  const int n = service->n_pes();
+  const ModelSpec model = toy_model(4, 64, 96);  // 1,152 expert weights
+  const Case c{"ep " + std::to_string(n) + " -> tp 1 x " + std::to_string(n),
+               {.dp = n, .ep = n},
+               {.replicas = n}};
+  for (Mode mode : {Mode::kMxSender, Mode::kMxReceiver, Mode::kFp32Wire}) {
+    run_case(*service, model, c, mode);
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
   auto service = make_service();
   const ModelSpec model = test_model(false);
