@@ -81,9 +81,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000));
   refit_cmd
       ->add_option("--transform", refit.transform,
-                   "none, mxfp8 (quantized by the sender: FP8 on the wire) or mxfp8-receiver "
-                   "(bf16 on the wire, quantized on arrival)")
-      ->check(CLI::IsMember({"none", "mxfp8", "mxfp8-receiver"}));
+                   "none, mxfp8 (quantized by the sender: FP8 on the wire), mxfp8-receiver "
+                   "(bf16 on the wire, quantized on arrival), fp8-block or fp8-block-receiver "
+                   "(FP8 with a float scale per 128 x 128 tile)")
+      ->check(
+          CLI::IsMember({"none", "mxfp8", "mxfp8-receiver", "fp8-block", "fp8-block-receiver"}));
   refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda, nvshmem or nccl");
   refit_cmd
       ->add_option("--baseline", refit.baseline,

@@ -296,6 +296,60 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceBitForBit) {
   }
 }
 
+// Block FP8 on the GPU divides in float and converts with the FP8 instruction, falling back to the
+// reference's double arithmetic where the float quotient sits on an E4M3 rounding tie or among
+// E4M3's subnormals. Here most elements divide by their tile's scale to within an ulp of a tie,
+// where float and double quotients part: the codes must still be the reference's.
+TEST(TransformKernels, BlockQuantizeMatchesTheReferenceNearRoundingTies) {
+  constexpr std::int64_t kTiles = 64;
+  const std::int64_t rows = 128 * kTiles, cols = 128;
+  std::mt19937 rng(53);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<float> src(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t tile = 0; tile < kTiles; ++tile) {
+    const float amax = std::ldexp(1.0f + unit(rng), static_cast<int>(rng() % 41) - 20);
+    const double scale = formats::block_scale(amax);
+    for (std::int64_t i = 0; i < 128 * cols; ++i) {
+      float value = amax;
+      if (i > 0) {
+        // A tie between two E4M3 codes up to 224 (half the tile's range), subnormal ones too.
+        const auto code = static_cast<std::uint8_t>(rng() % 0x76);
+        const double tie = (formats::e4m3_to_float(code) + formats::e4m3_to_float(code + 1)) / 2.0;
+        value = static_cast<float>(tie * scale);
+        for (int step = static_cast<int>(rng() % 5) - 2; step != 0; step += step > 0 ? -1 : 1) {
+          value = std::nextafter(value, step > 0 ? 1e30f : -1e30f);
+        }
+        if (rng() % 2 == 0) value = -value;
+        if (rng() % 8 == 0) value = amax * (2.0f * unit(rng) - 1.0f);
+      }
+      src[static_cast<std::size_t>(tile * 128 * cols + i)] = value;
+    }
+  }
+  const Box whole = Box::whole({rows, cols});
+  const BoxView v = view_of(whole, {rows, cols}, false);
+  const BoxView tv = view_of(Box::whole({kTiles, 1}), {kTiles, 1}, false);
+  std::vector<std::uint8_t> data(src.size(), 0xab);
+  std::vector<float> scales(kTiles, -1.0f);
+  block_quantize({src.data(), DType::kFloat32, v}, rows, {data.data(), DType::kFloat8E4M3, v},
+                 {scales.data(), DType::kFloat32, tv}, MemoryKind::kHost, nullptr);
+  DeviceCopy d_src(src.data(), src.size() * 4), d_data(data.size()), d_scales(kTiles * 4);
+  block_quantize({d_src.pointer, DType::kFloat32, v}, rows, {d_data.pointer, DType::kFloat8E4M3, v},
+                 {d_scales.pointer, DType::kFloat32, tv}, MemoryKind::kCuda, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = d_data.download();
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < data.size(); ++i) {
+    if (got[i] != data[i] && wrong++ < 5) {
+      ADD_FAILURE() << "element " << i << " = " << src[i] << ": GPU 0x" << std::hex << int{got[i]}
+                    << ", reference 0x" << int{data[i]};
+    }
+  }
+  EXPECT_EQ(wrong, 0u);
+  std::vector<std::uint8_t> host_scales(kTiles * 4);
+  std::memcpy(host_scales.data(), scales.data(), host_scales.size());
+  EXPECT_EQ(d_scales.download(), host_scales);
+}
+
 TEST(TransformKernels, CastsMatchTheReferenceBitForBit) {
   const auto src = salted_bf16(2 * 300 * 384, 13);
   const BoxView v = view_of(kBlock, kShape, false);
