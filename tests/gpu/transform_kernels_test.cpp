@@ -296,10 +296,9 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceBitForBit) {
   }
 }
 
-// Block FP8 on the GPU divides in float and converts with the FP8 instruction, falling back to the
-// reference's double arithmetic where the float quotient sits on an E4M3 rounding tie or among
-// E4M3's subnormals. Here most elements divide by their tile's scale to within an ulp of a tie,
-// where float and double quotients part: the codes must still be the reference's.
+// Quotients within two ulps of E4M3 rounding ties in every tile, where a quotient rounded to float
+// and one rounded to double can part: the GPU's codes must be the reference's (a guard for any
+// faster division the tile kernel takes).
 TEST(TransformKernels, BlockQuantizeMatchesTheReferenceNearRoundingTies) {
   constexpr std::int64_t kTiles = 64;
   const std::int64_t rows = 128 * kTiles, cols = 128;
