@@ -37,9 +37,9 @@ struct ConversionUploads;
 #endif
 
 // Conversions and block copies of one refit, run together: host conversions run at once, block
-// copies and GPU conversions at flush(), one kernel launch per kind however many ops there are
+// copies and GPU conversions at flush(), one kernel launch per kind for up to hundreds of ops
 // (per-op launches cost more than the work itself for MoE models of tens of thousands of small
-// weights).
+// weights; flush_if_full() launches what a large refit has queued so far).
 class ConversionQueue {
  public:
   ConversionQueue();
