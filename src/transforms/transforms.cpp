@@ -51,18 +51,20 @@ class TransformBase : public ReshardTransform {
   bool name_selected(const ParamSpec& param) const {
     return filter_.empty() || param.name.find(filter_) != std::string::npos;
   }
+  // The bytes of a contiguous block of `tensor` (`view`, rows merged), as a buffer of their own.
+  static Buffer contiguous_part(const Buffer& tensor, const BoxView& view, std::size_t element) {
+    Buffer part = tensor;
+    part.data = at_byte(tensor) + view.base * element;
+    part.bytes = static_cast<std::size_t>(view.elements()) * element;
+    return part;
+  }
   // The source slice as a block of its tensor (a view, or packed into a wire buffer when the
   // slice is not contiguous: the wire carries the region densely).
   Buffer source_slice(const OpSlice& slice, const LocalTensor& src, int index) {
     const BoxView view = exec::view_of(slice.local, slice.local_shape, true);
     const std::size_t element = dtype_size(src.dtype);
+    if (view.contiguous()) return contiguous_part(src.data, view, element);
     const std::size_t bytes = static_cast<std::size_t>(slice.local.elements()) * element;
-    if (view.contiguous()) {
-      Buffer part = src.data;
-      part.data = at_byte(src.data) + view.base * element;
-      part.bytes = bytes;
-      return part;
-    }
     Buffer wire = wire_.get(true, slice.op, index, bytes, src.data);
     queue_.pack(src.data, view, element, wire);
     return wire;
@@ -72,12 +74,9 @@ class TransformBase : public ReshardTransform {
   // otherwise. `view` is the block in the tensor, rows merged.
   Buffer landing(const OpSlice& slice, const Buffer& tensor, int index, const BoxView& view,
                  std::size_t element) {
+    if (view.contiguous()) return contiguous_part(tensor, view, element);
     const auto bytes = static_cast<std::size_t>(view.elements()) * element;
-    if (!view.contiguous()) return wire_.get(false, slice.op, index, bytes, tensor);
-    Buffer part = tensor;
-    part.data = at_byte(tensor) + view.base * element;
-    part.bytes = bytes;
-    return part;
+    return wire_.get(false, slice.op, index, bytes, tensor);
   }
   void require_scale(const std::string& name, const OpSlice& slice, const LocalTensor& dst,
                      std::size_t scale_bytes) const {
