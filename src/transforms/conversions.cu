@@ -182,10 +182,10 @@ __global__ void __launch_bounds__(kMxThreads, 4) mx_quantize_kernel(JobList<MxJo
 
 // One CTA per 128 x 128 tile: 16 threads of 8 elements span a tile row, 16 rows per pass, 8
 // passes; the values stay in registers between the maximum and the encode. A tile's rows lie in
-// one matrix, one stride apart, so a thread finds its rows from the tile's first row (two
-// divisions per view, not one per row) and before any store: the job list is in global memory,
-// and after a byte store the compiler must assume the job changed and reload it (the per-row
-// offsets, recomputed after the stores, cost the kernel 2/3 of its time).
+// one matrix, one stride apart, so a thread finds its rows from the tile's first row, before any
+// store: the job list is in global memory, and after a byte store the compiler must assume a job
+// changed and reload it. Per-row offsets recomputed after the stores had the Llama-3-8B block-FP8
+// refit's sender preparing for 34.4 ms instead of 24.8 (2x H200, 2026-11-23).
 constexpr int kTileThreads = 256;
 constexpr int kThreadsPerTileRow = kFp8Block / kPerThread;
 constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
