@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -31,6 +32,14 @@ struct OpSlice {
   const std::vector<std::int64_t>& local_shape;
 };
 
+// The scale tensor a block-scaled format writes beside a destination's FP8 data: allocate it and
+// pass it as LocalTensor::scale.
+struct ScaleTensor {
+  DType dtype = DType::kFloat8E8M0;
+  std::vector<std::int64_t> shape;
+  std::size_t bytes() const;
+};
+
 class ReshardTransform {
  public:
   virtual ~ReshardTransform() = default;
@@ -49,6 +58,14 @@ class ReshardTransform {
   // (both on `stream`): a transform that queued its GPU work op by op launches it here in one go.
   // The default does nothing.
   virtual void flush(void* stream) { (void)stream; }
+  // The scale tensor a destination of a transformed parameter needs, given the shape of this
+  // rank's local tensor; none for formats without scales (the default). Throws kInvalidArgument
+  // for a shape the format cannot take.
+  virtual std::optional<ScaleTensor> destination_scale(
+      const std::vector<std::int64_t>& local_shape) const {
+    (void)local_shape;
+    return std::nullopt;
+  }
 };
 
 // Most wire buffers one op may use (the executor numbers them in the task id's low bits).

@@ -17,7 +17,8 @@ class LocalTensor:
     """A rank's local tensor of one parameter, with what reshard cannot read from it.
 
     ``scale`` holds the scales of block-scaled formats (MXFP8: E8M0, shape ``[..., K / 32]``;
-    128x128 FP8: float32, shape ``[..., ceil(M / 128), ceil(K / 128)]``). ``dtype`` names the
+    128x128 FP8: float32, shape ``[..., ceil(M / 128), ceil(K / 128)]``;
+    ``transform.destination_scale(data.shape)`` says which). ``dtype`` names the
     element type when the array's own does not say it (e.g. a ``uint8`` view of FP8 data:
     ``"float8_e4m3"``).
     """

@@ -547,9 +547,27 @@ class PythonTransform final : public ReshardTransform {
 };
 
 void bind_execution(nb::module_& m) {
+  nb::class_<ScaleTensor>(m, "ScaleTensor")
+      .def_prop_ro("dtype", [](const ScaleTensor& s) { return std::string(dtype_name(s.dtype)); })
+      .def_prop_ro("shape",
+                   [](const ScaleTensor& s) {
+                     nb::list extents;
+                     for (std::int64_t extent : s.shape) extents.append(extent);
+                     return nb::steal<nb::tuple>(PySequence_Tuple(extents.ptr()));
+                   })
+      .def_prop_ro("nbytes", &ScaleTensor::bytes)
+      .def("__repr__", [](const ScaleTensor& s) {
+        std::string shape;
+        for (std::int64_t extent : s.shape) {
+          shape += (shape.empty() ? "" : ", ") + std::to_string(extent);
+        }
+        return "ScaleTensor(dtype='" + std::string(dtype_name(s.dtype)) + "', shape=(" + shape +
+               (s.shape.size() == 1 ? ",))" : "))");
+      });
   nb::class_<ReshardTransform>(m, "ReshardTransform")
       .def_prop_ro("name", &ReshardTransform::name)
-      .def("should_transform", &ReshardTransform::should_transform, "param"_a);
+      .def("should_transform", &ReshardTransform::should_transform, "param"_a)
+      .def("destination_scale", &ReshardTransform::destination_scale, "local_shape"_a);
 
   m.def(
       "make_cast_transform",

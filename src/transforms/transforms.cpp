@@ -240,6 +240,22 @@ class ScaledFp8Transform : public TransformBase {
            name_selected(param);
   }
 
+  std::optional<ScaleTensor> destination_scale(
+      const std::vector<std::int64_t>& local_shape) const override {
+    if (local_shape.size() < 2) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  name() + ": a scaled FP8 tensor has 2 or more dimensions, not " +
+                      std::to_string(local_shape.size()));
+    }
+    for (std::int64_t extent : local_shape) {
+      if (extent < 0) {
+        throw_error(ErrorCode::kInvalidArgument, name() + ": negative extent in the shape");
+      }
+    }
+    check_shape(local_shape);
+    return ScaleTensor{scale_dtype(), scale_shape(local_shape)};
+  }
+
   std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
                                    void* stream) override {
     queue_.flush_if_full(stream);
@@ -295,6 +311,8 @@ class ScaledFp8Transform : public TransformBase {
  private:
   // Refuses (naming the region) a slice that would cut the format's blocks.
   virtual void check_alignment(const OpSlice& slice) const = 0;
+  // Refuses a local tensor shape the format cannot scale.
+  virtual void check_shape(const std::vector<std::int64_t>& shape) const { (void)shape; }
   virtual DType scale_dtype() const = 0;
   // The scales of `box` (a block of a tensor), as a block of that tensor's scale tensor.
   virtual Box scale_box(const Box& box) const = 0;
@@ -344,6 +362,13 @@ class Mxfp8Transform final : public ScaledFp8Transform {
   void quantize(const exec::BlockRef& src, const exec::BlockRef& data, const exec::BlockRef& scale,
                 const Box&, const Buffer& memory) override {
     queue_.mx_quantize({src, data, scale, round_up_}, memory);
+  }
+  void check_shape(const std::vector<std::int64_t>& shape) const override {
+    if (shape.back() % formats::kMxBlock != 0) {
+      throw_error(ErrorCode::kInvalidArgument, name() + ": the last dimension (" +
+                                                   std::to_string(shape.back()) +
+                                                   ") must be a multiple of 32, the MX block");
+    }
   }
   void check_alignment(const OpSlice& slice) const override {
     const int last = slice.op.region.ndim - 1;
@@ -419,6 +444,12 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
 };
 
 }  // namespace
+
+std::size_t ScaleTensor::bytes() const {
+  std::size_t n = dtype_size(dtype);
+  for (std::int64_t extent : shape) n *= static_cast<std::size_t>(extent);
+  return n;
+}
 
 std::shared_ptr<ReshardTransform> make_cast_transform(DType wire) {
   return std::make_shared<CastTransform>(wire);

@@ -221,8 +221,10 @@ struct RankTensors {
   TensorMap src_map, dst_map;
 };
 
+// `transform` (or null) says how large the scale tensors of its FP8 destinations are.
 RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device,
-                         const std::map<std::string, Expected>& expected) {
+                         const std::map<std::string, Expected>& expected,
+                         const ReshardTransform* transform) {
   RankTensors t;
   const Layout& src = plan.src_layout();
   for (std::uint32_t p = 0; p < src.params().size(); ++p) {
@@ -248,15 +250,9 @@ RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device,
     const std::int64_t n = Box::whole(shard->local_shape).elements();
     auto memory = std::make_unique<TestMemory>(n * dtype_size(want.dtype), device);
     LocalTensor tensor{memory->buffer(), want.dtype, {}};
-    std::size_t scale_bytes = 0;
-    if (!want.mx_scales.empty()) scale_bytes = n / 32;
-    if (!want.block_scales.empty()) {
-      const auto& s = shard->local_shape;
-      scale_bytes = n / (s[s.size() - 1] * s[s.size() - 2]) * ((s[s.size() - 2] + 127) / 128) *
-                    ((s.back() + 127) / 128) * sizeof(float);
-    }
-    if (scale_bytes > 0) {
-      auto scales = std::make_unique<TestMemory>(scale_bytes, device);
+    if (!want.mx_scales.empty() || !want.block_scales.empty()) {
+      auto scales = std::make_unique<TestMemory>(
+          transform->destination_scale(shard->local_shape).value().bytes(), device);
       tensor.scale = scales->buffer();
       t.dst_scale[param.name] = std::move(scales);
     }
@@ -383,9 +379,10 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
   // The third refit gets new tensors on every rank (the old ones stay alive, so the addresses
   // differ): the executor must notice and schedule again.
   std::vector<RankTensors> generations;
-  generations.push_back(make_tensors(*plan, me, my_device(), expected));
+  generations.push_back(make_tensors(*plan, me, my_device(), expected, transform.get()));
   for (int refit = 0; refit < 3; ++refit) {
-    if (refit == 2) generations.push_back(make_tensors(*plan, me, my_device(), expected));
+    if (refit == 2)
+      generations.push_back(make_tensors(*plan, me, my_device(), expected, transform.get()));
     RankTensors& tensors = generations.back();
     const ReshardReport report =
         execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, service, transform);
@@ -448,7 +445,7 @@ TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, {.replicas = n})));
   const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
-  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected);
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, nullptr);
   t.src_map.erase("layers.1.mlp.down_proj.weight");
   try {
     execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
@@ -474,7 +471,7 @@ TEST(ReshardErrors, MisalignedMxSlicesAreRefusedNamingTheRegion) {
   auto transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp, "o_proj");
   const std::map<std::string, Expected> expected =
       expectations(*plan, Mode::kMxSender, transform.get());
-  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected);
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, transform.get());
   try {
     execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform);
     ADD_FAILURE() << "expected a refusal";
@@ -513,7 +510,7 @@ TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, {.pp = 2}), build_layout(model, {.rank_offset = 0})));
   const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
-  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected);
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, nullptr);
   try {
     execute_reshard_plan(plan, t.src_map, t.dst_map, *service,
                          std::make_shared<LopsidedTransform>());

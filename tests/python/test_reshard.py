@@ -199,6 +199,18 @@ def test_bad_transform_options_are_refused():
         reshard.make_mxfp8_transform(rounding="nearest")
 
 
+def test_fp8_transforms_say_what_scale_tensor_a_destination_needs():
+    mx = reshard.make_mxfp8_transform().destination_scale([8, 96, 256])
+    assert (mx.dtype, mx.shape, mx.nbytes) == ("float8_e8m0fnu", (8, 96, 8), 8 * 96 * 8)
+    block = reshard.make_fp8_block_transform().destination_scale([300, 260])
+    assert (block.dtype, block.shape, block.nbytes) == ("float32", (3, 3), 36)
+    assert reshard.make_cast_transform("fp32").destination_scale([4, 4]) is None
+    with pytest.raises(reshard.ReshardError, match="multiple of 32"):
+        reshard.make_mxfp8_transform().destination_scale([4, 48])
+    with pytest.raises(reshard.ReshardError, match="2 or more dimensions"):
+        reshard.make_fp8_block_transform().destination_scale([256])
+
+
 class _BrokenTransform(reshard.ReshardTransform):
     """Returns what the test asks for from its hooks."""
 

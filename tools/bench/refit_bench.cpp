@@ -234,7 +234,6 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   } else if (options.transform == "fp8-block-receiver") {
     transform = make_fp8_block_transform(QuantizeSide::kReceiver);
   }
-  const bool block_scales = options.transform.rfind("fp8-block", 0) == 0;
 
   std::vector<std::unique_ptr<Tensor>> memory;
   std::vector<Tensor*> destinations;
@@ -251,14 +250,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       const std::size_t elements = Box::whole(shard->local_shape).elements();
       LocalTensor tensor;
       if (transform && transform->should_transform(param)) {
-        // MX: one byte per 32 elements; block FP8: a float per 128 x 128 tile of each matrix.
-        const auto& shape = shard->local_shape;
-        const std::int64_t m = shape[shape.size() - 2], k = shape.back();
-        const std::size_t scale_bytes =
-            block_scales ? elements / (m * k) * ((m + 127) / 128) * ((k + 127) / 128) * 4
-                         : elements / 32;
         auto data = allocate(elements, gpu);
-        auto scale = allocate(scale_bytes, gpu);
+        auto scale =
+            allocate(transform->destination_scale(shard->local_shape).value().bytes(), gpu);
         tensor = {data->buffer, DType::kFloat8E4M3, scale->buffer};
         destinations.push_back(data.get());
         destinations.push_back(scale.get());

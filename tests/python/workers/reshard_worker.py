@@ -138,7 +138,8 @@ def main():
                 if transform.should_transform(param):
                     fp8[name] = reshard.LocalTensor(
                         np.full(tensor.shape, 0xAB, dtype=np.uint8),
-                        scale=np.full(tensor.shape[:-1] + (tensor.shape[-1] // 32,), 0xCD, np.uint8),
+                        scale=np.full(transform.destination_scale(tensor.shape).shape, 0xCD,
+                                      np.uint8),
                         dtype="float8_e4m3")
                 else:
                     fp8[name] = reshard.LocalTensor(tensor, dtype="bfloat16")
