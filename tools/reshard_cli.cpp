@@ -86,6 +86,10 @@ int main(int argc, char** argv) {
                    "(FP8 with a float scale per 128 x 128 tile)")
       ->check(
           CLI::IsMember({"none", "mxfp8", "mxfp8-receiver", "fp8-block", "fp8-block-receiver"}));
+  refit_cmd->add_option(
+      "--transform-only", refit.transform_only,
+      "apply the transform only to parameters whose name contains this (e.g. "
+      "'layers.': embeddings stay bf16, as DeepSeek-V3's FP8 checkpoints keep them)");
   refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda, nvshmem or nccl");
   refit_cmd
       ->add_option("--baseline", refit.baseline,

@@ -85,6 +85,7 @@ struct RefitBenchOptions {
   std::string model = "llama3-8b";  // or "qwen3-30b-a3b"
   int layers = 0;                   // 0: the model's own count
   std::string transform = "none";   // or "mxfp8" (sender side: FP8 + scales on the wire)
+  std::string transform_only;       // the transform applies to parameters whose name has this
   TransportKind transport = TransportKind::kAuto;
   // Timed after the transport under test, on the same tensors and process group: "auto" (NCCL
   // where the transport under test is another GPU transport and NCCL is built), "none", or a

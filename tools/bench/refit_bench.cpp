@@ -225,15 +225,20 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, from), build_layout(model, to)));
   std::shared_ptr<ReshardTransform> transform;
+  const std::string& only = options.transform_only;
   if (options.transform == "mxfp8") {
-    transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp);
+    transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp, only);
   } else if (options.transform == "mxfp8-receiver") {
-    transform = make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp);
+    transform = make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp, only);
   } else if (options.transform == "fp8-block") {
-    transform = make_fp8_block_transform(QuantizeSide::kSender);
+    transform = make_fp8_block_transform(QuantizeSide::kSender, only);
   } else if (options.transform == "fp8-block-receiver") {
-    transform = make_fp8_block_transform(QuantizeSide::kReceiver);
+    transform = make_fp8_block_transform(QuantizeSide::kReceiver, only);
   }
+  const std::string transform_name =
+      !transform
+          ? "none"
+          : transform->name() + (only.empty() ? "" : " (parameters matching '" + only + "')");
 
   std::vector<std::unique_ptr<Tensor>> memory;
   std::vector<Tensor*> destinations;
@@ -335,7 +340,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     std::printf("refit: %s (%d layers, %s), %s -> %s on %d PEs, transport %s, transform %s\n",
                 model.name.c_str(), model.layers, format_bytes(model.total_bytes()).c_str(),
                 from.str().c_str(), to.str().c_str(), n, service.transport_name().c_str(),
-                transform ? transform->name().c_str() : "none");
+                transform_name.c_str());
     std::printf("  plan: %s\n", plan->summary().c_str());
     // The busiest PE's bytes over the time: the rate at which the plan's lower bound was met.
     std::printf(
@@ -371,8 +376,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << model.name << "\",\"layers\":" << model.layers << ",\"src\":\"" << from.str()
            << "\",\"dst\":\"" << to.str() << "\",\"pes\":" << n << ",\"transport\":\""
            << service.transport_name() << "\",\"transform\":\""
-           << (transform ? transform->name() : "none") << "\",\"median_s\":" << median
-           << ",\"total_bytes\":" << stats.total_bytes << ",\"local_bytes\":" << stats.local_bytes
+           << (transform ? transform->name() : "none") << "\","
+           << (transform && !only.empty() ? "\"transform_only\":\"" + only + "\"," : "")
+           << "\"median_s\":" << median << ",\"total_bytes\":" << stats.total_bytes
+           << ",\"local_bytes\":" << stats.local_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
       if (baseline_median > 0) {
