@@ -38,6 +38,11 @@ struct BoxView {
     }
     return offset;
   }
+  // Elements between consecutive rows that share their outer indices but the innermost: within
+  // one matrix of a view whose rows are the last dimension.
+  RESHARD_HD std::int64_t row_stride() const {
+    return outer_dims > 0 ? outer_stride[outer_dims - 1] : cols;
+  }
   bool contiguous() const { return rows == 1 || cols == 0; }
   std::int64_t elements() const { return rows * cols; }
 };

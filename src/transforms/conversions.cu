@@ -197,11 +197,6 @@ __host__ __device__ std::int64_t tiles_of(const BlockFp8Job& job) {
   return job.src.view.rows / job.rows_per_matrix * tile_rows * tile_cols;
 }
 
-// The stride between consecutive rows of one matrix of `view` (its innermost outer dimension).
-__device__ std::int64_t row_stride(const BoxView& view) {
-  return view.outer_dims > 0 ? view.outer_stride[view.outer_dims - 1] : view.cols;
-}
-
 __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockFp8Job> list) {
   __shared__ float warp_amax[kTileThreads / 32];
   const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerThread;
@@ -227,9 +222,9 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
         static_cast<int>(max(static_cast<std::int64_t>(0),
                              min(static_cast<std::int64_t>(kPerThread), job.src.view.cols - c0)));
     const std::int64_t src_first = job.src.view.row_start(row_begin) + c0;
-    const std::int64_t src_stride = row_stride(job.src.view);
+    const std::int64_t src_stride = job.src.view.row_stride();
     const std::int64_t data_first = job.data.view.row_start(row_begin) + c0;
-    const std::int64_t data_stride = row_stride(job.data.view);
+    const std::int64_t data_stride = job.data.view.row_stride();
     float* const scale_at =
         static_cast<float*>(job.scale.data) + job.scale.view.row_start(m * tile_rows + tr) + tc;
     float v[kTilePasses][kPerThread];

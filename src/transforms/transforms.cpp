@@ -275,7 +275,7 @@ class ScaledFp8Transform : public TransformBase {
 
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
     check_alignment(slice);
-    require_scale(name(), slice, dst, scale_bytes(Box::whole(scale_shape(slice.local_shape))));
+    require_scale(name(), slice, dst, destination_scale(slice.local_shape)->bytes());
     const std::size_t n = elements(slice.local);
     if (side_ == QuantizeSide::kReceiver) {
       return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
