@@ -19,6 +19,9 @@ struct ReshardReport {
   std::uint64_t bytes_sent = 0;  // on the wire from this rank, local copies excluded
   std::uint64_t bytes_received = 0;
   std::uint64_t packed_bytes = 0;  // copied through staging because a slice was not contiguous
+  // Local ops (source and destination on this rank) that the transform converted straight into
+  // the destination, beside the transfer: their bytes in the parameter's dtype.
+  std::uint64_t locally_converted_bytes = 0;
   // With RESHARD_PHASE_TIMING=1 only (each phase is then waited for): packing and send-side
   // transforms, the copy service's run, unpacking and receive-side transforms.
   double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;

@@ -58,6 +58,21 @@ class ReshardTransform {
   // (both on `stream`): a transform that queued its GPU work op by op launches it here in one go.
   // The default does nothing.
   virtual void flush(void* stream) { (void)stream; }
+  // A local op (source and destination both on this rank): true where the transform writes the
+  // destination slice straight from the source slice (convert_local), so the op needs no wire
+  // buffer, no copy and no place in the schedule. Called once when the refit is prepared, before
+  // the schedule: it checks the tensors as prepare_send and prepare_recv would (throwing on bad
+  // input). The default, false, sends the op through the copy service like any other.
+  virtual bool converts_locally(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                                const LocalTensor& dst) {
+    (void)from, (void)src, (void)to, (void)dst;
+    return false;
+  }
+  // Queues that conversion on `stream` (flush launches it); called at every refit for the ops
+  // converts_locally accepted. The executor runs these while the transfer runs (on GPUs the
+  // transfer then goes on a high-priority stream of its own): they may touch only the op's slices.
+  virtual void convert_local(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                             const LocalTensor& dst, void* stream);
   // The scale tensor a destination of a transformed parameter needs, given the shape of this
   // rank's local tensor; none for formats without scales (the default). Throws kInvalidArgument
   // for a shape the format cannot take.

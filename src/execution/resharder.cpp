@@ -37,6 +37,13 @@ struct Side {
   exec::BoxView view;  // the slice in the local tensor (rows merged)
 };
 
+// A local op whose transform converts it in place (converts_locally): no wire, no request.
+struct LocalSide {
+  const TransferOp* op = nullptr;
+  const Shard* src_shard = nullptr;
+  const Shard* dst_shard = nullptr;
+};
+
 using RegistrationKey = std::tuple<bool, TaskId, const void*, std::size_t, std::size_t, PeId>;
 
 std::string where(const ReshardPlan& plan, const TransferOp& op) {
@@ -60,6 +67,9 @@ struct Resharder::Impl {
   struct Prepared {
     bool valid = false;
     std::vector<Side> sends, receives;
+    std::vector<LocalSide> locals;
+    int device = -1;                      // the GPU of the tensors (device_of)
+    std::vector<bool> converted_locally;  // by op index in the plan
     exec::BlockCopyBatch packs, unpacks;
     std::vector<LocalTensor> tensors;
     ReshardReport report;  // the byte counts, the same at every refit
@@ -68,6 +78,14 @@ struct Resharder::Impl {
   std::uint64_t registered_generation = UINT64_MAX;
   void* own_stream = nullptr;
   int own_stream_device = -1;
+  // With local conversions on a GPU, the transfer runs on a stream of the highest priority,
+  // ordered after the caller's (fork) and before the caller's later work (join), while the
+  // conversions run on the caller's: the GPU's CTA scheduler then gives the transfer's kernels
+  // the SMs they ask for first and the conversions the rest.
+  void* transfer_stream = nullptr;
+  void* transfer_fork = nullptr;
+  void* transfer_join = nullptr;
+  int transfer_stream_device = -1;
 
   Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s, std::shared_ptr<ReshardTransform> t)
       : plan(std::move(p)), service(s), transform(std::move(t)), me(s.my_pe()) {
@@ -95,6 +113,7 @@ struct Resharder::Impl {
   ~Impl() {
 #ifdef RESHARD_WITH_CUDA
     if (own_stream != nullptr) exec::cuda::destroy_stream(own_stream_device, own_stream);
+    if (transfer_stream != nullptr) destroy_transfer_stream();
 #endif
   }
 
@@ -132,14 +151,20 @@ struct Resharder::Impl {
     return tensor;
   }
 
-  void* stream_for(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
-    if (cuda_stream != nullptr) return cuda_stream;
+  // The GPU of the tensors, or -1 where they are all in host memory.
+  static int device_of(const TensorMap& src, const TensorMap& dst) {
     int device = -1;
     for (const TensorMap* map : {&src, &dst}) {
       for (const auto& [name, tensor] : *map) {
         if (tensor.data.kind == MemoryKind::kCuda) device = tensor.data.device;
       }
     }
+    return device;
+  }
+
+  void* stream_for(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
+    if (cuda_stream != nullptr) return cuda_stream;
+    const int device = device_of(src, dst);
     if (device < 0) return nullptr;
 #ifdef RESHARD_WITH_CUDA
     if (own_stream == nullptr) {
@@ -202,6 +227,71 @@ struct Resharder::Impl {
     }
     return side;
   }
+
+  // A local op of a transformed parameter that the transform converts in place: recorded in
+  // prepared.locals (checked by the transform now, before the schedule).
+  bool converts_locally(const TransferOp& op, const TensorMap& src, const TensorMap& dst) {
+    if (!transforms(op)) return false;
+    LocalSide local{.op = &op};
+    const LocalTensor& from = tensor_for(src, plan->src_layout(), op, true, local.src_shard);
+    const LocalTensor& to = tensor_for(dst, plan->dst_layout(), op, false, local.dst_shard);
+    const ParamSpec& param = plan->params()[op.param];
+    if (!transform->converts_locally({param, op, op.src_box(), local.src_shard->local_shape}, from,
+                                     {param, op, op.dst_box(), local.dst_shard->local_shape}, to)) {
+      return false;
+    }
+    prepared.locals.push_back(local);
+    prepared.converted_locally[&op - plan->ops().data()] = true;
+    prepared.report.locally_converted_bytes += op.bytes;
+    return true;
+  }
+
+  // Queues the local ops' conversions on `stream`.
+  void convert_locals(const TensorMap& src, const TensorMap& dst, void* stream) {
+    if (prepared.locals.empty()) return;
+    for (const LocalSide& local : prepared.locals) {
+      const TransferOp& op = *local.op;
+      const ParamSpec& param = plan->params()[op.param];
+      transform->convert_local(
+          {param, op, op.src_box(), local.src_shard->local_shape}, src.at(param.name),
+          {param, op, op.dst_box(), local.dst_shard->local_shape}, dst.at(param.name), stream);
+    }
+    transform->flush(stream);
+  }
+
+  // Runs the copy service and the local ops' conversions side by side: the transfer on the
+  // high-priority stream where there are conversions on a GPU, on `stream` otherwise.
+  void transfer_and_convert_locals(const TensorMap& src, const TensorMap& dst, void* stream) {
+#ifdef RESHARD_WITH_CUDA
+    if (!prepared.locals.empty() && stream != nullptr && prepared.device >= 0) {
+      if (transfer_stream != nullptr && transfer_stream_device != prepared.device) {
+        destroy_transfer_stream();
+      }
+      if (transfer_stream == nullptr) {
+        transfer_stream = exec::cuda::create_stream(prepared.device, /*high_priority=*/true);
+        transfer_fork = exec::cuda::create_event(prepared.device);
+        transfer_join = exec::cuda::create_event(prepared.device);
+        transfer_stream_device = prepared.device;
+      }
+      exec::cuda::order_after(transfer_stream, stream, transfer_fork);
+      service.run(transfer_stream);
+      convert_locals(src, dst, stream);
+      exec::cuda::order_after(stream, transfer_stream, transfer_join);
+      return;
+    }
+#endif
+    service.run(stream);
+    convert_locals(src, dst, stream);
+  }
+
+#ifdef RESHARD_WITH_CUDA
+  void destroy_transfer_stream() {
+    exec::cuda::destroy_stream(transfer_stream_device, transfer_stream);
+    exec::cuda::destroy_event(transfer_stream_device, transfer_fork);
+    exec::cuda::destroy_event(transfer_stream_device, transfer_join);
+    transfer_stream = nullptr;
+  }
+#endif
 
   std::vector<RegistrationKey> registration_keys(const std::vector<Side>& sends,
                                                  const std::vector<Side>& receives) const {
@@ -311,15 +401,20 @@ struct Resharder::Impl {
                void* stream, ReshardReport& report) {
     prepared.sends.clear();
     prepared.receives.clear();
+    prepared.locals.clear();
+    prepared.converted_locally.assign(plan->ops().size(), false);
+    prepared.device = device_of(src, dst);
     prepared.packs.clear();
     prepared.unpacks.clear();
     prepared.report = ReshardReport{};
     ReshardReport& counts = prepared.report;
     for (const TransferOp* op : send_ops) {
+      if (op->local() && converts_locally(*op, src, dst)) continue;
       prepared.sends.push_back(prepare_side(*op, src, true, stream, prepared.packs, counts));
       if (!op->local()) counts.bytes_sent += op->bytes;
     }
     for (const TransferOp* op : recv_ops) {
+      if (prepared.converted_locally[op - plan->ops().data()]) continue;
       prepared.receives.push_back(prepare_side(*op, dst, false, stream, prepared.unpacks, counts));
       if (!op->local()) counts.bytes_received += op->bytes;
     }
@@ -391,7 +486,7 @@ struct Resharder::Impl {
     if (transform) transform->flush(stream);  // the send hooks' conversions
     prepared.packs.run(stream);
     clock.mark(report.prepare_seconds);
-    service.run(stream);
+    transfer_and_convert_locals(src, dst, stream);
     clock.mark(report.transfer_seconds);
     prepared.unpacks.run(stream);
     for (const Side& side : prepared.receives) {
@@ -411,6 +506,7 @@ struct Resharder::Impl {
     report.bytes_sent = prepared.report.bytes_sent;
     report.bytes_received = prepared.report.bytes_received;
     report.packed_bytes = prepared.report.packed_bytes;
+    report.locally_converted_bytes = prepared.report.locally_converted_bytes;
     return report;
   }
 };

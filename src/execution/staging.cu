@@ -120,10 +120,13 @@ void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void*
   list.mark_used(static_cast<cudaStream_t>(stream));
 }
 
-void* create_stream(int device) {
+void* create_stream(int device, bool high_priority) {
   DeviceScope scope(device);
+  int least = 0, greatest = 0;
+  if (high_priority) RESHARD_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   cudaStream_t stream = nullptr;
-  RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RESHARD_CUDA_CHECK(
+      cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, high_priority ? greatest : 0));
   return stream;
 }
 
@@ -134,6 +137,24 @@ void destroy_stream(int device, void* stream) {
 
 void synchronize_stream(void* stream) {
   RESHARD_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+void* create_event(int device) {
+  DeviceScope scope(device);
+  cudaEvent_t event = nullptr;
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return event;
+}
+
+void destroy_event(int device, void* event) {
+  DeviceScope scope(device);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+void order_after(void* later, void* earlier, void* event) {
+  auto* point = static_cast<cudaEvent_t>(event);
+  RESHARD_CUDA_CHECK(cudaEventRecord(point, static_cast<cudaStream_t>(earlier)));
+  RESHARD_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(later), point, 0));
 }
 
 }  // namespace reshard::exec::cuda

@@ -117,9 +117,15 @@ void destroy_copy_upload(void* upload);
 // Runs `copies` in one launch; uploads them first unless `uploaded` (the list is unchanged).
 void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void* upload,
                       void* stream);
-void* create_stream(int device);
+// A non-blocking stream on `device`; with `high_priority`, of the device's greatest priority.
+void* create_stream(int device, bool high_priority = false);
 void destroy_stream(int device, void* stream);
 void synchronize_stream(void* stream);
+void* create_event(int device);
+void destroy_event(int device, void* event);
+// Work queued on `later` from now on waits for the work queued on `earlier` so far (`event`
+// records the point).
+void order_after(void* later, void* earlier, void* event);
 }  // namespace cuda
 #endif
 

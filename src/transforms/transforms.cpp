@@ -104,6 +104,7 @@ class TransformBase : public ReshardTransform {
 
   void flush(void* stream) override {
     queue_.flush(stream);
+    local_queue_.flush(stream);
     converted_.clear();
     sent_ops_.clear();
   }
@@ -152,6 +153,10 @@ class TransformBase : public ReshardTransform {
   WireBuffers wire_;
   // This refit's GPU work, launched by flush() or by the hooks in batches as it grows.
   exec::ConversionQueue queue_;
+  // The local ops' conversions (convert_local), which run beside the transfer: their job lists
+  // stay the same from refit to refit (uploaded once) and are not replaced under a kernel of the
+  // transfer's stream.
+  exec::ConversionQueue local_queue_;
 
  private:
   std::string filter_;
@@ -261,13 +266,17 @@ class ScaledFp8Transform : public TransformBase {
     queue_.flush_if_full(stream);
     check_alignment(slice);
     require_float_source(name(), slice, src);
-    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0)};
+    if (side_ == QuantizeSide::kReceiver) {
+      require_wire_dtype(slice, src);
+      return {source_slice(slice, src, 0)};
+    }
     const SliceKey key = slice_key(src, slice.local);
     if (const std::vector<Buffer>* done = converted(slice.op, key)) return *done;
     const Box scales = scale_box(slice.local);
     Buffer data = wire_.get(true, slice.op, 0, elements(slice.local), src.data);
     Buffer scale = wire_.get(true, slice.op, 1, scale_bytes(scales), src.data);
-    quantize({src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
+    quantize(queue_,
+             {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
              {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
              {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data);
     return remember(key, {data, scale});
@@ -287,14 +296,9 @@ class ScaledFp8Transform : public TransformBase {
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
                      void* stream) override {
     queue_.flush_if_full(stream);
-    const Box scales = scale_box(slice.local);
-    const std::vector<std::int64_t> shape = scale_shape(slice.local_shape);
     if (side_ == QuantizeSide::kReceiver) {
-      quantize(
-          {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)},
-          {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
-          {dst.scale.data, scale_dtype(), exec::view_of(scales, shape, false)}, slice.local,
-          dst.data);
+      quantize_into(queue_, {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)}, slice,
+                    dst);
       return;
     }
     // Blocks contiguous in the destination landed there (prepare_recv).
@@ -303,6 +307,30 @@ class ScaledFp8Transform : public TransformBase {
     const BoxView scale_at = scale_view(slice);
     if (!scale_at.contiguous())
       queue_.unpack(wire[1], dst.scale, scale_at, dtype_size(scale_dtype()));
+  }
+
+  // Quantized on arrival, a local op quantizes its source slice where it lies: no bf16 copy
+  // through a wire buffer, and (on a stream of the executor's) while the transfer runs. The
+  // sender-side variant keeps the wire: its FP8 slice is often sent to other replicas too, and
+  // converting it again here would cost more than the copy it saves.
+  bool converts_locally(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                        const LocalTensor& dst) override {
+    if (side_ != QuantizeSide::kReceiver) return false;
+    if (src.data.kind != dst.data.kind || src.data.device != dst.data.device) return false;
+    check_alignment(from);
+    require_float_source(name(), from, src);
+    require_wire_dtype(from, src);
+    check_alignment(to);
+    require_scale(name(), to, dst, destination_scale(to.local_shape)->bytes());
+    return true;
+  }
+
+  void convert_local(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                     const LocalTensor& dst, void* stream) override {
+    local_queue_.flush_if_full(stream);
+    quantize_into(local_queue_,
+                  {src.data.data, src.dtype, exec::view_of(from.local, from.local_shape, false)},
+                  to, dst);
   }
 
  protected:
@@ -317,10 +345,33 @@ class ScaledFp8Transform : public TransformBase {
   // The scales of `box` (a block of a tensor), as a block of that tensor's scale tensor.
   virtual Box scale_box(const Box& box) const = 0;
   virtual std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const = 0;
-  // Queues the conversion; `block` is the slice in local coordinates, for formats whose blocks
-  // span rows, and `memory` says where the buffers are.
-  virtual void quantize(const exec::BlockRef& src, const exec::BlockRef& data,
-                        const exec::BlockRef& scale, const Box& block, const Buffer& memory) = 0;
+  // Queues the conversion on `queue`; `block` is the slice in local coordinates, for formats
+  // whose blocks span rows, and `memory` says where the buffers are.
+  virtual void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src,
+                        const exec::BlockRef& data, const exec::BlockRef& scale, const Box& block,
+                        const Buffer& memory) = 0;
+
+  // Queues the quantization of `src` (the slice's elements) into the slice of `dst` and its
+  // scales.
+  void quantize_into(exec::ConversionQueue& queue, const exec::BlockRef& src, const OpSlice& slice,
+                     const LocalTensor& dst) {
+    const Box scales = scale_box(slice.local);
+    quantize(
+        queue, src,
+        {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
+        {dst.scale.data, scale_dtype(),
+         exec::view_of(scales, scale_shape(slice.local_shape), false)},
+        slice.local, dst.data);
+  }
+  // Quantized on arrival, the wire carries the parameter's dtype: the source must hold it.
+  void require_wire_dtype(const OpSlice& slice, const LocalTensor& src) const {
+    if (src.dtype != slice.param.dtype) {
+      refuse(name(), slice,
+             std::string("quantized on arrival, the wire carries the parameter's dtype (") +
+                 dtype_name(slice.param.dtype) + "), but the source tensor is " +
+                 dtype_name(src.dtype));
+    }
+  }
 
   static std::size_t elements(const Box& box) { return static_cast<std::size_t>(box.elements()); }
   // The slice's scales in the destination's scale tensor, rows merged.
@@ -359,9 +410,9 @@ class Mxfp8Transform final : public ScaledFp8Transform {
     scales.back() /= formats::kMxBlock;
     return scales;
   }
-  void quantize(const exec::BlockRef& src, const exec::BlockRef& data, const exec::BlockRef& scale,
-                const Box&, const Buffer& memory) override {
-    queue_.mx_quantize({src, data, scale, round_up_}, memory);
+  void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src, const exec::BlockRef& data,
+                const exec::BlockRef& scale, const Box&, const Buffer& memory) override {
+    queue.mx_quantize({src, data, scale, round_up_}, memory);
   }
   void check_shape(const std::vector<std::int64_t>& shape) const override {
     if (shape.back() % formats::kMxBlock != 0) {
@@ -417,9 +468,9 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
     for (std::size_t d = shape.size() - 2; d < shape.size(); ++d) tiles[d] = tiles_of(shape[d]);
     return tiles;
   }
-  void quantize(const exec::BlockRef& src, const exec::BlockRef& data, const exec::BlockRef& scale,
-                const Box& block, const Buffer& memory) override {
-    queue_.block_quantize({src, data, scale, block.extent[block.ndim - 2]}, memory);
+  void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src, const exec::BlockRef& data,
+                const exec::BlockRef& scale, const Box& block, const Buffer& memory) override {
+    queue.block_quantize({src, data, scale, block.extent[block.ndim - 2]}, memory);
   }
   // Tiles must stay whole: slices start on a tile boundary and end on one or at the dimension's
   // end, in the parameter and in the local tensor alike.
@@ -444,6 +495,13 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
 };
 
 }  // namespace
+
+void ReshardTransform::convert_local(const OpSlice& from, const LocalTensor&, const OpSlice&,
+                                     const LocalTensor&, void*) {
+  throw_error(ErrorCode::kUnsupported, "transform '" + name() +
+                                           "' has no local conversion, yet was asked for '" +
+                                           from.param.name + "' " + from.op.region.str());
+}
 
 std::size_t ScaleTensor::bytes() const {
   std::size_t n = dtype_size(dtype);

@@ -376,6 +376,16 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
   auto transform = transform_for(mode);
   const std::map<std::string, Expected> expected = expectations(*plan, mode, transform.get());
   const PeId me = service.my_pe();
+  // Quantized on arrival, local ops skip the wire: the transform converts them in place, beside
+  // the transfer. Every other mode sends them through the copy service.
+  const bool on_arrival = mode == Mode::kMxReceiver || mode == Mode::kBlockReceiver;
+  std::uint64_t locally_converted = 0;
+  for (const TransferOp& op : plan->ops()) {
+    if (on_arrival && op.local() && op.src_rank == me &&
+        transform->should_transform(plan->params()[op.param])) {
+      locally_converted += op.bytes;
+    }
+  }
   // The third refit gets new tensors on every rank (the old ones stay alive, so the addresses
   // differ): the executor must notice and schedule again.
   std::vector<RankTensors> generations;
@@ -387,6 +397,8 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
     const ReshardReport report =
         execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, service, transform);
     EXPECT_EQ(report.rescheduled, refit != 1) << "refit " << refit;
+    EXPECT_EQ(report.locally_converted_bytes, locally_converted)
+        << "refit " << refit << ": local ops of transformed parameters converted in place";
     EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "refit " << refit;
     // Poison the destination so the next refit must write it again.
     for (auto& [name, memory] : tensors.dst) {

@@ -342,6 +342,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                 from.str().c_str(), to.str().c_str(), n, service.transport_name().c_str(),
                 transform_name.c_str());
     std::printf("  plan: %s\n", plan->summary().c_str());
+    if (report.locally_converted_bytes > 0) {
+      std::printf("  local ops converted in place while the transfer runs (PE 0): %s\n",
+                  format_bytes(report.locally_converted_bytes).c_str());
+    }
     // The busiest PE's bytes over the time: the rate at which the plan's lower bound was met.
     std::printf(
         "  median of %d refits: %.2f ms | %.1f GB/s over the links (all PEs) | busiest PE "
