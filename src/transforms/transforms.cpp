@@ -213,6 +213,27 @@ class CastTransform final : public TransformBase {
         dst.data);
   }
 
+  // Where the wire dtype is the source's or the destination's, converting a local op straight
+  // from source to destination gives the bits the wire would; a narrower wire in between (fp32
+  // -> bf16 -> fp32) rounds, so such ops travel. Same dtypes on both sides are a plain copy,
+  // which the transport does.
+  bool converts_locally(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                        const LocalTensor& dst) override {
+    check_dtype(from, src.dtype, "source");
+    check_dtype(to, dst.dtype, "destination");
+    return src.dtype != dst.dtype && (wire_dtype_ == src.dtype || wire_dtype_ == dst.dtype) &&
+           src.data.kind == dst.data.kind && src.data.device == dst.data.device;
+  }
+
+  void convert_local(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                     const LocalTensor& dst, void* stream) override {
+    local_queue_.flush_if_full(stream);
+    local_queue_.convert(
+        {{src.data.data, src.dtype, exec::view_of(from.local, from.local_shape, false)},
+         {dst.data.data, dst.dtype, exec::view_of(to.local, to.local_shape, false)}},
+        dst.data);
+  }
+
  private:
   std::size_t wire_bytes(const OpSlice& slice) const {
     return static_cast<std::size_t>(slice.local.elements()) * dtype_size(wire_dtype_);

@@ -376,12 +376,14 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
   auto transform = transform_for(mode);
   const std::map<std::string, Expected> expected = expectations(*plan, mode, transform.get());
   const PeId me = service.my_pe();
-  // Quantized on arrival, local ops skip the wire: the transform converts them in place, beside
-  // the transfer. Every other mode sends them through the copy service.
-  const bool on_arrival = mode == Mode::kMxReceiver || mode == Mode::kBlockReceiver;
+  // Local ops skip the wire where the transform converts them in place, beside the transfer:
+  // quantized on arrival, or cast (bf16 -> fp32 here, the wire being one of the two). Quantized
+  // by the sender they go through the copy service like the rest.
+  const bool in_place =
+      mode != Mode::kPlain && mode != Mode::kMxSender && mode != Mode::kBlockSender;
   std::uint64_t locally_converted = 0;
   for (const TransferOp& op : plan->ops()) {
-    if (on_arrival && op.local() && op.src_rank == me &&
+    if (in_place && op.local() && op.src_rank == me &&
         transform->should_transform(plan->params()[op.param])) {
       locally_converted += op.bytes;
     }

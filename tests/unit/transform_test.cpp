@@ -174,13 +174,48 @@ TEST(LocalConversion, BlockFp8OnArrivalQuantizesALocalOpStraightIntoTheDestinati
   EXPECT_EQ(local.written_outside(), 0u);
 }
 
-TEST(LocalConversion, OnlyQuantizationOnArrivalConvertsLocallyAndOnlyWithinOneMemory) {
+TEST(LocalConversion, CastsConvertALocalOpStraightIntoTheDestinationWhereTheWireCannotRound) {
+  LocalOp local(64, 256, 8, 40, 96, 64, 64);
+  std::vector<float> wide(64 * 192, -1.0f);
+  LocalTensor src = local.source();
+  LocalTensor dst{Buffer::host(wide.data(), wide.size() * 4), DType::kFloat32, {}};
+  // bf16 -> fp32 with either dtype on the wire: the bits the wire would give.
+  for (DType wire : {DType::kBFloat16, DType::kFloat32}) {
+    const auto cast = make_cast_transform(wire);
+    ASSERT_TRUE(cast->converts_locally(local.from(), src, local.to(), dst)) << cast->name();
+    cast->convert_local(local.from(), src, local.to(), dst, nullptr);
+    cast->flush(nullptr);
+    const std::vector<std::uint16_t> region = local.region();
+    for (std::int64_t r = 0; r < 40; ++r) {
+      for (std::int64_t c = 0; c < 64; ++c) {
+        ASSERT_EQ(wide[(8 + r) * 192 + 32 + c], formats::bf16_to_float(region[r * 64 + c]))
+            << cast->name() << " " << r << "," << c;
+      }
+    }
+    std::size_t outside = 0;
+    for (std::int64_t r = 0; r < 64; ++r) {
+      for (std::int64_t c = 0; c < 192; ++c) {
+        const bool inside = r >= 8 && r < 48 && c >= 32 && c < 96;
+        if (!inside && wide[r * 192 + c] != -1.0f) ++outside;
+      }
+    }
+    EXPECT_EQ(outside, 0u);
+  }
+  // fp32 -> bf16 -> fp32 rounds on the wire, and bf16 -> bf16 is a plain copy: both travel.
+  LocalTensor fp32_src{Buffer::host(wide.data(), wide.size() * 4), DType::kFloat32, {}};
+  EXPECT_FALSE(make_cast_transform(DType::kBFloat16)
+                   ->converts_locally(local.from(), fp32_src, local.to(), dst));
+  LocalTensor bf16_dst{Buffer::host(local.dst.data(), local.dst.size()), DType::kBFloat16, {}};
+  EXPECT_FALSE(make_cast_transform(DType::kFloat32)
+                   ->converts_locally(local.from(), src, local.to(), bf16_dst));
+}
+
+TEST(LocalConversion, SenderQuantizationKeepsTheWireAndSoDoOpsAcrossMemories) {
   LocalOp local(64, 256, 0, 64, 0, 64, 0);
   std::vector<std::uint8_t> scale(64 * 256 / 32);
   LocalTensor src = local.source(), dst = local.destination(scale);
-  for (const auto& transform :
-       {make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp),
-        make_fp8_block_transform(QuantizeSide::kSender), make_cast_transform(DType::kFloat32)}) {
+  for (const auto& transform : {make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp),
+                                make_fp8_block_transform(QuantizeSide::kSender)}) {
     EXPECT_FALSE(transform->converts_locally(local.from(), src, local.to(), dst))
         << transform->name();
   }
@@ -190,6 +225,10 @@ TEST(LocalConversion, OnlyQuantizationOnArrivalConvertsLocallyAndOnlyWithinOneMe
   gpu_dst.scale = Buffer::cuda(dst.scale.data, dst.scale.bytes, 0);
   EXPECT_FALSE(make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp)
                    ->converts_locally(local.from(), src, local.to(), gpu_dst));
+  std::vector<float> wide(64 * 256);
+  LocalTensor gpu_wide{Buffer::cuda(wide.data(), wide.size() * 4, 0), DType::kFloat32, {}};
+  EXPECT_FALSE(make_cast_transform(DType::kBFloat16)
+                   ->converts_locally(local.from(), src, local.to(), gpu_wide));
 }
 
 TEST(LocalConversion, BadLocalOpsAreRefusedNamingTheProblemBeforeAnyConversion) {
