@@ -23,7 +23,8 @@ struct ReshardReport {
   // the destination, beside the transfer: their bytes in the parameter's dtype.
   std::uint64_t locally_converted_bytes = 0;
   // With RESHARD_PHASE_TIMING=1 only (each phase is then waited for): packing and send-side
-  // transforms, the copy service's run, unpacking and receive-side transforms.
+  // transforms, the copy service's run (with the local conversions beside it), unpacking and
+  // receive-side transforms.
   double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;
   double issue_seconds = 0;  // of those, the host's own time queuing the work
 };

@@ -331,7 +331,7 @@ class ScaledFp8Transform : public TransformBase {
   }
 
   // Quantized on arrival, a local op quantizes its source slice where it lies: no bf16 copy
-  // through a wire buffer, and (on a stream of the executor's) while the transfer runs. The
+  // through a wire buffer, and while the transfer runs instead of after it. The
   // sender-side variant keeps the wire: its FP8 slice is often sent to other replicas too, and
   // converting it again here would cost more than the copy it saves.
   bool converts_locally(const OpSlice& from, const LocalTensor& src, const OpSlice& to,

@@ -143,7 +143,16 @@ def main():
                         dtype="float8_e4m3")
                 else:
                     fp8[name] = reshard.LocalTensor(tensor, dtype="bfloat16")
-            reshard.execute_reshard_plan(plan, bf16(src), fp8, svc, transform)
+            report = reshard.execute_reshard_plan(plan, bf16(src), fp8, svc, transform)
+            # Quantized on arrival, this rank's own slices are quantized in place (no wire).
+            local = sum(op.bytes for op in plan.ops
+                        if op.src_rank == me and op.dst_rank == me and
+                        transform.should_transform(plan.params[op.param]))
+            expected = local if side == "receiver" else 0
+            if report.locally_converted_bytes != expected:
+                print(f"rank {me}: MXFP8 {side} converted {report.locally_converted_bytes} bytes "
+                      f"in place, expected {expected}", file=sys.stderr)
+                failures += 1
             results.append({k: (v.data.copy(), None if v.scale is None else v.scale.copy())
                             for k, v in fp8.items()})
             untouched = [k for k, v in fp8.items() if v.scale is not None and
