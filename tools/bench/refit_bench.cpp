@@ -384,6 +384,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << (transform && !only.empty() ? "\"transform_only\":\"" + only + "\"," : "")
            << "\"median_s\":" << median << ",\"total_bytes\":" << stats.total_bytes
            << ",\"local_bytes\":" << stats.local_bytes
+           << ",\"locally_converted_bytes_pe0\":" << report.locally_converted_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
       if (baseline_median > 0) {
