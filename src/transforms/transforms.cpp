@@ -285,12 +285,8 @@ class ScaledFp8Transform : public TransformBase {
   std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
                                    void* stream) override {
     queue_.flush_if_full(stream);
-    check_alignment(slice);
-    require_float_source(name(), slice, src);
-    if (side_ == QuantizeSide::kReceiver) {
-      require_wire_dtype(slice, src);
-      return {source_slice(slice, src, 0)};
-    }
+    check_source(slice, src);
+    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0)};
     const SliceKey key = slice_key(src, slice.local);
     if (const std::vector<Buffer>* done = converted(slice.op, key)) return *done;
     const Box scales = scale_box(slice.local);
@@ -304,8 +300,7 @@ class ScaledFp8Transform : public TransformBase {
   }
 
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
-    check_alignment(slice);
-    require_scale(name(), slice, dst, destination_scale(slice.local_shape)->bytes());
+    check_destination(slice, dst);
     const std::size_t n = elements(slice.local);
     if (side_ == QuantizeSide::kReceiver) {
       return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
@@ -338,11 +333,8 @@ class ScaledFp8Transform : public TransformBase {
                         const LocalTensor& dst) override {
     if (side_ != QuantizeSide::kReceiver) return false;
     if (src.data.kind != dst.data.kind || src.data.device != dst.data.device) return false;
-    check_alignment(from);
-    require_float_source(name(), from, src);
-    require_wire_dtype(from, src);
-    check_alignment(to);
-    require_scale(name(), to, dst, destination_scale(to.local_shape)->bytes());
+    check_source(from, src);
+    check_destination(to, dst);
     return true;
   }
 
@@ -384,14 +376,22 @@ class ScaledFp8Transform : public TransformBase {
          exec::view_of(scales, scale_shape(slice.local_shape), false)},
         slice.local, dst.data);
   }
-  // Quantized on arrival, the wire carries the parameter's dtype: the source must hold it.
-  void require_wire_dtype(const OpSlice& slice, const LocalTensor& src) const {
-    if (src.dtype != slice.param.dtype) {
+  // What prepare_send checks of a source slice (and converts_locally of a local op's).
+  void check_source(const OpSlice& slice, const LocalTensor& src) const {
+    check_alignment(slice);
+    require_float_source(name(), slice, src);
+    // Quantized on arrival, the wire carries the parameter's dtype: the source must hold it.
+    if (side_ == QuantizeSide::kReceiver && src.dtype != slice.param.dtype) {
       refuse(name(), slice,
              std::string("quantized on arrival, the wire carries the parameter's dtype (") +
                  dtype_name(slice.param.dtype) + "), but the source tensor is " +
                  dtype_name(src.dtype));
     }
+  }
+  // What prepare_recv checks of a destination slice (and converts_locally of a local op's).
+  void check_destination(const OpSlice& slice, const LocalTensor& dst) const {
+    check_alignment(slice);
+    require_scale(name(), slice, dst, destination_scale(slice.local_shape)->bytes());
   }
 
   static std::size_t elements(const Box& box) { return static_cast<std::size_t>(box.elements()); }
