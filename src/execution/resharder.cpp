@@ -39,9 +39,7 @@ struct Side {
 
 // A local op whose transform converts it in place (converts_locally): no wire, no request.
 struct LocalSide {
-  const TransferOp* op = nullptr;
-  const Shard* src_shard = nullptr;
-  const Shard* dst_shard = nullptr;
+  OpSlice from, to;  // the op's source and destination slices on this rank
 };
 
 using RegistrationKey = std::tuple<bool, TaskId, const void*, std::size_t, std::size_t, PeId>;
@@ -232,14 +230,14 @@ struct Resharder::Impl {
   // prepared.locals (checked by the transform now, before the schedule).
   bool converts_locally(const TransferOp& op, const TensorMap& src, const TensorMap& dst) {
     if (!transforms(op)) return false;
-    LocalSide local{.op = &op};
-    const LocalTensor& from = tensor_for(src, plan->src_layout(), op, true, local.src_shard);
-    const LocalTensor& to = tensor_for(dst, plan->dst_layout(), op, false, local.dst_shard);
+    const Shard* src_shard = nullptr;
+    const Shard* dst_shard = nullptr;
+    const LocalTensor& from = tensor_for(src, plan->src_layout(), op, true, src_shard);
+    const LocalTensor& to = tensor_for(dst, plan->dst_layout(), op, false, dst_shard);
     const ParamSpec& param = plan->params()[op.param];
-    if (!transform->converts_locally({param, op, op.src_box(), local.src_shard->local_shape}, from,
-                                     {param, op, op.dst_box(), local.dst_shard->local_shape}, to)) {
-      return false;
-    }
+    LocalSide local{{param, op, op.src_box(), src_shard->local_shape},
+                    {param, op, op.dst_box(), dst_shard->local_shape}};
+    if (!transform->converts_locally(local.from, from, local.to, to)) return false;
     prepared.locals.push_back(local);
     prepared.converted_locally[&op - plan->ops().data()] = true;
     prepared.report.locally_converted_bytes += op.bytes;
@@ -250,11 +248,8 @@ struct Resharder::Impl {
   void convert_locals(const TensorMap& src, const TensorMap& dst, void* stream) {
     if (prepared.locals.empty()) return;
     for (const LocalSide& local : prepared.locals) {
-      const TransferOp& op = *local.op;
-      const ParamSpec& param = plan->params()[op.param];
-      transform->convert_local(
-          {param, op, op.src_box(), local.src_shard->local_shape}, src.at(param.name),
-          {param, op, op.dst_box(), local.dst_shard->local_shape}, dst.at(param.name), stream);
+      const std::string& name = local.from.param.name;
+      transform->convert_local(local.from, src.at(name), local.to, dst.at(name), stream);
     }
     transform->flush(stream);
   }
