@@ -78,7 +78,9 @@ __device__ __forceinline__ void store_bytes(void* data, std::int64_t index, int 
 // order-independent, NaN propagates). Each warp takes a contiguous run of items and walks it with
 // a cursor, issuing the loads of kMxItemsInFlight items before encoding any. Two items and at most
 // 64 registers (4 CTAs per SM) beat four items at 106 registers (2 CTAs): 8 GB of bf16 in 7.2
-// instead of 9.5 ms, a Qwen3-30B MXFP8 refit 103 -> 78 ms (2x H200, 2026-11-22).
+// instead of 9.5 ms, a Qwen3-30B MXFP8 refit 103 -> 78 ms (2x H200, 2026-11-22). The 64-register
+// bound spills ~100 bytes; 3 CTAs per SM at 80 registers spill none and ran the same (Llama
+// sender prepare 7.4-7.7 against 7.3 ms, 2x H200, 2026-11-23).
 constexpr int kLanesPerMxBlock = kMxBlock / kPerThread;
 constexpr int kPerWarp = 32 * kPerThread;
 constexpr int kMxItemsInFlight = 2;
