@@ -121,6 +121,15 @@ std::string cuda_engine() {
   return engine;
 }
 
+std::string cuda_same_device() {
+  const std::string mode = get("RESHARD_CUDA_SAME_DEVICE").value_or("auto");
+  if (mode != "auto" && mode != "stream" && mode != "kernel") {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RESHARD_CUDA_SAME_DEVICE='" + mode + "' is not one of auto, stream, kernel");
+  }
+  return mode;
+}
+
 std::uint64_t cuda_ce_min_bytes() {
   auto value = get("RESHARD_CUDA_CE_MIN_BYTES");
   // With one copy-engine stream walking the peers in rotated order, the copy engine overtook the

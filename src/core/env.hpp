@@ -51,6 +51,11 @@ int cuda_ctas_per_peer();
 std::uint64_t cuda_bytes_per_cta();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
+// RESHARD_CUDA_SAME_DEVICE: how runs are ordered with peers on this PE's own GPU (colocated
+// processes): "stream" (the streams wait, so the other process's kernels run meanwhile),
+// "kernel" (the copy kernels spin on flags, as between GPUs: fast only when MPS is on) or "auto"
+// (default: kernel where this process finds an MPS server, else stream).
+std::string cuda_same_device();
 // RESHARD_CUDA_EARLY_LAUNCH: the SM engine's kernel is launched with programmatic dependent launch,
 // so it is on the GPU when the stream's previous kernel ends (default 1; 0 launches it plainly).
 bool cuda_early_launch();

@@ -14,6 +14,7 @@
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
+#include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
 
 namespace reshard {
@@ -363,12 +364,10 @@ TEST(BadInput, HostAndForeignDeviceBuffersAreRefusedAtRegistration) {
 
 int main(int argc, char** argv) {
   using namespace reshard;
-  const char* expected = std::getenv("RESHARD_EXPECT_PES");
-  const int wanted = expected ? std::atoi(expected) : 1;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-  if (devices < wanted) {
-    std::printf("skipped: needs %d CUDA devices, this machine has %d\n", wanted, devices);
+  if (const std::string why = testing_support::gpu_skip_reason(devices); !why.empty()) {
+    std::printf("skipped: %s\n", why.c_str());
     return kSkipped;
   }
   const auto names = available_transports();

@@ -13,6 +13,7 @@
 #include "reshard/model_layouts.hpp"
 #include "reshard/resharder.hpp"
 #include "support/boxes.hpp"
+#include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
 #include "transforms/number_formats.hpp"
 
@@ -544,7 +545,8 @@ TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
 int main(int argc, char** argv) {
   using namespace reshard;
   if (on_gpu()) {
-    // GPU runs need the transport in this build and a GPU per PE; otherwise every PE skips (77).
+    // GPU runs need the transport in this build and a GPU (shared by PEs where there are fewer
+    // GPUs than PEs, except under NCCL); otherwise every PE skips (77).
     const auto names = available_transports();
     if (transport_under_test() != "auto" &&
         std::find(names.begin(), names.end(), transport_under_test()) == names.end()) {
@@ -555,9 +557,8 @@ int main(int argc, char** argv) {
 #ifdef RESHARD_WITH_CUDA
     if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
 #endif
-    const char* expected = std::getenv("RESHARD_EXPECT_PES");
-    if (devices < (expected ? std::atoi(expected) : 1)) {
-      std::printf("skipped: needs a CUDA device per PE, this machine has %d\n", devices);
+    if (const std::string why = testing_support::gpu_skip_reason(devices); !why.empty()) {
+      std::printf("skipped: %s\n", why.c_str());
       return 77;
     }
   }

@@ -116,7 +116,8 @@ TEST(Faults, PeKilledInAMixedScheduleFailsEveryNode) {
   }
 }
 
-// The same faults on the GPU transports, at 2 and 4 PEs (one GPU each), and in a mixed schedule
+// The same faults on the GPU transports, at 2 and 4 PEs (one GPU each, or sharing the GPUs there
+// are: same-device peers), and in a mixed schedule
 // (4 PEs declared as two nodes of two: CUDA inside a node, NVSHMEM or NCCL between them). Every
 // survivor's device-side or host-side waits end within the timeout with an error naming a failed
 // PE, and its teardown neither hangs nor leaves a peer's memory mapped. Skipped without enough
@@ -133,8 +134,13 @@ class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
     const std::string needed = GetParam().transport == "auto" ? "cuda" : GetParam().transport;
     if (std::find(names.begin(), names.end(), needed) == names.end())
       GTEST_SKIP() << "this build has no " << needed << " transport";
-    if (visible_cuda_devices() < GetParam().pes)
-      GTEST_SKIP() << "needs " << GetParam().pes << " CUDA devices";
+    // PEs share a GPU where there are fewer (same-device peers), except under NCCL, which
+    // refuses two ranks on one GPU.
+    const int devices = visible_cuda_devices();
+    if (devices == 0) GTEST_SKIP() << "no CUDA device";
+    if (GetParam().transport == "nccl" && devices < GetParam().pes)
+      GTEST_SKIP() << "NCCL needs a CUDA device per rank: " << GetParam().pes << " PEs, " << devices
+                   << " device(s)";
     ::setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off on shared machines
     ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
     if (GetParam().transport == "auto") ::setenv("RESHARD_NODE_SIZE", "2", 1);

@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
     }
   }
   if (threadIdx.x == 0) {
-    if (may_write && a.groups[group_index].peer >= 0) {
+    if (may_write && a.groups[group_index].local_ready != nullptr) {
       const PeerGroup& g = a.groups[group_index];
       may_write = wait_at_least(g.local_ready, epoch, a, g.peer, kPhaseReady);
     }
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   if (blockIdx.x == 0) stamp(a, epoch, kTraceCopied);
   if (may_write) {
     const PeerGroup& g = a.groups[group_index];
-    if (g.peer >= 0) add_done_share(a, g, blockIdx.x - g.first_cta, epoch);
+    if (g.remote_done != nullptr) add_done_share(a, g, blockIdx.x - g.first_cta, epoch);
   }
   if (blockIdx.x == 0) stamp(a, epoch, kTraceSignalled);
   __threadfence();
@@ -442,7 +442,7 @@ __global__ void begin_kernel(KernelArgs a) {
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x)
     store_relaxed(a.source_ready[s], epoch);
   for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
-    if (a.groups[g].peer >= 0)
+    if (a.groups[g].local_ready != nullptr)
       wait_at_least(a.groups[g].local_ready, epoch, a, a.groups[g].peer, kPhaseReady);
   }
   __syncthreads();
@@ -459,7 +459,8 @@ __global__ void begin_kernel(KernelArgs a) {
   if (failed_here(a)) return;
   for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
     const int peer = a.groups[g].peer;
-    if (peer >= 0) *SignalLayout::signalled(a.signals, a.n_pes, peer) = epoch;
+    if (a.groups[g].remote_done != nullptr)
+      *SignalLayout::signalled(a.signals, a.n_pes, peer) = epoch;
   }
 }
 
@@ -477,7 +478,8 @@ __global__ void end_kernel(KernelArgs a) {
     if (a.group_count > 0 && !failed_here(a)) {
       asm volatile("fence.acq_rel.sys;" ::: "memory");
       for (std::uint32_t g = 0; g < a.group_count; ++g) {
-        if (a.groups[g].peer >= 0) store_relaxed(a.groups[g].remote_done, done_mark(epoch));
+        if (a.groups[g].remote_done != nullptr)
+          store_relaxed(a.groups[g].remote_done, done_mark(epoch));
       }
     }
     stamp(a, epoch, kTraceSignalled);

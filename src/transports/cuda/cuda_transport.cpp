@@ -9,11 +9,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "core/env.hpp"
 #include "core/transport.hpp"
@@ -25,6 +28,7 @@
 #include "transports/cuda/cuda_device.hpp"
 #include "transports/cuda/device_array.hpp"
 #include "transports/cuda/ipc_memory.hpp"
+#include "transports/cuda/same_device_order.hpp"
 
 namespace reshard {
 namespace {
@@ -106,7 +110,8 @@ struct PreparedRun {
   KernelArgs end_args{};      // its end: the groups the copy engine does not signal
   KernelArgs unstage_args{};  // bounce buffer -> destinations
   bool fused = true;
-  std::vector<CopyEngineBatch> copy_engine_batches;  // one per stream used
+  std::vector<int> same_device_destinations, same_device_sources;  // see SameDeviceOrder
+  std::vector<CopyEngineBatch> copy_engine_batches;                // one per stream used
   std::uint64_t copy_engine_bytes = 0;
   void* bounce = nullptr;
   std::uint64_t bounce_bytes = 0;
@@ -151,6 +156,13 @@ class CudaTransport final : public Transport {
   void queue_copies(const CopyEngineBatch& batch, std::size_t begin, std::size_t end,
                     bool may_batch, cudaStream_t stream);
   void wait_for(cudaEvent_t event, const char* what);
+  // A run is stuck: records why (as a kernel's failed wait would), stops the copies that follow
+  // and lets this PE's stream past its waits on same-GPU peers.
+  void fail_run(unsigned int code, int peer, unsigned int phase) noexcept;
+  // While a run with same-GPU peers is pending: their waits are the stream's, with no timeout of
+  // their own, so this thread gives up on them after RESHARD_TIMEOUT_S or when a peer exits.
+  void watch_same_device_runs() noexcept;
+  void stop_watching() noexcept;
   void log_trace() noexcept;
   void throw_device_failure();
 
@@ -185,6 +197,15 @@ class CudaTransport final : public Transport {
   IpcImports signal_imports_;  // peers' flags, for the transport's lifetime
   IpcImports imports_;         // peers' destinations, for the current schedule
   std::unique_ptr<PreparedRun> prepared_;
+  // Same-GPU peers (colocated processes) are ordered by the stream, not by the kernels.
+  std::vector<bool> same_device_;
+  SameDeviceOrder same_device_order_;
+  cudaStream_t release_stream_ = nullptr;
+  std::thread watchdog_;
+  std::mutex watch_mutex_;
+  std::condition_variable watch_wake_;
+  bool watch_stop_ = false;
+  std::chrono::steady_clock::time_point watched_since_{};  // of the pending run; epoch: none
   bool aborted_ = false;
   bool finalized_ = false;
 };
@@ -227,14 +248,23 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   cudaIpcMemHandle_t handle;
   RESHARD_CUDA_CHECK(cudaIpcGetMemHandle(&handle, signals_));
 
+  // Peers on this GPU are ordered by stream memory operations where the driver has them, unless
+  // MPS runs both processes' kernels side by side (see SameDeviceOrder). Both PEs of a pair must
+  // order it the same way: each says what it would do, and a pair streams only if both would.
+  const std::string same_device_mode = env::cuda_same_device();
+  const bool stream_ordered =
+      same_device_mode != "kernel" && SameDeviceOrder::supported(device_) &&
+      (same_device_mode == "stream" || !SameDeviceOrder::mps_server_found());
   wire::Writer mine;
   mine.put<std::int32_t>(::getpid());
   mine.put<std::int32_t>(device_);
   mine.put(handle);
   mine.put<std::uint8_t>(engine_ == "autotune");
+  mine.put<std::uint8_t>(stream_ordered);
   const auto all = bootstrap_.all_gather(mine.bytes());
   peer_signals_.assign(n_pes_, nullptr);
   pids_.assign(n_pes_, 0);
+  same_device_.assign(n_pes_, false);
   for (int pe = 0; pe < n_pes_; ++pe) {
     wire::Reader reader(all[pe]);
     const auto pid = reader.get<std::int32_t>();
@@ -249,13 +279,15 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
                       (engine_ == "autotune" ? " has not" : " has 'autotune'") +
                       "; autotune must be set on every PE or none");
     }
+    const bool peer_stream_ordered = reader.get<std::uint8_t>() != 0;
     if (pe == me_) {
       peer_signals_[pe] = signals_;
       continue;
     }
     if (peer_device == device_) {
-      RESHARD_LOG(kWarn, "PE " << pe << " shares CUDA device " << device_
-                               << " with this PE; copies between them contend for one GPU");
+      same_device_[pe] = stream_ordered && peer_stream_ordered;
+      RESHARD_LOG(kDebug, "PE " << pe << " shares CUDA device " << device_ << " with this PE"
+                                << (same_device_[pe] ? ": runs ordered by the streams" : ""));
     }
     HandleBytes bytes;
     std::memcpy(bytes.data(), &peer_handle, sizeof peer_handle);
@@ -265,6 +297,11 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   for (std::uint64_t* signals : peer_signals_)
     waiting_on.push_back(SignalLayout::waiting_on(signals, n_pes_));
   peer_waiting_on_.upload(waiting_on);
+  same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_);
+  if (std::find(same_device_.begin(), same_device_.end(), true) != same_device_.end()) {
+    RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
+    watchdog_ = std::thread([this] { watch_same_device_runs(); });
+  }
   bootstrap_.barrier();  // every PE has mapped every other's flags before any run
   RESHARD_LOG(kDebug, "cuda transport on device " << device_ << " (" << sm_count_
                                                   << " SMs), engine " << engine_);
@@ -469,17 +506,20 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     return order(a.group.peer) < order(b.group.peer);
   });
   for (GroupPlan& g : groups) {
-    if (g.group.peer >= 0) {
-      g.group.remote_done = SignalLayout::done(peer_signals_[g.group.peer], n_pes_, me_);
-      g.group.local_ready = SignalLayout::ready(signals_, n_pes_, g.group.peer);
+    if (g.group.peer < 0) continue;
+    if (same_device_[g.group.peer]) {
+      prepared->same_device_destinations.push_back(g.group.peer);
+      continue;  // no flags: the stream orders it (SameDeviceOrder)
     }
+    g.group.remote_done = SignalLayout::done(peer_signals_[g.group.peer], n_pes_, me_);
+    g.group.local_ready = SignalLayout::ready(signals_, n_pes_, g.group.peer);
   }
 
   std::vector<int> sources;
   std::vector<std::uint64_t*> source_ready;
   for (const PlannedBatch& batch : plan.receives) {
-    if (std::find(sources.begin(), sources.end(), batch.peer) == sources.end())
-      sources.push_back(batch.peer);
+    std::vector<int>& list = same_device_[batch.peer] ? prepared->same_device_sources : sources;
+    if (std::find(list.begin(), list.end(), batch.peer) == list.end()) list.push_back(batch.peer);
   }
   std::sort(sources.begin(), sources.end());
   for (int s : sources) source_ready.push_back(SignalLayout::ready(peer_signals_[s], n_pes_, me_));
@@ -536,7 +576,7 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
     const bool copy_engine =
         engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
                            g.descriptors.size() <= kCopyEngineMaxCopies);
-    if (g.group.peer >= 0) signal_groups.push_back(g.group);
+    if (g.group.local_ready != nullptr) signal_groups.push_back(g.group);
     if (copy_engine) {
       // Peers take the streams in start order, so each stream's first copy goes to a different
       // peer, and with one stream every sender walks its peers in its own rotated order.
@@ -553,7 +593,7 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
       prepared.copy_engine_bytes += g.group.bytes;
       continue;
     }
-    if (g.group.peer >= 0) end_groups.push_back(g.group);
+    if (g.group.remote_done != nullptr) end_groups.push_back(g.group);
     g.group.first_descriptor = static_cast<std::uint32_t>(sm_descriptors.size());
     g.group.descriptor_count = static_cast<std::uint32_t>(g.descriptors.size());
     sm_descriptors.insert(sm_descriptors.end(), g.descriptors.begin(), g.descriptors.end());
@@ -640,11 +680,18 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
   launch(*prepared_, stream);
   if (record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
+    if (watchdog_.joinable() && !same_device_order_.empty()) {
+      std::lock_guard lock(watch_mutex_);
+      watched_since_ = std::chrono::steady_clock::now();
+      watch_wake_.notify_one();
+    }
     if (stream_handle == nullptr) synchronize();
   }
 }
 
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
+  same_device_order_.set_peers(p.same_device_destinations, p.same_device_sources);
+  same_device_order_.begin(stream);
   if (p.fused) {
     launch_fused_copy(p.copy_args, stream, early_launch_);
   } else {
@@ -688,6 +735,7 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     }
     launch_end(p.end_args, stream);
   }
+  same_device_order_.end(stream);
   if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
 }
 
@@ -728,6 +776,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
     // The kernels stop waiting for a peer that cannot answer any more, and must have ended
     // before the caller frees what they touch.
     reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
+    if (!same_device_order_.empty()) fail_run(kStatusCancelled, dead, kPhaseDone);
     int ignored = -1;
     if (std::string stuck = wait_for_run(event, {}, what, &ignored, {}, {}, grace); !stuck.empty())
       throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + stuck);
@@ -735,8 +784,71 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
                                              std::to_string(dead) + " (pid " +
                                              std::to_string(pids_[dead]) + ") exited mid-run");
   }
-  if (!problem.empty())
+  if (!problem.empty()) {
+    if (!same_device_order_.empty()) fail_run(kStatusTimeout, -1, kPhaseDone);
     throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + problem);
+  }
+}
+
+void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) noexcept {
+  volatile DeviceStatus* status = status_;
+  if (status == nullptr) return;
+  if (status->code == 0) {
+    status->peer = peer;
+    status->stuck_behind = peer;
+    status->phase = phase;
+    status->code = code;
+  }
+  status->cancel = 1;
+  // The kernels after the waits copy nothing once this word is set (see KernelArgs::failure).
+  static const unsigned int one = 1;
+  cudaMemcpyAsync(SignalLayout::failure(signals_, n_pes_), &one, sizeof one, cudaMemcpyHostToDevice,
+                  release_stream_);
+  same_device_order_.release(release_stream_);
+}
+
+void CudaTransport::watch_same_device_runs() noexcept {
+  const auto scope = DeviceScope::try_enter(device_);
+  const auto timeout = std::chrono::nanoseconds(timeout_ns_);
+  std::unique_lock lock(watch_mutex_);
+  while (!watch_stop_) {
+    if (watched_since_ == std::chrono::steady_clock::time_point{}) {
+      watch_wake_.wait(lock);
+      continue;
+    }
+    watch_wake_.wait_for(lock, std::chrono::milliseconds(20));
+    if (watch_stop_ || watched_since_ == std::chrono::steady_clock::time_point{}) continue;
+    const cudaError_t state = cudaEventQuery(last_run_);
+    if (state != cudaErrorNotReady) {
+      cudaGetLastError();
+      watched_since_ = {};  // the run is complete (or failed, which the caller hears of)
+      continue;
+    }
+    const auto since = watched_since_;
+    const int dead = first_exited_process(pids_);
+    if (dead >= 0) {
+      fail_run(kStatusCancelled, dead, kPhaseDone);
+      watched_since_ = {};
+    } else if (std::chrono::steady_clock::now() - since > timeout) {
+      const int stopped = first_stopped_process(pids_);
+      const int peer = stopped >= 0 ? stopped
+                                    : (!same_device_order_.sources().empty()
+                                           ? same_device_order_.sources().front()
+                                           : same_device_order_.destinations().front());
+      fail_run(kStatusTimeout, peer, kPhaseDone);
+      watched_since_ = {};
+    }
+  }
+}
+
+void CudaTransport::stop_watching() noexcept {
+  if (!watchdog_.joinable()) return;
+  {
+    std::lock_guard lock(watch_mutex_);
+    watch_stop_ = true;
+    watch_wake_.notify_one();
+  }
+  watchdog_.join();
 }
 
 void CudaTransport::synchronize() {
@@ -828,6 +940,7 @@ void CudaTransport::finalize() noexcept {
     } catch (const Error&) {
     }
   }
+  stop_watching();
   if (trace_ != nullptr) {
     log_trace();
     cudaFree(trace_);
@@ -844,6 +957,7 @@ void CudaTransport::finalize() noexcept {
     if (copy_engine_streams_[i]) cudaStreamDestroy(copy_engine_streams_[i]);
     if (joins_[i]) cudaEventDestroy(joins_[i]);
   }
+  if (release_stream_) cudaStreamDestroy(release_stream_);
   if (fork_) cudaEventDestroy(fork_);
   if (last_run_) cudaEventDestroy(last_run_);
   if (stream_) cudaStreamDestroy(stream_);

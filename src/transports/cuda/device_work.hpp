@@ -28,9 +28,10 @@ struct PeerGroup {
   std::uint64_t bytes;
   std::uint32_t first_cta;
   std::uint32_t cta_count;
-  std::int32_t peer;                 // -1: local copies, no signalling
-  std::uint64_t* remote_done;        // the peer's done[me], mapped here
+  std::int32_t peer;                 // -1: local copies
+  std::uint64_t* remote_done;        // the peer's done[me], mapped here (null: not signalled)
   const std::uint64_t* local_ready;  // my ready[peer], raised by the peer when it may be written
+                                     // (null: not waited for: local copies, same-GPU peers)
 };
 
 // Per-PE flags in device memory, mapped by every peer. Values only grow.
@@ -69,7 +70,17 @@ struct SignalLayout {
   RESHARD_HOST_DEVICE static unsigned int* failure(std::uint64_t* base, int n) {
     return grid_arrivals(base, n) + 1;
   }
-  static std::uint64_t bytes(int n) { return (3 * n + 3) * 8 + 2 * 4; }
+  // Peers on this PE's own GPU are ordered by stream memory operations, not by kernels (see
+  // same_device_order.hpp); each word is 1 while raised and reset to 0 by the stream that waited.
+  // same_device_ready[p]: PE p's destinations may be written by this PE.
+  RESHARD_HOST_DEVICE static std::uint64_t* same_device_ready(std::uint64_t* base, int n, int pe) {
+    return base + 3 * n + 4 + pe;
+  }
+  // same_device_done[p]: PE p's data for this PE has landed.
+  RESHARD_HOST_DEVICE static std::uint64_t* same_device_done(std::uint64_t* base, int n, int pe) {
+    return base + 4 * n + 4 + pe;
+  }
+  static std::uint64_t bytes(int n) { return (5 * n + 4) * 8; }
 };
 
 // A done flag grows by one unit per run. The SM engine's CTAs each add their share of it straight

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# On a GPU machine: builds reshard and measures colocated runs, PEs sharing each GPU as RL jobs run
+# trainer and engine: the small all-to-all sweep and model refits at 2 and 4 PEs per GPU, with the
+# same-device ordering of the streams (default) and of the kernels, without and with MPS.
+# Logs and JSON lines go to $OUT (default build-gpu/logs). Usage: gpu-colocated.sh [--tests];
+# MPS="off on", ORDERS="stream kernel", PES="2 4" (PEs per GPU) and TESTS (a ctest -R pattern)
+# narrow the sweep.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-build-gpu/logs}
+mkdir -p "$OUT"
+args=(-DCMAKE_BUILD_TYPE=Release)
+[[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
+[[ -d .deps/googletest ]] && args+=(-DRESHARD_GTEST_SOURCE="$PWD/.deps/googletest")
+command -v ninja >/dev/null && args+=(-G Ninja)
+cmake -S . -B build-gpu "${args[@]}" >"$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
+cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+gpus=$(nvidia-smi -L | wc -l)
+status=0
+if [[ "${1:-}" == "--tests" ]]; then
+  ctest --test-dir build-gpu -L gpu -R "${TESTS:-.}" --output-on-failure --timeout 300 \
+    >"$OUT/gpu-tests.log" 2>&1 || status=$?
+  grep -E "Test +#|tests passed|Failure|FAILED|what\(\)" "$OUT/gpu-tests.log" | tail -60
+  build-gpu/tests/reshard_unit_tests --gtest_filter="${FAULTS:-*GpuFaults*}" >"$OUT/gpu-faults.log" 2>&1 ||
+    status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED|     OK) " "$OUT/gpu-faults.log" | head -20
+  shift
+fi
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d
+}
+mps_off() {
+  echo quit | nvidia-cuda-mps-control || true
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  sleep 1
+}
+for mps in ${MPS:-off on}; do
+  [[ $mps == on ]] && mps_on
+  for order in ${ORDERS:-stream kernel}; do
+    for pes in ${PES:-2 4}; do
+      n=$((pes * gpus))
+      echo "== all-to-all, $n PEs on $gpus GPU(s), MPS $mps, same-device order $order"
+      RESHARD_CUDA_SAME_DEVICE=$order timeout 200 build-gpu/reshard bench-gpu --np "$n" \
+        -e sm ce -s 4KiB 64KiB 1MiB 16MiB --json "$OUT/bench-gpu.jsonl" --commit "$commit" 2>&1 |
+        tee -a "$OUT/bench-gpu-$mps-$order.txt" | grep -vE "^\s*$" | tail -12 || status=1
+      for model in "llama3-8b 16" "qwen3-30b-a3b 12"; do
+        set -- $model
+        echo "== refit $1 ($2 layers), $n PEs, MPS $mps, order $order"
+        RESHARD_CUDA_SAME_DEVICE=$order timeout 200 build-gpu/reshard bench-refit -n "$n" -m "$1" \
+          --layers "$2" -t cuda --baseline none --json "$OUT/bench-refit.jsonl" \
+          --commit "$commit" 2>&1 | tee -a "$OUT/bench-refit-$mps-$order.txt" | tail -6 || status=1
+      done
+    done
+  done
+  [[ $mps == on ]] && mps_off
+done
+exit $status

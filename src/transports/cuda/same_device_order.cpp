@@ -1,0 +1,117 @@
+#include "transports/cuda/same_device_order.hpp"
+
+#include <cuda.h>
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "reshard/error.hpp"
+#include "transports/cuda/cuda_check.hpp"
+#include "transports/cuda/cuda_device.hpp"
+#include "transports/cuda/device_work.hpp"
+
+namespace reshard::cuda {
+namespace {
+
+using WaitValue = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using WriteValue = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using DeviceAttribute = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+
+struct MemoryOps {
+  WaitValue wait = reinterpret_cast<WaitValue>(driver_entry_point("cuStreamWaitValue64"));
+  WriteValue write = reinterpret_cast<WriteValue>(driver_entry_point("cuStreamWriteValue64"));
+};
+
+const MemoryOps& memory_ops() {
+  static const MemoryOps ops;
+  return ops;
+}
+
+void check(CUresult status, const char* call) {
+  if (status == CUDA_SUCCESS) return;
+  const char* name = "unknown";
+  const auto get_name =
+      reinterpret_cast<CUresult (*)(CUresult, const char**)>(driver_entry_point("cuGetErrorName"));
+  if (get_name != nullptr) get_name(status, &name);
+  throw_error(ErrorCode::kSystem, std::string(call) + " failed: " + name);
+}
+
+CUdeviceptr address(const std::uint64_t* flag) { return reinterpret_cast<CUdeviceptr>(flag); }
+
+void raise_flag(cudaStream_t stream, std::uint64_t* flag) {
+  // The default flags put a memory barrier before the write: the copies before it are visible to
+  // the peer that sees the flag.
+  check(memory_ops().write(stream, address(flag), 1, CU_STREAM_WRITE_VALUE_DEFAULT),
+        "cuStreamWriteValue64");
+}
+
+void wait_and_reset(cudaStream_t stream, std::uint64_t* flag) {
+  check(memory_ops().wait(stream, address(flag), 1, CU_STREAM_WAIT_VALUE_GEQ),
+        "cuStreamWaitValue64");
+  // CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER would spare the barrier, but the driver's v2 entry
+  // points refuse it (CUDA_ERROR_INVALID_VALUE).
+  check(memory_ops().write(stream, address(flag), 0, CU_STREAM_WRITE_VALUE_DEFAULT),
+        "cuStreamWriteValue64");
+}
+
+}  // namespace
+
+bool SameDeviceOrder::supported(int device) {
+  const auto get_attribute =
+      reinterpret_cast<DeviceAttribute>(driver_entry_point("cuDeviceGetAttribute"));
+  if (get_attribute == nullptr || memory_ops().wait == nullptr || memory_ops().write == nullptr)
+    return false;
+  int can = 0;
+  return get_attribute(&can, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) ==
+             CUDA_SUCCESS &&
+         can != 0;
+}
+
+bool SameDeviceOrder::mps_server_found() {
+  const char* directory = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+  const std::string control =
+      std::string(directory != nullptr && *directory != 0 ? directory : "/tmp/nvidia-mps") +
+      "/control";
+  struct stat info{};
+  return ::stat(control.c_str(), &info) == 0 && (S_ISSOCK(info.st_mode) || S_ISFIFO(info.st_mode));
+}
+
+SameDeviceOrder::SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64_t*> peer_signals,
+                                 int me)
+    : signals_(signals), peer_signals_(std::move(peer_signals)), me_(me) {}
+
+void SameDeviceOrder::set_peers(std::vector<int> destinations, std::vector<int> sources) {
+  destinations_ = std::move(destinations);
+  sources_ = std::move(sources);
+}
+
+void SameDeviceOrder::begin(cudaStream_t stream) const {
+  const int n = static_cast<int>(peer_signals_.size());
+  // Raise before waiting: two PEs that write into each other each wait for the other's flag.
+  for (int source : sources_)
+    raise_flag(stream, SignalLayout::same_device_ready(peer_signals_[source], n, me_));
+  for (int destination : destinations_)
+    wait_and_reset(stream, SignalLayout::same_device_ready(signals_, n, destination));
+}
+
+void SameDeviceOrder::end(cudaStream_t stream) const {
+  const int n = static_cast<int>(peer_signals_.size());
+  for (int destination : destinations_)
+    raise_flag(stream, SignalLayout::same_device_done(peer_signals_[destination], n, me_));
+  for (int source : sources_)
+    wait_and_reset(stream, SignalLayout::same_device_done(signals_, n, source));
+}
+
+void SameDeviceOrder::release(cudaStream_t side) const noexcept {
+  const int n = static_cast<int>(peer_signals_.size());
+  if (signals_ == nullptr || memory_ops().write == nullptr) return;
+  for (int pe = 0; pe < n; ++pe) {
+    memory_ops().write(side, address(SignalLayout::same_device_ready(signals_, n, pe)), 1, 0);
+    memory_ops().write(side, address(SignalLayout::same_device_done(signals_, n, pe)), 1, 0);
+  }
+  cudaStreamSynchronize(side);
+  cudaGetLastError();
+}
+
+}  // namespace reshard::cuda
