@@ -51,7 +51,7 @@ for mps in ${MPS:-off on}; do
         set -- $model
         echo "== refit $1 ($2 layers), $n PEs, MPS $mps, order $order"
         RESHARD_CUDA_SAME_DEVICE=$order timeout 200 build-gpu/reshard bench-refit -n "$n" -m "$1" \
-          --layers "$2" -t cuda --baseline none --json "$OUT/bench-refit.jsonl" \
+          --layers "$2" -t cuda --json "$OUT/bench-refit.jsonl" \
           --commit "$commit" 2>&1 | tee -a "$OUT/bench-refit-$mps-$order.txt" | tail -6 || status=1
       done
     done

@@ -93,9 +93,11 @@ int main(int argc, char** argv) {
   refit_cmd->add_option("-t,--transport", refit_transport, "auto, host, cuda, nvshmem or nccl");
   refit_cmd
       ->add_option("--baseline", refit.baseline,
-                   "transport timed after it on the same tensors: auto (nccl beside another GPU "
-                   "transport), none, host, cuda, nvshmem or nccl")
-      ->check(CLI::IsMember({"auto", "none", "host", "cuda", "nvshmem", "nccl"}));
+                   "timed after it on the same tensors: auto (ipc-loop where PEs share a GPU, "
+                   "else nccl beside another GPU transport), none, ipc-loop (the per-block "
+                   "cudaMemcpy2DAsync loop over CUDA IPC that frameworks write by hand), host, "
+                   "cuda, nvshmem or nccl")
+      ->check(CLI::IsMember({"auto", "none", "ipc-loop", "host", "cuda", "nvshmem", "nccl"}));
   refit_cmd->add_option("-i,--iters", refit.iterations, "timed refits")->check(CLI::Range(1, 1000));
   refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")
       ->check(CLI::Range(0, 100));

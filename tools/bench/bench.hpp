@@ -87,9 +87,9 @@ struct RefitBenchOptions {
   std::string transform = "none";   // or "mxfp8" (sender side: FP8 + scales on the wire)
   std::string transform_only;       // the transform applies to parameters whose name has this
   TransportKind transport = TransportKind::kAuto;
-  // Timed after the transport under test, on the same tensors and process group: "auto" (NCCL
-  // where the transport under test is another GPU transport and NCCL is built), "none", or a
-  // transport name.
+  // Timed after the transport under test, on the same tensors and process group: "auto"
+  // ("ipc-loop" where PEs share a GPU, else NCCL where the transport under test is another GPU
+  // transport and NCCL is built), "none", "ipc-loop" (IpcCopyLoop), or a transport name.
   std::string baseline = "auto";
   int iterations = 5;
   int warmup = 2;

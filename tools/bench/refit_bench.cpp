@@ -1,11 +1,13 @@
 // `reshard bench-refit`: one refit of a real model shape (Llama-3-8B TP 4 -> TP 2 x 2 replicas,
 // or Qwen3-30B-A3B EP 4 -> EP 2 x expert-TP 2) through the planner and the executor, timed per
-// refit on the slowest PE, against the plan's lower bound.
+// refit on the slowest PE, against the plan's lower bound. PEs that share a GPU (colocated) are
+// timed beside the hand-written IPC copy loop and the one-process copy of the same bytes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <set>
 
 #include "bench/bench.hpp"
 #include "core/env.hpp"
@@ -13,6 +15,9 @@
 
 #ifdef RESHARD_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "bench/ipc_copy_loop.hpp"
+#include "transports/cuda/same_device_order.hpp"
 #endif
 
 namespace reshard::bench {
@@ -274,13 +279,13 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   }
 
   ReshardReport report;
-  // Median of the slowest PE's time per refit on `on`, after the warm-up.
-  auto time_refits = [&](CopyService& on) {
+  // Median of the slowest PE's time per `refit()`, after the warm-up.
+  auto time_each = [&](const auto& refit) {
     std::vector<double> times;
     for (int i = 0; i < options.warmup + options.iterations; ++i) {
       bootstrap->barrier();
       const auto start = std::chrono::steady_clock::now();
-      report = execute_reshard_plan(plan, src, dst, on, transform);
+      refit();
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const double slowest = max_over_pes(*bootstrap, seconds);
@@ -288,6 +293,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     }
     std::sort(times.begin(), times.end());
     return times[times.size() / 2];
+  };
+  auto time_refits = [&](CopyService& on) {
+    return time_each([&] { report = execute_reshard_plan(plan, src, dst, on, transform); });
   };
   const double median = time_refits(service);
   const ReshardReport measured = report;
@@ -308,16 +316,40 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   };
   const std::uint64_t wrong = sampled_wrong_bytes();
 
+  // PEs sharing a GPU (colocated, as RL jobs run trainer and engine): NCCL refuses them, so the
+  // baseline is the copy loop frameworks write by hand.
+  const std::vector<int> devices = gather_from_pes(*bootstrap, gpu ? service.device() : -1);
+  const bool one_gpu =
+      gpu && std::all_of(devices.begin(), devices.end(), [&](int d) { return d == devices[0]; });
+  const bool shares_gpu =
+      gpu && std::set<int>(devices.begin(), devices.end()).size() < devices.size();
+
   // The baseline on the same tensors and process group, its bytes checked the same way.
   std::string baseline_name = options.baseline;
   if (baseline_name == "auto") {
     const auto built = available_transports();
     const bool has_nccl = std::find(built.begin(), built.end(), "nccl") != built.end();
-    baseline_name = gpu && has_nccl && service.transport_name() != "nccl" ? "nccl" : "none";
+    baseline_name = shares_gpu && !transform ? "ipc-loop"
+                    : gpu && !shares_gpu && has_nccl && service.transport_name() != "nccl" ? "nccl"
+                                                                                           : "none";
   }
   double baseline_median = 0;
   std::uint64_t baseline_wrong = 0;
-  if (baseline_name != "none") {
+  if (baseline_name == "ipc-loop") {
+#ifdef RESHARD_WITH_CUDA
+    if (!gpu || transform) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "--baseline ipc-loop copies bf16 GPU tensors: use a GPU transport and no "
+                  "--transform");
+    }
+    IpcCopyLoop loop(*bootstrap, *plan, src, dst);
+    for (Tensor* t : destinations) clear(*t);
+    baseline_median = time_each([&] { loop.run(); });
+    baseline_wrong = sampled_wrong_bytes();
+#else
+    throw_error(ErrorCode::kInvalidArgument, "--baseline ipc-loop needs a CUDA build");
+#endif
+  } else if (baseline_name != "none") {
     CopyService baseline(bootstrap, parse_transport_kind(baseline_name));
     baseline.init(LogLevel::kWarn);
     baseline_name = baseline.transport_name();
@@ -333,6 +365,14 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   if (gpu) ceiling = copy_engine_ceiling_gbps(*bootstrap);
 #endif
   const double busiest = plan->stats().lower_bound_bytes / median / 1e9;
+  // Every PE on one GPU: no transfer can beat one process copying all the plan's bytes (local ones
+  // too) at the device-to-device rate measured above.
+  const double copy_ceiling_s =
+      one_gpu && ceiling > 0 ? plan->stats().total_bytes / (ceiling * 1e9) : 0;
+  bool mps = false;
+#ifdef RESHARD_WITH_CUDA
+  mps = shares_gpu && cuda::SameDeviceOrder::mps_server_found();
+#endif
 
   const PlanStats& stats = plan->stats();
   if (me == 0) {
@@ -358,7 +398,13 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           baseline_name.c_str(), baseline_median * 1e3, service.transport_name().c_str(),
           baseline_median / median, baseline_wrong ? "  BASELINE WRONG BYTES" : "");
     }
-    if (ceiling > 0) {
+    if (copy_ceiling_s > 0) {
+      std::printf(
+          "  %d PEs share one GPU (MPS %s): one process copying the same bytes at the "
+          "device-to-device rate needs %.2f ms; %s at %.2f of that ceiling\n",
+          n, mps ? "on" : "off", copy_ceiling_s * 1e3, service.transport_name().c_str(),
+          copy_ceiling_s / median);
+    } else if (ceiling > 0) {
       std::printf(
           "  copy-engine ceiling in this run: %.1f GB/s (one GPU to one peer); busiest PE "
           "at %.2f of it\n",
@@ -387,6 +433,11 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << ",\"locally_converted_bytes_pe0\":" << report.locally_converted_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
+      if (shares_gpu) {
+        json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
+             << ",\"same_device_order\":\"" << env::cuda_same_device() << "\"";
+      }
+      if (copy_ceiling_s > 0) json << ",\"copy_ceiling_s\":" << copy_ceiling_s;
       if (baseline_median > 0) {
         json << ",\"baseline\":\"" << baseline_name
              << "\",\"baseline_median_s\":" << baseline_median
