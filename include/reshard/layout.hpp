@@ -47,6 +47,9 @@ struct Box {
   friend bool operator==(const Box& a, const Box& b);
 };
 
+// "[128, 64]", for messages.
+std::string shape_str(const std::vector<std::int64_t>& shape);
+
 // The overlap of two boxes of the same rank (empty if they do not meet).
 Box intersect(const Box& a, const Box& b);
 

@@ -22,6 +22,10 @@ struct LocalTensor {
   // Scales for block-scaled formats (MXFP8: E8M0, shape [..., K / 32]; 128x128 FP8: float32,
   // shape [..., ceil(M / 128), ceil(K / 128)]); empty otherwise.
   Buffer scale;
+  // The shape of `data`, where the caller knows it (the Python binding always does): it must be
+  // the layout's local shape, or the refit is refused before any byte moves. Empty: only the
+  // byte count is checked (a transposed or reshaped tensor of the same size then goes unnoticed).
+  std::vector<std::int64_t> shape;
 };
 
 // What one transfer operation moves, seen from this rank.

@@ -104,6 +104,8 @@ TensorMap tensor_map(const std::vector<TensorEntry<AnyArray>>& entries, const ch
     LocalTensor tensor;
     tensor.data = buffer_of(data, what);
     tensor.dtype = dtype ? parse_dtype(*dtype) : dtype_of(data.dtype(), what);
+    for (std::size_t d = 0; d < data.ndim(); ++d)
+      tensor.shape.push_back(static_cast<std::int64_t>(data.shape(d)));
     if (scale) tensor.scale = buffer_of(*scale, what + " (scale)");
     map[name] = tensor;
   }

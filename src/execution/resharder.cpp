@@ -139,6 +139,13 @@ struct Resharder::Impl {
                       " is " + dtype_name(tensor.dtype) + " but the parameter is " +
                       dtype_name(param.dtype) + " (no transform applies to it)");
     }
+    if (!tensor.shape.empty() && tensor.shape != shard->local_shape) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  std::string(role) + " tensor '" + param.name + "' on rank " + std::to_string(me) +
+                      " has shape " + shape_str(tensor.shape) +
+                      " but the layout's local shape is " + shape_str(shard->local_shape) +
+                      " (a transposed or reshaped tensor would scramble the parameter)");
+    }
     const std::size_t need = elements * dtype_size(tensor.dtype);
     if (tensor.data.data == nullptr || tensor.data.bytes < need) {
       throw_error(ErrorCode::kInvalidArgument,

@@ -40,6 +40,8 @@ std::uint64_t rank_param_key(PeId rank, std::uint32_t param) {
   return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(rank)) << 32) | param;
 }
 
+}  // namespace
+
 std::string shape_str(const std::vector<std::int64_t>& shape) {
   std::ostringstream text;
   text << "[";
@@ -47,8 +49,6 @@ std::string shape_str(const std::vector<std::int64_t>& shape) {
   text << "]";
   return text.str();
 }
-
-}  // namespace
 
 std::size_t dtype_size(DType dtype) { return info(dtype).size; }
 const char* dtype_name(DType dtype) { return info(dtype).name; }

@@ -239,7 +239,7 @@ RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device,
     });
     auto memory = std::make_unique<TestMemory>(bytes.size(), device);
     memory->upload(bytes);
-    t.src_map[param.name] = {memory->buffer(), DType::kBFloat16, {}};
+    t.src_map[param.name] = {memory->buffer(), DType::kBFloat16, {}, shard->local_shape};
     t.src[param.name] = std::move(memory);
   }
   const Layout& dst = plan.dst_layout();
@@ -250,7 +250,7 @@ RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device,
     const Expected& want = expected.at(param.name);
     const std::int64_t n = Box::whole(shard->local_shape).elements();
     auto memory = std::make_unique<TestMemory>(n * dtype_size(want.dtype), device);
-    LocalTensor tensor{memory->buffer(), want.dtype, {}};
+    LocalTensor tensor{memory->buffer(), want.dtype, {}, shard->local_shape};
     if (!want.mx_scales.empty() || !want.block_scales.empty()) {
       auto scales = std::make_unique<TestMemory>(
           transform->destination_scale(shard->local_shape).value().bytes(), device);
@@ -536,6 +536,57 @@ TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
     EXPECT_NE(text.find("wire buffer 1 of 2 of 'norm.weight'"), std::string::npos) << text;
     EXPECT_NE(text.find("wire buffer 1 of 1 of 'norm.weight'"), std::string::npos) << text;
   }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// A tensor of the right size but the wrong shape (a transposed view of the same bytes, a
+// destination with a row too many) would scramble the parameter: every PE refuses it before
+// anything is registered, naming the parameter, the rank and both shapes, and the same service
+// then runs the correct refit.
+TEST(ReshardErrors, ATensorOfTheWrongShapeIsRefusedBeforeAnyByteMoves) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const ModelSpec model = test_model(false);
+  const int n = service->n_pes(), tp = n & -n;
+  auto plan = std::make_shared<const ReshardPlan>(make_reshard_plan(
+      build_layout(model, {.tp = tp, .dp = n / tp}), build_layout(model, {.replicas = n})));
+  const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors t = make_tensors(*plan, me, my_device(), expected, nullptr);
+  // A 2-D parameter whose local shapes on both sides are not square.
+  std::string name;
+  for (std::uint32_t p = 0; p < plan->params().size() && name.empty(); ++p) {
+    const Shard* from = plan->src_layout().find_shard(me, p);
+    const Shard* to = plan->dst_layout().find_shard(me, p);
+    if (from && to && from->local_shape.size() == 2 &&
+        from->local_shape[0] != from->local_shape[1] && to->local_shape.size() == 2)
+      name = plan->params()[p].name;
+  }
+  ASSERT_FALSE(name.empty());
+  auto expect_refusal = [&](TensorMap src, TensorMap dst, const std::string& role,
+                            const std::vector<std::int64_t>& given,
+                            const std::vector<std::int64_t>& wanted) {
+    try {
+      execute_reshard_plan(plan, src, dst, *service);
+      ADD_FAILURE() << "a " << role << " of shape " << shape_str(given) << " was accepted";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      const std::string text = error.what();
+      for (const std::string& part :
+           {role + " tensor '" + name + "'", "rank " + std::to_string(me),
+            "shape " + shape_str(given), "local shape is " + shape_str(wanted)})
+        EXPECT_NE(text.find(part), std::string::npos) << part << " not in: " << text;
+    }
+  };
+  TensorMap transposed = t.src_map;
+  auto& source_shape = transposed[name].shape;
+  std::swap(source_shape[0], source_shape[1]);
+  expect_refusal(transposed, t.dst_map, "source", source_shape, t.src_map[name].shape);
+  TensorMap taller = t.dst_map;
+  taller[name].shape[0] += 1;
+  expect_refusal(t.src_map, taller, "destination", taller[name].shape, t.dst_map[name].shape);
+
+  execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
+  EXPECT_EQ(verify(*plan, me, t, expected), 0u);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 

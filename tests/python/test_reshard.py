@@ -269,6 +269,30 @@ def test_python_transform_errors_propagate(service):
         reshard.execute_reshard_plan(plan, src, dst, service, _BrokenTransform(fail, fail))
 
 
+def test_tensor_of_the_wrong_shape_is_refused_naming_both_shapes(service):
+    plan, src, dst = _one_pe_plan()
+    param = next(p for p in plan.params if len(p.shape) == 2 and p.shape[0] != p.shape[1])
+    rows, cols = param.shape
+    values = np.arange(rows * cols, dtype=np.uint16)
+    # The same bytes seen transposed: accepted before, it scrambled the parameter.
+    src[param.name] = reshard.LocalTensor(values.reshape(cols, rows), dtype="bfloat16")
+    with pytest.raises(reshard.ReshardError) as error:
+        reshard.execute_reshard_plan(plan, src, dst, service)
+    text = str(error.value)
+    assert f"source tensor '{param.name}' on rank 0 has shape [{cols}, {rows}]" in text, text
+    assert f"local shape is [{rows}, {cols}]" in text, text
+    assert error.value.code == "invalid argument"
+
+    src[param.name] = reshard.LocalTensor(values.reshape(rows, cols), dtype="bfloat16")
+    dst[param.name] = reshard.LocalTensor(np.zeros((rows + 1, cols), np.uint16), dtype="bfloat16")
+    with pytest.raises(reshard.ReshardError, match=rf"has shape \[{rows + 1}, {cols}\]"):
+        reshard.execute_reshard_plan(plan, src, dst, service)
+
+    dst[param.name] = reshard.LocalTensor(np.zeros((rows, cols), np.uint16), dtype="bfloat16")
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    np.testing.assert_array_equal(dst[param.name].data, values.reshape(rows, cols))
+
+
 # ---- several processes, host transport ----
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
