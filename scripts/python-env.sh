@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes build/pyenv, a virtual environment holding what the Python package builds and tests with
-# (scikit-build-core, nanobind, pytest, NumPy; NCCL's wheel where CUDA is present), and installs
-# the package into it from this checkout. Prints nothing on success.
+# (scikit-build-core, nanobind, pytest, NumPy, JAX, PyTorch's CPU build, megatron-core; NCCL's
+# wheel where CUDA is present), and installs the package into it from this checkout. Prints
+# nothing on success.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 env_dir=build/pyenv
@@ -22,6 +23,16 @@ if [[ ! -x $env_dir/bin/python ]]; then
   command -v nvcc >/dev/null && wheels+=(nvidia-nccl-cu13 nvidia-nvshmem-cu13==3.4.5)
   "$env_dir/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$env_dir/bin/python" -m pip install -q "${wheels[@]}"
+  # PyTorch's CPU build and Megatron-LM's core: the Megatron tests run Megatron's own refit
+  # (swap_model_weights) through reshard. Pinned: an unpinned torch would pull a CUDA build of
+  # several GB; megatron-core without its extras needs only packaging and einops beside torch.
+  # Without them those tests skip.
+  if "$env_dir/bin/python" -m pip install -q "torch==2.13.0" packaging einops; then
+    "$env_dir/bin/python" -m pip install -q --no-deps "megatron-core==0.16.1" ||
+      echo "reshard: megatron-core not installed; its tests will skip" >&2
+  else
+    echo "reshard: PyTorch not installed; its tests will skip" >&2
+  fi
 fi
 # Without build isolation the build sees the environment's NCCL wheel; PATH puts its Python first
 # for CMake.

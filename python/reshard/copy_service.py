@@ -40,9 +40,14 @@ def _rendezvous_host() -> str:
 def _from_process_group(group: Any, device: Optional[int]) -> "_core.Bootstrap":
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("bootstrap='torch' needs torch.distributed initialised "
+                           "(dist.init_process_group) first")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     box = [_core.make_unique_id(_rendezvous_host()) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    # group=None is the default group, whose rank 0 is global rank 0.
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=root, group=group)
     host, port = box[0].rsplit(":", 1)
     return _core.tcp_bootstrap(host, int(port), rank, size, _local_rank(rank, device))
 
@@ -138,9 +143,9 @@ class CopyService:
         world_size: Optional[int] = None,
         device: Optional[int] = None,
     ) -> None:
-        self._service = _core.CopyService(
-            transport, make_bootstrap(bootstrap, rank=rank, world_size=world_size, device=device)
-        )
+        self._bootstrap = make_bootstrap(bootstrap, rank=rank, world_size=world_size,
+                                         device=device)
+        self._service = _core.CopyService(transport, self._bootstrap)
         self._registered: list = []
 
     def init(self, log_level: str = "INFO") -> "CopyService":
@@ -181,6 +186,11 @@ class CopyService:
         """Receives ``size`` bytes from ``src_pe`` into ``dst_tensor`` at byte ``dst_pos``."""
         self._service.register_receive(task_id, dst_tensor, dst_pos, size, src_pe)
         self._registered.append(dst_tensor)
+
+    def all_gather(self, data: bytes) -> list:
+        """Collective: every PE's ``data``, in PE order, over the service's bootstrap (for small
+        agreements between PEs, e.g. whether a schedule can be reused)."""
+        return self._bootstrap.all_gather(bytes(data))
 
     def schedule(self) -> "_core.ScheduleReport":
         """Collective: validates every request on every PE (before any byte moves) and plans."""

@@ -1,108 +1,241 @@
-"""A drop-in for Megatron's resharding copy services (megatron.core.resharding.copy_services).
+"""reshard as a Megatron-LM copy service (``megatron.core.resharding``).
 
     from reshard.megatron import ReshardCopyService
-    swap_model_weights(..., refit_method=ReshardCopyService())
+    swap_model_weights(src_model, dst_model, refit_method=ReshardCopyService())
 
-Megatron submits every send and receive of a refit, then calls ``run()``; the next refit submits
-the same ones again. This adapter schedules the first refit and, while the submissions stay the
-same (task ids, tensors, sizes, peers), every later refit only runs: no re-planning, no barrier.
-Non-contiguous tensors (strided views) go through contiguous copies made by the adapter.
+Needs PyTorch (Megatron hands it torch tensors). Where ``megatron.core`` is importable,
+:class:`ReshardCopyService` is a subclass of Megatron's ``CopyService``, so
+``swap_model_weights`` accepts it; constructed inside a ``torch.distributed`` job it bootstraps
+from the default process group (or ``group=``), and the ranks Megatron passes (global ranks) are
+translated to that group's ranks.
+
+Megatron submits every send and receive of a refit, then calls ``run()``; each refit it hands over
+fresh temporaries (``.contiguous()`` copies, new receive buffers). The first refit registers and
+schedules them; every later refit whose pattern is unchanged on every rank (task ids, peers and
+byte counts: the ranks agree collectively, so none re-plans alone) reuses that schedule, copying
+the new tensors into the ones registered first (and the received bytes out of them). No refit
+after the first plans again. Several tensors under one task id (Megatron's MXFP8 transform sends
+data and scales under one) travel in the order submitted. Non-contiguous tensors (strided views)
+go through contiguous copies.
+
+:class:`RemoteCopyService` is reshard's :class:`~reshard.CopyService` under the name and keywords
+of Megatron's NVSHMEM ``RemoteCopyService`` (``register_receive(task_id, dest_tensor, dest_pos,
+size, src_pe)``), so code written against it runs by changing the import.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Any, List, Optional, Tuple
 
-from .copy_service import CopyService
+from .copy_service import CopyService, make_bootstrap
 
-__all__ = ["ReshardCopyService"]
+__all__ = ["ReshardCopyService", "RemoteCopyService", "MEGATRON_AVAILABLE"]
+
+try:
+    from megatron.core.resharding.copy_services.base import CopyService as _MegatronCopyService
+
+    MEGATRON_AVAILABLE = True
+except ImportError:  # no Megatron (or no torch): a plain base with the same methods
+    MEGATRON_AVAILABLE = False
+
+    class _MegatronCopyService:  # type: ignore[no-redef]
+        pass
+
 
 # Task ids Megatron leaves out are numbered per (source, destination) pair in submission order,
 # in a range of their own so they cannot meet an explicit id.
 _IMPLICIT_TASK = 1 << 63
+# An explicit task id's k-th tensor travels as (task_id << _SUB_BITS) | k.
+_SUB_BITS = 8
+_MAX_EXPLICIT_TASK = (1 << (63 - _SUB_BITS)) - 1
 
 
-class ReshardCopyService:
-    """Megatron's CopyService interface over a reshard :class:`CopyService`."""
+def _torch():
+    try:
+        import torch
+    except ImportError as error:
+        raise ImportError("reshard.megatron needs PyTorch: Megatron's copy services move torch "
+                          "tensors (pip install torch)") from error
+    return torch
+
+
+class _Entry:
+    """One submitted tensor and, once scheduled, the contiguous tensor registered for it."""
+
+    __slots__ = ("task", "tensor", "peer", "nbytes", "wire")
+
+    def __init__(self, task: int, tensor: Any, peer: int) -> None:
+        self.task, self.tensor, self.peer = task, tensor, peer
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.wire = None
+
+
+class ReshardCopyService(_MegatronCopyService):
+    """Megatron's ``CopyService`` interface over a reshard :class:`~reshard.CopyService`.
+
+    ``service``: a reshard copy service to use (else one is made with ``transport``);
+    ``group``: the ``torch.distributed`` process group of the job (None: the default group);
+    ``bootstrap``: anything :func:`reshard.make_bootstrap` accepts, instead of the process group.
+    """
 
     # What Megatron's refit loop asks of a copy service.
     requires_process_group_barrier = False
     supports_multiple_runs_per_plan = True
 
     def __init__(self, service: Optional[CopyService] = None, transport: str = "auto",
-                 bootstrap: Any = "torch", log_level: str = "WARN") -> None:
+                 group: Any = None, bootstrap: Any = None, log_level: str = "WARN") -> None:
+        torch = _torch()
+        self._group = group
         if service is None:
+            if bootstrap is None:
+                dist = torch.distributed
+                distributed = dist.is_available() and dist.is_initialized()
+                bootstrap = (group if group is not None else "torch") if distributed else None
             service = CopyService(transport=transport, bootstrap=bootstrap)
         if not service.initialized:
             service.init(log_level)
         self.service = service
         self.rank = service.my_pe
         self.world_size = service.n_pes
-        self._sends: List[Tuple[int, Any, int]] = []
-        self._recvs: List[Tuple[int, Any, int]] = []
-        self._scheduled: Optional[list] = None
-        self._staged_sends: List[Tuple[Any, Any]] = []  # (contiguous copy, original view)
-        self._staged_recvs: List[Tuple[Any, Any]] = []
+        self._sends: List[_Entry] = []
+        self._recvs: List[_Entry] = []
+        self._scheduled: Optional[Tuple[List[_Entry], List[_Entry]]] = None
+        self._scheduled_pattern: Optional[bytes] = None
         self._implicit_counts: dict = {}
+        self._explicit_counts: dict = {}
+        self.schedules = 0  # how many times a refit planned (registered and scheduled)
 
-    def _task(self, task_id: Optional[int], src: int, dst: int) -> int:
-        if task_id is not None:
-            return task_id
-        index = self._implicit_counts.get((src, dst), 0)
-        self._implicit_counts[(src, dst)] = index + 1
-        return _IMPLICIT_TASK | (src << 42) | (dst << 21) | index
+    # ---- ranks and task ids ----
+
+    def _peer(self, rank: int) -> int:
+        """Megatron's (global) rank as a rank of this service's group."""
+        if self._group is None:
+            return rank
+        return _torch().distributed.get_group_rank(self._group, rank)
+
+    def _task(self, task_id: Optional[int], src: int, dst: int, sending: bool) -> int:
+        if task_id is None:
+            index = self._implicit_counts.get((src, dst), 0)
+            self._implicit_counts[(src, dst)] = index + 1
+            return _IMPLICIT_TASK | (src << 42) | (dst << 21) | index
+        task_id = int(task_id)
+        if not 0 <= task_id <= _MAX_EXPLICIT_TASK:
+            raise ValueError(f"task id {task_id} is outside 0..{_MAX_EXPLICIT_TASK}")
+        key = (sending, task_id)
+        index = self._explicit_counts.get(key, 0)
+        if index >= 1 << _SUB_BITS:
+            raise ValueError(f"task id {task_id}: more than {1 << _SUB_BITS} tensors under one id")
+        self._explicit_counts[key] = index + 1
+        return (task_id << _SUB_BITS) | index
+
+    # ---- Megatron's interface ----
 
     def submit_send(self, src_tensor: Any, dest_rank: int, task_id: Optional[int] = None) -> None:
         """Registers ``src_tensor`` (all of it) to go to ``dest_rank``."""
-        self._sends.append((self._task(task_id, self.rank, dest_rank), src_tensor, dest_rank))
+        peer = self._peer(dest_rank)
+        self._sends.append(_Entry(self._task(task_id, self.rank, peer, True), src_tensor, peer))
 
     def submit_recv(self, dest_tensor: Any, src_rank: int, task_id: Optional[int] = None) -> None:
         """Registers ``dest_tensor`` (all of it) to be filled from ``src_rank``."""
-        self._recvs.append((self._task(task_id, src_rank, self.rank), dest_tensor, src_rank))
+        peer = self._peer(src_rank)
+        self._recvs.append(_Entry(self._task(task_id, peer, self.rank, False), dest_tensor, peer))
 
-    def _signature(self) -> list:
-        def key(entries):
-            return [(task, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype), peer)
-                    for task, t, peer in entries]
-        return key(self._sends) + [None] + key(self._recvs)
+    def submit_send_with_id(self, task_id: int, src_tensor: Any, dest_rank: int) -> None:
+        self.submit_send(src_tensor, dest_rank, task_id=task_id)
 
-    def _register(self) -> None:
-        import torch
-
-        svc = self.service
-        svc.clear_requests()
-        self._staged_sends.clear()
-        self._staged_recvs.clear()
-        for entries, staged, register in ((self._sends, self._staged_sends, svc.register_send),
-                                          (self._recvs, self._staged_recvs,
-                                           svc.register_receive)):
-            for task, tensor, peer in entries:
-                wire = tensor if tensor.is_contiguous() else tensor.contiguous()
-                if wire is not tensor:
-                    staged.append((wire, tensor))
-                register(task, wire.view(-1).view(torch.uint8), 0,
-                         wire.numel() * wire.element_size(), peer)
-        svc.schedule()
+    def submit_recv_with_id(self, task_id: int, dest_tensor: Any, src_rank: int) -> None:
+        self.submit_recv(dest_tensor, src_rank, task_id=task_id)
 
     def run(self) -> None:
         """Moves every submitted tensor, then forgets the submissions (as Megatron expects)."""
-        import torch
-
-        signature = self._signature()
-        if signature != self._scheduled:
+        torch = _torch()
+        pattern = self._pattern()
+        if not self._all_reuse(pattern == self._scheduled_pattern):
             self._register()
-            self._scheduled = signature
-        for wire, view in self._staged_sends:
-            wire.copy_(view)
-        on_gpu = any(t.is_cuda for _, t, _ in self._sends + self._recvs)
-        stream = torch.cuda.current_stream() if on_gpu else None
-        self.service.run(stream)
-        for wire, view in self._staged_recvs:
-            view.copy_(wire)
-        self._sends.clear()
-        self._recvs.clear()
+            self._scheduled_pattern = pattern
+        sends, recvs = self._scheduled
+        for entry, now in zip(sends, self._sends):
+            _copy_in(torch, entry.wire, now.tensor)
+        on_gpu = any(e.tensor.is_cuda for e in self._sends + self._recvs)
+        self.service.run(torch.cuda.current_stream() if on_gpu else None)
+        for entry, now in zip(recvs, self._recvs):
+            _copy_out(torch, now.tensor, entry.wire)
+        self._sends, self._recvs = [], []
         self._implicit_counts.clear()
+        self._explicit_counts.clear()
 
     def close(self) -> None:
         """Releases the service."""
         self.service.finalize()
+
+    finalize = close
+
+    # ---- planning once ----
+
+    def _pattern(self) -> bytes:
+        digest = hashlib.blake2b(digest_size=16)
+        for entries in (self._sends, self._recvs):
+            digest.update(struct.pack("<q", len(entries)))
+            for e in entries:
+                digest.update(struct.pack("<Qqq", e.task, e.peer, e.nbytes))
+        return digest.digest()
+
+    def _all_reuse(self, mine: bool) -> bool:
+        """Collective: whether every rank can run its existing schedule."""
+        return all(part == b"\1" for part in self.service.all_gather(b"\1" if mine else b"\0"))
+
+    def _register(self) -> None:
+        torch = _torch()
+        svc = self.service
+        svc.clear_requests()
+        for entries, register in ((self._sends, svc.register_send),
+                                  (self._recvs, svc.register_receive)):
+            for e in entries:
+                tensor = e.tensor.detach()
+                wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+                e.wire = wire.reshape(-1).view(torch.uint8)
+                register(e.task, e.wire, 0, e.nbytes, e.peer)
+        svc.schedule()
+        self.schedules += 1
+        self._scheduled = (self._sends, self._recvs)
+
+
+def _copy_in(torch: Any, wire: Any, tensor: Any) -> None:
+    """The bytes of ``tensor`` into the registered ``wire`` (nothing to do when it is the same)."""
+    if tensor.data_ptr() == wire.data_ptr() and tensor.is_contiguous():
+        return
+    with torch.no_grad():
+        wire.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def _copy_out(torch: Any, tensor: Any, wire: Any) -> None:
+    """The registered ``wire``'s bytes into ``tensor``."""
+    if tensor.data_ptr() == wire.data_ptr() and tensor.is_contiguous():
+        return
+    with torch.no_grad():
+        tensor.copy_(wire.view(tensor.dtype).view(tensor.shape))
+
+
+class RemoteCopyService(CopyService):
+    """reshard's copy service under the name, constructor and keywords of Megatron's NVSHMEM
+    ``RemoteCopyService``: ``RemoteCopyService()``, ``init(log_level)``, ``register_send(task_id,
+    src_tensor, src_pos, size, dest_pe)``, ``register_receive(task_id, dest_tensor, dest_pos, size,
+    src_pe)``, ``schedule()``, ``run()``, ``clear_requests()``, ``finalize()``, ``my_pe``,
+    ``n_pes``, ``device``, ``initialized``. Positions and sizes are in bytes."""
+
+    def __init__(self, transport: str = "auto", bootstrap: Any = None) -> None:
+        if bootstrap is None:
+            import sys
+
+            torch = sys.modules.get("torch")
+            dist = getattr(torch, "distributed", None) if torch is not None else None
+            if dist is not None and dist.is_available() and dist.is_initialized():
+                bootstrap = "torch"
+        super().__init__(transport=transport, bootstrap=make_bootstrap(bootstrap))
+
+    def register_receive(self, task_id: int, dest_tensor: Any, dest_pos: int, size: int,
+                         src_pe: int) -> None:
+        """Receives ``size`` bytes from ``src_pe`` into ``dest_tensor`` at byte ``dest_pos``."""
+        super().register_receive(task_id, dest_tensor, dest_pos, size, src_pe)

@@ -316,6 +316,43 @@ def test_megatron_adapter_on_cpu_tensors():
     assert_ok(launch(3, WORKERS / "megatron_worker.py", "cpu"))
 
 
+def has_megatron() -> bool:
+    try:
+        import megatron.core.resharding.refit  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# (source TP, PP, destination TP, PP) on 4 ranks: TP and PP changes, both, either way.
+MEGATRON_LAYOUT_CHANGES = ["2 1 1 1", "1 1 2 1", "2 1 4 1", "1 2 1 1", "2 2 1 1", "1 1 2 2",
+                           "2 1 1 2"]
+
+
+@pytest.mark.skipif(not has_megatron(), reason="needs megatron-core (and PyTorch)")
+@pytest.mark.parametrize("change", MEGATRON_LAYOUT_CHANGES)
+def test_megatron_swap_model_weights_through_reshard_matches_its_gloo_service(change):
+    result = launch(4, WORKERS / "megatron_refit_worker.py", *change.split(), timeout=300)
+    assert_ok(result)
+    assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
+
+
+def test_remote_copy_service_takes_the_seed_api_by_its_keywords():
+    from reshard.megatron import RemoteCopyService
+
+    svc = RemoteCopyService(transport="host")
+    svc.init("WARN")
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    svc.register_send(task_id=7, src_tensor=src, src_pos=8, size=16, dest_pe=0)
+    svc.register_receive(task_id=7, dest_tensor=dst, dest_pos=32, size=16, src_pe=0)
+    svc.schedule()
+    svc.run()
+    np.testing.assert_array_equal(dst[32:48], src[8:24])
+    assert not dst[:32].any() and not dst[48:].any()
+    svc.finalize()
+
+
 def test_bootstrap_from_an_address_and_gil_released():
     port = __import__("reshard.launch", fromlist=["_free_port"])._free_port()
     assert_ok(launch(3, WORKERS / "bootstrap_worker.py", "address", port))

@@ -1,6 +1,7 @@
 """One rank of a job driving reshard through Megatron's CopyService interface (torch tensors):
-every rank sends a contiguous tensor and a strided view to its right neighbour, with and without
-task ids, over three refits (the later ones must not reschedule), checking what arrives.
+every rank sends a contiguous tensor, a strided view and two fresh tensors under one task id to
+its right neighbour, with and without task ids, over three refits (the later ones must not
+reschedule although the two tensors are new each time), checking what arrives.
 
     megatron_worker.py [cpu|cuda]
 """
@@ -37,6 +38,14 @@ def main():
         adapter.submit_recv(got_plain, left, task_id=1000 * left + 1)
         adapter.submit_send(column_block, right)  # no task id: matched in submission order
         adapter.submit_recv(got_matrix[:, 0:16], left)
+        # Two tensors under one task id (Megatron's MXFP8 transform sends data and scales so):
+        # they travel in the order submitted.
+        adapter.submit_send(plain[:10] * 2, right, task_id=1000 * me + 2)
+        adapter.submit_send(plain[:3] * 3, right, task_id=1000 * me + 2)
+        got_first = torch.zeros(10, dtype=torch.float32, device=device)
+        got_second = torch.zeros(3, dtype=torch.float32, device=device)
+        adapter.submit_recv(got_first, left, task_id=1000 * left + 2)
+        adapter.submit_recv(got_second, left, task_id=1000 * left + 2)
         generation = svc.core.generation
         adapter.run()
         if device == "cuda":
@@ -50,6 +59,10 @@ def main():
         if not torch.equal(got_plain, want_plain) or not torch.equal(got_matrix[:, 0:16],
                                                                      want_block):
             print(f"rank {me}: refit {refit}: wrong data", file=sys.stderr)
+            return 1
+        if not torch.equal(got_first, want_plain[:10] * 2) or not torch.equal(got_second,
+                                                                         want_plain[:3] * 3):
+            print(f"rank {me}: refit {refit}: tensors under one task id crossed", file=sys.stderr)
             return 1
         if torch.count_nonzero(got_matrix[:, 16:]) != 0:
             print(f"rank {me}: wrote outside the receive view", file=sys.stderr)

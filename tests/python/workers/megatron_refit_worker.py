@@ -1,0 +1,122 @@
+"""One rank of Megatron-LM's own refit (``megatron.core.resharding``): two real GPTModels built on
+the CPU with different tensor/pipeline parallelism, their weights moved by Megatron's
+``swap_model_weights`` through Megatron's Gloo service and through reshard's
+``ReshardCopyService`` in turn, over several refits with changing weights. Every destination
+parameter must come out bitwise equal between the two (and written: none left zero), and reshard
+must plan on the first refit only.
+
+    megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS]
+
+Megatron's Gloo service asks for a CUDA stream unconditionally; on a CPU-only PyTorch that one
+call gets a stand-in (None, which the service then skips). The data path is Megatron's own.
+"""
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
+
+from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService  # noqa
+from megatron.core.resharding.refit import swap_model_weights  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from reshard.megatron import ReshardCopyService  # noqa: E402
+
+
+def process_groups(tp, pp):
+    """Megatron's process groups for a model of TP x PP x DP (DP fills the world)."""
+    world = dist.get_world_size()
+    dp = world // (tp * pp)
+    grid = HyperCommGrid([tp, 1, 1, pp, dp], ["tp", "cp", "ep", "pp", "dp"])
+    tp_group, pp_group, dp_group = grid.create_pg("tp"), grid.create_pg("pp"), grid.create_pg("dp")
+    # Embedding groups (first and last stage of each pipeline): every rank creates every one, in
+    # the same order, as torch.distributed requires; the grid numbers TP fastest, then PP, DP.
+    embd = pos_embd = None
+    for d in range(dp):
+        for t in range(tp):
+            stages = [t + tp * (p + pp * d) for p in range(pp)]
+            first_last = dist.new_group(ranks=sorted({stages[0], stages[-1]}))
+            first = dist.new_group(ranks=[stages[0]])
+            if dist.get_rank() in stages:
+                embd, pos_embd = first_last, first
+    return ProcessGroupCollection(
+        tp=tp_group, cp=grid.create_pg("cp"), pp=pp_group, ep=grid.create_pg("ep"),
+        dp=dp_group, tp_cp=grid.create_pg(["tp", "cp"]), mp=grid.create_pg(["tp", "cp", "ep", "pp"]),
+        expt_tp=tp_group, expt_dp=dp_group, tp_ep=grid.create_pg(["tp", "ep"]),
+        tp_ep_pp=grid.create_pg(["tp", "ep", "pp"]), dp_cp=grid.create_pg(["cp", "dp"]),
+        tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]),
+        embd=embd, pos_embd=pos_embd,
+    )
+
+
+def build_model(base, tp, pp):
+    config = copy.deepcopy(base)
+    config.tensor_model_parallel_size = tp
+    config.pipeline_model_parallel_size = pp
+    groups = process_groups(tp, pp)
+    stage = dist.get_group_rank(groups.pp, dist.get_rank())
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=128, max_sequence_length=16, pre_process=stage == 0,
+                     post_process=stage == pp - 1, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", pg_collection=groups)
+    return model.eval()
+
+
+def main():
+    src_tp, src_pp, dst_tp, dst_pp = map(int, sys.argv[1:5])
+    refits = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    dist.init_process_group("gloo")
+    me = dist.get_rank()
+    torch.manual_seed(1234)
+    base = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8,
+                             num_query_groups=4, ffn_hidden_size=128, gated_linear_unit=True,
+                             use_cpu_initialization=True, params_dtype=torch.float32,
+                             pipeline_dtype=torch.float32, hidden_dropout=0.0,
+                             attention_dropout=0.0)
+    src = build_model(base, src_tp, src_pp)
+    dst_gloo = build_model(base, dst_tp, dst_pp)
+    dst_reshard = build_model(base, dst_tp, dst_pp)
+    gloo = GlooCopyService()
+    reshard_service = ReshardCopyService()  # inside the torch.distributed job: no arguments
+    failures = []
+    for refit in range(refits):
+        with torch.no_grad():  # new weights every refit, as training makes them
+            for i, (name, param) in enumerate(src.named_parameters()):
+                generator = torch.Generator().manual_seed(1000 * refit + 17 * me + i)
+                param.copy_(torch.randn(param.shape, generator=generator))
+            for model in (dst_gloo, dst_reshard):
+                for param in model.parameters():
+                    param.zero_()
+        swap_model_weights([src], [dst_gloo], refit_method=gloo)
+        swap_model_weights([src], [dst_reshard], refit_method=reshard_service)
+        for (name, a), (_, b) in zip(dst_gloo.named_parameters(), dst_reshard.named_parameters()):
+            if not torch.equal(a, b):
+                failures.append(f"refit {refit}: {name} differs from Megatron's Gloo service")
+            if refit == 0 and not torch.any(a != 0) and a.numel() > 0:
+                failures.append(f"refit {refit}: {name} was not written by the Gloo service")
+    if reshard_service.schedules != 1:
+        failures.append(f"reshard planned {reshard_service.schedules} times in {refits} refits")
+    if not isinstance(reshard_service, __import__(
+            "megatron.core.resharding.copy_services.base", fromlist=["CopyService"]).CopyService):
+        failures.append("ReshardCopyService is not a Megatron CopyService")
+    reshard_service.close()
+    for failure in failures[:20]:
+        print(f"rank {me}: {failure}", file=sys.stderr)
+    ok = torch.tensor([0 if failures else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if me == 0 and ok.item():
+        print(f"megatron refit TP{src_tp} PP{src_pp} -> TP{dst_tp} PP{dst_pp}: {refits} refits "
+              "bitwise equal to Megatron's Gloo service, planned once")
+    dist.destroy_process_group()
+    return 0 if ok.item() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
