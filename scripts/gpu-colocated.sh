@@ -3,8 +3,8 @@
 # trainer and engine: the small all-to-all sweep and model refits at 2 and 4 PEs per GPU, with the
 # same-device ordering of the streams (default) and of the kernels, without and with MPS.
 # Logs and JSON lines go to $OUT (default build-gpu/logs). Usage: gpu-colocated.sh [--tests];
-# MPS="off on", ORDERS="stream kernel", PES="2 4" (PEs per GPU) and TESTS (a ctest -R pattern)
-# narrow the sweep.
+# MPS="off on" (none: no benchmarks), ORDERS="stream kernel", PES="2 4" (PEs per GPU), TESTS (a
+# ctest -R pattern) and FAULTS (a gtest filter of the dead-peer tests) narrow the sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -39,6 +39,7 @@ mps_off() {
   sleep 1
 }
 for mps in ${MPS:-off on}; do
+  [[ $mps == none ]] && continue  # MPS=none: the tests only
   [[ $mps == on ]] && mps_on
   for order in ${ORDERS:-stream kernel}; do
     for pes in ${PES:-2 4}; do

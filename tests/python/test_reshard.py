@@ -407,21 +407,23 @@ def test_launch_gives_each_rank_torchrun_variables(tmp_path):
     assert (tmp_path / "rank1").read_text() == "2 1 127.0.0.1 True"
 
 
-# ---- GPUs ----
+# ---- GPUs (several PEs share a GPU where there are fewer GPUs than PEs; NCCL refuses that) ----
 
-@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+ONE_GPU = "needs PyTorch with a CUDA GPU"
+
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 @pytest.mark.parametrize("n", [2, 4])
 def test_gpu_copy_service_random_workloads(n):
-    if gpu_count() < n:
-        pytest.skip(f"needs {n} GPUs")
     assert_ok(launch(n, WORKERS / "copy_service_worker.py", 5 * n, "torch-cuda"))
 
 
-@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 @pytest.mark.parametrize("transport", ["nccl", "nvshmem"])
 def test_gpu_copy_service_on_each_gpu_transport(transport):
     if transport not in reshard.available_transports():
         pytest.skip(f"this build has no {transport} transport")
+    if transport == "nccl" and gpu_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank (it refuses two ranks on one GPU)")
     # RESHARD_TRANSPORT overrides the transport the worker asks for.
     assert_ok(launch(2, WORKERS / "copy_service_worker.py", 9, "torch-cuda",
                      RESHARD_TRANSPORT=transport))
@@ -435,12 +437,12 @@ def has_cupy_gpus(n) -> bool:
         return False
 
 
-@pytest.mark.skipif(not has_cupy_gpus(2), reason="needs CuPy with 2 GPUs")
+@pytest.mark.skipif(not has_cupy_gpus(1), reason="needs CuPy with a GPU")
 def test_gpu_copy_service_with_cupy_arrays():
     assert_ok(launch(2, WORKERS / "copy_service_worker.py", 3, "cupy-cuda"))
 
 
-@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_copy_service_with_expandable_segments():
     # PyTorch's expandable segments are virtual-memory allocations, which CUDA IPC cannot share:
     # the CUDA transport stages those destinations through its bounce buffer.
@@ -458,7 +460,7 @@ def jax_gpu_count() -> int:
     return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
 
 
-@pytest.mark.skipif(jax_gpu_count() < 2, reason="needs JAX with 2 GPUs")
+@pytest.mark.skipif(jax_gpu_count() < 1, reason="needs JAX with a GPU")
 def test_gpu_copy_service_with_jax_arrays():
     # XLA's allocator hands out pieces of one large allocation: the CUDA transport maps them
     # through CUDA IPC at their offset.
@@ -466,12 +468,12 @@ def test_gpu_copy_service_with_jax_arrays():
                      XLA_PYTHON_CLIENT_PREALLOCATE="false"))
 
 
-@pytest.mark.skipif(gpu_count() < 4, reason="needs PyTorch with 4 GPUs")
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_example_refits_tp4_into_tp2():
     result = launch(4, EXAMPLES / "refit_tp4_to_tp2.py", "--device", "cuda")
     assert_ok(result)
 
 
-@pytest.mark.skipif(gpu_count() < 2, reason="needs PyTorch with 2 GPUs")
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_megatron_adapter():
     assert_ok(launch(2, WORKERS / "megatron_worker.py", "cuda"))
