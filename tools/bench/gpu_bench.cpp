@@ -16,6 +16,7 @@
 #include "bench/bench.hpp"
 #include "bench/workloads.hpp"
 #include "reshard/error.hpp"
+#include "transports/cuda/same_device_order.hpp"
 
 namespace reshard::bench {
 namespace {
@@ -262,6 +263,15 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  // PEs sharing GPUs (colocated processes): how many per GPU and whether MPS runs, in every
+  // record, since both change what the numbers mean.
+  int visible_gpus = 1;
+  BENCH_CUDA(cudaGetDeviceCount(&visible_gpus));
+  std::string colocation;
+  if (n > visible_gpus) {
+    colocation = ",\"pes_per_gpu\":" + std::to_string((n + visible_gpus - 1) / visible_gpus) +
+                 ",\"mps\":" + (cuda::SameDeviceOrder::mps_server_found() ? "true" : "false");
+  }
   std::ofstream json;
   if (me == 0 && !options.json_path.empty()) json.open(options.json_path, std::ios::app);
 
@@ -311,8 +321,8 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
              << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
              << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
              << ",\"host_us_per_run\":" << timings[e].host_us
-             << ",\"wrong_bytes\":" << timings[e].wrong << ",\"commit\":\"" << options.commit
-             << "\"}\n";
+             << ",\"wrong_bytes\":" << timings[e].wrong << colocation << ",\"commit\":\""
+             << options.commit << "\"}\n";
       }
     }
     const double ceiling_rate = gbps(ceiling, size);
@@ -322,8 +332,8 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
     if (json.is_open()) {
       json << "{\"bench\":\"ce_ceiling_one_peer\",\"date\":\"" << utc_date() << "\",\"device\":\""
            << prop.name << "\",\"gpus\":" << n << ",\"per_peer_bytes\":" << size
-           << ",\"seconds\":" << ceiling.seconds << ",\"gbps\":" << ceiling_rate << ",\"commit\":\""
-           << options.commit << "\"}\n";
+           << ",\"seconds\":" << ceiling.seconds << ",\"gbps\":" << ceiling_rate << colocation
+           << ",\"commit\":\"" << options.commit << "\"}\n";
     }
     std::fflush(stdout);
   }

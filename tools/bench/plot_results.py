@@ -12,7 +12,10 @@ Draws, from the newest run of each engine (files are appended to, so later lines
   measured in the same run as it;
 * ``refit_<device>.png`` — refit time per model, transform and transport/engine on the newest
   date's records, with the busiest PE's rate as a fraction of the copy-engine ceiling where the
-  run measured it.
+  run measured it;
+* ``colocated_<device>.png`` — PEs sharing one GPU (records with ``colocated`` / ``pes_per_gpu``):
+  refit time of reshard, of the hand-written IPC copy loop and of one process copying the same
+  bytes, per model, PEs per GPU and MPS off/on; and the 4 KiB all-to-all time.
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -74,7 +77,8 @@ def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
     written = []
     by_device = defaultdict(list)
     for record in records:
-        if record.get("bench") in ("all_to_all", "ce_ceiling_one_peer"):
+        if record.get("bench") in ("all_to_all", "ce_ceiling_one_peer") and \
+                "pes_per_gpu" not in record:
             by_device[f"{record.get('gpus', '?')}x {record.get('device', 'GPU')}"].append(record)
     for device, rows in by_device.items():
         # Each engine's newest run (by commit), and every run's points, so an engine is compared
@@ -100,7 +104,7 @@ def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
 
 
 def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
-    refits = [r for r in records if r.get("bench") == "refit"]
+    refits = [r for r in records if r.get("bench") == "refit" and not r.get("colocated")]
     if not refits:
         return []
     # The newest date's records; the last of each (model, transform, transport, engine) wins.
@@ -147,6 +151,55 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     return [path]
 
 
+def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
+    refits = [r for r in records if r.get("bench") == "refit" and r.get("colocated")]
+    if not refits:
+        return []
+    newest_date = max(r.get("date", "") for r in refits)
+    latest = {}
+    for r in refits:
+        if r.get("date", "") == newest_date:
+            latest[(r["model"], r.get("layers"), r["pes"], r.get("mps", False))] = r
+    keys = sorted(latest, key=lambda k: (k[0], k[3], k[2]))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5),
+                                         gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.27
+    series = [("reshard", lambda r: r["median_s"]),
+              ("hand-written IPC copy loop", lambda r: r.get("baseline_median_s")),
+              ("one process copying the same bytes", lambda r: r.get("copy_ceiling_s"))]
+    for i, (name, value) in enumerate(series):
+        xs = [j + i * width for j, k in enumerate(keys) if value(latest[k])]
+        heights = [value(latest[k]) * 1e3 for k in keys if value(latest[k])]
+        left.bar(xs, heights, width, label=name)
+    left.set_xticks([j + width for j in range(len(keys))])
+    left.set_xticklabels([f"{m.split('-')[0]} {l}L\n{p} PEs, MPS {'on' if on else 'off'}"
+                          for m, l, p, on in keys], fontsize=7)
+    left.set_ylabel("ms per refit (lower is better)")
+    device = refits[-1].get("device", "GPU")
+    left.set_title(f"colocated refits, PEs sharing one {device}, {newest_date}", fontsize=9)
+    left.legend(fontsize=7)
+    left.grid(True, axis="y", alpha=0.3)
+    small = {}
+    for r in records:
+        if (r.get("bench") == "all_to_all" and "pes_per_gpu" in r and r.get("engine") == "sm"
+                and r.get("per_peer_bytes") == 4096):
+            small[(r["pes"], r["mps"])] = r["seconds"] * 1e6
+    labels = sorted(small, key=lambda k: (k[1], k[0]))
+    right.bar(range(len(labels)), [small[k] for k in labels], color="tab:blue")
+    right.set_xticks(range(len(labels)))
+    right.set_xticklabels([f"{p} PEs\nMPS {'on' if on else 'off'}" for p, on in labels],
+                          fontsize=7)
+    right.set_yscale("log")
+    right.set_ylabel("us per 4 KiB all-to-all")
+    right.set_title("small all-to-all", fontsize=9)
+    right.grid(True, axis="y", alpha=0.3)
+    path = out / f"colocated_{_slug(device)}.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return [path]
+
+
 def plot_all(records: List[dict], out: Path) -> List[Path]:
     try:
         import matplotlib
@@ -156,7 +209,8 @@ def plot_all(records: List[dict], out: Path) -> List[Path]:
     except ImportError:
         raise SystemExit("plotting needs matplotlib: pip install matplotlib")
     out.mkdir(parents=True, exist_ok=True)
-    return plot_all_to_all(records, out, plt) + plot_refits(records, out, plt)
+    return (plot_all_to_all(records, out, plt) + plot_refits(records, out, plt) +
+            plot_colocated(records, out, plt))
 
 
 def main(argv=None) -> int:
