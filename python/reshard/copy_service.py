@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 import sys
@@ -10,6 +11,26 @@ from typing import Any, Optional, Union
 from . import _core
 
 __all__ = ["CopyService", "make_bootstrap", "stream_handle"]
+
+
+def _refusal(message: str, tasks=()) -> "_core.ReshardError":
+    """A ReshardError as the library raises them (code "invalid argument", the tasks named)."""
+    error = _core.ReshardError(message)
+    error.code = "invalid argument"
+    error.tasks = list(tasks)
+    return error
+
+
+def _task_id(task_id: Any) -> int:
+    """``task_id`` as the unsigned 64-bit id reshard keys requests by, or a clear refusal."""
+    try:
+        value = operator.index(task_id)
+    except TypeError:
+        raise _refusal(f"task id {task_id!r} is not an integer") from None
+    if not 0 <= value < 1 << 64:
+        raise _refusal(f"task id {value} is outside 0 .. 2**64 - 1 (task ids are unsigned 64-bit; "
+                       "Python's hash() is negative half the time: use hash(key) & (2**64 - 1))")
+    return value
 
 StreamLike = Union[int, Any, None]
 
@@ -178,14 +199,41 @@ class CopyService:
     def register_send(self, task_id: int, src_tensor: Any, src_pos: int, size: int,
                       dest_pe: int) -> None:
         """Sends ``size`` bytes of ``src_tensor`` from byte ``src_pos`` to ``dest_pe``."""
-        self._service.register_send(task_id, src_tensor, src_pos, size, dest_pe)
+        task_id = _task_id(task_id)
+        self._call(self._service.register_send, "register_send", task_id, src_tensor, src_pos,
+                   size, dest_pe)
         self._registered.append(src_tensor)
 
     def register_receive(self, task_id: int, dst_tensor: Any, dst_pos: int, size: int,
                          src_pe: int) -> None:
         """Receives ``size`` bytes from ``src_pe`` into ``dst_tensor`` at byte ``dst_pos``."""
-        self._service.register_receive(task_id, dst_tensor, dst_pos, size, src_pe)
+        task_id = _task_id(task_id)
+        flags = getattr(dst_tensor, "flags", None)
+        if flags is not None and getattr(flags, "writeable", True) is False:
+            raise _refusal(f"register_receive of task {task_id}: the destination array is "
+                           "read-only, and reshard writes into it in place: pass a writable "
+                           "array", [task_id])
+        self._call(self._service.register_receive, "register_receive", task_id, dst_tensor,
+                   dst_pos, size, src_pe)
         self._registered.append(dst_tensor)
+
+    @staticmethod
+    def _call(function: Any, name: str, task_id: int, tensor: Any, pos: Any, size: Any,
+              pe: Any) -> None:
+        try:
+            function(task_id, tensor, pos, size, pe)
+        except TypeError:
+            # nanobind's own message lists signatures; say which argument does not fit.
+            for what, value in (("position", pos), ("size", size), ("PE", pe)):
+                try:
+                    if operator.index(value) < 0:
+                        raise ValueError
+                except (TypeError, ValueError):
+                    raise _refusal(f"{name} of task {task_id}: the {what} {value!r} is not a "
+                                   "non-negative integer", [task_id]) from None
+            raise _refusal(f"{name} of task {task_id}: {type(tensor).__name__} is not an array "
+                           "reshard can read (it takes DLPack or buffer-protocol arrays: NumPy, "
+                           "PyTorch, CuPy, JAX)", [task_id]) from None
 
     def all_gather(self, data: bytes) -> list:
         """Collective: every PE's ``data``, in PE order, over the service's bootstrap (for small

@@ -51,11 +51,17 @@ DType dtype_of(const nb::dlpack::dtype& type, const std::string& what) {
     if (code == Code::Int && type.bits == 32) return DType::kInt32;
     if (code == Code::Int && type.bits == 64) return DType::kInt64;
   }
-  throw_error(ErrorCode::kInvalidArgument, what + ": unsupported element type (DLPack code " +
-                                               std::to_string(type.code) + ", " +
-                                               std::to_string(type.bits) +
-                                               " bits); pass a uint8 view and name the "
-                                               "dtype explicitly");
+  if (type.lanes == 1 && code == Code::UInt && type.bits == 16) {
+    // NumPy has no bfloat16: its users hold bf16 weights as uint16.
+    throw_error(ErrorCode::kInvalidArgument,
+                what +
+                    " is uint16, which could hold bfloat16 or float16 bits: name the type, "
+                    "e.g. LocalTensor(array, dtype=\"bfloat16\")");
+  }
+  throw_error(ErrorCode::kInvalidArgument,
+              what + ": unsupported element type (DLPack code " + std::to_string(type.code) + ", " +
+                  std::to_string(type.bits) +
+                  " bits): name the type, e.g. LocalTensor(array, dtype=\"float8_e4m3\")");
 }
 
 // The memory of a contiguous array. Non-contiguous arrays are refused rather than copied: reshard
@@ -68,7 +74,9 @@ Buffer buffer_of(const AnyArray& array, const std::string& what) {
       throw_error(ErrorCode::kInvalidArgument,
                   what + " is not contiguous (dimension " + std::to_string(d) + " has stride " +
                       std::to_string(array.stride(d)) + " elements, expected " +
-                      std::to_string(expected) + "); pass .contiguous() memory");
+                      std::to_string(expected) +
+                      "); reshard moves memory in place: pass a contiguous array (.contiguous() "
+                      "in PyTorch, numpy.ascontiguousarray in NumPy)");
     }
     expected *= static_cast<std::int64_t>(array.shape(d));
   }

@@ -39,8 +39,14 @@ const char* state_hint(State state) {
   }
 }
 
+// What one PE finds wrong with its own requests, and the tasks involved.
+struct LocalProblem {
+  TaskId first, second;
+  std::string text;
+};
+
 // Receive ranges of one PE that overlap would make the result depend on arrival order.
-std::vector<std::string> find_overlapping_receives(const std::vector<Registration>& receives) {
+std::vector<LocalProblem> find_overlapping_receives(const std::vector<Registration>& receives) {
   std::vector<const Registration*> sorted;
   for (const Registration& r : receives) {
     if (r.size > 0) sorted.push_back(&r);
@@ -51,7 +57,7 @@ std::vector<std::string> find_overlapping_receives(const std::vector<Registratio
   };
   std::sort(sorted.begin(), sorted.end(),
             [&](const Registration* a, const Registration* b) { return key(a) < key(b); });
-  std::vector<std::string> problems;
+  std::vector<LocalProblem> problems;
   for (std::size_t i = 1; i < sorted.size(); ++i) {
     const Registration& a = *sorted[i - 1];
     const Registration& b = *sorted[i];
@@ -61,7 +67,7 @@ std::vector<std::string> find_overlapping_receives(const std::vector<Registratio
       text << "destination ranges of task " << a.task << " (" << a.size << " bytes) and task "
            << b.task << " (" << b.size << " bytes) overlap by "
            << (std::min(a.start() + a.size, b.start() + b.size) - b.start()) << " bytes";
-      problems.push_back(text.str());
+      problems.push_back({a.task, b.task, text.str()});
     }
   }
   return problems;
@@ -223,6 +229,7 @@ struct CopyService::Impl {
   std::vector<Registration> receives;
   ExecutionPlan plan;
   std::uint64_t generation = 0;
+  bool scheduled_since_clear = false;  // schedule() succeeded since the last clear_requests()
   std::shared_ptr<void> attachment;
   bool verify = false;
 
@@ -249,19 +256,24 @@ void CopyService::Impl::check_request(const char* call, TaskId task, const Buffe
   const int n = bootstrap->size();
   std::ostringstream where;
   where << call << " of task " << task << " on PE " << bootstrap->rank() << ": ";
+  // Every refusal names the task, in the message and in Error::tasks().
+  auto refuse = [&](const std::string& why) {
+    throw Error(ErrorCode::kInvalidArgument, where.str() + why, {task});
+  };
   if (peer < 0 || peer >= n) {
-    throw_error(ErrorCode::kInvalidArgument, where.str() + peer_role + " " + std::to_string(peer) +
-                                                 " is outside 0.." + std::to_string(n - 1));
+    refuse(std::string(peer_role) + " " + std::to_string(peer) + " is outside 0.." +
+           std::to_string(n - 1));
   }
-  if (buffer.data == nullptr && buffer.bytes > 0) {
-    throw_error(ErrorCode::kInvalidArgument, where.str() + "the buffer pointer is null");
-  }
+  if (buffer.data == nullptr && buffer.bytes > 0) refuse("the buffer pointer is null");
   if (pos > buffer.bytes || size > buffer.bytes - pos) {
-    throw_error(ErrorCode::kInvalidArgument,
-                where.str() + "range [" + std::to_string(pos) + ", " + std::to_string(pos) + " + " +
-                    std::to_string(size) + ") lies outside its " + describe(buffer));
+    refuse("range [" + std::to_string(pos) + ", " + std::to_string(pos) + " + " +
+           std::to_string(size) + ") lies outside its " + describe(buffer));
   }
-  transport->check_buffer(buffer);
+  try {
+    transport->check_buffer(buffer);
+  } catch (const Error& error) {
+    throw Error(error.code(), where.str() + error.what(), {task});
+  }
 }
 
 ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {
@@ -375,13 +387,17 @@ ScheduleReport CopyService::schedule() {
     std::vector<RequestClaim> my_sends, my_receives;
     for (const Registration& r : self.sends) my_sends.push_back({r.task, me, r.peer, r.size});
     for (const Registration& r : self.receives) my_receives.push_back({r.task, me, r.peer, r.size});
-    std::vector<std::string> local_problems = find_overlapping_receives(self.receives);
+    std::vector<LocalProblem> local_problems = find_overlapping_receives(self.receives);
 
     wire::Writer summary;
     summary.put_array(std::span<const RequestClaim>(my_sends));
     summary.put_array(std::span<const RequestClaim>(my_receives));
     summary.put<std::uint64_t>(local_problems.size());
-    for (const std::string& problem : local_problems) summary.put_string(problem);
+    for (const LocalProblem& problem : local_problems) {
+      summary.put<std::uint64_t>(problem.first);
+      summary.put<std::uint64_t>(problem.second);
+      summary.put_string(problem.text);
+    }
     // Every PE must build the same schedule: the batch sizes and peers per round are the
     // smallest any PE allows (its transport, or RESHARD_CHUNK_BYTES set on that PE alone).
     const TransportCaps caps = self.transport->caps();
@@ -393,6 +409,7 @@ ScheduleReport CopyService::schedule() {
     std::vector<RequestClaim> all_sends, all_receives;
     std::ostringstream problems;
     std::size_t problem_count = 0;
+    std::vector<TaskId> problem_tasks;
     std::uint64_t chunk_bytes = UINT64_MAX, min_chunk_bytes = UINT64_MAX;
     std::int64_t peers_per_round = INT64_MAX;
     for (int pe = 0; pe < n; ++pe) {
@@ -401,10 +418,10 @@ ScheduleReport CopyService::schedule() {
       for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_receives.push_back(c);
       const auto count = reader.get<std::uint64_t>();
       for (std::uint64_t i = 0; i < count; ++i) {
-        if (++problem_count <= 8)
-          problems << "\n  - PE " << pe << ": " << reader.get_string();
-        else
-          reader.get_string();
+        problem_tasks.push_back(reader.get<std::uint64_t>());
+        problem_tasks.push_back(reader.get<std::uint64_t>());
+        const std::string text = reader.get_string();
+        if (++problem_count <= 8) problems << "\n  - PE " << pe << ": " << text;
       }
       chunk_bytes = std::min(chunk_bytes, reader.get<std::uint64_t>());
       min_chunk_bytes = std::min(min_chunk_bytes, reader.get<std::uint64_t>());
@@ -412,9 +429,11 @@ ScheduleReport CopyService::schedule() {
     }
     if (problem_count > 0) {
       if (problem_count > 8) problems << "\n  - ... and " << problem_count - 8 << " more";
-      throw_error(ErrorCode::kValidation,
+      throw Error(ErrorCode::kValidation,
                   "schedule() refused: " + std::to_string(problem_count) +
-                      " problem(s) with the registered requests:" + problems.str());
+                      (problem_count == 1 ? " problem" : " problems") +
+                      " with the registered requests:" + problems.str(),
+                  problem_tasks);
     }
     const std::vector<Transfer> transfers = match_requests(all_sends, all_receives, n);
     SchedulerOptions options;
@@ -435,6 +454,7 @@ ScheduleReport CopyService::schedule() {
     for (const PlannedBatch& b : self.plan.receives) report.bytes_received += b.bytes;
     for (const LocalCopy& c : self.plan.local_copies) report.bytes_local += c.bytes;
     self.state = State::kScheduled;
+    self.scheduled_since_clear = true;
     RESHARD_LOG(kDebug, "scheduled " << report.transfers << " transfers in " << report.rounds
                                      << " rounds, makespan/bound " << report.bound_ratio());
     return report;
@@ -523,6 +543,11 @@ void CopyService::synchronize() {
 void CopyService::run(void* cuda_stream) {
   Impl& self = *impl_;
   if (self.state == State::kInitialized) {
+    if (self.scheduled_since_clear) {
+      throw_error(ErrorCode::kInvalidState,
+                  "run(): requests were registered since the last schedule(), and a new request "
+                  "invalidates the schedule: call schedule() again (on every PE) before run()");
+    }
     throw_error(ErrorCode::kInvalidState,
                 "run() before schedule(): register the requests, then call schedule() once");
   }
@@ -562,6 +587,7 @@ void CopyService::run(void* cuda_stream) {
 
 void CopyService::clear_requests() {
   impl_->require_usable("clear_requests()");
+  impl_->scheduled_since_clear = false;
   impl_->sends.clear();
   impl_->receives.clear();
   impl_->plan = ExecutionPlan{};

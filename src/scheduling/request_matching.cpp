@@ -57,8 +57,8 @@ void check_pes(std::span<const RequestClaim> claims, int n_pes, const char* side
     const bool owner_ok = claim.owner >= 0 && claim.owner < n_pes;
     const bool peer_ok = claim.peer >= 0 && claim.peer < n_pes;
     if (!owner_ok || !peer_ok) {
-      problems.add(side, " of task ", claim.task, " on PE ", claim.owner, " names PE ", claim.peer,
-                   ", outside 0..", n_pes - 1);
+      problems.add_for(claim.task, side, " of task ", claim.task, " on PE ", claim.owner,
+                       " names PE ", claim.peer, ", outside 0..", n_pes - 1);
     }
   }
 }
@@ -67,8 +67,8 @@ void check_duplicates(const std::vector<RequestClaim>& sorted, const char* side,
                       ProblemList& problems) {
   for (std::size_t i = 1; i < sorted.size(); ++i) {
     if (sorted[i].task == sorted[i - 1].task) {
-      problems.add("task ", sorted[i].task, " has more than one ", side, " (on PE ",
-                   sorted[i - 1].owner, " and PE ", sorted[i].owner, ")");
+      problems.add_for(sorted[i].task, "task ", sorted[i].task, " has more than one ", side,
+                       " (on PE ", sorted[i - 1].owner, " and PE ", sorted[i].owner, ")");
     }
   }
 }

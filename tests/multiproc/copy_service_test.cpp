@@ -2,6 +2,7 @@
 // collective: all PEs run the same tests in the same order.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -184,15 +185,24 @@ TEST(CopyService, ReportsProperties) {
 }
 
 // Every PE must refuse the same bad request set with the same message.
-void expect_refused_everywhere(CopyService& service, const std::string& expected) {
+// schedule() is refused on every PE with `expected` in the message and `tasks` among the tasks
+// the error carries.
+void expect_refused_everywhere(CopyService& service, const std::string& expected,
+                               const std::vector<TaskId>& tasks = {}) {
   std::string message;
+  std::vector<TaskId> carried;
   try {
     service.schedule();
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kValidation);
     message = error.what();
+    carried = error.tasks();
   }
   EXPECT_NE(message.find(expected), std::string::npos) << "got: " << message;
+  for (TaskId task : tasks) {
+    EXPECT_NE(std::find(carried.begin(), carried.end(), task), carried.end())
+        << "task " << task << " not among the error's tasks; message: " << message;
+  }
   EXPECT_TRUE(all_pes(message.find(expected) != std::string::npos));
   service.clear_requests();
 }
@@ -219,7 +229,7 @@ TEST(CopyServiceValidation, RefusesBadRequestSetsOnEveryPeAndStaysUsable) {
     service->register_send(7, buffer, 8, 8, last);
   }
   if (me == last) service->register_receive(7, buffer, 2000, 8, 0);
-  expect_refused_everywhere(*service, "task 7 has more than one send");
+  expect_refused_everywhere(*service, "task 7 has more than one send", {7});
 
   if (me == last) {
     service->register_receive(21, buffer, 100, 50, 0);
@@ -229,9 +239,11 @@ TEST(CopyServiceValidation, RefusesBadRequestSetsOnEveryPeAndStaysUsable) {
     service->register_send(21, buffer, 0, 50, last);
     service->register_send(22, buffer, 0, 50, last);
   }
-  expect_refused_everywhere(*service, "PE " + std::to_string(last) +
-                                          ": destination ranges of task 21 (50 bytes) and task "
-                                          "22 (50 bytes) overlap by 10 bytes");
+  expect_refused_everywhere(*service,
+                            "PE " + std::to_string(last) +
+                                ": destination ranges of task 21 (50 bytes) and task "
+                                "22 (50 bytes) overlap by 10 bytes",
+                            {21, 22});
 
   // Still usable: a valid exchange after the refusals.
   const auto w = bench::make_workload("random", n, 333, 5);

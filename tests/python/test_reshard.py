@@ -134,23 +134,58 @@ def test_range_outside_the_buffer_is_refused_naming_the_task(service):
     with pytest.raises(reshard.ReshardError, match="task 3") as error:
         service.register_send(3, np.zeros(16, np.uint8), 10, 8, 0)
     assert error.value.code == "invalid argument"
+    assert error.value.tasks == [3]
 
 
 def test_non_contiguous_memory_is_refused_not_copied(service):
-    with pytest.raises(reshard.ReshardError, match="not contiguous"):
+    with pytest.raises(reshard.ReshardError, match="not contiguous") as error:
         service.register_send(4, np.zeros((8, 8), np.float32)[:, ::2], 0, 4, 0)
+    assert "numpy.ascontiguousarray" in str(error.value)
 
 
 def test_read_only_destination_is_refused(service):
     dst = np.zeros(8, np.uint8)
     dst.setflags(write=False)
-    with pytest.raises((TypeError, reshard.ReshardError)):
+    with pytest.raises(reshard.ReshardError, match="read-only") as error:
         service.register_receive(1, dst, 0, 8, 0)
+    assert error.value.tasks == [1]
+
+
+@pytest.mark.parametrize("task", [-1, 1 << 64, hash("negative") | (1 << 70)])
+def test_task_ids_outside_64_bits_are_refused_with_a_sentence(service, task):
+    with pytest.raises(reshard.ReshardError, match=r"outside 0 \.\. 2\*\*64 - 1") as error:
+        service.register_send(task, np.zeros(8, np.uint8), 0, 8, 0)
+    assert error.value.code == "invalid argument"
+
+
+def test_negative_size_is_refused_naming_the_argument(service):
+    with pytest.raises(reshard.ReshardError, match="the size -8 is not a non-negative integer"):
+        service.register_send(5, np.zeros(8, np.uint8), 0, -8, 0)
+
+
+def test_run_after_new_requests_says_the_schedule_is_stale(service):
+    src, dst = np.arange(8, dtype=np.uint8), np.zeros(16, np.uint8)
+    service.register_send(1, src, 0, 8, 0)
+    service.register_receive(1, dst, 0, 8, 0)
+    service.schedule()
+    service.run()
+    service.register_send(2, src, 0, 8, 0)
+    with pytest.raises(reshard.ReshardError, match="registered since the last schedule"):
+        service.run()
+
+
+def test_plain_uint16_arrays_are_asked_for_their_dtype(service):
+    plan = reshard.make_reshard_plan(*[reshard.build_layout(reshard.toy_model(1, 64),
+                                                            reshard.Parallelism())] * 2)
+    tensors = {p.name: np.zeros(p.shape, np.uint16) for p in plan.params}
+    with pytest.raises(reshard.ReshardError, match=r'LocalTensor\(array, dtype="bfloat16"\)'):
+        reshard.execute_reshard_plan(plan, tensors, dict(tensors), service)
 
 
 def test_peer_out_of_range_is_refused(service):
-    with pytest.raises(reshard.ReshardError, match="PE"):
+    with pytest.raises(reshard.ReshardError, match="PE") as error:
         service.register_send(1, np.zeros(8, np.uint8), 0, 8, 5)
+    assert error.value.tasks == [1]
 
 
 def test_unknown_transport_is_refused():
@@ -393,6 +428,39 @@ def test_launch_stops_the_job_when_a_rank_fails(tmp_path):
     assert result.returncode == 3
     assert time.monotonic() - start < 30
     assert "rank 1 exited with status 3" in result.stderr
+
+
+def test_launch_names_the_rank_that_failed_first_and_prefixes_lines(tmp_path):
+    # Rank 1 fails; the others fail as soon as it is gone (as peers that notice a dead rank do),
+    # with another status. The launcher must name rank 1, not the lowest rank that failed.
+    script = tmp_path / "cascade.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        f"marker = pathlib.Path({str(tmp_path)!r}) / 'pid'\n"
+        "print('started', flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    marker.write_text(str(os.getpid())); time.sleep(0.3); sys.exit(2)\n"
+        "while not marker.exists(): time.sleep(0.01)\n"
+        "pid = int(marker.read_text() or 0)\n"
+        "while True:\n"
+        "    try: os.kill(pid, 0)\n"
+        "    except ProcessLookupError: sys.exit(5)\n"
+        "    time.sleep(0.005)\n")
+    for _ in range(3):
+        (tmp_path / "pid").unlink(missing_ok=True)
+        result = launch(3, script, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "rank 1 exited with status 2" in result.stderr
+        assert "rank 0 exited" not in result.stderr and "rank 2 exited" not in result.stderr
+        assert sorted(line for line in result.stdout.splitlines() if "started" in line) == [
+            "[rank 0] started", "[rank 1] started", "[rank 2] started"]
+
+
+def test_launch_refuses_zero_processes_without_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "reshard.launch", "-n", "0", "x.py"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "must be at least 1" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_launch_gives_each_rank_torchrun_variables(tmp_path):

@@ -6,12 +6,15 @@
 namespace reshard {
 namespace {
 
+// The refusal's message; `tasks` receives the task ids it carries (Error::tasks()).
 std::string refusal(const std::vector<RequestClaim>& sends,
-                    const std::vector<RequestClaim>& receives, int n = 4) {
+                    const std::vector<RequestClaim>& receives, int n = 4,
+                    std::vector<TaskId>* tasks = nullptr) {
   try {
     match_requests(sends, receives, n);
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kValidation);
+    if (tasks != nullptr) *tasks = error.tasks();
     return error.what();
   }
   ADD_FAILURE() << "the requests were accepted";
@@ -58,17 +61,21 @@ TEST(RequestMatching, NamesPesThatDisagree) {
 }
 
 TEST(RequestMatching, NamesDuplicateTaskIds) {
-  EXPECT_NE(refusal({{5, 0, 1, 1}, {5, 2, 1, 1}}, {{5, 1, 0, 1}})
+  std::vector<TaskId> tasks;
+  EXPECT_NE(refusal({{5, 0, 1, 1}, {5, 2, 1, 1}}, {{5, 1, 0, 1}}, 4, &tasks)
                 .find("task 5 has more than one send (on PE 0 and PE 2)"),
             std::string::npos);
+  EXPECT_EQ(tasks, std::vector<TaskId>{5});
   EXPECT_NE(refusal({{6, 0, 1, 1}}, {{6, 1, 0, 1}, {6, 1, 0, 1}})
                 .find("task 6 has more than one receive"),
             std::string::npos);
 }
 
 TEST(RequestMatching, NamesPesOutOfRange) {
-  const std::string message = refusal({{1, 0, 9, 8}}, {{1, 9, 0, 8}});
+  std::vector<TaskId> tasks;
+  const std::string message = refusal({{1, 0, 9, 8}}, {{1, 9, 0, 8}}, 4, &tasks);
   EXPECT_NE(message.find("names PE 9, outside 0..3"), std::string::npos) << message;
+  EXPECT_EQ(tasks, (std::vector<TaskId>{1, 1}));  // the send's claim and the receive's
 }
 
 TEST(RequestMatching, CountsEveryProblemAndListsTheFirst) {
@@ -76,6 +83,8 @@ TEST(RequestMatching, CountsEveryProblemAndListsTheFirst) {
   for (TaskId t = 0; t < 20; ++t) sends.push_back({t, 0, 1, 1});
   const std::string message = refusal(sends, {});
   EXPECT_NE(message.find("20 problems"), std::string::npos) << message;
+  const std::string one = refusal({{1, 0, 1, 1}}, {});
+  EXPECT_NE(one.find("1 problem with"), std::string::npos) << one;
   EXPECT_NE(message.find("and 12 more"), std::string::npos) << message;
 }
 
