@@ -29,6 +29,8 @@ std::string self_executable(const char* argv0) {
 int main(int argc, char** argv) {
   CLI::App app{"reshard: move tensor shards between processes and GPUs", "reshard"};
   app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // --help shows every default
+  app.set_version_flag("--version", reshard::component_versions());
 
   reshard::bench::CopyBenchOptions bench;
   bench.workloads = reshard::bench::workload_kinds();
@@ -38,6 +40,7 @@ int main(int argc, char** argv) {
   auto* bench_cmd = app.add_subcommand(
       "bench", "Run resharding workloads across processes, verify every byte, print a table");
   bench_cmd->add_option("-w,--workload", bench.workloads, "uniform, random, small, refit")
+      ->delimiter(',')
       ->check(CLI::IsMember(reshard::bench::workload_kinds()));
   bench_cmd->add_option("-s,--size", size_text, "per-peer size (uniform), scale of the others");
   bench_cmd->add_option("-i,--iters", bench.iterations, "timed runs per workload")
@@ -191,6 +194,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     bench.size = reshard::parse_bytes(size_text);
+    if (*bench_cmd && bench.size == 0) {
+      std::fprintf(stderr, "reshard bench: --size must be at least 1 byte\n");
+      return 2;
+    }
     bench.transport = reshard::parse_transport_kind(transport);
     for (const std::string& text : gpu_sizes) gpu.sizes.push_back(reshard::parse_bytes(text));
     const bool under_launcher = std::getenv("RANK") != nullptr ||
@@ -211,9 +218,8 @@ int main(int argc, char** argv) {
     if (*refit_cmd || *gpu_cmd) {
       // The NCCL baseline is NCCL as hand-wired code runs it: blocking calls. (reshard's NCCL
       // transport defaults to nonblocking ones, which bound a lost peer but cost host time.)
+      // The benchmarks say so where NCCL runs.
       ::setenv("RESHARD_NCCL_NONBLOCKING", "0", /*overwrite=*/0);
-      if (bootstrap->rank() == 0 && std::string(std::getenv("RESHARD_NCCL_NONBLOCKING")) == "0")
-        std::printf("(NCCL with blocking calls: RESHARD_NCCL_NONBLOCKING=0 unless set)\n");
     }
     if (*refit_cmd) {
       refit.transport = reshard::parse_transport_kind(refit_transport);

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <span>
 #include <string>
@@ -25,6 +27,42 @@ std::vector<T> gather_from_pes(Bootstrap& bootstrap, T value) {
   }
   return values;
 }
+
+// "1.23 s", "45.6 ms", "7.89 us": small timings stay readable.
+inline std::string format_seconds(double seconds) {
+  char text[32];
+  if (seconds >= 1.0)
+    std::snprintf(text, sizeof text, "%.3g s", seconds);
+  else if (seconds >= 1e-3)
+    std::snprintf(text, sizeof text, "%.3g ms", seconds * 1e3);
+  else
+    std::snprintf(text, sizeof text, "%.3g us", seconds * 1e6);
+  return text;
+}
+
+// Progress of a long benchmark on stderr, for terminals and logs alike: note() prints a line
+// only once `every` has passed since the start or the last line, so short runs print nothing.
+class Progress {
+ public:
+  explicit Progress(std::string what, bool enabled = true,
+                    std::chrono::duration<double> every = std::chrono::seconds(3))
+      : what_(std::move(what)), enabled_(enabled), every_(every) {}
+  void note(const std::string& where) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!enabled_ || now - last_ < every_) return;
+    last_ = now;
+    std::fprintf(stderr, "%s: %s (%.0f s)\n", what_.c_str(), where.c_str(),
+                 std::chrono::duration<double>(now - start_).count());
+    std::fflush(stderr);
+  }
+
+ private:
+  std::string what_;
+  bool enabled_;
+  std::chrono::duration<double> every_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_ = start_;
+};
 
 template <typename T>
 T max_over_pes(Bootstrap& bootstrap, T value) {

@@ -15,6 +15,7 @@
 
 #include "bench/bench.hpp"
 #include "bench/workloads.hpp"
+#include "core/env.hpp"
 #include "reshard/error.hpp"
 #include "transports/cuda/same_device_order.hpp"
 
@@ -240,13 +241,23 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
   std::vector<std::unique_ptr<CopyService>> services;
   GpuBenchOptions chosen = options;
   const auto built = available_transports();
+  int devices = 0;
+  BENCH_CUDA(cudaGetDeviceCount(&devices));
+  const bool shared_gpus = bootstrap->size() > devices;
   std::erase_if(chosen.engines, [&](const std::string& engine) {
     const bool missing = (engine == "nccl" || engine == "nvshmem") &&
                          std::find(built.begin(), built.end(), engine) == built.end();
     if (missing && bootstrap->rank() == 0)
       std::printf("(no %s transport in this build: left out)\n", engine.c_str());
-    return missing;
+    // NCCL refuses two ranks on one GPU.
+    const bool refused = engine == "nccl" && shared_gpus;
+    if (refused && bootstrap->rank() == 0)
+      std::printf("(PEs share GPUs: NCCL, which needs a GPU per rank, left out)\n");
+    return missing || refused;
   });
+  if (bootstrap->rank() == 0 && !env::nccl_nonblocking() &&
+      std::find(chosen.engines.begin(), chosen.engines.end(), "nccl") != chosen.engines.end())
+    std::printf("(NCCL with blocking calls: RESHARD_NCCL_NONBLOCKING=0 unless set)\n");
   for (const std::string& engine : chosen.engines) {
     TransportKind kind = TransportKind::kCuda;
     if (engine == "nccl" || engine == "nvshmem") {

@@ -245,10 +245,13 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           ? "none"
           : transform->name() + (only.empty() ? "" : " (parameters matching '" + only + "')");
 
+  Progress progress("bench-refit", me == 0);
   std::vector<std::unique_ptr<Tensor>> memory;
   std::vector<Tensor*> destinations;
   TensorMap src, dst;
   for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+    progress.note("filling the tensors: parameter " + std::to_string(p + 1) + " of " +
+                  std::to_string(plan->params().size()));
     const ParamSpec& param = plan->params()[p];
     if (const Shard* shard = plan->src_layout().find_shard(me, p)) {
       auto t = allocate(Box::whole(shard->local_shape).elements() * 2, gpu);
@@ -283,6 +286,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   auto time_each = [&](const auto& refit) {
     std::vector<double> times;
     for (int i = 0; i < options.warmup + options.iterations; ++i) {
+      progress.note(i < options.warmup ? "warm-up refit " + std::to_string(i + 1) + " of " +
+                                             std::to_string(options.warmup)
+                                       : "refit " + std::to_string(i + 1 - options.warmup) +
+                                             " of " + std::to_string(options.iterations));
       bootstrap->barrier();
       const auto start = std::chrono::steady_clock::now();
       refit();
@@ -350,6 +357,8 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     throw_error(ErrorCode::kInvalidArgument, "--baseline ipc-loop needs a CUDA build");
 #endif
   } else if (baseline_name != "none") {
+    if (baseline_name == "nccl" && me == 0 && env::nccl_nonblocking() == false)
+      std::printf("(NCCL baseline with blocking calls: RESHARD_NCCL_NONBLOCKING=0 unless set)\n");
     CopyService baseline(bootstrap, parse_transport_kind(baseline_name));
     baseline.init(LogLevel::kWarn);
     baseline_name = baseline.transport_name();

@@ -34,9 +34,10 @@ double run_scheduler_bench(const SchedulerBenchOptions& options) {
               static_cast<unsigned long long>(options.requests), options.pes,
               static_cast<unsigned long long>(options.chunk_bytes), options.max_peers_per_round);
   std::printf(
-      "  best of %d: %.3f s on one core | %zu batches in %u rounds | makespan / lower "
+      "  best of %d: %s on one core | %zu batches in %u rounds | makespan / lower "
       "bound %.4f\n",
-      options.repeats, best, schedule.batches.size(), schedule.rounds, schedule.bound_ratio());
+      options.repeats, format_seconds(best).c_str(), schedule.batches.size(), schedule.rounds,
+      schedule.bound_ratio());
   return best;
 }
 
