@@ -8,14 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT=${OUT:-build-gpu/logs}
-mkdir -p "$OUT"
-args=(-DCMAKE_BUILD_TYPE=Release)
-[[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
-[[ -d .deps/googletest ]] && args+=(-DRESHARD_GTEST_SOURCE="$PWD/.deps/googletest")
-command -v ninja >/dev/null && args+=(-G Ninja)
-cmake -S . -B build-gpu "${args[@]}" >"$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+export OUT=${OUT:-build-gpu/logs}
+bash scripts/gpu-build.sh
 commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 gpus=$(nvidia-smi -L | wc -l)
 status=0

@@ -1,25 +1,15 @@
 #!/usr/bin/env bash
 # On a GPU machine: builds reshard with its GPU transports and runs the GPU test suite (every
-# transport and engine at 2 and 4 GPUs); then with --bench the GPU benchmark, with --sanitize
-# compute-sanitizer over every GPU transport, with --refit the model refit benchmark (CUDA with
-# and without MXFP8, NVSHMEM; NCCL timed beside each). Logs go to $OUT (default build-gpu/logs).
-# GoogleTest and CLI11 may come from .deps/ where the machine lacks them.
+# transport and engine at 2 and 4 PEs, sharing the GPUs where there are fewer); then with --bench
+# the GPU benchmark, with --sanitize compute-sanitizer over every GPU transport, with --refit the
+# model refit benchmark (CUDA with and without MXFP8, NVSHMEM; NCCL timed beside each). Logs go to
+# $OUT (default build-gpu/logs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT=${OUT:-build-gpu/logs}
-mkdir -p "$OUT"
-args=(-DCMAKE_BUILD_TYPE=Release)
-[[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
-[[ -d .deps/googletest ]] && args+=(-DRESHARD_GTEST_SOURCE="$PWD/.deps/googletest")
-command -v ninja >/dev/null && args+=(-G Ninja)
-# The Python package too, where nanobind is importable (its GPU tests use PyTorch).
-python3 -m nanobind --cmake_dir >/dev/null 2>&1 &&
-  args+=(-DRESHARD_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
-{ nvidia-smi -L; nvcc --version | tail -1; } >"$OUT/machine.txt" 2>&1 || true
-cmake -S . -B build-gpu "${args[@]}" >"$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+export OUT=${OUT:-build-gpu/logs}
+bash scripts/gpu-build.sh
 status=0
 ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 \
   >"$OUT/gpu-tests.log" 2>&1 || status=$?

@@ -328,6 +328,28 @@ def test_tensor_of_the_wrong_shape_is_refused_naming_both_shapes(service):
     np.testing.assert_array_equal(dst[param.name].data, values.reshape(rows, cols))
 
 
+def test_every_test_the_docs_cite_exists():
+    """Docs name GoogleTest cases as `Suite.Name` and pytest ones as `test_...`: each must exist."""
+    root = HERE.parent.parent
+    import re
+
+    sources = "\n".join(p.read_text() for p in (root / "tests").rglob("*.cpp"))
+    python = "\n".join(p.read_text() for p in (root / "tests").rglob("*.py"))
+    cited_gtest, cited_pytest = set(), set()
+    for doc in [root / "README.md", *(root / "docs").glob("*.md")]:
+        text = doc.read_text()
+        cited_gtest |= {(doc.name, m.group(1), m.group(2)) for m in
+                        re.finditer(r"`(?:[A-Za-z]+/)?([A-Z][A-Za-z]+)\.([A-Z][A-Za-z]+)(?:/[a-z0-9_]+)?`",
+                                    text)}
+        cited_pytest |= {(doc.name, m.group(1)) for m in re.finditer(r"`(test_[a-z0-9_]+)`", text)}
+    assert cited_gtest, "no test names found in the docs: the pattern is broken"
+    missing = [f"{doc}: {suite}.{name}" for doc, suite, name in sorted(cited_gtest)
+               if not re.search(rf"TEST(?:_[FP])?\({suite},\s*{name}\)", sources)]
+    missing += [f"{doc}: {name}" for doc, name in sorted(cited_pytest)
+                if f"def {name}(" not in python]
+    assert not missing, "the docs cite tests that do not exist:\n" + "\n".join(missing)
+
+
 # ---- several processes, host transport ----
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

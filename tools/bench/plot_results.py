@@ -51,6 +51,12 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
+def _save(plt, figure, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def _size_chart(plt, series, divisor, ylabel, title, path, reference=None) -> Path:
     """One line per series against the per-peer size (log scale), each point divided by
     `divisor(name, size)` (points it has no divisor for are left out)."""
@@ -67,9 +73,7 @@ def _size_chart(plt, series, divisor, ylabel, title, path, reference=None) -> Pa
     axis.set_title(title)
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(plt, figure, path)
     return path
 
 
@@ -145,9 +149,7 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     axis.legend(fontsize=8)
     axis.grid(True, axis="y", alpha=0.3)
     path = out / f"refit_{_slug(device)}.png"
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(plt, figure, path)
     return [path]
 
 
@@ -194,9 +196,7 @@ def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
     right.set_title("small all-to-all", fontsize=9)
     right.grid(True, axis="y", alpha=0.3)
     path = out / f"colocated_{_slug(device)}.png"
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(plt, figure, path)
     return [path]
 
 
