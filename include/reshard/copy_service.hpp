@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,10 @@ class CopyService {
   void clear_requests();
   // Releases everything. Safe to call twice; the destructor calls it.
   void finalize();
+
+  // Collective: every PE's `mine`, in PE order, over the service's bootstrap (small agreements
+  // between PEs, e.g. that they all hold the same reshard plan).
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine);
 
   // Changes whenever a request is registered or the requests are cleared: lets a helper that
   // registered a set of requests know whether its schedule is still the service's.

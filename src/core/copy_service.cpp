@@ -596,6 +596,10 @@ void CopyService::clear_requests() {
 }
 
 std::uint64_t CopyService::generation() const { return impl_->generation; }
+
+std::vector<std::vector<std::byte>> CopyService::all_gather(std::span<const std::byte> mine) {
+  return impl_->bootstrap->all_gather(mine);
+}
 std::shared_ptr<void>& CopyService::attachment() { return impl_->attachment; }
 
 void CopyService::finalize() {

@@ -3,8 +3,12 @@
 #include "reshard/resharder.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <map>
+#include <span>
 #include <sstream>
 #include <tuple>
 
@@ -106,6 +110,45 @@ struct Resharder::Impl {
         names->push_back(&plan->params()[op->param].name);
       }
     }
+    check_same_plan_everywhere();
+  }
+
+  // Collective: ranks that built different plans (from different layouts) would register task
+  // ids that match nothing; say so plainly instead, naming the ranks and the first parameter
+  // whose transfers differ.
+  void check_same_plan_everywhere() {
+    const std::uint64_t mine[] = {plan->fingerprint(), plan->ops().size(), plan->params().size()};
+    const auto all = service.all_gather(std::as_bytes(std::span(mine)));
+    std::vector<std::array<std::uint64_t, 3>> theirs(all.size());
+    for (std::size_t r = 0; r < all.size(); ++r) std::memcpy(theirs[r].data(), all[r].data(), 24);
+    std::size_t other = 1;
+    while (other < theirs.size() && theirs[other] == theirs[0]) ++other;
+    if (other == theirs.size()) return;
+    // Per parameter: its name and every transfer of it; the first that differs is named.
+    std::vector<std::uint64_t> per_param(plan->params().size());
+    for (std::size_t p = 0; p < per_param.size(); ++p)
+      per_param[p] = std::hash<std::string>{}(plan->params()[p].name);
+    for (const TransferOp& op : plan->ops()) {
+      std::uint64_t& h = per_param[op.param];
+      for (std::uint64_t v :
+           {op.task_id, std::uint64_t(op.src_rank), std::uint64_t(op.dst_rank), op.bytes})
+        h = (h ^ v) * 0x100000001b3ULL + 0x9e3779b97f4a7c15ULL;
+    }
+    const auto params = service.all_gather(std::as_bytes(std::span(per_param)));
+    std::ostringstream text;
+    text << "the reshard plan differs between ranks: rank 0 has " << theirs[0][1] << " ops over "
+         << theirs[0][2] << " parameters, rank " << other << " " << theirs[other][1] << " ops over "
+         << theirs[other][2] << " parameters";
+    const std::size_t n0 = params[0].size() / 8, n1 = params[other].size() / 8;
+    for (std::size_t p = 0; p < std::min({n0, n1, plan->params().size()}); ++p) {
+      if (std::memcmp(params[0].data() + 8 * p, params[other].data() + 8 * p, 8) != 0) {
+        text << "; the first parameter whose transfers differ is '" << plan->params()[p].name
+             << "' (as rank " << me << " numbers them)";
+        break;
+      }
+    }
+    text << ". Every rank must build the plan from the same two layouts.";
+    throw_error(ErrorCode::kValidation, text.str());
   }
 
   ~Impl() {

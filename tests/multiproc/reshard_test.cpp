@@ -590,6 +590,32 @@ TEST(ReshardErrors, ATensorOfTheWrongShapeIsRefusedBeforeAnyByteMoves) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// Ranks that built their plans from different layouts are told so on every rank, before any
+// request is registered, rather than being handed a list of unmatched task ids.
+TEST(ReshardErrors, RanksWithDifferentPlansAreToldSo) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const ModelSpec model = test_model(false);
+  const Parallelism engine = me == n - 1 ? Parallelism{} : Parallelism{.replicas = n};
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, engine)));
+  const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors t = make_tensors(*plan, me, my_device(), expected, nullptr);
+  try {
+    execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
+    ADD_FAILURE() << "plans that differ between ranks were accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kValidation);
+    const std::string text = error.what();
+    EXPECT_NE(text.find("the reshard plan differs between ranks"), std::string::npos) << text;
+    EXPECT_NE(text.find("the first parameter whose transfers differ is '"), std::string::npos)
+        << text;
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 }  // namespace
 }  // namespace reshard
 
