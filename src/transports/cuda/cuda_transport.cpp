@@ -110,8 +110,7 @@ struct PreparedRun {
   KernelArgs end_args{};      // its end: the groups the copy engine does not signal
   KernelArgs unstage_args{};  // bounce buffer -> destinations
   bool fused = true;
-  std::vector<int> same_device_destinations, same_device_sources;  // see SameDeviceOrder
-  std::vector<CopyEngineBatch> copy_engine_batches;                // one per stream used
+  std::vector<CopyEngineBatch> copy_engine_batches;  // one per stream used
   std::uint64_t copy_engine_bytes = 0;
   void* bounce = nullptr;
   std::uint64_t bounce_bytes = 0;
@@ -505,10 +504,11 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     auto order = [&](int peer) { return peer < 0 ? n_pes_ : (peer - me_ + n_pes_) % n_pes_; };
     return order(a.group.peer) < order(b.group.peer);
   });
+  std::vector<int> same_device_destinations, same_device_sources;  // see SameDeviceOrder
   for (GroupPlan& g : groups) {
     if (g.group.peer < 0) continue;
     if (same_device_[g.group.peer]) {
-      prepared->same_device_destinations.push_back(g.group.peer);
+      same_device_destinations.push_back(g.group.peer);
       continue;  // no flags: the stream orders it (SameDeviceOrder)
     }
     g.group.remote_done = SignalLayout::done(peer_signals_[g.group.peer], n_pes_, me_);
@@ -518,7 +518,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
   std::vector<int> sources;
   std::vector<std::uint64_t*> source_ready;
   for (const PlannedBatch& batch : plan.receives) {
-    std::vector<int>& list = same_device_[batch.peer] ? prepared->same_device_sources : sources;
+    std::vector<int>& list = same_device_[batch.peer] ? same_device_sources : sources;
     if (std::find(list.begin(), list.end(), batch.peer) == list.end()) list.push_back(batch.peer);
   }
   std::sort(sources.begin(), sources.end());
@@ -551,6 +551,13 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     prepared->unstage_args.descriptors = prepared->unstage_descriptors.upload(staged.descriptors);
     prepared->unstage_args.groups = prepared->unstage_groups.upload(unstage_groups);
     prepared->unstage_args.group_count = 1;
+  }
+  {
+    // Once per schedule (every launch of it, autotune's included, orders the same peers); the
+    // watchdog reads them.
+    std::lock_guard lock(watch_mutex_);
+    same_device_order_.set_peers(std::move(same_device_destinations),
+                                 std::move(same_device_sources));
   }
   if (engine_ == "autotune")
     autotune(*prepared);
@@ -690,7 +697,6 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
 }
 
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
-  same_device_order_.set_peers(p.same_device_destinations, p.same_device_sources);
   same_device_order_.begin(stream);
   if (p.fused) {
     launch_fused_copy(p.copy_args, stream, early_launch_);
