@@ -71,6 +71,16 @@ class CopyService {
                      PeId dest_pe);
   void register_receive(TaskId task_id, const Buffer& dst, std::size_t dst_pos, std::size_t size,
                         PeId src_pe);
+  // Strided ranges (a column block of a matrix, any box of a row-major tensor): the rows travel
+  // in order and land in the receiver's rows, which may be cut differently (sizes must agree).
+  // No staging: the host and CUDA transports copy each row in place, NVSHMEM gathers the rows
+  // into its symmetric buffers. A receive's rows must not overlap each other or other receives.
+  void register_send(TaskId task_id, const Buffer& src, const StridedRange& range, PeId dest_pe);
+  void register_receive(TaskId task_id, const Buffer& dst, const StridedRange& range, PeId src_pe);
+  // Whether the transport moves strided ranges row by row in place at full speed (host, CUDA,
+  // NVSHMEM). NCCL sends each row as its own message: callers with many short rows pack them
+  // into contiguous buffers instead (execute_reshard_plan does).
+  bool moves_rows_in_place() const;
 
   // Collective: validates every request on every PE (before any byte moves) and builds the plan.
   ScheduleReport schedule();

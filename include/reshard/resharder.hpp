@@ -19,6 +19,9 @@ struct ReshardReport {
   std::uint64_t bytes_sent = 0;  // on the wire from this rank, local copies excluded
   std::uint64_t bytes_received = 0;
   std::uint64_t packed_bytes = 0;  // copied through staging because a slice was not contiguous
+  // Slices that are not contiguous but travelled in place, row by row (no staging): all of them
+  // on transports that move rows in place (CopyService::moves_rows_in_place).
+  std::uint64_t strided_bytes = 0;
   // Local ops (source and destination on this rank) that the transform converted straight into
   // the destination, beside the transfer: their bytes in the parameter's dtype.
   std::uint64_t locally_converted_bytes = 0;

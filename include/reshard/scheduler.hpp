@@ -18,6 +18,10 @@ struct RequestClaim {
   PeId owner = 0;  // the PE that registered it
   PeId peer = 0;   // destination PE for a send, source PE for a receive
   std::uint64_t bytes = 0;
+  // Length of the rows of a strided range (StridedRange), 0 for a contiguous one: both sides of
+  // a transfer cut their spans where either side's rows end, so span i of one is span i of the
+  // other.
+  std::uint64_t row_bytes = 0;
 };
 
 // A send matched with its receive.
@@ -26,6 +30,8 @@ struct Transfer {
   PeId src = 0;
   PeId dst = 0;
   std::uint64_t bytes = 0;
+  std::uint64_t src_row_bytes = 0;  // RequestClaim::row_bytes of the send
+  std::uint64_t dst_row_bytes = 0;  // and of the receive
 };
 
 // Matches sends to receives by task id. Throws Error(kValidation) naming every task id, PE and size

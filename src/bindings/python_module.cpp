@@ -633,6 +633,7 @@ void bind_execution(nb::module_& m) {
       .def_ro("bytes_sent", &ReshardReport::bytes_sent)
       .def_ro("bytes_received", &ReshardReport::bytes_received)
       .def_ro("packed_bytes", &ReshardReport::packed_bytes)
+      .def_ro("strided_bytes", &ReshardReport::strided_bytes)
       .def_ro("locally_converted_bytes", &ReshardReport::locally_converted_bytes)
       .def_ro("prepare_seconds", &ReshardReport::prepare_seconds)
       .def_ro("transfer_seconds", &ReshardReport::transfer_seconds)

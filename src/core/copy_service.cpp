@@ -1,6 +1,7 @@
 #include "reshard/copy_service.hpp"
 
 #include <algorithm>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 
@@ -20,11 +21,45 @@ enum class State { kCreated, kInitialized, kScheduled, kFailed, kFinalized };
 struct Registration {
   TaskId task;
   Buffer buffer;
-  std::size_t pos;
-  std::size_t size;
+  StridedRange range;  // simplified: dims == 0 when contiguous
+  std::size_t size;    // range.bytes()
   PeId peer;
-  std::byte* start() const { return static_cast<std::byte*>(buffer.data) + pos; }
+  std::byte* start() const { return static_cast<std::byte*>(buffer.data) + range.pos; }
+  // RequestClaim::row_bytes: where this side's rows end in the transfer's byte stream.
+  std::uint64_t row_bytes() const { return range.dims == 0 ? 0 : range.row_bytes; }
+  // Byte `offset` of the range's stream.
+  std::byte* at(std::uint64_t offset) const {
+    if (range.dims == 0) return start() + offset;
+    return start() + range.row_offset(offset / range.row_bytes) + offset % range.row_bytes;
+  }
+  // Calls visit(pointer, bytes) for every row, in stream order.
+  template <typename Visit>
+  void for_each_row(Visit visit) const {
+    if (size == 0) return;
+    if (range.dims == 0) {
+      visit(start(), size);
+      return;
+    }
+    for (std::uint64_t row = 0, rows = range.rows(); row < rows; ++row)
+      visit(start() + range.row_offset(row), range.row_bytes);
+  }
 };
+
+// The pieces of bytes [offset, offset + bytes) of a transfer's stream that are contiguous on
+// both sides: cut wherever a row of the send (`src_row`) or of the receive (`dst_row`) ends (0:
+// contiguous). Both PEs cut alike, so their span lists match one to one.
+template <typename Visit>
+void for_each_piece(std::uint64_t offset, std::uint64_t bytes, std::uint64_t src_row,
+                    std::uint64_t dst_row, Visit visit) {
+  const std::uint64_t end = offset + bytes;
+  for (std::uint64_t at = offset; at < end;) {
+    std::uint64_t next = end;
+    if (src_row != 0) next = std::min(next, (at / src_row + 1) * src_row);
+    if (dst_row != 0) next = std::min(next, (at / dst_row + 1) * dst_row);
+    visit(at, next - at);
+    at = next;
+  }
+}
 
 const char* state_hint(State state) {
   switch (state) {
@@ -45,30 +80,42 @@ struct LocalProblem {
   std::string text;
 };
 
-// Receive ranges of one PE that overlap would make the result depend on arrival order.
+// Receive ranges of one PE that overlap would make the result depend on arrival order. Strided
+// ranges are compared row by row (interleaved column blocks of one matrix do not overlap).
 std::vector<LocalProblem> find_overlapping_receives(const std::vector<Registration>& receives) {
-  std::vector<const Registration*> sorted;
-  for (const Registration& r : receives) {
-    if (r.size > 0) sorted.push_back(&r);
-  }
-  auto key = [](const Registration* r) {
-    return std::make_tuple(static_cast<int>(r->buffer.kind), r->buffer.device,
-                           reinterpret_cast<std::uintptr_t>(r->start()));
+  struct Piece {
+    int kind, device;
+    const std::byte* start;
+    std::uint64_t bytes;
+    const Registration* owner;
   };
-  std::sort(sorted.begin(), sorted.end(),
-            [&](const Registration* a, const Registration* b) { return key(a) < key(b); });
+  std::vector<Piece> pieces;
+  for (const Registration& r : receives) {
+    r.for_each_row([&](const std::byte* row, std::uint64_t bytes) {
+      pieces.push_back({static_cast<int>(r.buffer.kind), r.buffer.device, row, bytes, &r});
+    });
+  }
+  auto key = [](const Piece& p) { return std::make_tuple(p.kind, p.device, p.start); };
+  std::sort(pieces.begin(), pieces.end(),
+            [&](const Piece& a, const Piece& b) { return key(a) < key(b); });
   std::vector<LocalProblem> problems;
-  for (std::size_t i = 1; i < sorted.size(); ++i) {
-    const Registration& a = *sorted[i - 1];
-    const Registration& b = *sorted[i];
-    const bool same_space = a.buffer.kind == b.buffer.kind && a.buffer.device == b.buffer.device;
-    if (same_space && a.start() + a.size > b.start()) {
-      std::ostringstream text;
-      text << "destination ranges of task " << a.task << " (" << a.size << " bytes) and task "
-           << b.task << " (" << b.size << " bytes) overlap by "
-           << (std::min(a.start() + a.size, b.start() + b.size) - b.start()) << " bytes";
-      problems.push_back({a.task, b.task, text.str()});
+  std::set<std::pair<const Registration*, const Registration*>> reported;
+  for (std::size_t i = 1; i < pieces.size(); ++i) {
+    const Piece& a = pieces[i - 1];
+    const Piece& b = pieces[i];
+    if (a.kind != b.kind || a.device != b.device || a.start + a.bytes <= b.start) continue;
+    if (!reported.insert({a.owner, b.owner}).second) continue;
+    std::ostringstream text;
+    const auto overlap = std::min(a.start + a.bytes, b.start + b.bytes) - b.start;
+    if (a.owner == b.owner) {
+      text << "the rows of the destination range of task " << a.owner->task
+           << " overlap each other by " << overlap << " bytes (a row stride shorter than a row?)";
+    } else {
+      text << "destination ranges of task " << a.owner->task << " (" << a.owner->size
+           << " bytes) and task " << b.owner->task << " (" << b.owner->size << " bytes) overlap by "
+           << overlap << " bytes";
     }
+    problems.push_back({a.owner->task, b.owner->task, text.str()});
   }
   return problems;
 }
@@ -242,16 +289,17 @@ struct CopyService::Impl {
   void require_usable(const char* call) const {
     require(state == State::kInitialized || state == State::kScheduled, call);
   }
-  void check_request(const char* call, TaskId task, const Buffer& buffer, std::size_t pos,
-                     std::size_t size, PeId peer, const char* peer_role) const;
+  // The range, simplified, once it is known to lie inside the buffer.
+  StridedRange check_request(const char* call, TaskId task, const Buffer& buffer,
+                             const StridedRange& range, PeId peer, const char* peer_role) const;
   ExecutionPlan build_plan(const Schedule& schedule) const;
   void verify_run();
   [[noreturn]] void fail(const Error& error);
 };
 
-void CopyService::Impl::check_request(const char* call, TaskId task, const Buffer& buffer,
-                                      std::size_t pos, std::size_t size, PeId peer,
-                                      const char* peer_role) const {
+StridedRange CopyService::Impl::check_request(const char* call, TaskId task, const Buffer& buffer,
+                                              const StridedRange& range, PeId peer,
+                                              const char* peer_role) const {
   require_usable(call);
   const int n = bootstrap->size();
   std::ostringstream where;
@@ -265,15 +313,45 @@ void CopyService::Impl::check_request(const char* call, TaskId task, const Buffe
            std::to_string(n - 1));
   }
   if (buffer.data == nullptr && buffer.bytes > 0) refuse("the buffer pointer is null");
-  if (pos > buffer.bytes || size > buffer.bytes - pos) {
-    refuse("range [" + std::to_string(pos) + ", " + std::to_string(pos) + " + " +
-           std::to_string(size) + ") lies outside its " + describe(buffer));
+  const std::size_t pos = range.pos;
+  if (range.dims == 0) {
+    const std::size_t size = range.row_bytes;
+    if (pos > buffer.bytes || size > buffer.bytes - pos) {
+      refuse("range [" + std::to_string(pos) + ", " + std::to_string(pos) + " + " +
+             std::to_string(size) + ") lies outside its " + describe(buffer));
+    }
+  } else {
+    if (range.dims < 0 || range.dims > StridedRange::kMaxDims) {
+      refuse("a strided range has " + std::to_string(range.dims) + " dimensions (0.." +
+             std::to_string(StridedRange::kMaxDims) + " allowed)");
+    }
+    // In 128 bits, so that extents whose product wraps around are refused, not believed.
+    using Wide = unsigned __int128;
+    Wide rows = 1, reach = 0;
+    for (int d = 0; d < range.dims; ++d) {
+      rows *= range.extent[d];
+      if (range.extent[d] > 0) reach += Wide{range.extent[d] - 1} * range.stride[d];
+      if (rows > UINT64_MAX || reach > UINT64_MAX) refuse("a strided range's extents overflow");
+    }
+    const unsigned __int128 bytes = rows * range.row_bytes;
+    if (bytes > UINT64_MAX) refuse("a strided range's extents overflow");
+    std::ostringstream shape;
+    shape << "strided range at " << pos << " (" << static_cast<std::uint64_t>(rows) << " rows of "
+          << range.row_bytes << " bytes, strides";
+    for (int d = 0; d < range.dims; ++d) shape << " " << range.stride[d];
+    shape << ")";
+    if (bytes > 0 && (pos > buffer.bytes || reach + range.row_bytes > buffer.bytes - pos)) {
+      refuse(shape.str() + " reaches byte " +
+             std::to_string(static_cast<std::uint64_t>(pos + reach + range.row_bytes)) +
+             ", outside its " + describe(buffer));
+    }
   }
   try {
     transport->check_buffer(buffer);
   } catch (const Error& error) {
     throw Error(error.code(), where.str() + error.what(), {task});
   }
+  return range.simplified();
 }
 
 ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {
@@ -289,8 +367,12 @@ ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {
   for (std::uint32_t index : schedule.local) {
     const Transfer& t = schedule.transfers[index];
     if (t.src != me || t.bytes == 0) continue;
-    plan.local_copies.push_back(
-        {my_sends.at(t.task)->start(), my_receives.at(t.task)->start(), t.bytes});
+    const Registration* from = my_sends.at(t.task);
+    const Registration* to = my_receives.at(t.task);
+    for_each_piece(0, t.bytes, t.src_row_bytes, t.dst_row_bytes,
+                   [&](std::uint64_t at, std::uint64_t bytes) {
+                     plan.local_copies.push_back({from->at(at), to->at(at), bytes});
+                   });
   }
   for (const Batch& batch : schedule.batches) {
     const bool sending = batch.src == me;
@@ -300,9 +382,12 @@ ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {
     const auto& mine = sending ? my_sends : my_receives;
     for (std::uint32_t s = 0; s < batch.segment_count; ++s) {
       const Segment& segment = schedule.segments[batch.first_segment + s];
-      // Consecutive pieces of one transfer are contiguous on both PEs: both sides merge them
-      // the same way, so span i of a send batch still matches span i of its receive batch.
-      if (s > 0) {
+      const Transfer& transfer = schedule.transfers[segment.transfer];
+      const bool contiguous = transfer.src_row_bytes == 0 && transfer.dst_row_bytes == 0;
+      // Consecutive pieces of one contiguous transfer are contiguous on both PEs: both sides
+      // merge them the same way, so span i of a send batch still matches span i of its receive
+      // batch.
+      if (s > 0 && contiguous) {
         const Segment& previous = schedule.segments[batch.first_segment + s - 1];
         if (previous.transfer == segment.transfer &&
             previous.offset + previous.bytes == segment.offset) {
@@ -310,9 +395,12 @@ ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {
           continue;
         }
       }
-      const Registration* r = mine.at(schedule.transfers[segment.transfer].task);
-      plan.spans.push_back({r->start() + segment.offset, segment.bytes});
-      ++planned.span_count;
+      const Registration* r = mine.at(transfer.task);
+      for_each_piece(segment.offset, segment.bytes, transfer.src_row_bytes, transfer.dst_row_bytes,
+                     [&](std::uint64_t at, std::uint64_t bytes) {
+                       plan.spans.push_back({r->at(at), bytes});
+                       ++planned.span_count;
+                     });
     }
     (sending ? plan.sends : plan.receives).push_back(planned);
   }
@@ -364,18 +452,35 @@ std::string CopyService::transport_name() const {
 
 void CopyService::register_send(TaskId task_id, const Buffer& src, std::size_t src_pos,
                                 std::size_t size, PeId dest_pe) {
-  impl_->check_request("register_send", task_id, src, src_pos, size, dest_pe, "destination PE");
-  impl_->sends.push_back({task_id, src, src_pos, size, dest_pe});
-  ++impl_->generation;
-  impl_->state = State::kInitialized;  // a new request invalidates an existing plan
+  register_send(task_id, src, StridedRange::contiguous(src_pos, size), dest_pe);
 }
 
 void CopyService::register_receive(TaskId task_id, const Buffer& dst, std::size_t dst_pos,
                                    std::size_t size, PeId src_pe) {
-  impl_->check_request("register_receive", task_id, dst, dst_pos, size, src_pe, "source PE");
-  impl_->receives.push_back({task_id, dst, dst_pos, size, src_pe});
+  register_receive(task_id, dst, StridedRange::contiguous(dst_pos, size), src_pe);
+}
+
+void CopyService::register_send(TaskId task_id, const Buffer& src, const StridedRange& range,
+                                PeId dest_pe) {
+  const StridedRange checked =
+      impl_->check_request("register_send", task_id, src, range, dest_pe, "destination PE");
+  impl_->sends.push_back({task_id, src, checked, checked.bytes(), dest_pe});
+  ++impl_->generation;
+  impl_->state = State::kInitialized;  // a new request invalidates an existing plan
+}
+
+void CopyService::register_receive(TaskId task_id, const Buffer& dst, const StridedRange& range,
+                                   PeId src_pe) {
+  const StridedRange checked =
+      impl_->check_request("register_receive", task_id, dst, range, src_pe, "source PE");
+  impl_->receives.push_back({task_id, dst, checked, checked.bytes(), src_pe});
   ++impl_->generation;
   impl_->state = State::kInitialized;
+}
+
+bool CopyService::moves_rows_in_place() const {
+  impl_->require_usable("moves_rows_in_place()");
+  return impl_->transport->caps().strided_rows;
 }
 
 ScheduleReport CopyService::schedule() {
@@ -385,8 +490,10 @@ ScheduleReport CopyService::schedule() {
   const int n = n_pes();
   try {
     std::vector<RequestClaim> my_sends, my_receives;
-    for (const Registration& r : self.sends) my_sends.push_back({r.task, me, r.peer, r.size});
-    for (const Registration& r : self.receives) my_receives.push_back({r.task, me, r.peer, r.size});
+    for (const Registration& r : self.sends)
+      my_sends.push_back({r.task, me, r.peer, r.size, r.row_bytes()});
+    for (const Registration& r : self.receives)
+      my_receives.push_back({r.task, me, r.peer, r.size, r.row_bytes()});
     std::vector<LocalProblem> local_problems = find_overlapping_receives(self.receives);
 
     wire::Writer summary;
@@ -482,13 +589,24 @@ void CopyService::Impl::verify_run() {
   std::vector<std::byte> chunk;
   // GPU ranges are read through a host chunk, CPU ranges in place.
   auto checksum_of = [&](const Registration& r) {
-    if (r.buffer.kind == MemoryKind::kHost) return checksum64(r.start(), r.size);
     Checksum64 sum(r.size);
-    chunk.resize(std::min<std::size_t>(r.size, 16 << 20));
-    for (std::size_t at = 0; at < r.size; at += chunk.size()) {
-      const std::size_t n = std::min(chunk.size(), r.size - at);
-      copy_device_to_host(chunk.data(), r.start() + at, n, r.buffer.device);
-      sum.update(chunk.data(), n);
+    if (r.buffer.kind == MemoryKind::kHost) {
+      r.for_each_row([&](const std::byte* row, std::uint64_t bytes) { sum.update(row, bytes); });
+    } else if (r.range.dims == 0) {
+      chunk.resize(std::min<std::size_t>(r.size, 16 << 20));
+      for (std::size_t at = 0; at < r.size; at += chunk.size()) {
+        const std::size_t n = std::min(chunk.size(), r.size - at);
+        copy_device_to_host(chunk.data(), r.start() + at, n, r.buffer.device);
+        sum.update(chunk.data(), n);
+      }
+    } else {
+      // One copy of everything the rows span, then the rows from it: a copy per row costs a
+      // synchronisation each.
+      chunk.resize(r.range.reach());
+      copy_device_to_host(chunk.data(), r.start(), chunk.size(), r.buffer.device);
+      r.for_each_row([&](const std::byte* row, std::uint64_t bytes) {
+        sum.update(chunk.data() + (row - r.start()), bytes);
+      });
     }
     return sum.digest();
   };

@@ -18,6 +18,9 @@ struct TransportCaps {
   // Smallest chunk the scheduler may shrink to. Transports that copy straight into the
   // destination gain nothing from small batches and set it to chunk_bytes.
   std::uint64_t min_chunk_bytes = 64 << 10;
+  // Spans of a strided range (one per row) cost no more than one span of the same bytes; false
+  // where each span is a message of its own (NCCL).
+  bool strided_rows = true;
 };
 
 class Transport {

@@ -16,6 +16,56 @@ std::string describe(const Buffer& buffer) {
   return out.str();
 }
 
+std::uint64_t StridedRange::rows() const {
+  std::uint64_t rows = 1;
+  for (int d = 0; d < dims; ++d) rows *= extent[d];
+  return rows;
+}
+
+std::uint64_t StridedRange::row_offset(std::uint64_t row) const {
+  std::uint64_t offset = 0;
+  for (int d = dims - 1; d >= 0; --d) {
+    offset += (row % extent[d]) * stride[d];
+    row /= extent[d];
+  }
+  return offset;
+}
+
+std::uint64_t StridedRange::reach() const {
+  if (bytes() == 0) return 0;
+  std::uint64_t last = 0;
+  for (int d = 0; d < dims; ++d) last += (extent[d] - 1) * stride[d];
+  return last + row_bytes;
+}
+
+StridedRange StridedRange::simplified() const {
+  StridedRange out{pos, row_bytes};
+  for (int d = 0; d < dims; ++d) {
+    if (extent[d] == 1) continue;
+    out.extent[out.dims] = extent[d];
+    out.stride[out.dims] = stride[d];
+    ++out.dims;
+  }
+  // Innermost first: rows as far apart as they are long are one longer row; then an outer
+  // dimension whose stride spans exactly its inner one merges into it.
+  while (out.dims > 0 && out.stride[out.dims - 1] == out.row_bytes) {
+    out.row_bytes *= out.extent[out.dims - 1];
+    --out.dims;
+  }
+  for (int d = out.dims - 1; d > 0; --d) {
+    if (out.stride[d - 1] != out.stride[d] * out.extent[d]) continue;
+    out.extent[d - 1] *= out.extent[d];
+    out.stride[d - 1] = out.stride[d];
+    for (int e = d; e + 1 < out.dims; ++e) {
+      out.extent[e] = out.extent[e + 1];
+      out.stride[e] = out.stride[e + 1];
+    }
+    --out.dims;
+  }
+  if (out.rows() * out.row_bytes == 0) return {pos, 0};
+  return out;
+}
+
 std::string format_bytes(std::uint64_t bytes) {
   static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double value = static_cast<double>(bytes);

@@ -26,11 +26,23 @@ TaskId wire_task(TaskId op_task, std::size_t count, std::size_t index) {
   return op_task | (static_cast<TaskId>(count) << 4) | static_cast<TaskId>(index);
 }
 
+// Where one wire buffer of an op lies: a transform's buffer, or the op's slice of the tensor
+// itself (strided where the slice is a box that is not contiguous).
 struct WireRef {
   Buffer buffer;
-  std::size_t pos = 0;
-  std::size_t size = 0;
+  StridedRange range;
+  std::uint64_t size() const { return range.bytes(); }
 };
+
+StridedRange range_of(const exec::BoxView& view, std::size_t element_bytes) {
+  StridedRange range{static_cast<std::size_t>(view.base) * element_bytes,
+                     static_cast<std::uint64_t>(view.cols) * element_bytes, view.outer_dims};
+  for (int d = 0; d < view.outer_dims; ++d) {
+    range.extent[d] = static_cast<std::uint64_t>(view.outer_extent[d]);
+    range.stride[d] = static_cast<std::uint64_t>(view.outer_stride[d]) * element_bytes;
+  }
+  return range;
+}
 
 // One op as this rank takes part in it (as sender or receiver).
 struct Side {
@@ -46,7 +58,8 @@ struct LocalSide {
   OpSlice from, to;  // the op's source and destination slices on this rank
 };
 
-using RegistrationKey = std::tuple<bool, TaskId, const void*, std::size_t, std::size_t, PeId>;
+using RegistrationKey =
+    std::tuple<bool, TaskId, const void*, std::size_t, std::size_t, std::uint64_t, PeId>;
 
 std::string where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
@@ -62,6 +75,7 @@ struct Resharder::Impl {
   CopyService& service;
   std::shared_ptr<ReshardTransform> transform;
   PeId me;
+  bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
   std::vector<const std::string*> send_params, recv_params;  // each once, in op order
   exec::StagingPool staging;
@@ -90,7 +104,11 @@ struct Resharder::Impl {
   int transfer_stream_device = -1;
 
   Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s, std::shared_ptr<ReshardTransform> t)
-      : plan(std::move(p)), service(s), transform(std::move(t)), me(s.my_pe()) {
+      : plan(std::move(p)),
+        service(s),
+        transform(std::move(t)),
+        me(s.my_pe()),
+        rows_in_place(s.moves_rows_in_place()) {
     if (!plan) throw_error(ErrorCode::kInvalidArgument, "Resharder: null plan");
     for (const TransferOp& op : plan->ops()) {
       if (op.src_rank >= service.n_pes() || op.dst_rank >= service.n_pes()) {
@@ -241,7 +259,8 @@ struct Resharder::Impl {
                       " (1.." + std::to_string(kMaxWireBuffers) + " allowed)");
     }
     std::vector<WireRef> wire;
-    for (const Buffer& buffer : buffers) wire.push_back({buffer, 0, buffer.bytes});
+    for (const Buffer& buffer : buffers)
+      wire.push_back({buffer, StridedRange::contiguous(0, buffer.bytes)});
     return wire;
   }
 
@@ -260,13 +279,15 @@ struct Resharder::Impl {
     }
     side.view = exec::view_of(sending ? op.src_box() : op.dst_box(), side.shard->local_shape, true);
     const std::size_t element = dtype_size(tensor.dtype);
-    if (side.view.contiguous()) {
-      side.wire.push_back(
-          {tensor.data, static_cast<std::size_t>(side.view.base) * element, op.bytes});
+    // A strided slice travels in place where the transport copies rows at full speed: no
+    // staging, no pack, no unpack.
+    if (side.view.contiguous() || rows_in_place) {
+      side.wire.push_back({tensor.data, range_of(side.view, element)});
+      if (!side.view.contiguous()) report.strided_bytes += op.bytes;
       return side;
     }
     const Buffer& packed = staging.slot({sending, op.task_id, 0}, tensor.data, op.bytes);
-    side.wire.push_back({packed, 0, op.bytes});
+    side.wire.push_back({packed, StridedRange::contiguous(0, op.bytes)});
     report.packed_bytes += op.bytes;
     if (sending) {
       copies.add_pack(tensor.data, side.view, element, packed);
@@ -347,7 +368,7 @@ struct Resharder::Impl {
         for (std::size_t i = 0; i < side.wire.size(); ++i) {
           const WireRef& w = side.wire[i];
           keys.emplace_back(sending, wire_task(side.op->task_id, side.wire.size(), i),
-                            w.buffer.data, w.pos, w.size,
+                            w.buffer.data, w.range.pos, w.size(), w.range.row_bytes,
                             sending ? side.op->dst_rank : side.op->src_rank);
         }
       }
@@ -360,15 +381,15 @@ struct Resharder::Impl {
     for (const Side& side : sends) {
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
         const WireRef& w = side.wire[i];
-        service.register_send(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.pos,
-                              w.size, side.op->dst_rank);
+        service.register_send(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.range,
+                              side.op->dst_rank);
       }
     }
     for (const Side& side : receives) {
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
         const WireRef& w = side.wire[i];
-        service.register_receive(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.pos,
-                                 w.size, side.op->src_rank);
+        service.register_receive(wire_task(side.op->task_id, side.wire.size(), i), w.buffer,
+                                 w.range, side.op->src_rank);
       }
     }
     try {
@@ -431,10 +452,11 @@ struct Resharder::Impl {
         if (!side.transformed) continue;
         const LocalTensor& tensor = map->at(plan->params()[side.op->param].name);
         const std::vector<WireRef> wire = transform_wire(side, tensor, sending, stream);
-        const bool same = std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
-                                     [](const WireRef& a, const WireRef& b) {
-                                       return a.buffer.data == b.buffer.data && a.size == b.size;
-                                     });
+        const bool same =
+            std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
+                       [](const WireRef& a, const WireRef& b) {
+                         return a.buffer.data == b.buffer.data && a.size() == b.size();
+                       });
         if (!same) return false;
       }
     }
@@ -551,6 +573,7 @@ struct Resharder::Impl {
     report.bytes_sent = prepared.report.bytes_sent;
     report.bytes_received = prepared.report.bytes_received;
     report.packed_bytes = prepared.report.packed_bytes;
+    report.strided_bytes = prepared.report.strided_bytes;
     report.locally_converted_bytes = prepared.report.locally_converted_bytes;
     return report;
   }

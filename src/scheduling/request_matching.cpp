@@ -113,7 +113,8 @@ std::vector<Transfer> match_requests(std::span<const RequestClaim> sends,
       problems.add_for(send.task, "task ", send.task, ": PE ", send.owner, " sends ", send.bytes,
                        " bytes but PE ", recv.owner, " expects ", recv.bytes, " bytes");
     } else {
-      transfers.push_back({send.task, send.owner, recv.owner, send.bytes});
+      transfers.push_back(
+          {send.task, send.owner, recv.owner, send.bytes, send.row_bytes, recv.row_bytes});
     }
   }
   problems.throw_if_any();

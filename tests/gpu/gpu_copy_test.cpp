@@ -16,6 +16,7 @@
 #include "reshard/reshard.hpp"
 #include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
+#include "support/strided_workload.hpp"
 
 namespace reshard {
 namespace {
@@ -127,6 +128,50 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Workloads,
                            return std::get<0>(info.param) + "_" +
                                   std::to_string(std::get<1>(info.param));
                          });
+
+// Strided ranges in GPU memory: each side cuts the stream into rows of its own (up to three outer
+// dimensions, gaps between rows); every row lands in place and no gap byte is written, run on the
+// caller's stream after its own work with no host sync in between. NCCL sends each row as a
+// message of its own, so it gets fewer and shorter rows.
+TEST(StridedRanges, EveryRowLandsInPlaceAndNoGapIsWritten) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int device = service->device();
+  const bool in_place = service->moves_rows_in_place();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    const auto w = testing_support::make_strided_workload(
+        service->n_pes(), seed, in_place ? 48 : 8, in_place ? (seed % 2 ? 3 << 20 : 9000) : 300);
+    DeviceBytes send(w.send_bytes[me]), receive(w.receive_bytes[me]);
+    for (const auto& t : w.tasks) {
+      if (t.src == me) service->register_send(t.task, send.buffer(device), t.send, t.dst);
+      if (t.dst == me) service->register_receive(t.task, receive.buffer(device), t.receive, t.src);
+    }
+    service->schedule();
+    const std::vector<std::byte> poison(receive.size, testing_support::kUntouched);
+    for (std::uint32_t iteration = 1; iteration <= 3; ++iteration) {
+      const auto source = testing_support::strided_send_buffer(w, me, iteration);
+      CUDA_OK(
+          cudaMemcpyAsync(send.data, source.data(), source.size(), cudaMemcpyHostToDevice, stream));
+      CUDA_OK(cudaMemcpyAsync(receive.data, poison.data(), poison.size(), cudaMemcpyHostToDevice,
+                              stream));
+      service->run(stream);
+      std::vector<std::byte> landed(receive.size);
+      CUDA_OK(cudaMemcpyAsync(landed.data(), receive.data, landed.size(), cudaMemcpyDeviceToHost,
+                              stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      const auto expected = testing_support::strided_expected_receive(w, me, iteration);
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < expected.size(); ++i) wrong += landed[i] != expected[i];
+      EXPECT_EQ(wrong, 0u) << "seed " << seed << " run " << iteration;
+    }
+    service->synchronize();
+    service->clear_requests();
+  }
+  cudaStreamDestroy(stream);
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
 
 // Work queued before run() on the caller's stream (filling sources, poisoning destinations) must
 // finish before any byte moves, and work queued after must see the result — with no host sync.

@@ -12,6 +12,7 @@
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
 #include "support/pe_tests.hpp"
+#include "support/strided_workload.hpp"
 
 namespace reshard {
 namespace {
@@ -250,6 +251,109 @@ TEST(CopyServiceValidation, RefusesBadRequestSetsOnEveryPeAndStaysUsable) {
   Buffers b = register_workload(*service, w);
   service->schedule();
   EXPECT_EQ(run_and_verify(*service, w, b, 9), 0u);
+}
+
+// Strided ranges: each side cuts the stream into rows of its own; every row lands in place, no
+// gap byte is written, over several runs of one schedule, with chunks that cut rows in the middle,
+// local tasks among them, and in verify mode.
+TEST(StridedRanges, EveryRowLandsInPlaceAndNoGapIsWritten) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  EXPECT_TRUE(service->moves_rows_in_place());
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    const auto w = testing_support::make_strided_workload(service->n_pes(), seed, 24,
+                                                          seed % 3 == 0 ? 40000 : 700);
+    // Odd chunk sizes cut rows mid-way; every PE sets the same.
+    if (seed % 2 == 0) ::setenv("RESHARD_CHUNK_BYTES", seed % 4 == 0 ? "1000" : "333", 1);
+    service->set_verify(seed % 3 == 1);
+    std::vector<std::byte> send = testing_support::strided_send_buffer(w, me, 0);
+    std::vector<std::byte> receive(w.receive_bytes[me], testing_support::kUntouched);
+    const Buffer src = Buffer::host(send.data(), send.size());
+    const Buffer dst = Buffer::host(receive.data(), receive.size());
+    for (const auto& t : w.tasks) {
+      if (t.src == me) service->register_send(t.task, src, t.send, t.dst);
+      if (t.dst == me) service->register_receive(t.task, dst, t.receive, t.src);
+    }
+    service->schedule();
+    ::unsetenv("RESHARD_CHUNK_BYTES");
+    for (std::uint32_t iteration = 1; iteration <= 3; ++iteration) {
+      const auto fresh = testing_support::strided_send_buffer(w, me, iteration);
+      std::copy(fresh.begin(), fresh.end(), send.begin());  // in the registered memory
+      bootstrap()->barrier();
+      service->run();
+      bootstrap()->barrier();
+      const auto expected = testing_support::strided_expected_receive(w, me, iteration);
+      std::size_t wrong = 0, first = 0;
+      for (std::size_t i = 0; i < expected.size(); ++i) {
+        if (receive[i] != expected[i] && wrong++ == 0) first = i;
+      }
+      EXPECT_EQ(wrong, 0u) << "seed " << seed << " run " << iteration << ": first wrong byte at "
+                           << first;
+    }
+    service->clear_requests();
+  }
+  service->set_verify(false);
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Column blocks of one matrix from two senders interleave without overlapping; rows of one
+// receive that overlap each other, and a strided range reaching past its buffer, are refused
+// naming the task.
+TEST(StridedRanges, InterleavedBlocksAreAcceptedAndOverlapsAndOverreachRefused) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const PeId last = service->n_pes() - 1;
+  constexpr std::uint64_t kRows = 64, kRowBytes = 48;
+  std::vector<std::byte> source(kRows * kRowBytes);
+  for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<std::byte>(i * 13 + me);
+  std::vector<std::byte> matrix(kRows * 2 * kRowBytes, testing_support::kUntouched);
+  const Buffer src = Buffer::host(source.data(), source.size());
+  const Buffer dst = Buffer::host(matrix.data(), matrix.size());
+  // PE 0 and PE `last` each send their whole source; PE `last` receives them as the left and
+  // the right half of every row of a kRows x 2*kRowBytes matrix.
+  for (int half = 0; half < 2; ++half) {
+    const PeId sender = half == 0 ? 0 : last;
+    const TaskId task = 50 + half;
+    if (me == sender) service->register_send(task, src, 0, source.size(), last);
+    if (me == last) {
+      const std::size_t column = half * kRowBytes;
+      service->register_receive(
+          task, dst, StridedRange::matrix(column, kRows, kRowBytes, 2 * kRowBytes), sender);
+    }
+  }
+  service->schedule();
+  service->run();
+  if (me == last) {
+    std::size_t wrong = 0;
+    for (std::uint64_t r = 0; r < kRows; ++r) {
+      for (std::uint64_t c = 0; c < 2 * kRowBytes; ++c) {
+        const int from = c < kRowBytes ? 0 : last;
+        const std::uint64_t i = r * kRowBytes + c % kRowBytes;
+        wrong += matrix[r * 2 * kRowBytes + c] != static_cast<std::byte>(i * 13 + from);
+      }
+    }
+    EXPECT_EQ(wrong, 0u);
+  }
+  service->clear_requests();
+
+  // Rows 40 bytes apart, 48 long: they overlap each other.
+  if (me == 0) service->register_send(60, src, 0, 10 * kRowBytes, last);
+  if (me == last) service->register_receive(60, dst, StridedRange::matrix(0, 10, kRowBytes, 40), 0);
+  expect_refused_everywhere(*service, "the rows of the destination range of task 60 overlap", {60});
+
+  try {
+    service->register_receive(61, dst, StridedRange::matrix(64, kRows, kRowBytes, 2 * kRowBytes),
+                              0);
+    ADD_FAILURE() << "a strided range past the end of its buffer was accepted";
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(message.find("task 61"), std::string::npos) << message;
+    EXPECT_NE(message.find("64 rows of 48 bytes"), std::string::npos) << message;
+    EXPECT_NE(message.find("reaches byte 6160, outside"), std::string::npos) << message;
+    EXPECT_EQ(error.tasks(), std::vector<TaskId>{61});
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
 TEST(CopyServiceValidation, RefusesBadArgumentsAtRegistration) {

@@ -370,6 +370,31 @@ int my_device() {
   return -1;
 }
 
+// Whether `box` is one contiguous run of a row-major tensor of `shape`: every dimension after
+// the first one it spans more than once of is spanned whole.
+bool contiguous_in(const Box& box, const std::vector<std::int64_t>& shape) {
+  int d = 0;
+  while (d < box.ndim && box.extent[d] == 1) ++d;
+  for (++d; d < box.ndim; ++d)
+    if (box.extent[d] != shape[d]) return false;
+  return true;
+}
+
+// Bytes of this rank's slices (each side of a local op counted once) that are not contiguous.
+std::uint64_t strided_slice_bytes(const ReshardPlan& plan, PeId me) {
+  std::uint64_t bytes = 0;
+  for (const TransferOp& op : plan.ops()) {
+    for (bool sending : {true, false}) {
+      if ((sending ? op.src_rank : op.dst_rank) != me) continue;
+      const Layout& layout = sending ? plan.src_layout() : plan.dst_layout();
+      const Shard* shard = layout.find_shard(me, layout.param_index(plan.params()[op.param].name));
+      if (!contiguous_in(sending ? op.src_box() : op.dst_box(), shard->local_shape))
+        bytes += op.bytes;
+    }
+  }
+  return bytes;
+}
+
 void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode mode) {
   SCOPED_TRACE(c.name + " " + mode_name(mode));
   auto plan = std::make_shared<const ReshardPlan>(
@@ -402,6 +427,12 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
     EXPECT_EQ(report.rescheduled, refit != 1) << "refit " << refit;
     EXPECT_EQ(report.locally_converted_bytes, locally_converted)
         << "refit " << refit << ": local ops of transformed parameters converted in place";
+    if (mode == Mode::kPlain) {
+      // Strided slices travel in place, row by row, where the transport allows; else packed.
+      const std::uint64_t strided = strided_slice_bytes(*plan, me);
+      EXPECT_EQ(report.strided_bytes, service.moves_rows_in_place() ? strided : 0);
+      EXPECT_EQ(report.packed_bytes, service.moves_rows_in_place() ? 0 : strided);
+    }
     EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "refit " << refit;
     // Poison the destination so the next refit must write it again.
     for (auto& [name, memory] : tensors.dst) {

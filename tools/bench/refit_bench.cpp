@@ -304,8 +304,32 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   auto time_refits = [&](CopyService& on) {
     return time_each([&] { report = execute_reshard_plan(plan, src, dst, on, transform); });
   };
+  // Device memory the refits hold beyond the tensors: free memory of each PE's GPU before the
+  // first refit and after the last, every PE between barriers (PEs sharing a GPU see the same
+  // figure: all of them together).
+  auto free_device_bytes = [&]() -> std::int64_t {
+    bootstrap->barrier();
+    std::int64_t free_bytes = 0;
+#ifdef RESHARD_WITH_CUDA
+    if (gpu) {
+      std::size_t free = 0, total = 0;
+      cudaSetDevice(service.device());
+      cudaDeviceSynchronize();
+      cudaMemGetInfo(&free, &total);
+      free_bytes = static_cast<std::int64_t>(free);
+    }
+#endif
+    bootstrap->barrier();
+    return free_bytes;
+  };
+  const std::int64_t free_before = free_device_bytes();
   const double median = time_refits(service);
+  const std::int64_t extra_device_bytes =
+      max_over_pes(*bootstrap, free_before - free_device_bytes());
   const ReshardReport measured = report;
+  std::uint64_t my_source_bytes = 0;
+  for (const auto& [name, tensor] : src) my_source_bytes += tensor.data.bytes;
+  const auto source_shard = static_cast<std::int64_t>(max_over_pes(*bootstrap, my_source_bytes));
 
   // Wrong bytes in a sample of the BF16 destinations, the most on any PE.
   auto sampled_wrong_bytes = [&] {
@@ -330,6 +354,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       gpu && std::all_of(devices.begin(), devices.end(), [&](int d) { return d == devices[0]; });
   const bool shares_gpu =
       gpu && std::set<int>(devices.begin(), devices.end()).size() < devices.size();
+  const int pes_per_gpu =
+      gpu ? static_cast<int>(devices.size() / std::set<int>(devices.begin(), devices.end()).size())
+          : 0;
 
   // The baseline on the same tensors and process group, its bytes checked the same way.
   std::string baseline_name = options.baseline;
@@ -419,6 +446,17 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           "at %.2f of it\n",
           ceiling, busiest / ceiling);
     }
+    if (gpu) {
+      std::printf(
+          "  device memory held by the refits beyond the tensors: %s per GPU (%.2fx an average "
+          "PE's source shard per PE); strided slices in place %s, packed %s (PE 0)\n",
+          format_bytes(static_cast<std::uint64_t>(std::max<std::int64_t>(0, extra_device_bytes)))
+              .c_str(),
+          source_shard > 0 ? static_cast<double>(extra_device_bytes) /
+                                 (static_cast<double>(pes_per_gpu) * source_shard)
+                           : 0.0,
+          format_bytes(report.strided_bytes).c_str(), format_bytes(report.packed_bytes).c_str());
+    }
     if (report.prepare_seconds + report.transfer_seconds + report.finalize_seconds > 0) {
       std::printf(
           "  last refit on PE 0, phases waited for: prepare %.2f ms, transfer %.2f ms, "
@@ -447,6 +485,12 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
              << ",\"same_device_order\":\"" << env::cuda_same_device() << "\"";
       }
       if (copy_ceiling_s > 0) json << ",\"copy_ceiling_s\":" << copy_ceiling_s;
+      if (gpu) {
+        json << ",\"extra_device_bytes_per_gpu\":" << extra_device_bytes
+             << ",\"pes_per_gpu\":" << pes_per_gpu
+             << ",\"strided_bytes_pe0\":" << report.strided_bytes
+             << ",\"packed_bytes_pe0\":" << report.packed_bytes;
+      }
       if (baseline_median > 0) {
         json << ",\"baseline\":\"" << baseline_name
              << "\",\"baseline_median_s\":" << baseline_median

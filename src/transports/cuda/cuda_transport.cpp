@@ -401,6 +401,9 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     GroupPlan group;
     group.group.peer = pe;
     std::size_t next_send = 0, span_index = 0;
+    // The rows of a strided destination share their allocation: look it up once for them all.
+    std::uint32_t mapped_handle = UINT32_MAX;
+    unsigned char* mapped_base = nullptr;
     for (const WireBatch& batch : peer_batches) {
       const std::size_t first = span_index;
       span_index += batch.span_count;
@@ -422,7 +425,11 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
           throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
                                               std::to_string(pe) + " disagree on a span");
         }
-        unsigned char* base = imports_.map(pe, handles[target.handle], !last_attempt);
+        if (target.handle != mapped_handle) {
+          mapped_base = imports_.map(pe, handles[target.handle], !last_attempt);
+          mapped_handle = target.handle;
+        }
+        unsigned char* base = mapped_base;
         if (base == nullptr) {
           unmappable.push_back({pe, target.handle});
           continue;

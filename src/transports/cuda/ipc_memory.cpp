@@ -52,9 +52,19 @@ void close_mapping(void* base) noexcept {
 }  // namespace
 
 std::optional<ExportedAddress> IpcExporter::export_pointer(const void* pointer) {
+  const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+  if (address >= last_base_ && address < last_end_) {
+    const auto& known = by_base_.at(last_base_);
+    if (!known) return std::nullopt;
+    return ExportedAddress{*known, address - last_base_};
+  }
   CUdeviceptr base = 0;
   std::size_t size = 0;
   const CUresult status = get_address_range()(&base, &size, reinterpret_cast<CUdeviceptr>(pointer));
+  if (status == CUDA_SUCCESS) {
+    last_base_ = static_cast<std::uintptr_t>(base);
+    last_end_ = last_base_ + size;
+  }
   if (status != CUDA_SUCCESS) {
     throw_error(ErrorCode::kInvalidArgument,
                 "cuMemGetAddressRange does not know the device pointer " +

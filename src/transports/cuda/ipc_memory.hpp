@@ -35,6 +35,9 @@ class IpcExporter {
   std::vector<HandleBytes> handles_;
   std::vector<std::uintptr_t> bases_;
   std::map<std::uintptr_t, std::optional<std::uint32_t>> by_base_;
+  // The allocation the last pointer fell in: the rows of a strided range (thousands per tensor)
+  // then cost one driver query per allocation, not one each.
+  std::uintptr_t last_base_ = 0, last_end_ = 0;
 };
 
 // Peers' allocations mapped into this process now, over every IpcImports (a survivor's teardown

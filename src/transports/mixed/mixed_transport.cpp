@@ -52,7 +52,7 @@ class MixedTransport final : public Transport {
     const int intra_peers =
         a.max_peers_per_round >= static_cast<int>(members_.size()) ? n_pes_ : a.max_peers_per_round;
     return {std::min(a.chunk_bytes, b.chunk_bytes), std::min(intra_peers, b.max_peers_per_round),
-            std::min(a.min_chunk_bytes, b.min_chunk_bytes)};
+            std::min(a.min_chunk_bytes, b.min_chunk_bytes), a.strided_rows && b.strided_rows};
   }
 
   int device() const override { return intra_->device(); }

@@ -59,7 +59,7 @@ class NcclTransport final : public Transport {
 
   const char* name() const override { return "nccl"; }
   // NCCL pipelines large messages itself and runs every peer of a group at once.
-  TransportCaps caps() const override { return {kUnbounded, n_pes_, kUnbounded}; }
+  TransportCaps caps() const override { return {kUnbounded, n_pes_, kUnbounded, false}; }
   int device() const override { return device_; }
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nccl");
