@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+#include <vector>
+
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 
@@ -28,6 +31,50 @@ TEST(Types, ParsesLogLevels) {
   EXPECT_EQ(parse_log_level("trace"), LogLevel::kTrace);
   EXPECT_EQ(parse_log_level("WARN"), LogLevel::kWarn);
   EXPECT_THROW(parse_log_level("LOUD"), Error);
+}
+
+// Byte offsets (from pos) of every byte of a strided range, in stream order.
+std::vector<std::uint64_t> offsets_of(const StridedRange& range) {
+  std::vector<std::uint64_t> out;
+  for (std::uint64_t row = 0; row < range.rows(); ++row)
+    for (std::uint64_t i = 0; i < range.row_bytes; ++i) out.push_back(range.row_offset(row) + i);
+  return out;
+}
+
+TEST(StridedRanges, SimplifyMergesAdjacentRowsAndDropsUnitDimensions) {
+  // 4 x 3 rows of 8 bytes, rows adjacent and blocks adjacent: one contiguous run of 96 bytes.
+  StridedRange whole{16, 8, 2, {4, 3}, {24, 8}};
+  const StridedRange one = whole.simplified();
+  EXPECT_EQ(one.dims, 0);
+  EXPECT_EQ(one.row_bytes, 96u);
+  EXPECT_TRUE(whole.is_contiguous());
+  // A column block: rows of 8 bytes 32 apart, the outer dimension following on: one dimension.
+  StridedRange block{0, 8, 3, {1, 4, 3}, {999, 96, 32}};
+  const StridedRange folded = block.simplified();
+  EXPECT_EQ(folded.dims, 1);
+  EXPECT_EQ(folded.extent[0], 12u);
+  EXPECT_EQ(folded.stride[0], 32u);
+  EXPECT_EQ(offsets_of(folded), offsets_of(block));
+  EXPECT_EQ(block.reach(), 11u * 32 + 8);
+  EXPECT_FALSE(block.is_contiguous());
+  EXPECT_EQ(StridedRange::matrix(0, 0, 8, 16).bytes(), 0u);
+}
+
+TEST(StridedRanges, SimplifyKeepsEveryByteWhereItWas) {
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 500; ++trial) {
+    StridedRange range{rng() % 64, 1 + rng() % 12, static_cast<int>(rng() % 4)};
+    std::uint64_t stride = range.row_bytes + (rng() % 2) * (rng() % 5);
+    for (int d = range.dims - 1; d >= 0; --d) {
+      range.extent[d] = 1 + rng() % 4;
+      range.stride[d] = stride;
+      stride = stride * range.extent[d] + (rng() % 2) * (rng() % 7);
+    }
+    const StridedRange simple = range.simplified();
+    EXPECT_LE(simple.dims, range.dims);
+    EXPECT_EQ(simple.pos, range.pos);
+    EXPECT_EQ(offsets_of(simple), offsets_of(range)) << "trial " << trial;
+  }
 }
 
 }  // namespace

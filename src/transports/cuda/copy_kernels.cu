@@ -174,6 +174,72 @@ __device__ void copy_piece(const unsigned char* src, unsigned char* dst, std::ui
   }
 }
 
+// Bytes [from, to) of a descriptor's rows, 16-byte vectors only (every address, length and pitch
+// a multiple of 16): each of the team's threads walks its vectors with a running (row, column)
+// instead of dividing per vector, kUnroll loads in flight before their stores.
+template <int kUnroll>
+__device__ __forceinline__ void copy_row_vectors(const CopyDescriptor& d, std::uint64_t from,
+                                                 std::uint64_t to, std::uint32_t lane,
+                                                 std::uint32_t width) {
+  const auto* src = reinterpret_cast<const uint4*>(d.src);
+  auto* dst = reinterpret_cast<uint4*>(d.dst);
+  const std::uint64_t row = d.row_bytes / 16, src_pitch = d.src_pitch / 16,
+                      dst_pitch = d.dst_pitch / 16;
+  const std::uint64_t end = to / 16;
+  std::uint64_t v = from / 16 + lane;
+  if (v >= end) return;
+  const std::uint64_t step_rows = width / row, step_cols = width % row;
+  std::uint64_t r = v / row, c = v % row;
+  auto advance = [&] {
+    c += step_cols;
+    r += step_rows;
+    if (c >= row) {
+      c -= row;
+      ++r;
+    }
+  };
+  for (; v + (kUnroll - 1) * static_cast<std::uint64_t>(width) < end; v += kUnroll * width) {
+    uint4 values[kUnroll];
+    std::uint64_t at[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      values[k] = __ldg(src + r * src_pitch + c);
+      at[k] = r * dst_pitch + c;
+      advance();
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) dst[at[k]] = values[k];
+  }
+  for (; v < end; v += width) {
+    dst[r * dst_pitch + c] = __ldg(src + r * src_pitch + c);
+    advance();
+  }
+}
+
+// Bytes [from, to) of a descriptor's rows (see CopyDescriptor), by a team of `width` threads.
+__device__ void copy_rows(const CopyDescriptor& d, std::uint64_t from, std::uint64_t to, int unroll,
+                          std::uint32_t lane, std::uint32_t width) {
+  const std::uintptr_t any = reinterpret_cast<std::uintptr_t>(d.src) |
+                             reinterpret_cast<std::uintptr_t>(d.dst) | d.row_bytes | d.src_pitch |
+                             d.dst_pitch | from | to;
+  if (any % 16 == 0) {
+    if (unroll == 4)
+      copy_row_vectors<4>(d, from, to, lane, width);
+    else
+      copy_row_vectors<8>(d, from, to, lane, width);
+    return;
+  }
+  // Rows not in whole vectors: a warp of the team per row, with copy_piece's alignment handling.
+  const std::uint32_t warp = lane / 32, warps = max(1u, width / 32);
+  const std::uint64_t first_row = from / d.row_bytes, last_row = (to - 1) / d.row_bytes;
+  for (std::uint64_t r = first_row + warp; r <= last_row; r += warps) {
+    const std::uint64_t begin = max(from, r * d.row_bytes) - r * d.row_bytes;
+    const std::uint64_t end = min(to, (r + 1) * d.row_bytes) - r * d.row_bytes;
+    copy_piece(d.src + r * d.src_pitch + begin, d.dst + r * d.dst_pitch + begin, end - begin,
+               unroll, lane % 32, min(32u, width));
+  }
+}
+
 // First descriptor of `first[0..count)` whose range ends after `at` (descriptors are sorted by
 // their offset in the group's byte stream and do not overlap).
 __device__ std::uint32_t descriptor_at(const CopyDescriptor* first, std::uint32_t count,
@@ -218,7 +284,11 @@ __device__ void copy_share(const KernelArgs& a, const PeerGroup& group, std::uin
     const CopyDescriptor& desc = first[d];
     const std::uint64_t from = max(begin, desc.offset) - desc.offset;
     const std::uint64_t to = min(end, desc.offset + desc.bytes) - desc.offset;
-    if (from < to) copy_piece(desc.src + from, desc.dst + from, to - from, a.unroll, lane, width);
+    if (from >= to) continue;
+    if (desc.has_rows())
+      copy_rows(desc, from, to, a.unroll, lane, width);
+    else
+      copy_piece(desc.src + from, desc.dst + from, to - from, a.unroll, lane, width);
   }
 }
 
@@ -289,7 +359,7 @@ __device__ bool plan_prefetch(const KernelArgs& a, const PeerGroup& g, std::uint
   const CopyDescriptor* first = a.descriptors + g.first_descriptor;
   const std::uint32_t d = descriptor_at(first, g.descriptor_count, begin);
   const CopyDescriptor desc = first[d];
-  if (desc.offset + desc.bytes < end) return false;  // more than one piece
+  if (desc.offset + desc.bytes < end || desc.has_rows()) return false;  // not one run
   const unsigned char* src = desc.src + (begin - desc.offset);
   unsigned char* dst = desc.dst + (begin - desc.offset);
   const std::uint64_t bytes = end - begin;

@@ -69,17 +69,11 @@ struct GroupPlan {
   std::vector<CopyDescriptor> descriptors;
 
   void add(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
-    if (bytes == 0) return;
-    if (!descriptors.empty()) {
-      CopyDescriptor& last = descriptors.back();
-      if (last.src + last.bytes == src && last.dst + last.bytes == dst) {
-        last.bytes += bytes;
-        group.bytes += bytes;
-        return;
-      }
-    }
-    descriptors.push_back({src, dst, bytes, group.bytes});
-    group.bytes += bytes;
+    append_copy(descriptors, 0, group.bytes, src, dst, bytes);
+  }
+  bool has_rows() const {
+    return std::any_of(descriptors.begin(), descriptors.end(),
+                       [](const CopyDescriptor& d) { return d.has_rows(); });
   }
 };
 
@@ -89,11 +83,13 @@ struct GroupPlan {
 struct CopyEngineBatch {
   struct Peer {
     std::size_t copies_end;
+    std::size_t boxes_end;
     std::uint64_t* done;  // the peer's done[me], mapped here (null: local copies)
   };
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<std::size_t> sizes;
+  std::vector<CopyDescriptor> boxes;  // descriptors with rows: one cudaMemcpy2DAsync each
   std::vector<Peer> peers;
 };
 
@@ -154,6 +150,8 @@ class CudaTransport final : public Transport {
   // Queues batch's copies [begin, end) on stream.
   void queue_copies(const CopyEngineBatch& batch, std::size_t begin, std::size_t end,
                     bool may_batch, cudaStream_t stream);
+  // One descriptor with rows as a 2-D copy-engine copy.
+  void queue_rows(const CopyDescriptor& box, cudaStream_t stream);
   void wait_for(cudaEvent_t event, const char* what);
   // A run is stuck: records why (as a kernel's failed wait would), stops the copies that follow
   // and lets this PE's stream past its waits on same-GPU peers.
@@ -587,9 +585,11 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
     // A peer goes whole to one engine: sharing each peer's bytes between the copy engine and SMs
     // at once measured no better than the better of the two (4x H200, 2026-11-22: 16 MiB 310
     // GB/s vs 330 on SMs, 64 MiB 352 vs 367 on the copy engine).
+    // Rows go to the copy engine only when asked for (ce, or autotune's trial of it): 2-D copies
+    // have not been measured against the SM engine's row walk.
     const bool copy_engine =
         engine == "ce" || (engine == "auto" && g.group.bytes >= copy_engine_min_bytes_ &&
-                           g.descriptors.size() <= kCopyEngineMaxCopies);
+                           g.descriptors.size() <= kCopyEngineMaxCopies && !g.has_rows());
     if (g.group.local_ready != nullptr) signal_groups.push_back(g.group);
     if (copy_engine) {
       // Peers take the streams in start order, so each stream's first copy goes to a different
@@ -599,11 +599,15 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
         prepared.copy_engine_batches.emplace_back();
       CopyEngineBatch& batch = prepared.copy_engine_batches[stream];
       for (const CopyDescriptor& d : g.descriptors) {
+        if (d.has_rows()) {
+          batch.boxes.push_back(d);
+          continue;
+        }
         batch.dsts.push_back(d.dst);
         batch.srcs.push_back(d.src);
         batch.sizes.push_back(d.bytes);
       }
-      batch.peers.push_back({batch.dsts.size(), g.group.remote_done});
+      batch.peers.push_back({batch.dsts.size(), batch.boxes.size(), g.group.remote_done});
       prepared.copy_engine_bytes += g.group.bytes;
       continue;
     }
@@ -729,10 +733,12 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
       // kernel boundary in between (2x H200: 4 KiB copy-engine run 18.7-19.1 -> 16.0-16.6 us with
       // the early-launched begin kernel; a batch does not order its copies, so each peer's copies
       // form their own batch).
-      std::size_t begin = 0;
+      std::size_t begin = 0, boxes_begin = 0;
       for (const CopyEngineBatch::Peer& peer : batch.peers) {
         queue_copies(batch, begin, peer.copies_end, may_batch, side);
         begin = peer.copies_end;
+        for (; boxes_begin < peer.boxes_end; ++boxes_begin)
+          queue_rows(batch.boxes[boxes_begin], side);
         if (peer.done != nullptr) {
           RESHARD_CUDA_CHECK(cudaMemcpyAsync(peer.done, ready_epoch_, sizeof(std::uint64_t),
                                              cudaMemcpyDeviceToDevice, side));
@@ -776,6 +782,21 @@ void CudaTransport::queue_copies(const CopyEngineBatch& batch, std::size_t begin
   for (std::size_t c = begin; c < end; ++c) {
     RESHARD_CUDA_CHECK(cudaMemcpyAsync(batch.dsts[c], batch.srcs[c], batch.sizes[c],
                                        cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
+void CudaTransport::queue_rows(const CopyDescriptor& box, cudaStream_t stream) {
+  const std::uint64_t rows = box.bytes / box.row_bytes;
+  // cudaMemcpy2DAsync takes pitches no shorter than a row (source rows may overlap, when a send
+  // repeats bytes): those go one row at a time.
+  if (box.src_pitch >= box.row_bytes && box.dst_pitch >= box.row_bytes) {
+    RESHARD_CUDA_CHECK(cudaMemcpy2DAsync(box.dst, box.dst_pitch, box.src, box.src_pitch,
+                                         box.row_bytes, rows, cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  for (std::uint64_t r = 0; r < rows; ++r) {
+    RESHARD_CUDA_CHECK(cudaMemcpyAsync(box.dst + r * box.dst_pitch, box.src + r * box.src_pitch,
+                                       box.row_bytes, cudaMemcpyDeviceToDevice, stream));
   }
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #ifdef __CUDACC__
 #define RESHARD_HOST_DEVICE __host__ __device__
@@ -12,13 +13,58 @@
 
 namespace reshard::cuda {
 
-// One contiguous copy. `offset` is where it starts in its group's byte stream.
+// One copy: a contiguous run, or rows of `row_bytes` (a 2-D box: the rows of a strided range,
+// `src_pitch` and `dst_pitch` apart). `offset` is where it starts in its group's byte stream.
 struct CopyDescriptor {
   const unsigned char* src;
   unsigned char* dst;
-  std::uint64_t bytes;
+  std::uint64_t bytes;  // all rows together
   std::uint64_t offset;
+  std::uint64_t row_bytes = 0;  // 0: one contiguous run
+  std::uint64_t src_pitch = 0;
+  std::uint64_t dst_pitch = 0;
+
+  RESHARD_HOST_DEVICE bool has_rows() const { return row_bytes != 0 && row_bytes < bytes; }
 };
+
+// Appends a copy of `bytes` to the descriptors of a group (those from `group_first` on), whose
+// byte stream is `stream_bytes` long so far. A copy that continues the last descriptor in both
+// memories extends it; one as long as the last one's rows, one pitch further on in both, becomes
+// its next row: a strided range's thousands of rows then cost one descriptor, and a kernel's
+// threads spread over all of its rows instead of fetching a descriptor per row.
+inline void append_copy(std::vector<CopyDescriptor>& list, std::size_t group_first,
+                        std::uint64_t& stream_bytes, const unsigned char* src, unsigned char* dst,
+                        std::uint64_t bytes) {
+  if (bytes == 0) return;
+  if (list.size() > group_first) {
+    CopyDescriptor& last = list.back();
+    if (!last.has_rows()) {
+      if (last.src + last.bytes == src && last.dst + last.bytes == dst) {
+        last.bytes += bytes;
+        last.row_bytes = 0;
+        stream_bytes += bytes;
+        return;
+      }
+      if (last.bytes == bytes && src > last.src && dst > last.dst) {
+        last.row_bytes = bytes;
+        last.src_pitch = static_cast<std::uint64_t>(src - last.src);
+        last.dst_pitch = static_cast<std::uint64_t>(dst - last.dst);
+        last.bytes += bytes;
+        stream_bytes += bytes;
+        return;
+      }
+    } else if (bytes == last.row_bytes) {
+      const std::uint64_t rows = last.bytes / last.row_bytes;
+      if (src == last.src + rows * last.src_pitch && dst == last.dst + rows * last.dst_pitch) {
+        last.bytes += bytes;
+        stream_bytes += bytes;
+        return;
+      }
+    }
+  }
+  list.push_back({src, dst, bytes, stream_bytes});
+  stream_bytes += bytes;
+}
 
 // Everything this PE copies to one destination (a peer, or itself for local copies), and the CTAs
 // of the SM engine that copy it.

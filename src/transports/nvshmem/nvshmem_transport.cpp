@@ -394,10 +394,9 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     return static_cast<std::uint32_t>(groups_.size() - 1);
   };
   auto add = [&](PeerGroup& group, const std::byte* src, std::byte* dst, std::uint64_t bytes) {
-    if (bytes == 0) return;
-    descriptors.push_back({reinterpret_cast<const unsigned char*>(src),
-                           reinterpret_cast<unsigned char*>(dst), bytes, group.bytes});
-    group.bytes += bytes;
+    cuda::append_copy(descriptors, group.first_descriptor, group.bytes,
+                      reinterpret_cast<const unsigned char*>(src),
+                      reinterpret_cast<unsigned char*>(dst), bytes);
   };
   local_group_.reset();
   if (!plan.local_copies.empty()) {
