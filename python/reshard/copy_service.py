@@ -6,7 +6,7 @@ import operator
 import os
 import socket
 import sys
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from . import _core
 
@@ -196,17 +196,32 @@ class CopyService:
         """The transport in use after init(): "host", "cuda", "nvshmem" or "nccl"."""
         return self._service.transport_name
 
+    @property
+    def moves_rows_in_place(self) -> bool:
+        """Whether the transport copies strided ranges (``rows=``) row by row in place (host,
+        CUDA, NVSHMEM); NCCL sends each row as a message of its own."""
+        return self._service.moves_rows_in_place
+
     def register_send(self, task_id: int, src_tensor: Any, src_pos: int, size: int,
-                      dest_pe: int) -> None:
-        """Sends ``size`` bytes of ``src_tensor`` from byte ``src_pos`` to ``dest_pe``."""
+                      dest_pe: int, *, rows: Sequence[int] = (),
+                      pitches: Sequence[int] = ()) -> None:
+        """Sends ``size`` bytes of ``src_tensor`` from byte ``src_pos`` to ``dest_pe``.
+
+        With ``rows`` (outer extents) and ``pitches`` (their strides in bytes), sends rows of
+        ``size`` bytes each, in place: a column block of a row-major matrix is
+        ``rows=(n_rows,), pitches=(bytes_per_matrix_row,)``. The receiver may cut the rows
+        differently; the total bytes must agree.
+        """
         task_id = _task_id(task_id)
         self._call(self._service.register_send, "register_send", task_id, src_tensor, src_pos,
-                   size, dest_pe)
+                   size, dest_pe, rows, pitches)
         self._registered.append(src_tensor)
 
     def register_receive(self, task_id: int, dst_tensor: Any, dst_pos: int, size: int,
-                         src_pe: int) -> None:
-        """Receives ``size`` bytes from ``src_pe`` into ``dst_tensor`` at byte ``dst_pos``."""
+                         src_pe: int, *, rows: Sequence[int] = (),
+                         pitches: Sequence[int] = ()) -> None:
+        """Receives ``size`` bytes from ``src_pe`` into ``dst_tensor`` at byte ``dst_pos``
+        (or rows of ``size`` bytes, as ``register_send`` describes)."""
         task_id = _task_id(task_id)
         flags = getattr(dst_tensor, "flags", None)
         if flags is not None and getattr(flags, "writeable", True) is False:
@@ -214,17 +229,19 @@ class CopyService:
                            "read-only, and reshard writes into it in place: pass a writable "
                            "array", [task_id])
         self._call(self._service.register_receive, "register_receive", task_id, dst_tensor,
-                   dst_pos, size, src_pe)
+                   dst_pos, size, src_pe, rows, pitches)
         self._registered.append(dst_tensor)
 
     @staticmethod
     def _call(function: Any, name: str, task_id: int, tensor: Any, pos: Any, size: Any,
-              pe: Any) -> None:
+              pe: Any, rows: Sequence[int] = (), pitches: Sequence[int] = ()) -> None:
         try:
-            function(task_id, tensor, pos, size, pe)
+            function(task_id, tensor, pos, size, pe, list(rows), list(pitches))
         except TypeError:
             # nanobind's own message lists signatures; say which argument does not fit.
-            for what, value in (("position", pos), ("size", size), ("PE", pe)):
+            checked = [("position", pos), ("size", size), ("PE", pe)]
+            checked += [("row extent", r) for r in rows] + [("pitch", p) for p in pitches]
+            for what, value in checked:
                 try:
                     if operator.index(value) < 0:
                         raise ValueError

@@ -95,6 +95,25 @@ Buffer buffer_of(const AnyArray& array, const std::string& what) {
   }
 }
 
+// register_send / register_receive: `size` bytes at `pos`, or with `rows` (outer extents) and
+// `pitches` (their strides in bytes) rows of `size` bytes each.
+StridedRange strided_range(TaskId task, std::size_t pos, std::size_t size,
+                           const std::vector<std::uint64_t>& rows,
+                           const std::vector<std::uint64_t>& pitches) {
+  if (rows.size() != pitches.size() || rows.size() > StridedRange::kMaxDims) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "task " + std::to_string(task) + ": rows has " + std::to_string(rows.size()) +
+                    " extents and pitches " + std::to_string(pitches.size()) +
+                    " strides; give one stride (in bytes) per extent, at most " +
+                    std::to_string(StridedRange::kMaxDims),
+                {task});
+  }
+  StridedRange range{pos, size, static_cast<int>(rows.size())};
+  std::copy(rows.begin(), rows.end(), range.extent.begin());
+  std::copy(pitches.begin(), pitches.end(), range.stride.begin());
+  return range;
+}
+
 void* stream_of(std::optional<std::uintptr_t> stream) {
   return stream ? reinterpret_cast<void*>(*stream) : nullptr;
 }
@@ -250,20 +269,25 @@ void bind_copy_service(nb::module_& m) {
       .def(
           "register_send",
           [](CopyService& self, TaskId task, const ReadOnlyArray& src, std::size_t pos,
-             std::size_t size, PeId dest) {
+             std::size_t size, PeId dest, const std::vector<std::uint64_t>& rows,
+             const std::vector<std::uint64_t>& pitches) {
             self.register_send(task, buffer_of(src, "send buffer of task " + std::to_string(task)),
-                               pos, size, dest);
+                               strided_range(task, pos, size, rows, pitches), dest);
           },
-          "task_id"_a, "src"_a, "src_pos"_a, "size"_a, "dest_pe"_a)
+          "task_id"_a, "src"_a, "src_pos"_a, "size"_a, "dest_pe"_a,
+          "rows"_a = std::vector<std::uint64_t>{}, "pitches"_a = std::vector<std::uint64_t>{})
       .def(
           "register_receive",
           [](CopyService& self, TaskId task, const Array& dst, std::size_t pos, std::size_t size,
-             PeId src) {
+             PeId src, const std::vector<std::uint64_t>& rows,
+             const std::vector<std::uint64_t>& pitches) {
             self.register_receive(task,
                                   buffer_of(dst, "receive buffer of task " + std::to_string(task)),
-                                  pos, size, src);
+                                  strided_range(task, pos, size, rows, pitches), src);
           },
-          "task_id"_a, "dst"_a, "dst_pos"_a, "size"_a, "src_pe"_a)
+          "task_id"_a, "dst"_a, "dst_pos"_a, "size"_a, "src_pe"_a,
+          "rows"_a = std::vector<std::uint64_t>{}, "pitches"_a = std::vector<std::uint64_t>{})
+      .def_prop_ro("moves_rows_in_place", &CopyService::moves_rows_in_place)
       .def("schedule", &CopyService::schedule, GilFree())
       .def(
           "run",

@@ -83,6 +83,36 @@ def test_single_pe_copies_bytes_in_place(service):
         assert not dst[50:].any()
 
 
+def test_strided_rows_move_a_column_block_in_place(service):
+    # Columns 2..5 of a 6 x 8 float32 matrix land as columns 4..7 of another; a transposed cut
+    # (rows of 8 bytes on the sender, 16 on the receiver) of the same stream works too.
+    assert service.moves_rows_in_place
+    src = np.arange(48, dtype=np.float32).reshape(6, 8)
+    dst = np.zeros((6, 8), dtype=np.float32)
+    service.register_send(1, src, 2 * 4, 16, 0, rows=(6,), pitches=(32,))
+    service.register_receive(1, dst, 4 * 4, 16, 0, rows=(6,), pitches=(32,))
+    flat = np.zeros(24, dtype=np.float32)
+    service.register_send(2, src, 2 * 4, 8, 0, rows=(6, 2), pitches=(32, 8))
+    service.register_receive(2, flat, 0, 96, 0)
+    service.schedule()
+    service.run()
+    np.testing.assert_array_equal(dst[:, 4:], src[:, 2:6])
+    assert not dst[:, :4].any()
+    np.testing.assert_array_equal(flat, src[:, 2:6].ravel())
+
+
+def test_strided_rows_that_disagree_or_overreach_are_refused(service):
+    matrix = np.zeros((4, 8), dtype=np.uint8)
+    with pytest.raises(reshard.ReshardError, match="one stride") as error:
+        service.register_send(4, matrix, 0, 4, 0, rows=(4,), pitches=())
+    assert error.value.tasks == [4]
+    with pytest.raises(reshard.ReshardError, match="reaches byte 36, outside") as error:
+        service.register_receive(5, matrix, 4, 8, 0, rows=(4,), pitches=(8,))
+    assert error.value.tasks == [5]
+    with pytest.raises(reshard.ReshardError, match="row extent -1"):
+        service.register_send(6, matrix, 0, 4, 0, rows=(-1,), pitches=(8,))
+
+
 def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service, monkeypatch):
     service.verify = True
     assert service.verify
