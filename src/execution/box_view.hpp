@@ -87,6 +87,17 @@ inline BoxView view_of(const Box& box, const std::vector<std::int64_t>& shape,
   return view;
 }
 
+// The view's bytes as a strided range of its tensor's buffer (rows of `cols` elements).
+inline StridedRange strided_range_of(const BoxView& view, std::size_t element_bytes) {
+  StridedRange range{static_cast<std::size_t>(view.base) * element_bytes,
+                     static_cast<std::uint64_t>(view.cols) * element_bytes, view.outer_dims};
+  for (int d = 0; d < view.outer_dims; ++d) {
+    range.extent[d] = static_cast<std::uint64_t>(view.outer_extent[d]);
+    range.stride[d] = static_cast<std::uint64_t>(view.outer_stride[d]) * element_bytes;
+  }
+  return range;
+}
+
 // A dense buffer holding exactly the box, in row-major order (a wire or staging buffer).
 inline BoxView dense_view(const Box& box) {
   std::vector<std::int64_t> shape(box.extent.begin(), box.extent.begin() + box.ndim);

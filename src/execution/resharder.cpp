@@ -16,6 +16,7 @@
 #include "execution/staging.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
+#include "transforms/wire_ranges.hpp"
 
 namespace reshard {
 namespace {
@@ -33,16 +34,6 @@ struct WireRef {
   StridedRange range;
   std::uint64_t size() const { return range.bytes(); }
 };
-
-StridedRange range_of(const exec::BoxView& view, std::size_t element_bytes) {
-  StridedRange range{static_cast<std::size_t>(view.base) * element_bytes,
-                     static_cast<std::uint64_t>(view.cols) * element_bytes, view.outer_dims};
-  for (int d = 0; d < view.outer_dims; ++d) {
-    range.extent[d] = static_cast<std::uint64_t>(view.outer_extent[d]);
-    range.stride[d] = static_cast<std::uint64_t>(view.outer_stride[d]) * element_bytes;
-  }
-  return range;
-}
 
 // One op as this rank takes part in it (as sender or receiver).
 struct Side {
@@ -74,6 +65,7 @@ struct Resharder::Impl {
   std::shared_ptr<const ReshardPlan> plan;
   CopyService& service;
   std::shared_ptr<ReshardTransform> transform;
+  exec::RangedTransform* ranged;  // the transform, where it offers strided wire ranges
   PeId me;
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
@@ -107,6 +99,7 @@ struct Resharder::Impl {
       : plan(std::move(p)),
         service(s),
         transform(std::move(t)),
+        ranged(dynamic_cast<exec::RangedTransform*>(transform.get())),
         me(s.my_pe()),
         rows_in_place(s.moves_rows_in_place()) {
     if (!plan) throw_error(ErrorCode::kInvalidArgument, "Resharder: null plan");
@@ -250,17 +243,23 @@ struct Resharder::Impl {
     const TransferOp& op = *side.op;
     const Box local = sending ? op.src_box() : op.dst_box();
     const OpSlice slice{plan->params()[op.param], op, local, side.shard->local_shape};
-    std::vector<Buffer> buffers = sending ? transform->prepare_send(slice, tensor, stream)
-                                          : transform->prepare_recv(slice, tensor);
-    if (buffers.empty() || buffers.size() > static_cast<std::size_t>(kMaxWireBuffers)) {
-      throw_error(ErrorCode::kInvalidArgument,
-                  "transform '" + transform->name() + "' returned " +
-                      std::to_string(buffers.size()) + " wire buffers for " + where(*plan, op) +
-                      " (1.." + std::to_string(kMaxWireBuffers) + " allowed)");
-    }
     std::vector<WireRef> wire;
-    for (const Buffer& buffer : buffers)
-      wire.push_back({buffer, StridedRange::contiguous(0, buffer.bytes)});
+    if (ranged != nullptr && rows_in_place) {
+      // The built-in transforms: strided slices go from and land in the tensors in place.
+      for (const exec::WireRange& w : sending ? ranged->send_ranges(slice, tensor, stream)
+                                              : ranged->recv_ranges(slice, tensor))
+        wire.push_back({w.buffer, w.range});
+    } else {
+      for (const Buffer& buffer : sending ? transform->prepare_send(slice, tensor, stream)
+                                          : transform->prepare_recv(slice, tensor))
+        wire.push_back({buffer, StridedRange::contiguous(0, buffer.bytes)});
+    }
+    if (wire.empty() || wire.size() > static_cast<std::size_t>(kMaxWireBuffers)) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "transform '" + transform->name() + "' returned " + std::to_string(wire.size()) +
+                      " wire buffers for " + where(*plan, op) + " (1.." +
+                      std::to_string(kMaxWireBuffers) + " allowed)");
+    }
     return wire;
   }
 
@@ -282,7 +281,7 @@ struct Resharder::Impl {
     // A strided slice travels in place where the transport copies rows at full speed: no
     // staging, no pack, no unpack.
     if (side.view.contiguous() || rows_in_place) {
-      side.wire.push_back({tensor.data, range_of(side.view, element)});
+      side.wire.push_back({tensor.data, exec::strided_range_of(side.view, element)});
       if (!side.view.contiguous()) report.strided_bytes += op.bytes;
       return side;
     }

@@ -11,12 +11,14 @@
 #include "reshard/error.hpp"
 #include "reshard/transform.hpp"
 #include "transforms/conversions.hpp"
+#include "transforms/wire_ranges.hpp"
 
 namespace reshard {
 namespace {
 
 using exec::BlockRef;
 using exec::BoxView;
+using exec::WireRange;
 
 bool is_float(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
@@ -43,11 +45,43 @@ class WireBuffers {
   exec::StagingPool pool_;
 };
 
-class TransformBase : public ReshardTransform {
+class TransformBase : public ReshardTransform, public exec::RangedTransform {
  public:
   explicit TransformBase(std::string filter) : filter_(std::move(filter)) {}
 
+  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
+                                   void* stream) final {
+    return buffers_of(send_wire(slice, src, stream, false));
+  }
+  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) final {
+    return buffers_of(recv_wire(slice, dst, false));
+  }
+  std::vector<WireRange> send_ranges(const OpSlice& slice, const LocalTensor& src,
+                                     void* stream) final {
+    return send_wire(slice, src, stream, true);
+  }
+  std::vector<WireRange> recv_ranges(const OpSlice& slice, const LocalTensor& dst) final {
+    return recv_wire(slice, dst, true);
+  }
+
  protected:
+  // The op's wire; with `in_place`, slices that are not contiguous go as strided ranges of the
+  // tensor (the executor asks for that where the copy service moves rows in place).
+  virtual std::vector<WireRange> send_wire(const OpSlice& slice, const LocalTensor& src,
+                                           void* stream, bool in_place) = 0;
+  virtual std::vector<WireRange> recv_wire(const OpSlice& slice, const LocalTensor& dst,
+                                           bool in_place) = 0;
+  static std::vector<Buffer> buffers_of(const std::vector<WireRange>& wire) {
+    std::vector<Buffer> buffers;
+    for (const WireRange& w : wire) buffers.push_back(w.buffer);
+    return buffers;
+  }
+  // For a slice that is not contiguous: whether the wire buffer finalize_recv is given is the
+  // tensor itself, i.e. the slice landed there in place, row by row (recv_wire with in_place).
+  // Wire buffers of the transform's own are never the tensor's memory.
+  static bool landed_in_place(const Buffer& wire, const Buffer& tensor) {
+    return wire.data == tensor.data;
+  }
   bool name_selected(const ParamSpec& param) const {
     return filter_.empty() || param.name.find(filter_) != std::string::npos;
   }
@@ -58,25 +92,27 @@ class TransformBase : public ReshardTransform {
     part.bytes = static_cast<std::size_t>(view.elements()) * element;
     return part;
   }
-  // The source slice as a block of its tensor (a view, or packed into a wire buffer when the
-  // slice is not contiguous: the wire carries the region densely).
-  Buffer source_slice(const OpSlice& slice, const LocalTensor& src, int index) {
+  // The source slice as a block of its tensor (a view; where the slice is not contiguous, its
+  // rows in place, or packed into a wire buffer that carries the region densely).
+  WireRange source_slice(const OpSlice& slice, const LocalTensor& src, int index, bool in_place) {
     const BoxView view = exec::view_of(slice.local, slice.local_shape, true);
     const std::size_t element = dtype_size(src.dtype);
-    if (view.contiguous()) return contiguous_part(src.data, view, element);
+    if (view.contiguous()) return WireRange::whole(contiguous_part(src.data, view, element));
+    if (in_place) return {src.data, exec::strided_range_of(view, element)};
     const std::size_t bytes = static_cast<std::size_t>(slice.local.elements()) * element;
     Buffer wire = wire_.get(true, slice.op, index, bytes, src.data);
     queue_.pack(src.data, view, element, wire);
-    return wire;
+    return WireRange::whole(wire);
   }
   // Where a received dense block lands: straight in the destination tensor where the block is
-  // contiguous there (nothing to unpack at the end), in a wire buffer of the transform's
-  // otherwise. `view` is the block in the tensor, rows merged.
-  Buffer landing(const OpSlice& slice, const Buffer& tensor, int index, const BoxView& view,
-                 std::size_t element) {
-    if (view.contiguous()) return contiguous_part(tensor, view, element);
+  // contiguous there, or as its rows in place (nothing to unpack at the end either way), in a
+  // wire buffer of the transform's otherwise. `view` is the block in the tensor, rows merged.
+  WireRange landing(const OpSlice& slice, const Buffer& tensor, int index, const BoxView& view,
+                    std::size_t element, bool in_place) {
+    if (view.contiguous()) return WireRange::whole(contiguous_part(tensor, view, element));
+    if (in_place) return {tensor, exec::strided_range_of(view, element)};
     const auto bytes = static_cast<std::size_t>(view.elements()) * element;
-    return wire_.get(false, slice.op, index, bytes, tensor);
+    return WireRange::whole(wire_.get(false, slice.op, index, bytes, tensor));
   }
   void require_scale(const std::string& name, const OpSlice& slice, const LocalTensor& dst,
                      std::size_t scale_bytes) const {
@@ -138,7 +174,7 @@ class TransformBase : public ReshardTransform {
   }
   // The slice's buffers if this refit converted it already. An op seen twice means a new refit
   // began without a flush (the last one failed half-way): nothing converted then is reused.
-  const std::vector<Buffer>* converted(const TransferOp& op, const SliceKey& key) {
+  const std::vector<WireRange>* converted(const TransferOp& op, const SliceKey& key) {
     if (!sent_ops_.insert(op.task_id).second) {
       converted_.clear();
       sent_ops_ = {op.task_id};
@@ -146,7 +182,7 @@ class TransformBase : public ReshardTransform {
     auto it = converted_.find(key);
     return it == converted_.end() ? nullptr : &it->second;
   }
-  const std::vector<Buffer>& remember(const SliceKey& key, std::vector<Buffer> buffers) {
+  const std::vector<WireRange>& remember(const SliceKey& key, std::vector<WireRange> buffers) {
     return converted_[key] = std::move(buffers);
   }
 
@@ -161,7 +197,7 @@ class TransformBase : public ReshardTransform {
  private:
   std::string filter_;
   // Hashed: a MoE refit converts tens of thousands of slices.
-  std::unordered_map<SliceKey, std::vector<Buffer>, SliceKeyHash> converted_;  // until flush()
+  std::unordered_map<SliceKey, std::vector<WireRange>, SliceKeyHash> converted_;  // until flush()
   std::unordered_set<TaskId> sent_ops_;
 };
 
@@ -180,31 +216,33 @@ class CastTransform final : public TransformBase {
   std::string name() const override { return std::string("cast-") + dtype_name(wire_dtype_); }
   bool should_transform(const ParamSpec& param) const override { return is_float(param.dtype); }
 
-  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
-                                   void* stream) override {
+  std::vector<WireRange> send_wire(const OpSlice& slice, const LocalTensor& src, void* stream,
+                                   bool in_place) override {
     queue_.flush_if_full(stream);
     check_dtype(slice, src.dtype, "source");
-    if (src.dtype == wire_dtype_) return {source_slice(slice, src, 0)};
+    if (src.dtype == wire_dtype_) return {source_slice(slice, src, 0, in_place)};
     Buffer wire = wire_.get(true, slice.op, 0, wire_bytes(slice), src.data);
     queue_.convert(
         {{src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
          {wire.data, wire_dtype_, exec::dense_view(slice.local)}},
         src.data);
-    return {wire};
+    return {WireRange::whole(wire)};
   }
-  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
+  std::vector<WireRange> recv_wire(const OpSlice& slice, const LocalTensor& dst,
+                                   bool in_place) override {
     check_dtype(slice, dst.dtype, "destination");
     if (dst.dtype == wire_dtype_) {
       return {landing(slice, dst.data, 0, exec::view_of(slice.local, slice.local_shape, true),
-                      dtype_size(dst.dtype))};
+                      dtype_size(dst.dtype), in_place)};
     }
-    return {wire_.get(false, slice.op, 0, wire_bytes(slice), dst.data)};
+    return {WireRange::whole(wire_.get(false, slice.op, 0, wire_bytes(slice), dst.data))};
   }
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
                      void* stream) override {
     queue_.flush_if_full(stream);
     if (dst.dtype == wire_dtype_ &&
-        exec::view_of(slice.local, slice.local_shape, true).contiguous()) {
+        (exec::view_of(slice.local, slice.local_shape, true).contiguous() ||
+         landed_in_place(wire[0], dst.data))) {
       return;  // it landed in place
     }
     queue_.convert(
@@ -282,13 +320,13 @@ class ScaledFp8Transform : public TransformBase {
     return ScaleTensor{scale_dtype(), scale_shape(local_shape)};
   }
 
-  std::vector<Buffer> prepare_send(const OpSlice& slice, const LocalTensor& src,
-                                   void* stream) override {
+  std::vector<WireRange> send_wire(const OpSlice& slice, const LocalTensor& src, void* stream,
+                                   bool in_place) override {
     queue_.flush_if_full(stream);
     check_source(slice, src);
-    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0)};
+    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0, in_place)};
     const SliceKey key = slice_key(src, slice.local);
-    if (const std::vector<Buffer>* done = converted(slice.op, key)) return *done;
+    if (const std::vector<WireRange>* done = converted(slice.op, key)) return *done;
     const Box scales = scale_box(slice.local);
     Buffer data = wire_.get(true, slice.op, 0, elements(slice.local), src.data);
     Buffer scale = wire_.get(true, slice.op, 1, scale_bytes(scales), src.data);
@@ -296,17 +334,20 @@ class ScaledFp8Transform : public TransformBase {
              {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
              {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
              {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data);
-    return remember(key, {data, scale});
+    return remember(key, {WireRange::whole(data), WireRange::whole(scale)});
   }
 
-  std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) override {
+  std::vector<WireRange> recv_wire(const OpSlice& slice, const LocalTensor& dst,
+                                   bool in_place) override {
     check_destination(slice, dst);
     const std::size_t n = elements(slice.local);
     if (side_ == QuantizeSide::kReceiver) {
-      return {wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data)};
+      return {WireRange::whole(
+          wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data))};
     }
-    return {landing(slice, dst.data, 0, exec::view_of(slice.local, slice.local_shape, true), 1),
-            landing(slice, dst.scale, 1, scale_view(slice), dtype_size(scale_dtype()))};
+    return {landing(slice, dst.data, 0, exec::view_of(slice.local, slice.local_shape, true), 1,
+                    in_place),
+            landing(slice, dst.scale, 1, scale_view(slice), dtype_size(scale_dtype()), in_place)};
   }
 
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
@@ -319,9 +360,10 @@ class ScaledFp8Transform : public TransformBase {
     }
     // Blocks contiguous in the destination landed there (prepare_recv).
     const BoxView data_view = exec::view_of(slice.local, slice.local_shape, true);
-    if (!data_view.contiguous()) queue_.unpack(wire[0], dst.data, data_view, 1);
+    if (!data_view.contiguous() && !landed_in_place(wire[0], dst.data))
+      queue_.unpack(wire[0], dst.data, data_view, 1);
     const BoxView scale_at = scale_view(slice);
-    if (!scale_at.contiguous())
+    if (!scale_at.contiguous() && !landed_in_place(wire[1], dst.scale))
       queue_.unpack(wire[1], dst.scale, scale_at, dtype_size(scale_dtype()));
   }
 
