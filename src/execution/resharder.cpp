@@ -27,20 +27,12 @@ TaskId wire_task(TaskId op_task, std::size_t count, std::size_t index) {
   return op_task | (static_cast<TaskId>(count) << 4) | static_cast<TaskId>(index);
 }
 
-// Where one wire buffer of an op lies: a transform's buffer, or the op's slice of the tensor
-// itself (strided where the slice is a box that is not contiguous).
-struct WireRef {
-  Buffer buffer;
-  StridedRange range;
-  std::uint64_t size() const { return range.bytes(); }
-};
-
 // One op as this rank takes part in it (as sender or receiver).
 struct Side {
   const TransferOp* op = nullptr;
   const Shard* shard = nullptr;  // this rank's shard of the parameter
   bool transformed = false;
-  std::vector<WireRef> wire;
+  std::vector<exec::WireRange> wire;
   exec::BoxView view;  // the slice in the local tensor (rows merged)
 };
 
@@ -238,21 +230,20 @@ struct Resharder::Impl {
 
   // The wire buffers the transform returns for a transformed side (its hooks run at every refit:
   // the sender's converts the data now).
-  std::vector<WireRef> transform_wire(const Side& side, const LocalTensor& tensor, bool sending,
-                                      void* stream) const {
+  std::vector<exec::WireRange> transform_wire(const Side& side, const LocalTensor& tensor,
+                                              bool sending, void* stream) const {
     const TransferOp& op = *side.op;
     const Box local = sending ? op.src_box() : op.dst_box();
     const OpSlice slice{plan->params()[op.param], op, local, side.shard->local_shape};
-    std::vector<WireRef> wire;
+    std::vector<exec::WireRange> wire;
     if (ranged != nullptr && rows_in_place) {
       // The built-in transforms: strided slices go from and land in the tensors in place.
-      for (const exec::WireRange& w : sending ? ranged->send_ranges(slice, tensor, stream)
-                                              : ranged->recv_ranges(slice, tensor))
-        wire.push_back({w.buffer, w.range});
+      wire =
+          sending ? ranged->send_ranges(slice, tensor, stream) : ranged->recv_ranges(slice, tensor);
     } else {
       for (const Buffer& buffer : sending ? transform->prepare_send(slice, tensor, stream)
                                           : transform->prepare_recv(slice, tensor))
-        wire.push_back({buffer, StridedRange::contiguous(0, buffer.bytes)});
+        wire.push_back(exec::WireRange::whole(buffer));
     }
     if (wire.empty() || wire.size() > static_cast<std::size_t>(kMaxWireBuffers)) {
       throw_error(ErrorCode::kInvalidArgument,
@@ -365,9 +356,9 @@ struct Resharder::Impl {
       const bool sending = list == &sends;
       for (const Side& side : *list) {
         for (std::size_t i = 0; i < side.wire.size(); ++i) {
-          const WireRef& w = side.wire[i];
+          const exec::WireRange& w = side.wire[i];
           keys.emplace_back(sending, wire_task(side.op->task_id, side.wire.size(), i),
-                            w.buffer.data, w.range.pos, w.size(), w.range.row_bytes,
+                            w.buffer.data, w.range.pos, w.range.bytes(), w.range.row_bytes,
                             sending ? side.op->dst_rank : side.op->src_rank);
         }
       }
@@ -379,14 +370,14 @@ struct Resharder::Impl {
     service.clear_requests();
     for (const Side& side : sends) {
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
-        const WireRef& w = side.wire[i];
+        const exec::WireRange& w = side.wire[i];
         service.register_send(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.range,
                               side.op->dst_rank);
       }
     }
     for (const Side& side : receives) {
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
-        const WireRef& w = side.wire[i];
+        const exec::WireRange& w = side.wire[i];
         service.register_receive(wire_task(side.op->task_id, side.wire.size(), i), w.buffer,
                                  w.range, side.op->src_rank);
       }
@@ -450,12 +441,12 @@ struct Resharder::Impl {
       for (Side& side : *sides) {
         if (!side.transformed) continue;
         const LocalTensor& tensor = map->at(plan->params()[side.op->param].name);
-        const std::vector<WireRef> wire = transform_wire(side, tensor, sending, stream);
-        const bool same =
-            std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
-                       [](const WireRef& a, const WireRef& b) {
-                         return a.buffer.data == b.buffer.data && a.size() == b.size();
-                       });
+        const std::vector<exec::WireRange> wire = transform_wire(side, tensor, sending, stream);
+        const bool same = std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
+                                     [](const exec::WireRange& a, const exec::WireRange& b) {
+                                       return a.buffer.data == b.buffer.data &&
+                                              a.range.bytes() == b.range.bytes();
+                                     });
         if (!same) return false;
       }
     }
@@ -560,7 +551,7 @@ struct Resharder::Impl {
       const TransferOp& op = *side.op;
       const LocalTensor& tensor = dst.at(plan->params()[op.param].name);
       std::vector<Buffer> buffers;
-      for (const WireRef& w : side.wire) buffers.push_back(w.buffer);
+      for (const exec::WireRange& w : side.wire) buffers.push_back(w.buffer);
       const OpSlice slice{plan->params()[op.param], op, op.dst_box(), side.shard->local_shape};
       transform->finalize_recv(slice, tensor, buffers, stream);
     }

@@ -100,33 +100,29 @@ void for_each_row(const StridedRange& range, Visit visit) {
   }
 }
 
-// This PE's send buffer for `iteration` (gaps hold kUntouched).
-inline std::vector<std::byte> strided_send_buffer(const StridedWorkload& w, PeId me,
-                                                  std::uint32_t iteration) {
-  std::vector<std::byte> buffer(w.send_bytes[me], kUntouched);
+// This PE's buffer on one side for `iteration`: every stream byte of its sends (`sending`) or
+// receives in its rows, kUntouched in the gaps. The send buffer to fill, or what the receive
+// buffer must hold after the run.
+inline std::vector<std::byte> strided_buffer(const StridedWorkload& w, PeId me,
+                                             std::uint32_t iteration, bool sending) {
+  std::vector<std::byte> buffer(sending ? w.send_bytes[me] : w.receive_bytes[me], kUntouched);
   for (const StridedTask& t : w.tasks) {
-    if (t.src != me) continue;
-    for_each_row(t.send, [&](std::uint64_t at, std::uint64_t streamed, std::uint64_t bytes) {
-      for (std::uint64_t i = 0; i < bytes; ++i)
-        buffer[at + i] = stream_byte(t.task, streamed + i, iteration);
-    });
+    if ((sending ? t.src : t.dst) != me) continue;
+    for_each_row(sending ? t.send : t.receive,
+                 [&](std::uint64_t at, std::uint64_t streamed, std::uint64_t bytes) {
+                   for (std::uint64_t i = 0; i < bytes; ++i)
+                     buffer[at + i] = stream_byte(t.task, streamed + i, iteration);
+                 });
   }
   return buffer;
 }
-
-// What this PE's receive buffer must hold after run `iteration`: every stream byte in place,
-// kUntouched everywhere else.
+inline std::vector<std::byte> strided_send_buffer(const StridedWorkload& w, PeId me,
+                                                  std::uint32_t iteration) {
+  return strided_buffer(w, me, iteration, true);
+}
 inline std::vector<std::byte> strided_expected_receive(const StridedWorkload& w, PeId me,
                                                        std::uint32_t iteration) {
-  std::vector<std::byte> buffer(w.receive_bytes[me], kUntouched);
-  for (const StridedTask& t : w.tasks) {
-    if (t.dst != me) continue;
-    for_each_row(t.receive, [&](std::uint64_t at, std::uint64_t streamed, std::uint64_t bytes) {
-      for (std::uint64_t i = 0; i < bytes; ++i)
-        buffer[at + i] = stream_byte(t.task, streamed + i, iteration);
-    });
-  }
-  return buffer;
+  return strided_buffer(w, me, iteration, false);
 }
 
 }  // namespace reshard::testing_support
