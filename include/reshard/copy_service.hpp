@@ -40,6 +40,7 @@ struct ScheduleReport {
   std::uint64_t bytes_sent = 0;      // by this PE, local copies excluded
   std::uint64_t bytes_received = 0;  // by this PE, local copies excluded
   std::uint64_t bytes_local = 0;     // copied inside this PE
+  std::uint32_t phases = 1;          // see CopyService::set_phase
   double bound_ratio() const {
     return lower_bound_bytes == 0 ? 1.0 : static_cast<double>(makespan_bytes) / lower_bound_bytes;
   }
@@ -77,6 +78,20 @@ class CopyService {
   // into its symmetric buffers. A receive's rows must not overlap each other or other receives.
   void register_send(TaskId task_id, const Buffer& src, const StridedRange& range, PeId dest_pe);
   void register_receive(TaskId task_id, const Buffer& dst, const StridedRange& range, PeId src_pe);
+  // Phases: one schedule in parts that run one after the other, e.g. a refit streamed through
+  // staging memory that every part reuses. Requests registered after set_phase(p) belong to phase
+  // p (phase 0 until then, and again after clear_requests()). A task's send and receive must be in
+  // the same phase; receives of different phases may overlap, since they never land at once, and a
+  // phase's bytes land only after every earlier phase has finished on the receiving PE, so memory
+  // one phase received into may be sent from or written again by the next. run() runs every
+  // phase in order.
+  void set_phase(std::uint32_t phase);
+  // After schedule(): how many phases the schedule has (1 + the highest any PE registered).
+  std::uint32_t phases() const;
+  // Runs one phase (as run() does, on a stream or not). Every PE must run the same phases in the
+  // same order, each phase even where it has nothing to move on this PE.
+  void run_phase(std::uint32_t phase, void* cuda_stream = nullptr);
+
   // Whether the transport moves strided ranges row by row in place at full speed (host, CUDA,
   // NVSHMEM). NCCL sends each row as its own message: callers with many short rows pack them
   // into contiguous buffers instead (execute_reshard_plan does).

@@ -1,7 +1,9 @@
 // Executing a reshard plan on a copy service: register once, schedule once, run every refit.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -14,6 +16,20 @@ namespace reshard {
 // This rank's local tensors by parameter name.
 using TensorMap = std::unordered_map<std::string, LocalTensor>;
 
+struct ReshardOptions {
+  static constexpr std::uint64_t kUnlimited = UINT64_MAX;
+  // Most bytes of staging one rank holds at once: the wire buffers of the built-in transforms
+  // (FP8 data and scales, casts, bf16 landing before a conversion on arrival) and slices packed
+  // for transports that do not move rows in place. A refit that needs more runs in phases, each
+  // within the budget and reusing the same memory, one after the other; a single slice that needs
+  // more than the budget is refused before anything moves, naming it. The memory stays with the
+  // executor between refits (at most the budget). 0: no staging at all (a refit that needs any
+  // is refused); kUnlimited: one phase, as much as the refit needs. Unset: RESHARD_STAGING_BUDGET
+  // ("512MiB", "unlimited", ...), else 512 MiB. Every rank must use the same budget. A custom
+  // transform's own wire buffers are its own and outside the budget.
+  std::optional<std::uint64_t> staging_budget;
+};
+
 struct ReshardReport {
   bool rescheduled = false;      // this call registered and scheduled (first call, new buffers)
   std::uint64_t bytes_sent = 0;  // on the wire from this rank, local copies excluded
@@ -25,6 +41,10 @@ struct ReshardReport {
   // Local ops (source and destination on this rank) that the transform converted straight into
   // the destination, beside the transfer: their bytes in the parameter's dtype.
   std::uint64_t locally_converted_bytes = 0;
+  // Staging memory this rank holds for the refit (at most the budget: the largest phase), and the
+  // phases the refit ran in (see ReshardOptions::staging_budget).
+  std::uint64_t staging_bytes = 0;
+  std::uint32_t phases = 1;
   // With RESHARD_PHASE_TIMING=1 only (each phase is then waited for): packing and send-side
   // transforms, the copy service's run (with the local conversions beside it), unpacking and
   // receive-side transforms.
@@ -37,7 +57,7 @@ class Resharder {
   // The plan's ranks are the service's PEs. The transform, if any, applies to the parameters it
   // selects with should_transform().
   Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& service,
-            std::shared_ptr<ReshardTransform> transform = nullptr);
+            std::shared_ptr<ReshardTransform> transform = nullptr, ReshardOptions options = {});
   ~Resharder();
   Resharder(const Resharder&) = delete;
   Resharder& operator=(const Resharder&) = delete;
@@ -51,16 +71,20 @@ class Resharder {
   // (naming it).
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
 
+  // The staging budget in force (the option, else the environment's default).
+  std::uint64_t staging_budget() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
 // One call per refit: keeps a Resharder for (plan, transform) on the service, so the second call
-// with the same plan and buffers reuses the schedule. clear_requests() on the service drops it.
+// with the same plan, buffers and options reuses the schedule. clear_requests() on the service
+// drops it.
 ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
                                    const TensorMap& src, const TensorMap& dst, CopyService& service,
                                    std::shared_ptr<ReshardTransform> transform = nullptr,
-                                   void* cuda_stream = nullptr);
+                                   void* cuda_stream = nullptr, const ReshardOptions& options = {});
 
 }  // namespace reshard

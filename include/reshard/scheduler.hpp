@@ -22,6 +22,8 @@ struct RequestClaim {
   // a transfer cut their spans where either side's rows end, so span i of one is span i of the
   // other.
   std::uint64_t row_bytes = 0;
+  // The phase of the schedule it runs in (CopyService::set_phase); both sides must agree.
+  std::uint32_t phase = 0;
 };
 
 // A send matched with its receive.
@@ -32,11 +34,12 @@ struct Transfer {
   std::uint64_t bytes = 0;
   std::uint64_t src_row_bytes = 0;  // RequestClaim::row_bytes of the send
   std::uint64_t dst_row_bytes = 0;  // and of the receive
+  std::uint32_t phase = 0;
 };
 
 // Matches sends to receives by task id. Throws Error(kValidation) naming every task id, PE and size
-// that is wrong: unmatched sends or receives, duplicate ids, disagreeing PEs or sizes, PEs out of
-// range. The result is sorted by task id.
+// that is wrong: unmatched sends or receives, duplicate ids, disagreeing PEs, sizes or phases, PEs
+// out of range. The result is sorted by task id.
 std::vector<Transfer> match_requests(std::span<const RequestClaim> sends,
                                      std::span<const RequestClaim> receives, int n_pes);
 

@@ -267,6 +267,23 @@ class CopyService:
         and returns at once."""
         self._service.run(stream_handle(stream))
 
+    def set_phase(self, phase: int) -> None:
+        """Requests registered from now on belong to ``phase`` (0 until set): one schedule in
+        parts that run one after the other, e.g. a refit streamed through staging memory every
+        part reuses. A task's send and receive must be in the same phase; receives of different
+        phases may overlap. run() runs every phase in order."""
+        self._service.set_phase(operator.index(phase))
+
+    @property
+    def phases(self) -> int:
+        """After schedule(): how many phases the schedule has."""
+        return self._service.phases
+
+    def run_phase(self, phase: int, stream: StreamLike = None) -> None:
+        """Runs one phase, as run() runs them all. Every PE runs the same phases in the same
+        order, each one even where it has nothing to move on this PE."""
+        self._service.run_phase(operator.index(phase), stream_handle(stream))
+
     def synchronize(self) -> None:
         """Waits for every queued run and reports a device-side failure, if any."""
         self._service.synchronize()

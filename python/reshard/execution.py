@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from . import _core
-from .copy_service import CopyService, StreamLike, stream_handle
+from .copy_service import CopyService, StreamLike, _refusal, stream_handle
 from .transforms import ReshardTransform, native_transform
 
 __all__ = ["LocalTensor", "execute_reshard_plan"]
@@ -48,6 +48,7 @@ def execute_reshard_plan(
     service: Union[CopyService, "_core.CopyService"],
     transform: Optional[Union["_core.ReshardTransform", ReshardTransform]] = None,
     stream: StreamLike = None,
+    staging_budget: Optional[Union[int, str]] = None,
 ) -> "_core.ReshardReport":
     """Moves this rank's source slices into every rank's destination tensors (collective).
 
@@ -57,9 +58,43 @@ def execute_reshard_plan(
     the work is queued there; otherwise the call returns when the bytes have landed.
     ``transform`` is a built-in (``make_mxfp8_transform(...)``, ...) or an instance of a
     :class:`ReshardTransform` subclass.
+
+    ``staging_budget`` bounds the staging memory this rank holds (the built-in transforms' wire
+    buffers, slices packed for NCCL): bytes, or a string such as ``"512MiB"`` or
+    ``"unlimited"``. A refit that needs more runs in phases that reuse the same memory; a slice
+    that alone needs more is refused, naming it; ``0`` allows no staging. Default:
+    ``RESHARD_STAGING_BUDGET``, else 512 MiB. Every rank must pass the same.
     """
     core = service.core if isinstance(service, CopyService) else service
     return _core.execute_reshard_plan(
         plan, _entries(src), _entries(dst), core, native_transform(transform, src, dst),
-        stream_handle(stream)
+        stream_handle(stream), _budget_bytes(staging_budget)
     )
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def _budget_bytes(budget: Optional[Union[int, str]]) -> Optional[int]:
+    """``staging_budget`` as bytes (``"unlimited"``: the largest 64-bit value)."""
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        text = budget.strip().lower()
+        if text == "unlimited":
+            return (1 << 64) - 1
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
+        unit = text[len(number):].strip()
+        try:
+            value = float(number)
+        except ValueError:
+            value = -1.0
+        if unit not in _UNITS or value < 0:
+            raise _refusal(f"staging_budget={budget!r}: not a byte count (such as 512MiB, 1GiB "
+                           "or 'unlimited')")
+        return int(value * _UNITS[unit])
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise _refusal(f"staging_budget={budget!r}: a byte count is a non-negative integer or a "
+                       "string such as '512MiB'")
+    return budget

@@ -241,6 +241,7 @@ void bind_copy_service(nb::module_& m) {
       .def_ro("bytes_sent", &ScheduleReport::bytes_sent)
       .def_ro("bytes_received", &ScheduleReport::bytes_received)
       .def_ro("bytes_local", &ScheduleReport::bytes_local)
+      .def_ro("phases", &ScheduleReport::phases)
       .def_prop_ro("bound_ratio", &ScheduleReport::bound_ratio);
 
   using GilFree = nb::call_guard<nb::gil_scoped_release>;
@@ -299,6 +300,14 @@ void bind_copy_service(nb::module_& m) {
             }
           },
           "stream"_a = nb::none(), GilFree())
+      .def("set_phase", &CopyService::set_phase, "phase"_a)
+      .def_prop_ro("phases", &CopyService::phases)
+      .def(
+          "run_phase",
+          [](CopyService& self, std::uint32_t phase, std::optional<std::uintptr_t> stream) {
+            self.run_phase(phase, stream ? stream_of(stream) : nullptr);
+          },
+          "phase"_a, "stream"_a = nb::none(), GilFree())
       .def("synchronize", &CopyService::synchronize, GilFree())
       .def_prop_rw("verify", &CopyService::verify, &CopyService::set_verify)
       .def("clear_requests", &CopyService::clear_requests, GilFree())
@@ -659,6 +668,8 @@ void bind_execution(nb::module_& m) {
       .def_ro("packed_bytes", &ReshardReport::packed_bytes)
       .def_ro("strided_bytes", &ReshardReport::strided_bytes)
       .def_ro("locally_converted_bytes", &ReshardReport::locally_converted_bytes)
+      .def_ro("staging_bytes", &ReshardReport::staging_bytes)
+      .def_ro("phases", &ReshardReport::phases)
       .def_ro("prepare_seconds", &ReshardReport::prepare_seconds)
       .def_ro("transfer_seconds", &ReshardReport::transfer_seconds)
       .def_ro("finalize_seconds", &ReshardReport::finalize_seconds);
@@ -668,14 +679,18 @@ void bind_execution(nb::module_& m) {
       [](const std::shared_ptr<const ReshardPlan>& plan,
          const std::vector<TensorEntry<ReadOnlyArray>>& src,
          const std::vector<TensorEntry<Array>>& dst, CopyService& service,
-         std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream) {
+         std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
+         std::optional<std::uint64_t> staging_budget) {
         const TensorMap src_map = tensor_map(src, "source");
         const TensorMap dst_map = tensor_map(dst, "destination");
+        ReshardOptions options;
+        options.staging_budget = staging_budget;
         nb::gil_scoped_release released;
         return execute_reshard_plan(plan, src_map, dst_map, service, std::move(transform),
-                                    stream_of(stream));
+                                    stream_of(stream), options);
       },
-      "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none());
+      "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
+      "staging_budget"_a = nb::none());
 }
 
 }  // namespace

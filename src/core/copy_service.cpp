@@ -1,6 +1,7 @@
 #include "reshard/copy_service.hpp"
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -24,6 +25,7 @@ struct Registration {
   StridedRange range;  // simplified: dims == 0 when contiguous
   std::size_t size;    // range.bytes()
   PeId peer;
+  std::uint32_t phase;
   std::byte* start() const { return static_cast<std::byte*>(buffer.data) + range.pos; }
   // RequestClaim::row_bytes: where this side's rows end in the transfer's byte stream.
   std::uint64_t row_bytes() const { return range.dims == 0 ? 0 : range.row_bytes; }
@@ -274,7 +276,8 @@ struct CopyService::Impl {
   State state = State::kCreated;
   std::vector<Registration> sends;
   std::vector<Registration> receives;
-  ExecutionPlan plan;
+  std::vector<ExecutionPlan> plans;  // one per phase
+  std::uint32_t phase = 0;           // of the requests registered next
   std::uint64_t generation = 0;
   bool scheduled_since_clear = false;  // schedule() succeeded since the last clear_requests()
   std::shared_ptr<void> attachment;
@@ -293,7 +296,7 @@ struct CopyService::Impl {
   StridedRange check_request(const char* call, TaskId task, const Buffer& buffer,
                              const StridedRange& range, PeId peer, const char* peer_role) const;
   ExecutionPlan build_plan(const Schedule& schedule) const;
-  void verify_run();
+  void verify_run(std::uint32_t phase);
   [[noreturn]] void fail(const Error& error);
 };
 
@@ -464,7 +467,7 @@ void CopyService::register_send(TaskId task_id, const Buffer& src, const Strided
                                 PeId dest_pe) {
   const StridedRange checked =
       impl_->check_request("register_send", task_id, src, range, dest_pe, "destination PE");
-  impl_->sends.push_back({task_id, src, checked, checked.bytes(), dest_pe});
+  impl_->sends.push_back({task_id, src, checked, checked.bytes(), dest_pe, impl_->phase});
   ++impl_->generation;
   impl_->state = State::kInitialized;  // a new request invalidates an existing plan
 }
@@ -473,9 +476,26 @@ void CopyService::register_receive(TaskId task_id, const Buffer& dst, const Stri
                                    PeId src_pe) {
   const StridedRange checked =
       impl_->check_request("register_receive", task_id, dst, range, src_pe, "source PE");
-  impl_->receives.push_back({task_id, dst, checked, checked.bytes(), src_pe});
+  impl_->receives.push_back({task_id, dst, checked, checked.bytes(), src_pe, impl_->phase});
   ++impl_->generation;
   impl_->state = State::kInitialized;
+}
+
+void CopyService::set_phase(std::uint32_t phase) {
+  impl_->require_usable("set_phase()");
+  // Phases are cheap only while they are few: each is prepared and launched on its own.
+  constexpr std::uint32_t kMaxPhases = 1 << 16;
+  if (phase >= kMaxPhases) {
+    throw_error(ErrorCode::kInvalidArgument, "set_phase(" + std::to_string(phase) +
+                                                 "): at most " + std::to_string(kMaxPhases) +
+                                                 " phases");
+  }
+  impl_->phase = phase;
+}
+
+std::uint32_t CopyService::phases() const {
+  impl_->require(impl_->state == State::kScheduled, "phases()");
+  return static_cast<std::uint32_t>(impl_->plans.size());
 }
 
 bool CopyService::moves_rows_in_place() const {
@@ -491,10 +511,18 @@ ScheduleReport CopyService::schedule() {
   try {
     std::vector<RequestClaim> my_sends, my_receives;
     for (const Registration& r : self.sends)
-      my_sends.push_back({r.task, me, r.peer, r.size, r.row_bytes()});
-    for (const Registration& r : self.receives)
-      my_receives.push_back({r.task, me, r.peer, r.size, r.row_bytes()});
-    std::vector<LocalProblem> local_problems = find_overlapping_receives(self.receives);
+      my_sends.push_back({r.task, me, r.peer, r.size, r.row_bytes(), r.phase});
+    std::map<std::uint32_t, std::vector<Registration>> receives_by_phase;
+    for (const Registration& r : self.receives) {
+      my_receives.push_back({r.task, me, r.peer, r.size, r.row_bytes(), r.phase});
+      receives_by_phase[r.phase].push_back(r);
+    }
+    // Receives of different phases never land at once: they may share memory.
+    std::vector<LocalProblem> local_problems;
+    for (const auto& [phase, receives] : receives_by_phase) {
+      for (LocalProblem& problem : find_overlapping_receives(receives))
+        local_problems.push_back(std::move(problem));
+    }
 
     wire::Writer summary;
     summary.put_array(std::span<const RequestClaim>(my_sends));
@@ -547,23 +575,36 @@ ScheduleReport CopyService::schedule() {
     options.chunk_bytes = chunk_bytes;
     options.min_chunk_bytes = std::min(min_chunk_bytes, options.chunk_bytes);
     options.max_peers_per_round = static_cast<int>(std::clamp<std::int64_t>(peers_per_round, 1, n));
-    const Schedule schedule = build_schedule(transfers, n, options);
-    self.plan = self.build_plan(schedule);
-    self.transport->prepare(self.plan);
-
+    // Each phase is scheduled on its own: its batches never wait for another phase's.
+    std::uint32_t phases = 1;
+    for (const auto* claims : {&all_sends, &all_receives}) {
+      for (const RequestClaim& c : *claims) phases = std::max(phases, c.phase + 1);
+    }
+    std::vector<std::vector<Transfer>> by_phase(phases);
+    for (const Transfer& t : transfers) by_phase[t.phase].push_back(t);
     ScheduleReport report;
-    report.transfers = schedule.transfers.size();
-    report.batches = schedule.batches.size();
-    report.rounds = schedule.rounds;
-    report.lower_bound_bytes = schedule.lower_bound_bytes;
-    report.makespan_bytes = schedule.makespan_bytes;
-    for (const PlannedBatch& b : self.plan.sends) report.bytes_sent += b.bytes;
-    for (const PlannedBatch& b : self.plan.receives) report.bytes_received += b.bytes;
-    for (const LocalCopy& c : self.plan.local_copies) report.bytes_local += c.bytes;
+    report.phases = phases;
+    self.plans.clear();
+    for (const std::vector<Transfer>& phase : by_phase) {
+      const Schedule schedule = build_schedule(phase, n, options);
+      self.plans.push_back(self.build_plan(schedule));
+      report.transfers += schedule.transfers.size();
+      report.batches += schedule.batches.size();
+      report.rounds += schedule.rounds;
+      report.lower_bound_bytes += schedule.lower_bound_bytes;
+      report.makespan_bytes += schedule.makespan_bytes;
+    }
+    self.transport->prepare(self.plans);
+    for (const ExecutionPlan& plan : self.plans) {
+      for (const PlannedBatch& b : plan.sends) report.bytes_sent += b.bytes;
+      for (const PlannedBatch& b : plan.receives) report.bytes_received += b.bytes;
+      for (const LocalCopy& c : plan.local_copies) report.bytes_local += c.bytes;
+    }
     self.state = State::kScheduled;
     self.scheduled_since_clear = true;
     RESHARD_LOG(kDebug, "scheduled " << report.transfers << " transfers in " << report.rounds
-                                     << " rounds, makespan/bound " << report.bound_ratio());
+                                     << " rounds of " << phases << " phase(s), makespan/bound "
+                                     << report.bound_ratio());
     return report;
   } catch (const Error& error) {
     // Validation errors are raised identically on every PE; the service stays usable so the
@@ -578,7 +619,7 @@ bool CopyService::verify() const { return impl_->verify; }
 
 // Collective, after a completed run: every PE checksums the ranges it sent and received and one
 // all-gather hands every PE all of them, so every PE reaches the same verdict.
-void CopyService::Impl::verify_run() {
+void CopyService::Impl::verify_run(std::uint32_t phase) {
   struct Sum {
     TaskId task;
     std::uint64_t checksum;
@@ -611,9 +652,12 @@ void CopyService::Impl::verify_run() {
     return sum.digest();
   };
   std::vector<Sum> sent, received;
-  for (const Registration& r : sends) sent.push_back({r.task, checksum_of(r), r.size, me, r.peer});
-  for (const Registration& r : receives)
-    received.push_back({r.task, checksum_of(r), r.size, r.peer, me});
+  for (const Registration& r : sends) {
+    if (r.phase == phase) sent.push_back({r.task, checksum_of(r), r.size, me, r.peer});
+  }
+  for (const Registration& r : receives) {
+    if (r.phase == phase) received.push_back({r.task, checksum_of(r), r.size, r.peer, me});
+  }
   wire::Writer mine;
   mine.put_array(std::span<const Sum>(sent));
   mine.put_array(std::span<const Sum>(received));
@@ -659,6 +703,11 @@ void CopyService::synchronize() {
 }
 
 void CopyService::run(void* cuda_stream) {
+  const std::uint32_t count = impl_->state == State::kScheduled ? phases() : 1;
+  for (std::uint32_t phase = 0; phase < count; ++phase) run_phase(phase, cuda_stream);
+}
+
+void CopyService::run_phase(std::uint32_t phase, void* cuda_stream) {
   Impl& self = *impl_;
   if (self.state == State::kInitialized) {
     if (self.scheduled_since_clear) {
@@ -670,8 +719,13 @@ void CopyService::run(void* cuda_stream) {
                 "run() before schedule(): register the requests, then call schedule() once");
   }
   self.require(self.state == State::kScheduled, "run()");
+  if (phase >= self.plans.size()) {
+    throw_error(ErrorCode::kInvalidArgument, "run_phase(" + std::to_string(phase) +
+                                                 "): the schedule has " +
+                                                 std::to_string(self.plans.size()) + " phase(s)");
+  }
   try {
-    self.transport->run(self.plan, cuda_stream);
+    self.transport->run(self.plans[phase], phase, cuda_stream);
     if (self.verify) {
       // Verify mode waits for a run queued on a stream: the checksums need its bytes.
       if (cuda_stream != nullptr) self.transport->synchronize();
@@ -679,7 +733,7 @@ void CopyService::run(void* cuda_stream) {
         // Fault injection for the tests of verify mode: one byte of this receive flips after
         // the transfer, as a faulty link or a stray write would.
         for (const Registration& r : self.receives) {
-          if (r.task != *corrupt || r.size == 0) continue;
+          if (r.task != *corrupt || r.size == 0 || r.phase != phase) continue;
           if (r.buffer.kind == MemoryKind::kHost) {
             *r.start() ^= std::byte{1};
           } else {
@@ -690,7 +744,7 @@ void CopyService::run(void* cuda_stream) {
           }
         }
       }
-      self.verify_run();
+      self.verify_run(phase);
     }
   } catch (const Error& error) {
     // A call the transport refuses before queuing anything (a stream it cannot work on) leaves
@@ -708,7 +762,8 @@ void CopyService::clear_requests() {
   impl_->scheduled_since_clear = false;
   impl_->sends.clear();
   impl_->receives.clear();
-  impl_->plan = ExecutionPlan{};
+  impl_->plans.clear();
+  impl_->phase = 0;
   impl_->state = State::kInitialized;
   ++impl_->generation;
 }
@@ -727,7 +782,7 @@ void CopyService::finalize() {
   impl_->transport.reset();
   impl_->sends.clear();
   impl_->receives.clear();
-  impl_->plan = ExecutionPlan{};
+  impl_->plans.clear();
   impl_->state = State::kFinalized;
 }
 

@@ -49,6 +49,13 @@ std::uint64_t host_staging_bytes() {
   return value ? parse_bytes(*value) : (8ull << 20);
 }
 
+std::uint64_t staging_budget() {
+  auto value = get("RESHARD_STAGING_BUDGET");
+  if (!value) return 512ull << 20;
+  if (*value == "unlimited") return UINT64_MAX;
+  return parse_bytes(*value);
+}
+
 std::uint64_t nvshmem_staging_bytes() {
   auto value = get("RESHARD_NVSHMEM_STAGING_BYTES");
   return value ? parse_bytes(*value) : (512ull << 20);

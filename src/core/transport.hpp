@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 
 #include "core/execution_plan.hpp"
 #include "reshard/bootstrap.hpp"
@@ -31,12 +32,16 @@ class Transport {
   virtual int device() const = 0;
   // Throws kInvalidArgument when the transport cannot read or write this buffer.
   virtual void check_buffer(const Buffer& buffer) const = 0;
-  // Collective, at schedule(): anything the plan needs before the first run (mappings, handles).
-  virtual void prepare(const ExecutionPlan& plan) = 0;
-  // Moves the plan's bytes once. With stream == nullptr it returns when this PE's sends are read
-  // and its receives have landed. A GPU transport given a CUDA stream enqueues the work there
-  // instead (ordered after the work already queued) and returns at once.
-  virtual void run(const ExecutionPlan& plan, void* stream) = 0;
+  // Collective, at schedule(): anything the plans need before the first run (mappings, handles).
+  // A schedule has one plan per phase; the phases run one after the other, in the same order on
+  // every PE, and a later phase may reuse memory an earlier one wrote (the executor's staging):
+  // a run must not write a peer's memory before that peer has reached the same run.
+  virtual void prepare(std::span<const ExecutionPlan> phases) = 0;
+  // Moves the bytes of phase `phase` once (`plan` is that phase's plan, as passed to prepare).
+  // With stream == nullptr it returns when this PE's sends are read and its receives have landed.
+  // A GPU transport given a CUDA stream enqueues the work there instead (ordered after the work
+  // already queued) and returns at once.
+  virtual void run(const ExecutionPlan& plan, std::size_t phase, void* stream) = 0;
   // Waits for runs enqueued on streams; throws the error a device-side wait recorded.
   virtual void synchronize() {}
   // Tells peers this PE has failed, so they stop waiting for it at once.

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "core/env.hpp"
+#include "core/wire.hpp"
 #include "execution/staging.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
@@ -32,6 +33,7 @@ struct Side {
   const TransferOp* op = nullptr;
   const Shard* shard = nullptr;  // this rank's shard of the parameter
   bool transformed = false;
+  std::uint32_t phase = 0;  // of the refit (Phase)
   std::vector<exec::WireRange> wire;
   exec::BoxView view;  // the slice in the local tensor (rows merged)
 };
@@ -41,8 +43,8 @@ struct LocalSide {
   OpSlice from, to;  // the op's source and destination slices on this rank
 };
 
-using RegistrationKey =
-    std::tuple<bool, TaskId, const void*, std::size_t, std::size_t, std::uint64_t, PeId>;
+using RegistrationKey = std::tuple<bool, TaskId, const void*, std::size_t, std::size_t,
+                                   std::uint64_t, PeId, std::uint32_t>;
 
 std::string where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
@@ -53,15 +55,25 @@ std::string where(const ReshardPlan& plan, const TransferOp& op) {
 
 }  // namespace
 
+// One phase of a refit (ReshardOptions::staging_budget): this rank's sides of its ops, and the
+// packs and unpacks of their non-contiguous slices.
+struct Phase {
+  std::vector<std::size_t> sends, receives;  // indices into Prepared::sends / receives
+  exec::BlockCopyBatch packs, unpacks;
+};
+
 struct Resharder::Impl {
   std::shared_ptr<const ReshardPlan> plan;
   CopyService& service;
   std::shared_ptr<ReshardTransform> transform;
-  exec::RangedTransform* ranged;  // the transform, where it offers strided wire ranges
+  exec::RangedTransform* ranged;  // the transform, where it is a built-in one
+  ReshardOptions options;
+  std::uint64_t budget;  // options.staging_budget, or the environment's
   PeId me;
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
   std::vector<const std::string*> send_params, recv_params;  // each once, in op order
+  std::unordered_map<TaskId, std::uint32_t> op_index;        // by task id
   exec::StagingPool staging;
   // This rank's sides of the ops, as registered and scheduled for `tensors`.
   struct Prepared {
@@ -70,7 +82,7 @@ struct Resharder::Impl {
     std::vector<LocalSide> locals;
     int device = -1;                      // the GPU of the tensors (device_of)
     std::vector<bool> converted_locally;  // by op index in the plan
-    exec::BlockCopyBatch packs, unpacks;
+    std::vector<std::unique_ptr<Phase>> phases;
     std::vector<LocalTensor> tensors;
     ReshardReport report;  // the byte counts, the same at every refit
   } prepared;
@@ -87,15 +99,19 @@ struct Resharder::Impl {
   void* transfer_join = nullptr;
   int transfer_stream_device = -1;
 
-  Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s, std::shared_ptr<ReshardTransform> t)
+  Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s, std::shared_ptr<ReshardTransform> t,
+       ReshardOptions o)
       : plan(std::move(p)),
         service(s),
         transform(std::move(t)),
         ranged(dynamic_cast<exec::RangedTransform*>(transform.get())),
+        options(o),
+        budget(o.staging_budget.value_or(env::staging_budget())),
         me(s.my_pe()),
         rows_in_place(s.moves_rows_in_place()) {
     if (!plan) throw_error(ErrorCode::kInvalidArgument, "Resharder: null plan");
     for (const TransferOp& op : plan->ops()) {
+      op_index.emplace(op.task_id, static_cast<std::uint32_t>(&op - plan->ops().data()));
       if (op.src_rank >= service.n_pes() || op.dst_rank >= service.n_pes()) {
         throw_error(ErrorCode::kInvalidArgument, "the plan moves " + where(*plan, op) +
                                                      " but the service has only " +
@@ -231,15 +247,16 @@ struct Resharder::Impl {
   // The wire buffers the transform returns for a transformed side (its hooks run at every refit:
   // the sender's converts the data now).
   std::vector<exec::WireRange> transform_wire(const Side& side, const LocalTensor& tensor,
-                                              bool sending, void* stream) const {
+                                              bool sending, void* stream) {
     const TransferOp& op = *side.op;
     const Box local = sending ? op.src_box() : op.dst_box();
     const OpSlice slice{plan->params()[op.param], op, local, side.shard->local_shape};
     std::vector<exec::WireRange> wire;
-    if (ranged != nullptr && rows_in_place) {
-      // The built-in transforms: strided slices go from and land in the tensors in place.
-      wire =
-          sending ? ranged->send_ranges(slice, tensor, stream) : ranged->recv_ranges(slice, tensor);
+    if (ranged != nullptr) {
+      // The built-in transforms: wire buffers from the executor's pool (bounded by the budget);
+      // strided slices go from and land in the tensors in place where rows move in place.
+      wire = sending ? ranged->send_ranges(slice, tensor, stream, staging, rows_in_place)
+                     : ranged->recv_ranges(slice, tensor, staging, rows_in_place);
     } else {
       for (const Buffer& buffer : sending ? transform->prepare_send(slice, tensor, stream)
                                           : transform->prepare_recv(slice, tensor))
@@ -255,7 +272,8 @@ struct Resharder::Impl {
   }
 
   // How this rank takes part in `op`: its wire buffers, and the pack (sending) or unpack
-  // (receiving) a non-contiguous slice needs, added to `copies`.
+  // (receiving) a non-contiguous slice needs, added to `copies`. While the pool is sizing, a
+  // custom transform's hooks are not called (its wire buffers are its own, outside the budget).
   Side prepare_side(const TransferOp& op, const TensorMap& tensors, bool sending, void* stream,
                     exec::BlockCopyBatch& copies, ReshardReport& report) {
     const Layout& layout = sending ? plan->src_layout() : plan->dst_layout();
@@ -263,6 +281,7 @@ struct Resharder::Impl {
     side.op = &op;
     const LocalTensor& tensor = tensor_for(tensors, layout, op, sending, side.shard);
     side.transformed = transforms(op);
+    if (side.transformed && ranged == nullptr && staging.sizing()) return side;
     if (side.transformed) {
       side.wire = transform_wire(side, tensor, sending, stream);
       return side;
@@ -315,8 +334,8 @@ struct Resharder::Impl {
     transform->flush(stream);
   }
 
-  // Runs the copy service and the local ops' conversions side by side: the transfer on the
-  // high-priority stream where there are conversions on a GPU, on `stream` otherwise.
+  // Runs the copy service's first phase and the local ops' conversions side by side: the transfer
+  // on the high-priority stream where there are conversions on a GPU, on `stream` otherwise.
   void transfer_and_convert_locals(const TensorMap& src, const TensorMap& dst, void* stream) {
 #ifdef RESHARD_WITH_CUDA
     if (!prepared.locals.empty() && stream != nullptr && prepared.device >= 0) {
@@ -330,13 +349,13 @@ struct Resharder::Impl {
         transfer_stream_device = prepared.device;
       }
       exec::cuda::order_after(transfer_stream, stream, transfer_fork);
-      service.run(transfer_stream);
+      service.run_phase(0, transfer_stream);
       convert_locals(src, dst, stream);
       exec::cuda::order_after(stream, transfer_stream, transfer_join);
       return;
     }
 #endif
-    service.run(stream);
+    service.run_phase(0, stream);
     convert_locals(src, dst, stream);
   }
 
@@ -359,7 +378,7 @@ struct Resharder::Impl {
           const exec::WireRange& w = side.wire[i];
           keys.emplace_back(sending, wire_task(side.op->task_id, side.wire.size(), i),
                             w.buffer.data, w.range.pos, w.range.bytes(), w.range.row_bytes,
-                            sending ? side.op->dst_rank : side.op->src_rank);
+                            sending ? side.op->dst_rank : side.op->src_rank, side.phase);
         }
       }
     }
@@ -369,6 +388,7 @@ struct Resharder::Impl {
   void register_and_schedule(const std::vector<Side>& sends, const std::vector<Side>& receives) {
     service.clear_requests();
     for (const Side& side : sends) {
+      service.set_phase(side.phase);
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
         const exec::WireRange& w = side.wire[i];
         service.register_send(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.range,
@@ -376,12 +396,14 @@ struct Resharder::Impl {
       }
     }
     for (const Side& side : receives) {
+      service.set_phase(side.phase);
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
         const exec::WireRange& w = side.wire[i];
         service.register_receive(wire_task(side.op->task_id, side.wire.size(), i), w.buffer,
                                  w.range, side.op->src_rank);
       }
     }
+    service.set_phase(0);
     try {
       service.schedule();
     } catch (const Error& error) {
@@ -433,9 +455,11 @@ struct Resharder::Impl {
         });
   }
 
-  // Re-runs the transform hooks of a prepared refit; false when a transform returned other wire
-  // buffers than those scheduled (the refit is then prepared again).
+  // Re-runs a custom transform's hooks of a prepared refit; false when it returned other wire
+  // buffers than those scheduled (the refit is then prepared again). A built-in transform's
+  // send hooks run phase by phase instead (convert_sends), and its buffers are the pool's.
   bool rerun_transforms(const TensorMap& src, const TensorMap& dst, void* stream) {
+    if (ranged != nullptr) return true;
     for (auto [sides, map, sending] :
          {std::tuple{&prepared.sends, &src, true}, std::tuple{&prepared.receives, &dst, false}}) {
       for (Side& side : *sides) {
@@ -453,28 +477,141 @@ struct Resharder::Impl {
     return true;
   }
 
-  // Prepares this rank's sides for `tensors` (tensors_used of src and dst).
+  // Collective: which phase each op of the plan runs in, the same on every rank. Every rank
+  // says what staging each of its ops needs (`sized`: bytes per (sending, op task id)); ops are
+  // taken in plan order and a new phase begins where one more op would take some rank past the
+  // budget. An op that alone needs more than the budget is refused, on every rank alike.
+  std::vector<std::uint32_t> assign_phases(const std::map<exec::StagingPool::OpKey, std::size_t>& sized) {
+    std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
+    for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
+    wire::Writer out;
+    out.put<std::uint64_t>(budget);
+    std::vector<std::uint64_t> flat;
+    for (const auto& [op, bytes] : mine) flat.insert(flat.end(), {op, bytes});
+    out.put_array(std::span<const std::uint64_t>(flat));
+    const auto all = service.all_gather(out.bytes());
+    std::vector<std::vector<std::pair<PeId, std::uint64_t>>> needs(plan->ops().size());
+    for (std::size_t rank = 0; rank < all.size(); ++rank) {
+      wire::Reader in(all[rank]);
+      const auto theirs = in.get<std::uint64_t>();
+      if (theirs != budget) {
+        throw_error(ErrorCode::kInvalidArgument,
+                    "the staging budget differs between ranks: rank " + std::to_string(me) +
+                        " has " + budget_text(budget) + ", rank " + std::to_string(rank) + " " +
+                        budget_text(theirs) +
+                        " (ReshardOptions::staging_budget / RESHARD_STAGING_BUDGET must agree)");
+      }
+      const auto pairs = in.get_array<std::uint64_t>();
+      for (std::size_t i = 0; i + 1 < pairs.size(); i += 2)
+        needs.at(pairs[i]).emplace_back(static_cast<PeId>(rank), pairs[i + 1]);
+    }
+    std::vector<std::uint32_t> phase_of(plan->ops().size(), 0);
+    std::vector<std::uint64_t> used(all.size(), 0);
+    std::uint32_t phase = 0;
+    for (std::size_t i = 0; i < needs.size(); ++i) {
+      bool full = false;
+      for (const auto& [rank, bytes] : needs[i]) {
+        if (bytes > budget) {
+          throw_error(ErrorCode::kInvalidArgument,
+                      "the staging budget of " + budget_text(budget) + " per rank is smaller than " +
+                          where(*plan, plan->ops()[i]) + " needs on rank " +
+                          std::to_string(rank) + ": " + format_bytes(bytes) +
+                          " of wire buffers; raise ReshardOptions::staging_budget "
+                          "(RESHARD_STAGING_BUDGET) to at least that");
+        }
+        full = full || used[rank] + bytes > budget;
+      }
+      if (full) {
+        ++phase;
+        std::fill(used.begin(), used.end(), 0);
+      }
+      for (const auto& [rank, bytes] : needs[i]) used[rank] += bytes;
+      phase_of[i] = phase;
+    }
+    return phase_of;
+  }
+
+  static std::string budget_text(std::uint64_t bytes) {
+    return bytes == ReshardOptions::kUnlimited ? "unlimited" : format_bytes(bytes);
+  }
+
+  // Prepares this rank's sides for `tensors` (tensors_used of src and dst): sizes the staging
+  // every op needs (the hooks run dry), agrees on the phases with the other ranks, places the
+  // staging, and takes each side's wire buffers from there, phase by phase as the refits run them.
   void prepare(const TensorMap& src, const TensorMap& dst, std::vector<LocalTensor> tensors,
                void* stream, ReshardReport& report) {
+#ifdef RESHARD_WITH_CUDA
+    // The last refit's work may still read the staging that is placed anew here.
+    if (stream != nullptr && staging.reserved_bytes() > 0) exec::cuda::synchronize_stream(stream);
+#endif
     prepared.sends.clear();
     prepared.receives.clear();
     prepared.locals.clear();
+    prepared.phases.clear();
     prepared.converted_locally.assign(plan->ops().size(), false);
     prepared.device = device_of(src, dst);
-    prepared.packs.clear();
-    prepared.unpacks.clear();
     prepared.report = ReshardReport{};
     ReshardReport& counts = prepared.report;
+    std::vector<const TransferOp*> sending, receiving;  // through the copy service
     for (const TransferOp* op : send_ops) {
       if (op->local() && converts_locally(*op, src, dst)) continue;
-      prepared.sends.push_back(prepare_side(*op, src, true, stream, prepared.packs, counts));
-      if (!op->local()) counts.bytes_sent += op->bytes;
+      sending.push_back(op);
     }
     for (const TransferOp* op : recv_ops) {
-      if (prepared.converted_locally[op - plan->ops().data()]) continue;
-      prepared.receives.push_back(prepare_side(*op, dst, false, stream, prepared.unpacks, counts));
-      if (!op->local()) counts.bytes_received += op->bytes;
+      if (!prepared.converted_locally[op - plan->ops().data()]) receiving.push_back(op);
     }
+    // The built-in transforms convert nothing here: the refits convert phase by phase.
+    struct DryRun {
+      exec::RangedTransform* ranged;
+      explicit DryRun(exec::RangedTransform* r) : ranged(r) {
+        if (ranged != nullptr) ranged->set_dry_run(true);
+      }
+      ~DryRun() {
+        if (ranged != nullptr) ranged->set_dry_run(false);
+      }
+    } dry_run(ranged);
+    // Sizing: each op alone (a transform that converts a slice once for several ops shares its
+    // wire only within a phase), so each op's staging is an upper bound of what it takes.
+    staging.start_sizing();
+    {
+      exec::BlockCopyBatch scratch;
+      ReshardReport ignored;
+      for (const auto& [ops, map, is_send] :
+           {std::tuple{&sending, &src, true}, std::tuple{&receiving, &dst, false}}) {
+        for (const TransferOp* op : *ops) {
+          prepare_side(*op, *map, is_send, stream, scratch, ignored);
+          if (ranged != nullptr) transform->flush(stream);
+        }
+      }
+    }
+    const std::vector<std::uint32_t> phase_of = assign_phases(staging.sized_bytes());
+    auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
+    staging.arrange([&](const exec::StagingPool::OpKey& key) {
+      return phase_of[op_index.at(key.second)];
+    });
+    const std::uint32_t phases = phase_of.empty() ? 1 : phase_of.back() + 1;
+    for (std::uint32_t p = 0; p < phases; ++p) prepared.phases.push_back(std::make_unique<Phase>());
+    for (std::uint32_t p = 0; p < phases; ++p) {
+      Phase& phase = *prepared.phases[p];
+      for (const TransferOp* op : sending) {
+        if (phase_of_op(*op) != p) continue;
+        phase.sends.push_back(prepared.sends.size());
+        prepared.sends.push_back(prepare_side(*op, src, true, stream, phase.packs, counts));
+        prepared.sends.back().phase = p;
+        if (!op->local()) counts.bytes_sent += op->bytes;
+      }
+      // As the refits do: a transform converts a slice once per phase.
+      if (ranged != nullptr) transform->flush(stream);
+      for (const TransferOp* op : receiving) {
+        if (phase_of_op(*op) != p) continue;
+        phase.receives.push_back(prepared.receives.size());
+        prepared.receives.push_back(prepare_side(*op, dst, false, stream, phase.unpacks, counts));
+        prepared.receives.back().phase = p;
+        if (!op->local()) counts.bytes_received += op->bytes;
+      }
+    }
+    counts.staging_bytes = staging.reserved_bytes();
+    counts.phases = phases;
     // New tensors always mean a new schedule, even where the registrations happen to match
     // (buffers a transform owns): whether a rank schedules must not depend on what its
     // transform returns, since every rank that changed its tensors schedules together.
@@ -526,6 +663,40 @@ struct Resharder::Impl {
     }
   };
 
+  // A built-in transform's send hooks for the phase's ops: they queue the conversions into the
+  // phase's wire buffers, which are those prepared (the pool hands each op the same ones).
+  void convert_sends(const Phase& phase, const TensorMap& src, void* stream) {
+    for (std::size_t index : phase.sends) {
+      const Side& side = prepared.sends[index];
+      if (!side.transformed) continue;
+      const LocalTensor& tensor = src.at(plan->params()[side.op->param].name);
+      const std::vector<exec::WireRange> wire = transform_wire(side, tensor, true, stream);
+      const bool same = std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
+                                   [](const exec::WireRange& a, const exec::WireRange& b) {
+                                     return a.buffer.data == b.buffer.data &&
+                                            a.range.bytes() == b.range.bytes();
+                                   });
+      if (!same) {
+        throw_error(ErrorCode::kInvalidState, "transform '" + transform->name() +
+                                              "' returned other wire buffers for " +
+                                              where(*plan, *side.op) + " than it was scheduled with");
+      }
+    }
+  }
+
+  void finalize_receives(const Phase& phase, const TensorMap& dst, void* stream) {
+    for (std::size_t index : phase.receives) {
+      const Side& side = prepared.receives[index];
+      if (!side.transformed) continue;
+      const TransferOp& op = *side.op;
+      const LocalTensor& tensor = dst.at(plan->params()[op.param].name);
+      std::vector<Buffer> buffers;
+      for (const exec::WireRange& w : side.wire) buffers.push_back(w.buffer);
+      const OpSlice slice{plan->params()[op.param], op, op.dst_box(), side.shard->local_shape};
+      transform->finalize_recv(slice, tensor, buffers, stream);
+    }
+  }
+
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
     ReshardReport report;
     void* stream = stream_for(src, dst, cuda_stream);
@@ -540,23 +711,26 @@ struct Resharder::Impl {
       prepared.valid = false;
       prepare(src, dst, std::move(tensors), stream, report);
     }
-    if (transform) transform->flush(stream);  // the send hooks' conversions
-    prepared.packs.run(stream);
-    clock.mark(report.prepare_seconds);
-    transfer_and_convert_locals(src, dst, stream);
-    clock.mark(report.transfer_seconds);
-    prepared.unpacks.run(stream);
-    for (const Side& side : prepared.receives) {
-      if (!side.transformed) continue;
-      const TransferOp& op = *side.op;
-      const LocalTensor& tensor = dst.at(plan->params()[op.param].name);
-      std::vector<Buffer> buffers;
-      for (const exec::WireRange& w : side.wire) buffers.push_back(w.buffer);
-      const OpSlice slice{plan->params()[op.param], op, op.dst_box(), side.shard->local_shape};
-      transform->finalize_recv(slice, tensor, buffers, stream);
+    // Phase by phase, in stream order: the next phase's conversions reuse the staging of this
+    // one, and the copy service lets a phase write a peer's memory only once the peer finished
+    // the phases before it.
+    for (std::size_t p = 0; p < prepared.phases.size(); ++p) {
+      Phase& phase = *prepared.phases[p];
+      if (ranged != nullptr) convert_sends(phase, src, stream);
+      if (transform) transform->flush(stream);  // the send hooks' conversions
+      phase.packs.run(stream);
+      clock.mark(report.prepare_seconds);
+      if (p == 0) {
+        transfer_and_convert_locals(src, dst, stream);
+      } else {
+        service.run_phase(static_cast<std::uint32_t>(p), stream);
+      }
+      clock.mark(report.transfer_seconds);
+      phase.unpacks.run(stream);
+      finalize_receives(phase, dst, stream);
+      if (transform) transform->flush(stream);
+      clock.mark(report.finalize_seconds);
     }
-    if (transform) transform->flush(stream);
-    clock.mark(report.finalize_seconds);
 #ifdef RESHARD_WITH_CUDA
     if (cuda_stream == nullptr && stream != nullptr) exec::cuda::synchronize_stream(stream);
 #endif
@@ -565,13 +739,17 @@ struct Resharder::Impl {
     report.packed_bytes = prepared.report.packed_bytes;
     report.strided_bytes = prepared.report.strided_bytes;
     report.locally_converted_bytes = prepared.report.locally_converted_bytes;
+    report.staging_bytes = prepared.report.staging_bytes;
+    report.phases = prepared.report.phases;
     return report;
   }
 };
 
 Resharder::Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& service,
-                     std::shared_ptr<ReshardTransform> transform)
-    : impl_(std::make_unique<Impl>(std::move(plan), service, std::move(transform))) {}
+                     std::shared_ptr<ReshardTransform> transform, ReshardOptions options)
+    : impl_(std::make_unique<Impl>(std::move(plan), service, std::move(transform), options)) {}
+
+std::uint64_t Resharder::staging_budget() const { return impl_->budget; }
 
 Resharder::~Resharder() = default;
 
@@ -592,17 +770,25 @@ struct ExecutorCache {
 
 ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
                                    const TensorMap& src, const TensorMap& dst, CopyService& service,
-                                   std::shared_ptr<ReshardTransform> transform, void* cuda_stream) {
+                                   std::shared_ptr<ReshardTransform> transform, void* cuda_stream,
+                                   const ReshardOptions& options) {
   std::shared_ptr<void>& slot = service.attachment();
   if (!slot) slot = std::make_shared<ExecutorCache>();
   auto& cache = static_cast<ExecutorCache*>(slot.get())->executors;
   auto key = std::make_pair(plan.get(), transform.get());
   auto it = cache.find(key);
+  // Another budget means other phases: a new executor (and schedule) on every rank alike.
+  if (it != cache.end() &&
+      it->second.second->staging_budget() !=
+          options.staging_budget.value_or(env::staging_budget())) {
+    cache.erase(it);
+    it = cache.end();
+  }
   if (it == cache.end()) {
     // The plan is held alongside so its address cannot be reused by another plan.
     it = cache
-             .emplace(key,
-                      std::make_pair(plan, std::make_unique<Resharder>(plan, service, transform)))
+             .emplace(key, std::make_pair(plan, std::make_unique<Resharder>(plan, service,
+                                                                            transform, options)))
              .first;
   }
   return it->second.second->execute(src, dst, cuda_stream);

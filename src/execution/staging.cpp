@@ -85,6 +85,14 @@ std::size_t StagingPool::KeyHash::operator()(const Key& key) const {
 }
 
 const Buffer& StagingPool::slot(const Key& key, const Buffer& like, std::size_t bytes) {
+  if (sizing_) {
+    sized_.push_back({key, like, bytes});
+    sized_by_op_[{std::get<0>(key), std::get<1>(key)}] += aligned(bytes);
+    null_ = like;
+    null_.data = nullptr;
+    null_.bytes = bytes;
+    return null_;
+  }
   Slot& slot = slots_[key];
   if (slot.buffer.data == nullptr || slot.capacity < bytes || !same_place(slot.buffer, like)) {
     slot.buffer = like.kind == MemoryKind::kHost
@@ -94,6 +102,69 @@ const Buffer& StagingPool::slot(const Key& key, const Buffer& like, std::size_t 
   }
   slot.buffer.bytes = bytes;
   return slot.buffer;
+}
+
+void StagingPool::start_sizing() {
+  sizing_ = true;
+  slots_.clear();
+  chunks_.clear();
+  sized_.clear();
+  sized_by_op_.clear();
+}
+
+std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of) {
+  sizing_ = false;
+  // Per place: where each phase has got to, and the largest phase.
+  struct Place {
+    Buffer like;
+    std::map<std::uint32_t, std::size_t> used;
+    std::size_t largest = 0;
+  };
+  std::vector<Place> places;
+  auto place_of = [&](const Buffer& like) -> Place& {
+    for (Place& p : places) {
+      if (same_place(p.like, like)) return p;
+    }
+    return places.emplace_back(Place{like, {}, 0});
+  };
+  std::vector<std::size_t> offsets(sized_.size());
+  for (std::size_t i = 0; i < sized_.size(); ++i) {
+    const auto [sending, task, index] = sized_[i].key;
+    Place& place = place_of(sized_[i].like);
+    std::size_t& used = place.used[phase_of({sending, task})];
+    offsets[i] = used;
+    used += aligned(std::max<std::size_t>(sized_[i].bytes, 1));
+    place.largest = std::max(place.largest, used);
+  }
+  std::size_t held = 0;
+  for (const Place& place : places) held += place.largest;
+  // Arenas of places this refit stages nothing in go.
+  std::erase_if(arenas_, [&](const Staging& memory) {
+    return std::none_of(places.begin(), places.end(), [&](const Place& place) {
+      return place.largest > 0 && same_place(place.like, memory.buffer());
+    });
+  });
+  for (std::size_t i = 0; i < sized_.size(); ++i) {
+    const Sized& s = sized_[i];
+    Staging& memory = arena(s.like, place_of(s.like).largest);
+    Slot& slot = slots_[s.key];
+    slot.buffer = s.like;
+    slot.buffer.data = memory.data() + offsets[i];
+    slot.buffer.bytes = s.bytes;
+    slot.capacity = aligned(std::max<std::size_t>(s.bytes, 1));
+  }
+  sized_.clear();
+  sized_by_op_.clear();
+  return held;
+}
+
+Staging& StagingPool::arena(const Buffer& like, std::size_t bytes) {
+  for (Staging& memory : arenas_) {
+    if (!same_place(memory.buffer(), like)) continue;
+    if (memory.buffer().bytes < bytes) memory = Staging(like.kind, like.device, bytes);
+    return memory;
+  }
+  return arenas_.emplace_back(like.kind, like.device, bytes);
 }
 
 std::byte* StagingPool::carve(const Buffer& like, std::size_t bytes) {
@@ -117,6 +188,7 @@ std::byte* StagingPool::carve(const Buffer& like, std::size_t bytes) {
 std::size_t StagingPool::reserved_bytes() const {
   std::size_t total = 0;
   for (const Chunk& chunk : chunks_) total += chunk.memory.buffer().bytes;
+  for (const Staging& memory : arenas_) total += memory.buffer().bytes;
   return total;
 }
 

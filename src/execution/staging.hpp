@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
+#include <map>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -36,14 +38,31 @@ class Staging {
 // allocations: a refit's wire buffers then cost one CUDA IPC export per allocation instead of one
 // per op (small separate cudaMallocs also share driver pages, which IPC cannot map twice), and
 // every refit gets the same buffer back for the same key, so the schedule is reused.
+//
+// A refit bounded by a staging budget sizes first (start_sizing: slot() hands out no memory and
+// records what each key asks for), then arrange() gives every sized key its place in one arena
+// per memory place, the keys of one phase side by side and every phase from the arena's start:
+// phases run one after the other and reuse the same memory.
 class StagingPool {
  public:
   using Key = std::tuple<bool, TaskId, int>;  // (sending, op task id, buffer index)
+  using OpKey = std::pair<bool, TaskId>;      // (sending, op task id)
 
-  // The buffer for `key`, of `bytes` in the same place as `like` (kind and device): the one
-  // returned last time when it still fits, carved from the pool otherwise. Space a key outgrows
-  // is reclaimed only with the pool.
+  // The buffer for `key`, of `bytes` in the same place as `like` (kind and device): its place in
+  // the arena where arrange() gave it one that fits, else the one returned last time when it
+  // still fits, else carved from the pool. Space a key outgrows is reclaimed only with the pool.
+  // While sizing: a buffer of null data (the bytes are only recorded).
   const Buffer& slot(const Key& key, const Buffer& like, std::size_t bytes);
+
+  // Forgets every slot and starts recording what slot() is asked for.
+  void start_sizing();
+  bool sizing() const { return sizing_; }
+  // While sizing: the bytes (each slot rounded up to the pool's alignment) asked for per
+  // (sending, op task id) since start_sizing().
+  const std::map<OpKey, std::size_t>& sized_bytes() const { return sized_by_op_; }
+  // Ends sizing: places every sized key in its phase (`phase_of` by (sending, op task id)).
+  // Returns the bytes of the largest phase, summed over memory places: what the refit holds.
+  std::size_t arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of);
 
   std::size_t reserved_bytes() const;
 
@@ -56,7 +75,14 @@ class StagingPool {
     Buffer buffer;
     std::size_t capacity = 0;
   };
+  struct Sized {
+    Key key;
+    Buffer like;  // its place (kind and device)
+    std::size_t bytes;
+  };
   std::byte* carve(const Buffer& like, std::size_t bytes);
+  // The arena of `like`'s place, of at least `bytes` (kept while large enough).
+  Staging& arena(const Buffer& like, std::size_t bytes);
 
   // Hashed: a refit of a MoE model looks up tens of thousands of keys, twice per op.
   struct KeyHash {
@@ -64,7 +90,12 @@ class StagingPool {
   };
 
   std::vector<Chunk> chunks_;
+  std::vector<Staging> arenas_;  // one per memory place
   std::unordered_map<Key, Slot, KeyHash> slots_;
+  bool sizing_ = false;
+  std::vector<Sized> sized_;  // in the order slot() was asked
+  std::map<OpKey, std::size_t> sized_by_op_;
+  Buffer null_;
 };
 
 // One block copy between row views (`element_bytes` per element; the views' rows and columns

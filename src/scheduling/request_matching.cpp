@@ -112,9 +112,12 @@ std::vector<Transfer> match_requests(std::span<const RequestClaim> sends,
     } else if (send.bytes != recv.bytes) {
       problems.add_for(send.task, "task ", send.task, ": PE ", send.owner, " sends ", send.bytes,
                        " bytes but PE ", recv.owner, " expects ", recv.bytes, " bytes");
+    } else if (send.phase != recv.phase) {
+      problems.add_for(send.task, "task ", send.task, ": PE ", send.owner, " sends it in phase ",
+                       send.phase, " but PE ", recv.owner, " receives it in phase ", recv.phase);
     } else {
-      transfers.push_back(
-          {send.task, send.owner, recv.owner, send.bytes, send.row_bytes, recv.row_bytes});
+      transfers.push_back({send.task, send.owner, recv.owner, send.bytes, send.row_bytes,
+                           recv.row_bytes, send.phase});
     }
   }
   problems.throw_if_any();

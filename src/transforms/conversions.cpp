@@ -153,12 +153,14 @@ void ConversionQueue::on_gpu() {
 }
 
 void ConversionQueue::convert(const ConvertJob& job, const Buffer& memory) {
+  if (dry_run_) return;
   if (memory.kind == MemoryKind::kHost) return convert_host(job.src, job.dst);
   on_gpu();
   converts_.push_back(job);
 }
 
 void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
+  if (dry_run_) return;
   if (memory.kind == MemoryKind::kHost) {
     return mx_quantize_host(job.src, job.data, job.scale, job.round_up);
   }
@@ -167,6 +169,7 @@ void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
 }
 
 void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memory) {
+  if (dry_run_) return;
   if (memory.kind == MemoryKind::kHost) {
     return block_quantize_host(job.src, job.rows_per_matrix, job.data, job.scale);
   }
@@ -176,11 +179,13 @@ void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memor
 
 void ConversionQueue::pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
                            const Buffer& out) {
+  if (dry_run_) return;
   copies_.add_pack(tensor, view, element_bytes, out);
 }
 
 void ConversionQueue::unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
                              std::size_t element_bytes) {
+  if (dry_run_) return;
   copies_.add_unpack(in, tensor, view, element_bytes);
 }
 

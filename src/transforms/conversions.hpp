@@ -60,10 +60,14 @@ class ConversionQueue {
   // flush() once enough is queued, so the GPU converts while the host is still queuing the rest
   // (a MoE refit queues tens of thousands of slices, for tens of milliseconds).
   void flush_if_full(void* stream);
+  // While on, jobs are dropped instead of run (host) or queued (GPU): the hooks that add them run
+  // only to learn their wire buffers, which hold no memory yet (StagingPool sizing).
+  void set_dry_run(bool on) { dry_run_ = on; }
 
  private:
   void on_gpu();  // where GPU jobs are queued: makes their upload buffers
 
+  bool dry_run_ = false;
   std::vector<ConvertJob> converts_;
   std::vector<MxJob> mx_;
   std::vector<BlockFp8Job> blocks_;

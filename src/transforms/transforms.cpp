@@ -34,15 +34,28 @@ std::byte* at_byte(const Buffer& buffer) { return static_cast<std::byte*>(buffer
                                                std::to_string(slice.op.dst_rank) + "): " + why);
 }
 
-// Wire buffers owned by a transform, one set per (side, op), the same ones at every refit.
+// Wire buffers, one set per (side, op), the same ones at every refit: the transform's own for the
+// public hooks, the executor's pool (bounded by its staging budget) for RangedTransform's.
 class WireBuffers {
  public:
   Buffer get(bool sending, const TransferOp& op, int index, std::size_t bytes, const Buffer& like) {
-    return pool_.slot({sending, op.task_id, index}, like, bytes);
+    return pool_->slot({sending, op.task_id, index}, like, bytes);
   }
+  // Takes wire buffers from `pool` until the scope ends.
+  class Borrow {
+   public:
+    Borrow(WireBuffers& wire, exec::StagingPool& pool) : wire_(wire) { wire_.pool_ = &pool; }
+    ~Borrow() { wire_.pool_ = &wire_.own_; }
+    Borrow(const Borrow&) = delete;
+    Borrow& operator=(const Borrow&) = delete;
+
+   private:
+    WireBuffers& wire_;
+  };
 
  private:
-  exec::StagingPool pool_;
+  exec::StagingPool own_;
+  exec::StagingPool* pool_ = &own_;
 };
 
 class TransformBase : public ReshardTransform, public exec::RangedTransform {
@@ -56,13 +69,17 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
   std::vector<Buffer> prepare_recv(const OpSlice& slice, const LocalTensor& dst) final {
     return buffers_of(recv_wire(slice, dst, false));
   }
-  std::vector<WireRange> send_ranges(const OpSlice& slice, const LocalTensor& src,
-                                     void* stream) final {
-    return send_wire(slice, src, stream, true);
+  std::vector<WireRange> send_ranges(const OpSlice& slice, const LocalTensor& src, void* stream,
+                                     exec::StagingPool& pool, bool in_place) final {
+    const WireBuffers::Borrow borrow(wire_, pool);
+    return send_wire(slice, src, stream, in_place);
   }
-  std::vector<WireRange> recv_ranges(const OpSlice& slice, const LocalTensor& dst) final {
-    return recv_wire(slice, dst, true);
+  std::vector<WireRange> recv_ranges(const OpSlice& slice, const LocalTensor& dst,
+                                     exec::StagingPool& pool, bool in_place) final {
+    const WireBuffers::Borrow borrow(wire_, pool);
+    return recv_wire(slice, dst, in_place);
   }
+  void set_dry_run(bool on) final { queue_.set_dry_run(on); }
 
  protected:
   // The op's wire; with `in_place`, slices that are not contiguous go as strided ranges of the

@@ -11,6 +11,8 @@
 
 namespace reshard::exec {
 
+class StagingPool;
+
 // One wire buffer of an op: `range` of `buffer`.
 struct WireRange {
   Buffer buffer;
@@ -23,11 +25,16 @@ struct WireRange {
 class RangedTransform {
  public:
   virtual ~RangedTransform() = default;
-  // prepare_send and prepare_recv, with strided slices in place; finalize_recv then leaves them
-  // alone (it is given the tensor's own buffer for them).
+  // prepare_send and prepare_recv, with strided slices in place (where `in_place`); finalize_recv
+  // then leaves them alone (it is given the tensor's own buffer for them). Wire buffers come from
+  // `pool`, the executor's, so a staging budget bounds them.
   virtual std::vector<WireRange> send_ranges(const OpSlice& slice, const LocalTensor& src,
-                                             void* stream) = 0;
-  virtual std::vector<WireRange> recv_ranges(const OpSlice& slice, const LocalTensor& dst) = 0;
+                                             void* stream, StagingPool& pool, bool in_place) = 0;
+  virtual std::vector<WireRange> recv_ranges(const OpSlice& slice, const LocalTensor& dst,
+                                             StagingPool& pool, bool in_place) = 0;
+  // While on, the hooks convert nothing: they run only to learn their wire buffers (sizing, and
+  // the schedule of a refit whose conversions run phase by phase later).
+  virtual void set_dry_run(bool on) = 0;
 };
 
 }  // namespace reshard::exec

@@ -16,6 +16,7 @@
 #include "reshard/reshard.hpp"
 #include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
+#include "support/phase_workload.hpp"
 #include "support/strided_workload.hpp"
 
 namespace reshard {
@@ -169,6 +170,44 @@ TEST(StridedRanges, EveryRowLandsInPlaceAndNoGapIsWritten) {
     service->synchronize();
     service->clear_requests();
   }
+  cudaStreamDestroy(stream);
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Phases on a stream, with no host synchronisation between them: each phase lands in the scratch
+// every phase reuses, and a copy queued after run_phase(p) saves what phase p left there. A phase
+// writing a peer's scratch before the peer's copy of the previous phase ran would show here.
+TEST(Phases, EachPhaseLandsAfterTheLastOneWasReadOnTheStream) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int device = service->device();
+  const testing_support::PhaseWorkload w{.n_pes = service->n_pes(), .block = (1 << 20) + 3};
+  DeviceBytes source(w.send_bytes()), scratch(w.scratch_bytes());
+  DeviceBytes saved(w.scratch_bytes() * w.phases());
+  w.register_on(*service, source.buffer(device), scratch.buffer(device));
+  EXPECT_EQ(service->schedule().phases, w.phases());
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (std::uint32_t iteration = 1; iteration <= 3; ++iteration) {
+    const std::vector<std::byte> fill = w.source(me, iteration);
+    CUDA_OK(cudaMemcpyAsync(source.data, fill.data(), fill.size(), cudaMemcpyHostToDevice, stream));
+    for (std::uint32_t p = 0; p < w.phases(); ++p) {
+      service->run_phase(p, stream);
+      CUDA_OK(cudaMemcpyAsync(static_cast<std::byte*>(saved.data) + p * w.scratch_bytes(),
+                              scratch.data, w.scratch_bytes(), cudaMemcpyDeviceToDevice, stream));
+    }
+    std::vector<std::byte> landed(saved.size);
+    CUDA_OK(cudaMemcpyAsync(landed.data(), saved.data, landed.size(), cudaMemcpyDeviceToHost,
+                            stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    for (std::uint32_t p = 0; p < w.phases(); ++p) {
+      const std::vector<std::byte> phase(landed.begin() + p * w.scratch_bytes(),
+                                         landed.begin() + (p + 1) * w.scratch_bytes());
+      EXPECT_EQ(w.wrong_after(me, iteration, p, phase), 0u)
+          << "run " << iteration << " phase " << p;
+    }
+  }
+  service->synchronize();
   cudaStreamDestroy(stream);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }

@@ -12,6 +12,7 @@
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
 #include "support/pe_tests.hpp"
+#include "support/phase_workload.hpp"
 #include "support/strided_workload.hpp"
 
 namespace reshard {
@@ -353,6 +354,76 @@ TEST(StridedRanges, InterleavedBlocksAreAcceptedAndOverlapsAndOverreachRefused) 
     EXPECT_NE(message.find("reaches byte 6160, outside"), std::string::npos) << message;
     EXPECT_EQ(error.tasks(), std::vector<TaskId>{61});
   }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Phases: every phase receives into the same scratch; after run_phase(p) the scratch holds phase
+// p's blocks, so a phase's bytes landed after the previous phase's were read. A PE with nothing
+// to move in a phase runs it all the same; run() runs every phase in order; verify mode checks
+// each phase's tasks right after it.
+TEST(Phases, EachPhaseLandsInTheMemoryTheLastOneUsed) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const testing_support::PhaseWorkload w{.n_pes = service->n_pes()};
+  std::vector<std::byte> source(w.send_bytes()), scratch(w.scratch_bytes());
+  w.register_on(*service, Buffer::host(source.data(), source.size()),
+                Buffer::host(scratch.data(), scratch.size()));
+  const ScheduleReport report = service->schedule();
+  EXPECT_EQ(report.phases, w.phases());
+  EXPECT_EQ(service->phases(), w.phases());
+  for (std::uint32_t iteration = 1; iteration <= 3; ++iteration) {
+    service->set_verify(iteration == 3);
+    const std::vector<std::byte> fill = w.source(me, iteration);
+    std::copy(fill.begin(), fill.end(), source.begin());  // in place: the registered memory
+    bootstrap()->barrier();
+    for (std::uint32_t p = 0; p < w.phases(); ++p) {
+      service->run_phase(p);
+      EXPECT_EQ(w.wrong_after(me, iteration, p, scratch), 0u)
+          << "run " << iteration << " phase " << p;
+    }
+  }
+  service->set_verify(false);
+  const std::vector<std::byte> fill = w.source(me, 4);
+  std::copy(fill.begin(), fill.end(), source.begin());
+  bootstrap()->barrier();
+  service->run();  // every phase: the scratch holds the last dense phase's blocks and the tail
+  EXPECT_EQ(w.wrong_after(me, 4, w.dense_phases - 1, scratch), 0u);
+  EXPECT_EQ(w.wrong_after(me, 4, w.dense_phases, scratch), 0u);
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+TEST(Phases, MismatchedPhasesAndPhasesOutOfRangeAreRefused) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const PeId last = service->n_pes() - 1;
+  std::vector<std::byte> memory(4096, std::byte{0});
+  const Buffer buffer = Buffer::host(memory.data(), memory.size());
+  if (me == 0) {
+    service->set_phase(1);
+    service->register_send(41, buffer, 0, 64, last);
+  }
+  if (me == last) {
+    service->set_phase(2);
+    service->register_receive(41, buffer, 1024, 64, 0);
+  }
+  expect_refused_everywhere(*service,
+                            "task 41: PE 0 sends it in phase 1 but PE " + std::to_string(last) +
+                                " receives it in phase 2",
+                            {41});
+  // clear_requests() went back to phase 0: these two meet there.
+  if (me == 0) service->register_send(42, buffer, 0, 64, last);
+  if (me == last) service->register_receive(42, buffer, 2048, 64, 0);
+  EXPECT_EQ(service->schedule().phases, 1u);
+  try {
+    service->run_phase(1);
+    ADD_FAILURE() << "run_phase(1) of a schedule of one phase was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("the schedule has 1 phase"), std::string::npos)
+        << error.what();
+  }
+  service->run();  // still usable
+  EXPECT_THROW(service->set_phase(1u << 20), Error);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 

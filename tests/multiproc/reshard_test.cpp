@@ -395,10 +395,52 @@ std::uint64_t strided_slice_bytes(const ReshardPlan& plan, PeId me) {
   return bytes;
 }
 
-void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode mode) {
-  SCOPED_TRACE(c.name + " " + mode_name(mode));
+// A staging budget that holds any one op of the plan that may stage (of a parameter the transform
+// converts; any, without one), whose wire buffers on one rank are at most twice its bytes (fp32 on
+// the wire of a bf16 parameter, or both ends of a local op packed), but, split over several ranks,
+// not a whole refit of the test models.
+std::uint64_t small_budget(const ReshardPlan& plan, const ReshardTransform* transform) {
+  std::uint64_t largest = 0;
+  for (const TransferOp& op : plan.ops()) {
+    if (transform == nullptr || transform->should_transform(plan.params()[op.param]))
+      largest = std::max(largest, op.bytes);
+  }
+  return 2 * largest + 4096;
+}
+
+// The phases the refits ran in and the staging they held (the largest of the refits').
+struct CaseResult {
+  std::uint32_t phases = 1;
+  std::uint64_t staging_bytes = 0;
+};
+
+// `bounded`: the refits run within small_budget() (0 where the transform and the transport need
+// no staging), in phases; every byte is checked all the same.
+CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode mode,
+                    bool bounded = false) {
+  SCOPED_TRACE(c.name + " " + mode_name(mode) + (bounded ? " within a small budget" : ""));
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
+  ReshardOptions options;
+  CaseResult result;
+  // Bounded: phases are needed exactly where some rank's refit needs more staging than the
+  // budget, which a first refit without a bound says.
+  bool phases_needed = false;
+  if (bounded) {
+    const bool stages = mode != Mode::kPlain || !service.moves_rows_in_place();
+    auto transform = transform_for(mode);
+    options.staging_budget = stages ? small_budget(*plan, transform.get()) : 0;
+    const auto expected = expectations(*plan, mode, transform.get());
+    RankTensors tensors = make_tensors(*plan, service.my_pe(), my_device(), expected,
+                                       transform.get());
+    ReshardOptions unlimited;
+    unlimited.staging_budget = ReshardOptions::kUnlimited;
+    const std::uint64_t staging = execute_reshard_plan(plan, tensors.src_map, tensors.dst_map,
+                                                       service, transform, nullptr, unlimited)
+                                      .staging_bytes;
+    EXPECT_EQ(verify(*plan, service.my_pe(), tensors, expected), 0u) << "without a bound";
+    phases_needed = !all_pes(staging <= *options.staging_budget);
+  }
   auto transform = transform_for(mode);
   const std::map<std::string, Expected> expected = expectations(*plan, mode, transform.get());
   const PeId me = service.my_pe();
@@ -422,9 +464,13 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
     if (refit == 2)
       generations.push_back(make_tensors(*plan, me, my_device(), expected, transform.get()));
     RankTensors& tensors = generations.back();
-    const ReshardReport report =
-        execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, service, transform);
+    const ReshardReport report = execute_reshard_plan(plan, tensors.src_map, tensors.dst_map,
+                                                      service, transform, nullptr, options);
     EXPECT_EQ(report.rescheduled, refit != 1) << "refit " << refit;
+    if (options.staging_budget) EXPECT_LE(report.staging_bytes, *options.staging_budget);
+    if (bounded) EXPECT_EQ(report.phases > 1, phases_needed) << report.phases << " phases";
+    result.phases = std::max(result.phases, report.phases);
+    result.staging_bytes = std::max(result.staging_bytes, report.staging_bytes);
     EXPECT_EQ(report.locally_converted_bytes, locally_converted)
         << "refit " << refit << ": local ops of transformed parameters converted in place";
     if (mode == Mode::kPlain) {
@@ -439,6 +485,7 @@ void run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode 
       memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
     }
   }
+  return result;
 }
 
 ModelSpec test_model(bool moe) { return toy_model(2, 256, moe ? 4 : 0); }
@@ -467,6 +514,42 @@ INSTANTIATE_TEST_SUITE_P(Modes, Reshard,
                            return name;
                          });
 
+// A budget that holds one op but not the refit: the refits run in phases that reuse the same
+// staging, the memory held stays within the budget, and every element still matches. Plain bf16
+// on a transport that moves rows in place needs no staging: it runs within a budget of 0.
+class ReshardInPhases : public testing::TestWithParam<Mode> {};
+
+TEST_P(ReshardInPhases, EveryDestinationElementMatchesWithinASmallBudget) {
+  auto service = make_service();
+  std::uint32_t most_phases = 1;
+  std::uint64_t most_staging = 0;
+  for (const Case& c : cases_for(service->n_pes())) {
+    const bool moe = c.src.ep > 1 || c.dst.ep > 1;
+    const bool block = GetParam() == Mode::kBlockReceiver || GetParam() == Mode::kBlockSender;
+    if (block && (c.src.tp > 4 || c.dst.tp > 4)) continue;
+    const CaseResult result = run_case(*service, test_model(moe), c, GetParam(), true);
+    most_phases = std::max(most_phases, result.phases);
+    most_staging = std::max(most_staging, result.staging_bytes);
+  }
+  if (GetParam() == Mode::kPlain && service->moves_rows_in_place()) {
+    EXPECT_EQ(most_phases, 1u);
+    EXPECT_EQ(most_staging, 0u);
+  } else if (GetParam() != Mode::kPlain && service->n_pes() % 2 == 0) {
+    EXPECT_GT(most_phases, 1u) << "the budget was meant to be smaller than a refit";
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ReshardInPhases,
+                         testing::Values(Mode::kPlain, Mode::kCastFp32, Mode::kFp32Wire,
+                                         Mode::kMxReceiver, Mode::kMxSender, Mode::kBlockReceiver,
+                                         Mode::kBlockSender),
+                         [](const auto& info) {
+                           std::string name = mode_name(info.param);
+                           for (char& ch : name) ch = ch == '-' ? '_' : ch;
+                           return name;
+                         });
+
 // A MoE model of 1,152 small expert weights, every rank receiving all of them: more ops than a
 // transform launches at once (512 jobs), so on GPUs the conversions go in batches while the hooks
 // still run; replicas of a slice come from one conversion on the sender.
@@ -480,6 +563,8 @@ TEST(ReshardBatches, ManySmallWeightsAreConvertedInBatches) {
   for (Mode mode : {Mode::kMxSender, Mode::kMxReceiver, Mode::kFp32Wire}) {
     run_case(*service, model, c, mode);
   }
+  // In phases: a slice converted once for several replicas shares its wire only within a phase.
+  run_case(*service, model, c, Mode::kMxSender, true);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
@@ -504,6 +589,56 @@ TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
               std::string::npos)
         << error.what();
   }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// A budget smaller than one slice's wire buffers is refused on every rank before anything moves,
+// naming the slice, the rank and what it needs; the service stays usable. Ranks that pass
+// different budgets are told so.
+TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
+  auto service = make_service();
+  const int n = service->n_pes();
+  const ModelSpec model = test_model(false);
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, {.replicas = n})));
+  auto transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kRoundUp);
+  const std::map<std::string, Expected> expected =
+      expectations(*plan, Mode::kMxSender, transform.get());
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, transform.get());
+  auto refusal = [&](std::uint64_t budget, std::uint64_t other_ranks_budget) {
+    ReshardOptions options;
+    options.staging_budget = service->my_pe() == 0 ? budget : other_ranks_budget;
+    try {
+      execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform, nullptr, options);
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      return std::string(error.what());
+    }
+    return std::string();
+  };
+  const std::string too_small = refusal(1000, 1000);
+  EXPECT_NE(too_small.find("the staging budget of 1000 B per rank is smaller than '"),
+            std::string::npos)
+      << too_small;
+  EXPECT_NE(too_small.find("needs on rank "), std::string::npos) << too_small;
+  EXPECT_NE(too_small.find("RESHARD_STAGING_BUDGET"), std::string::npos) << too_small;
+  if (n > 1) {
+    const std::string differ = refusal(1 << 20, 2 << 20);
+    EXPECT_NE(differ.find("the staging budget differs between ranks"), std::string::npos)
+        << differ;
+  }
+  // Nothing moved (destinations hold what TestMemory filled them with), and the same tensors
+  // refit within a budget that fits.
+  for (auto& [name, memory] : t.dst) {
+    const std::vector<std::byte> bytes = memory->download();
+    EXPECT_EQ(std::count(bytes.begin(), bytes.end(), std::byte{0xcd}),
+              static_cast<std::ptrdiff_t>(bytes.size()))
+        << "'" << name << "' was written by a refused refit";
+  }
+  ReshardOptions fits;
+  fits.staging_budget = small_budget(*plan, transform.get());
+  execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform, nullptr, fits);
+  EXPECT_EQ(verify(*plan, service->my_pe(), t, expected), 0u);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 

@@ -308,6 +308,38 @@ def _one_pe_plan():
     return plan, src, dst
 
 
+@pytest.mark.parametrize("budget", ["lots", "-1MiB", -5, 1.5])
+def test_a_staging_budget_that_is_no_byte_count_is_refused(service, budget):
+    plan, src, dst = _one_pe_plan()
+    with pytest.raises(reshard.ReshardError, match="staging_budget"):
+        reshard.execute_reshard_plan(plan, src, dst, service, staging_budget=budget)
+
+
+def test_plain_refit_needs_no_staging_and_runs_within_a_budget_of_zero(service):
+    plan, src, dst = _one_pe_plan()
+    for tensor in src.values():
+        tensor.data[...] = np.arange(tensor.data.size, dtype=np.uint16).reshape(tensor.data.shape)
+    report = reshard.execute_reshard_plan(plan, src, dst, service, staging_budget=0)
+    assert (report.staging_bytes, report.phases) == (0, 1)
+    for name in src:
+        np.testing.assert_array_equal(dst[name].data, src[name].data)
+
+
+def test_phases_reuse_one_receive_buffer(service):
+    source = np.arange(4 * 256, dtype=np.uint8).reshape(4, 256)
+    scratch = np.zeros(256, np.uint8)
+    for phase in range(4):
+        service.set_phase(phase)
+        service.register_send(phase + 1, source, phase * 256, 256, 0)
+        service.register_receive(phase + 1, scratch, 0, 256, 0)
+    assert service.schedule().phases == 4 and service.phases == 4
+    for phase in range(4):
+        service.run_phase(phase)
+        np.testing.assert_array_equal(scratch, source[phase])
+    with pytest.raises(reshard.ReshardError, match="4 phase"):
+        service.run_phase(4)
+
+
 def test_python_transform_returning_no_array_is_refused(service):
     plan, src, dst = _one_pe_plan()
     broken = _BrokenTransform(lambda s: ["not an array"], lambda s: [np.zeros(4, np.uint8)])

@@ -110,6 +110,7 @@ struct PreparedRun {
   std::uint64_t copy_engine_bytes = 0;
   void* bounce = nullptr;
   std::uint64_t bounce_bytes = 0;
+  SameDeviceOrder same_device;  // this phase's same-GPU peers
 
   ~PreparedRun() {
     if (bounce != nullptr) cudaFree(bounce);
@@ -127,8 +128,8 @@ class CudaTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override {
     check_device_buffer(buffer, device_, "cuda");
   }
-  void prepare(const ExecutionPlan& plan) override;
-  void run(const ExecutionPlan& plan, void* stream) override;
+  void prepare(std::span<const ExecutionPlan> phases) override;
+  void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
   void abort(const std::string& reason) noexcept override;
   void finalize() noexcept override;
@@ -136,11 +137,15 @@ class CudaTransport final : public Transport {
  private:
   // Collective. Empty optional: some PE could not map an allocation; `refused` then lists, on
   // each PE, its allocations to stage through the bounce buffer on the next attempt.
+  // `first_phase`: the first phase of a new schedule, which closes the mappings of the last one
+  // that the new phase does not use.
   std::optional<std::vector<GroupPlan>> exchange_destinations(const ExecutionPlan& plan,
                                                               PreparedRun& prepared,
                                                               std::vector<CopyDescriptor>& unstage,
                                                               std::vector<std::uintptr_t>& refused,
-                                                              bool last_attempt);
+                                                              bool first_phase, bool last_attempt);
+  // Collective: one phase of a schedule.
+  std::unique_ptr<PreparedRun> prepare_phase(const ExecutionPlan& plan, bool first_phase);
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
   // Chooses each group's engine by `engine` (sm, ce or auto) and uploads the kernels' inputs.
   void lay_out(PreparedRun& prepared, const std::string& engine);
@@ -193,10 +198,10 @@ class CudaTransport final : public Transport {
   std::vector<pid_t> pids_;
   IpcImports signal_imports_;  // peers' flags, for the transport's lifetime
   IpcImports imports_;         // peers' destinations, for the current schedule
-  std::unique_ptr<PreparedRun> prepared_;
+  std::vector<std::unique_ptr<PreparedRun>> prepared_;  // per phase
   // Same-GPU peers (colocated processes) are ordered by the stream, not by the kernels.
   std::vector<bool> same_device_;
-  SameDeviceOrder same_device_order_;
+  SameDeviceOrder same_device_order_;  // every phase's same-GPU peers (the watchdog's)
   cudaStream_t release_stream_ = nullptr;
   std::thread watchdog_;
   std::mutex watch_mutex_;
@@ -306,7 +311,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
 
 std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     const ExecutionPlan& plan, PreparedRun& prepared, std::vector<CopyDescriptor>& unstage,
-    std::vector<std::uintptr_t>& refused, bool last_attempt) {
+    std::vector<std::uintptr_t>& refused, bool first_phase, bool last_attempt) {
   IpcExporter exporter;
   for (std::uintptr_t base : refused) exporter.refuse(base);
   std::vector<WireBatch> batches;
@@ -388,7 +393,8 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   // Mappings this schedule does not use are closed before any new one opens: a peer that freed a
   // buffer and allocated another on the same driver page can be mapped only once the old mapping
   // is gone (the bench's alternating buffers were staged through the bounce buffer before).
-  imports_.retain(needed);
+  // Later phases keep what earlier phases of the schedule mapped.
+  if (first_phase) imports_.retain(needed);
   std::vector<GroupPlan> groups;
   std::vector<PeerHandle> unmappable;  // (owner PE, handle index)
   for (int pe = 0; pe < n_pes_; ++pe) {
@@ -476,16 +482,36 @@ void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& t
   }
 }
 
-void CudaTransport::prepare(const ExecutionPlan& plan) {
+void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
   DeviceScope scope(device_);
   if (run_pending_) wait_for(last_run_, "the previous schedule's runs");
   throw_device_failure();
+  prepared_.clear();
+  std::vector<int> destinations, sources;
+  for (std::size_t p = 0; p < phases.size(); ++p) {
+    prepared_.push_back(prepare_phase(phases[p], p == 0));
+    const SameDeviceOrder& order = prepared_.back()->same_device;
+    destinations.insert(destinations.end(), order.destinations().begin(),
+                        order.destinations().end());
+    sources.insert(sources.end(), order.sources().begin(), order.sources().end());
+  }
+  for (std::vector<int>* list : {&destinations, &sources}) {
+    std::sort(list->begin(), list->end());
+    list->erase(std::unique(list->begin(), list->end()), list->end());
+  }
+  // Once per schedule; the watchdog reads them.
+  std::lock_guard lock(watch_mutex_);
+  same_device_order_.set_peers(std::move(destinations), std::move(sources));
+}
+
+std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& plan,
+                                                          bool first_phase) {
   auto prepared = std::make_unique<PreparedRun>();
   std::vector<CopyDescriptor> unstage;
 
   std::vector<std::uintptr_t> refused;
-  auto exchanged = exchange_destinations(plan, *prepared, unstage, refused, false);
+  auto exchanged = exchange_destinations(plan, *prepared, unstage, refused, first_phase, false);
   if (!exchanged) {
     // Small allocations can share a driver page that a peer already maps under another handle;
     // those are staged instead. The first attempt's bounce buffer lives until the second one is
@@ -493,7 +519,7 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     auto first_attempt = std::move(prepared);
     prepared = std::make_unique<PreparedRun>();
     unstage.clear();
-    exchanged = exchange_destinations(plan, *prepared, unstage, refused, true);
+    exchanged = exchange_destinations(plan, *prepared, unstage, refused, first_phase, true);
   }
   std::vector<GroupPlan> groups = std::move(*exchanged);
   GroupPlan local;
@@ -557,18 +583,15 @@ void CudaTransport::prepare(const ExecutionPlan& plan) {
     prepared->unstage_args.groups = prepared->unstage_groups.upload(unstage_groups);
     prepared->unstage_args.group_count = 1;
   }
-  {
-    // Once per schedule (every launch of it, autotune's included, orders the same peers); the
-    // watchdog reads them.
-    std::lock_guard lock(watch_mutex_);
-    same_device_order_.set_peers(std::move(same_device_destinations),
-                                 std::move(same_device_sources));
-  }
+  // Every launch of the phase, autotune's included, orders the same peers.
+  prepared->same_device = SameDeviceOrder(signals_, peer_signals_, me_);
+  prepared->same_device.set_peers(std::move(same_device_destinations),
+                                  std::move(same_device_sources));
   if (engine_ == "autotune")
     autotune(*prepared);
   else
     lay_out(*prepared, engine_);
-  prepared_ = std::move(prepared);
+  return prepared;
 }
 
 void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
@@ -684,9 +707,9 @@ void CudaTransport::autotune(PreparedRun& prepared) {
   lay_out(prepared, candidates[best]);
 }
 
-void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
+void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* stream_handle) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
-  if (!prepared_) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
+  if (phase >= prepared_.size()) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
   throw_device_failure();
   if (const int dead = first_exited_process(pids_); dead >= 0) {
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
@@ -695,7 +718,7 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
   }
   DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
-  launch(*prepared_, stream);
+  launch(*prepared_[phase], stream);
   if (record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
     if (watchdog_.joinable() && !same_device_order_.empty()) {
@@ -708,7 +731,7 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
 }
 
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
-  same_device_order_.begin(stream);
+  p.same_device.begin(stream);
   if (p.fused) {
     launch_fused_copy(p.copy_args, stream, early_launch_);
   } else {
@@ -754,7 +777,7 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     }
     launch_end(p.end_args, stream);
   }
-  same_device_order_.end(stream);
+  p.same_device.end(stream);
   if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
 }
 
@@ -980,7 +1003,7 @@ void CudaTransport::finalize() noexcept {
     cudaFree(trace_);
     trace_ = nullptr;
   }
-  prepared_.reset();
+  prepared_.clear();
   imports_.close_all();
   signal_imports_.close_all();
   if (signals_ != nullptr) cudaFree(signals_);

@@ -67,8 +67,8 @@ class HostTransport final : public Transport {
   TransportCaps caps() const override { return {slot_bytes_, 1, 64 << 10}; }
   int device() const override { return -1; }
   void check_buffer(const Buffer& buffer) const override;
-  void prepare(const ExecutionPlan& plan) override;
-  void run(const ExecutionPlan& plan, void* stream) override;
+  void prepare(std::span<const ExecutionPlan> phases) override;
+  void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void abort(const std::string& reason) noexcept override;
   void finalize() noexcept override;
 
@@ -118,8 +118,11 @@ class HostTransport final : public Transport {
       for (std::uint32_t s = 0; s < batch.span_count; ++s) visit(plan.spans[batch.first_span + s]);
     }
   }
-  std::vector<std::vector<SlotFill>> sends_by_peer_;
-  std::vector<std::vector<SlotFill>> receives_by_peer_;
+  // Per phase of the schedule: per peer, the slots of its sends and of its receives.
+  struct PhaseSlots {
+    std::vector<std::vector<SlotFill>> sends_by_peer, receives_by_peer;
+  };
+  std::vector<PhaseSlots> phases_;
 };
 
 HostTransport::HostTransport(Bootstrap& bootstrap)
@@ -208,9 +211,14 @@ void HostTransport::group_into_slots(const std::vector<PlannedBatch>& batches, i
   }
 }
 
-void HostTransport::prepare(const ExecutionPlan& plan) {
-  group_into_slots(plan.sends, n_pes_, slot_bytes_, sends_by_peer_);
-  group_into_slots(plan.receives, n_pes_, slot_bytes_, receives_by_peer_);
+void HostTransport::prepare(std::span<const ExecutionPlan> phases) {
+  // Counters only grow, so phases need nothing between them: a later phase's bytes reach a
+  // receiver's memory only through its own copies out of its inbox, after its earlier phases.
+  phases_.assign(phases.size(), {});
+  for (std::size_t p = 0; p < phases.size(); ++p) {
+    group_into_slots(phases[p].sends, n_pes_, slot_bytes_, phases_[p].sends_by_peer);
+    group_into_slots(phases[p].receives, n_pes_, slot_bytes_, phases_[p].receives_by_peer);
+  }
 }
 
 void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
@@ -230,14 +238,17 @@ void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
   }
 }
 
-void HostTransport::run(const ExecutionPlan& plan, void* /*stream: host memory needs none*/) {
+void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
+                        void* /*stream: host memory needs none*/) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
+  const auto& sends_by_peer = phases_.at(phase).sends_by_peer;
+  const auto& receives_by_peer = phases_.at(phase).receives_by_peer;
   for (const LocalCopy& copy : plan.local_copies) std::memmove(copy.dst, copy.src, copy.bytes);
 
   std::vector<std::size_t> next_send(n_pes_, 0), next_receive(n_pes_, 0);
   std::size_t remaining = 0;
   for (PeId peer = 0; peer < n_pes_; ++peer) {
-    remaining += sends_by_peer_[peer].size() + receives_by_peer_[peer].size();
+    remaining += sends_by_peer[peer].size() + receives_by_peer[peer].size();
   }
   auto last_progress = Clock::now();
   auto next_check = last_progress;
@@ -245,7 +256,7 @@ void HostTransport::run(const ExecutionPlan& plan, void* /*stream: host memory n
   while (remaining > 0) {
     bool progressed = false;
     for (PeId peer = 0; peer < n_pes_; ++peer) {
-      const auto& sends = sends_by_peer_[peer];
+      const auto& sends = sends_by_peer[peer];
       std::size_t& next = next_send[peer];
       if (next < sends.size()) {
         ChannelCounters& channel = counters(peer, my_pe_);
@@ -263,7 +274,7 @@ void HostTransport::run(const ExecutionPlan& plan, void* /*stream: host memory n
           progressed = true;
         }
       }
-      const auto& receives = receives_by_peer_[peer];
+      const auto& receives = receives_by_peer[peer];
       std::size_t& next_in = next_receive[peer];
       if (next_in < receives.size()) {
         ChannelCounters& channel = counters(my_pe_, peer);
@@ -301,8 +312,8 @@ void HostTransport::run(const ExecutionPlan& plan, void* /*stream: host memory n
     std::string waiting;  // every peer this PE still waits for, for the timeout message
     bool can_progress = false;
     for (PeId peer = 0; peer < n_pes_ && !can_progress; ++peer) {
-      const bool sending = next_send[peer] < sends_by_peer_[peer].size();
-      const bool receiving = next_receive[peer] < receives_by_peer_[peer].size();
+      const bool sending = next_send[peer] < sends_by_peer[peer].size();
+      const bool receiving = next_receive[peer] < receives_by_peer[peer].size();
       if (!sending && !receiving) continue;
       // Look at the channel once more: the peer may have written its last bytes and exited.
       const ChannelCounters& inbound = counters(my_pe_, peer);

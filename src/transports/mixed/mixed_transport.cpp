@@ -62,13 +62,17 @@ class MixedTransport final : public Transport {
     inter_->check_buffer(buffer);
   }
 
-  void prepare(const ExecutionPlan& plan) override {
-    split(plan);
-    in_node([&] { intra_->prepare(intra_plan_); });
-    inter_->prepare(inter_plan_);
+  void prepare(std::span<const ExecutionPlan> phases) override {
+    intra_plans_.clear();
+    inter_plans_.clear();
+    for (const ExecutionPlan& plan : phases) split(plan);
+    in_node([&] { intra_->prepare(intra_plans_); });
+    inter_->prepare(inter_plans_);
   }
 
-  void run(const ExecutionPlan& /*plan*/, void* stream) override {
+  void run(const ExecutionPlan& /*plan*/, std::size_t phase, void* stream) override {
+    const ExecutionPlan& intra_plan = intra_plans_.at(phase);
+    const ExecutionPlan& inter_plan = inter_plans_.at(phase);
 #ifdef RESHARD_WITH_CUDA
     if (stream != nullptr && side_ != nullptr) {
       cuda::DeviceScope scope(intra_->device());
@@ -76,9 +80,9 @@ class MixedTransport final : public Transport {
       RESHARD_CUDA_CHECK(cudaEventRecord(fork_, caller));
       // The inter-node part first: a transport that refuses this stream (NVSHMEM under graph
       // capture) then leaves no side stream joined to the caller's.
-      inter_->run(inter_plan_, caller);
+      inter_->run(inter_plan, phase, caller);
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-      in_node([&] { intra_->run(intra_plan_, side_); });
+      in_node([&] { intra_->run(intra_plan, phase, side_); });
       RESHARD_CUDA_CHECK(cudaEventRecord(join_, side_));
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(caller, join_, 0));
       return;
@@ -86,8 +90,8 @@ class MixedTransport final : public Transport {
 #endif
     // Host-synchronous: every PE finishes its node's part before any starts the inter-node
     // part, so neither waits on a PE that is busy with the other.
-    in_node([&] { intra_->run(intra_plan_, stream); });
-    inter_->run(inter_plan_, stream);
+    in_node([&] { intra_->run(intra_plan, phase, stream); });
+    inter_->run(inter_plan, phase, stream);
   }
 
   void synchronize() override {
@@ -134,15 +138,16 @@ class MixedTransport final : public Transport {
   }
 
   // The plan's batches with PEs of this node, renumbered for the node's bootstrap, and the
-  // local copies go to the intra-node transport; the rest to the inter-node one.
+  // local copies go to the intra-node transport's plan of the phase; the rest to the inter-node
+  // one's.
   void split(const ExecutionPlan& plan) {
-    intra_plan_ = ExecutionPlan{};
-    inter_plan_ = ExecutionPlan{};
-    intra_plan_.rounds = inter_plan_.rounds = plan.rounds;
-    intra_plan_.local_copies = plan.local_copies;
+    ExecutionPlan& intra_plan = intra_plans_.emplace_back();
+    ExecutionPlan& inter_plan = inter_plans_.emplace_back();
+    intra_plan.rounds = inter_plan.rounds = plan.rounds;
+    intra_plan.local_copies = plan.local_copies;
     auto route = [&](const PlannedBatch& batch, auto member) {
       const bool inside = nodes_.same_node(me_, batch.peer);
-      ExecutionPlan& target = inside ? intra_plan_ : inter_plan_;
+      ExecutionPlan& target = inside ? intra_plan : inter_plan;
       PlannedBatch copy = batch;
       if (inside) {
         copy.peer = static_cast<PeId>(
@@ -164,7 +169,7 @@ class MixedTransport final : public Transport {
   std::unique_ptr<GroupBootstrap> group_;
   std::unique_ptr<Transport> intra_, inter_;
   std::string name_;
-  ExecutionPlan intra_plan_, inter_plan_;
+  std::vector<ExecutionPlan> intra_plans_, inter_plans_;  // per phase
   bool finalized_ = false;
 #ifdef RESHARD_WITH_CUDA
   cudaStream_t side_ = nullptr;

@@ -64,16 +64,19 @@ class NcclTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nccl");
   }
-  void prepare(const ExecutionPlan& plan) override {
+  // NCCL needs nothing between phases: a receive lands when the receiver's stream reaches it.
+  void prepare(std::span<const ExecutionPlan> phases) override {
     if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
     peers_.clear();
-    for (const auto* list : {&plan.sends, &plan.receives}) {
-      for (const PlannedBatch& batch : *list) peers_.push_back(batch.peer);
+    for (const ExecutionPlan& plan : phases) {
+      for (const auto* list : {&plan.sends, &plan.receives}) {
+        for (const PlannedBatch& batch : *list) peers_.push_back(batch.peer);
+      }
     }
     std::sort(peers_.begin(), peers_.end());
     peers_.erase(std::unique(peers_.begin(), peers_.end()), peers_.end());
   }
-  void run(const ExecutionPlan& plan, void* stream) override;
+  void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
   void abort(const std::string& reason) noexcept override;
   void finalize() noexcept override;
@@ -94,7 +97,7 @@ class NcclTransport final : public Transport {
   cudaEvent_t last_run_ = nullptr;
   bool run_pending_ = false;
   std::vector<pid_t> local_pids_;  // 0 for PEs on other hosts
-  std::vector<int> peers_;         // the PEs the current plan exchanges with, for timeouts
+  std::vector<int> peers_;         // the PEs the schedule exchanges with, for timeouts
   bool aborted_ = false;
   std::string abort_reason_;
   bool finalized_ = false;
@@ -129,7 +132,7 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap)
   RESHARD_LOG(kDebug, "nccl transport on device " << device_ << ", NCCL " << version);
 }
 
-void NcclTransport::run(const ExecutionPlan& plan, void* stream_handle) {
+void NcclTransport::run(const ExecutionPlan& plan, std::size_t /*phase*/, void* stream_handle) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   if (comm_ == nullptr) {
     throw_error(ErrorCode::kInvalidState, "run() on PE " + std::to_string(me_) +

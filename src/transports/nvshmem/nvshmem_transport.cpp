@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -211,8 +212,8 @@ class NvshmemTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nvshmem");
   }
-  void prepare(const ExecutionPlan& plan) override;
-  void run(const ExecutionPlan& plan, void* stream) override;
+  void prepare(std::span<const ExecutionPlan> phases) override;
+  void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
   void abort(const std::string& reason) noexcept override;
   void finalize() noexcept override;
@@ -263,16 +264,21 @@ class NvshmemTransport final : public Transport {
   // Each PE's waiting_on word where NVSHMEM maps it here (null elsewhere), for the kernels.
   DeviceArray<const std::uint64_t*> peer_waiting_on_;
   std::vector<pid_t> local_pids_;
-  // The schedule, resolved: local copies, each round's send and receive batches, and the waves
-  // that run them, in order.
-  std::vector<StagedBatch> sends_, receives_;
-  std::vector<Wave> waves_;
-  std::vector<PeerGroup> groups_;
-  DeviceArray<CopyDescriptor> descriptors_;
-  DeviceArray<PeerGroup> device_groups_;
-  CopyDescriptor* descriptors_device_ = nullptr;
-  PeerGroup* groups_device_ = nullptr;
-  std::optional<std::uint32_t> local_group_;
+  // Each phase of the schedule, resolved: local copies, each round's send and receive batches,
+  // and the waves that run them, in order. Slots and signals are the runtime's, so phases follow
+  // one another like runs: sequence numbers only grow.
+  struct PhaseCopies {
+    std::vector<StagedBatch> sends, receives;
+    std::vector<Wave> waves;
+    std::vector<PeerGroup> groups;
+    DeviceArray<CopyDescriptor> descriptors;
+    DeviceArray<PeerGroup> device_groups;
+    CopyDescriptor* descriptors_device = nullptr;
+    PeerGroup* groups_device = nullptr;
+    std::optional<std::uint32_t> local_group;
+  };
+  std::vector<std::unique_ptr<PhaseCopies>> phases_;
+  PhaseCopies* at_ = nullptr;  // the phase being built or run
   // Per peer, where NVSHMEM maps it here (null otherwise): its data signals from this PE, per
   // slot, and its acknowledgement from this PE. Raised by a one-thread kernel instead of an
   // NVSHMEM signal op, which costs a proxy round trip.
@@ -358,8 +364,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
 
 KernelArgs NvshmemTransport::launch_args() const {
   KernelArgs args{};
-  args.descriptors = descriptors_device_;
-  args.groups = groups_device_;
+  args.descriptors = at_->descriptors_device;
+  args.groups = at_->groups_device;
   args.status = status_device_;
   args.failure = failure_;
   args.n_pes = n_pes_;
@@ -372,15 +378,15 @@ KernelArgs NvshmemTransport::launch_args() const {
 
 KernelArgs NvshmemTransport::args_for(std::uint32_t group) const {
   KernelArgs args = launch_args();
-  args.groups = groups_device_ + group;
+  args.groups = at_->groups_device + group;
   args.group_count = 1;
-  args.cta_count = groups_[group].cta_count;
+  args.cta_count = at_->groups[group].cta_count;
   return args;
 }
 
 void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   std::vector<CopyDescriptor> descriptors;
-  groups_.clear();
+  at_->groups.clear();
   auto add_group = [&](auto&& fill) {
     PeerGroup group{};
     group.peer = -1;
@@ -390,17 +396,17 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
         static_cast<std::uint32_t>(descriptors.size()) - group.first_descriptor;
     group.cta_count = static_cast<std::uint32_t>(
         std::clamp<std::uint64_t>((group.bytes + kBytesPerCta - 1) / kBytesPerCta, 1, max_ctas_));
-    groups_.push_back(group);
-    return static_cast<std::uint32_t>(groups_.size() - 1);
+    at_->groups.push_back(group);
+    return static_cast<std::uint32_t>(at_->groups.size() - 1);
   };
   auto add = [&](PeerGroup& group, const std::byte* src, std::byte* dst, std::uint64_t bytes) {
     cuda::append_copy(descriptors, group.first_descriptor, group.bytes,
                       reinterpret_cast<const unsigned char*>(src),
                       reinterpret_cast<unsigned char*>(dst), bytes);
   };
-  local_group_.reset();
+  at_->local_group.reset();
   if (!plan.local_copies.empty()) {
-    local_group_ = add_group([&](PeerGroup& group) {
+    at_->local_group = add_group([&](PeerGroup& group) {
       for (const LocalCopy& copy : plan.local_copies) add(group, copy.src, copy.dst, copy.bytes);
     });
   }
@@ -419,8 +425,8 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
     if (remote_data_[peer][slot] == nullptr || remote_ack_[peer] == nullptr) return nullptr;
     return static_cast<std::byte*>(nvshmem_ptr(rt_.inbox(me_, slot), peer));
   };
-  sends_.clear();
-  receives_.clear();
+  at_->sends.clear();
+  at_->receives.clear();
   for (const PlannedBatch& batch : plan.sends) {
     if (batch.bytes > rt_.chunk) {
       throw_error(ErrorCode::kValidation, "a batch of " + std::to_string(batch.bytes) +
@@ -438,7 +444,7 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
         }
       });
     }
-    sends_.push_back(staged);
+    at_->sends.push_back(staged);
   }
   for (const PlannedBatch& batch : plan.receives) {
     StagedBatch staged{batch.peer, batch.bytes, remote_ack_[batch.peer] != nullptr, {}};
@@ -451,17 +457,17 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
         }
       });
     }
-    receives_.push_back(staged);
+    at_->receives.push_back(staged);
   }
   build_waves(plan);
   std::size_t mapped = 0;
-  for (const StagedBatch& batch : sends_) mapped += batch.mapped;
-  RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << sends_.size() << " send batches ("
+  for (const StagedBatch& batch : at_->sends) mapped += batch.mapped;
+  RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << at_->sends.size() << " send batches ("
                                            << mapped << " written straight into the peer's inbox, "
-                                           << sends_.size() - mapped << " put) in " << waves_.size()
+                                           << at_->sends.size() - mapped << " put) in " << at_->waves.size()
                                            << " waves over " << plan.rounds << " rounds");
-  descriptors_device_ = descriptors_.upload(descriptors);
-  groups_device_ = device_groups_.upload(groups_);
+  at_->descriptors_device = at_->descriptors.upload(descriptors);
+  at_->groups_device = at_->device_groups.upload(at_->groups);
 }
 
 // A round may hold several batches of one pair (the scheduler merges matching rounds), and a
@@ -484,23 +490,23 @@ void NvshmemTransport::build_waves(const ExecutionPlan& plan) {
   number(plan.receives, receives);
   std::map<Key, Wave> waves;
   for (const auto& [key, i] : sends) {
-    if (sends_[i].mapped) waves[key].sends.push_back(i);
+    if (at_->sends[i].mapped) waves[key].sends.push_back(i);
   }
   for (const auto& [key, i] : sends) {
-    if (!sends_[i].mapped) waves[key].sends.push_back(i);
+    if (!at_->sends[i].mapped) waves[key].sends.push_back(i);
   }
   for (const auto& [key, i] : receives) waves[key].receives.push_back(i);
-  waves_.clear();
+  at_->waves.clear();
   for (auto& [key, wave] : waves) {
-    for (std::uint32_t i : wave.sends) wave.mapped_sends += sends_[i].mapped;
+    for (std::uint32_t i : wave.sends) wave.mapped_sends += at_->sends[i].mapped;
     // The CTAs of one launch are shared by its groups; a put batch is packed alone.
     for_each_launch(wave.mapped_sends, [&](std::size_t first, std::size_t last) {
-      share_ctas(wave.sends, first, last, sends_);
+      share_ctas(wave.sends, first, last, at_->sends);
     });
     for_each_launch(wave.receives.size(), [&](std::size_t first, std::size_t last) {
-      share_ctas(wave.receives, first, last, receives_);
+      share_ctas(wave.receives, first, last, at_->receives);
     });
-    waves_.push_back(std::move(wave));
+    at_->waves.push_back(std::move(wave));
   }
 }
 
@@ -512,7 +518,7 @@ void NvshmemTransport::share_ctas(const std::vector<std::uint32_t>& batches, std
   std::uint64_t total = 0, wanted = 0;
   for (std::size_t k = first; k < last; ++k) {
     total += list[batches[k]].bytes;
-    wanted += groups_[list[batches[k]].group[0]].cta_count;
+    wanted += at_->groups[list[batches[k]].group[0]].cta_count;
   }
   if (wanted <= static_cast<std::uint64_t>(max_ctas_)) return;
   const std::uint64_t spare = static_cast<std::uint64_t>(max_ctas_) - count;
@@ -520,16 +526,21 @@ void NvshmemTransport::share_ctas(const std::vector<std::uint32_t>& batches, std
     const StagedBatch& batch = list[batches[k]];
     const std::uint64_t share = total == 0 ? 0 : spare * batch.bytes / total;
     for (std::uint32_t group : batch.group) {
-      groups_[group].cta_count =
-          static_cast<std::uint32_t>(std::min<std::uint64_t>(groups_[group].cta_count, 1 + share));
+      at_->groups[group].cta_count =
+          static_cast<std::uint32_t>(std::min<std::uint64_t>(at_->groups[group].cta_count, 1 + share));
     }
   }
 }
 
-void NvshmemTransport::prepare(const ExecutionPlan& plan) {
+void NvshmemTransport::prepare(std::span<const ExecutionPlan> phases) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
   cuda::DeviceScope scope(device_);
-  build_copies(plan);
+  prepared_ = false;
+  phases_.clear();
+  for (const ExecutionPlan& plan : phases) {
+    at_ = phases_.emplace_back(std::make_unique<PhaseCopies>()).get();
+    build_copies(plan);
+  }
   prepared_ = true;
 }
 
@@ -564,23 +575,23 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
   for_each_launch(wave.mapped_sends, [&](std::size_t first, std::size_t last) {
     cuda::FlaggedLaunch launch;
     for (std::size_t k = first; k < last; ++k) {
-      const StagedBatch& batch = sends_[wave.sends[k]];
+      const StagedBatch& batch = at_->sends[wave.sends[k]];
       std::uint64_t sequence = 0;
       int slot = 0;
       cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
       flags.raise = remote_data_[batch.peer][slot];
-      add_to_launch(launch, batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
+      add_to_launch(launch, batch.group[slot], at_->groups[batch.group[slot]].cta_count, flags);
     }
     step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
   });
   for (std::size_t k = wave.mapped_sends; k < wave.sends.size(); ++k) {
-    const StagedBatch& batch = sends_[wave.sends[k]];
+    const StagedBatch& batch = at_->sends[wave.sends[k]];
     std::uint64_t sequence = 0;
     int slot = 0;
     const cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
     const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
     cuda::FlaggedLaunch launch;
-    add_to_launch(launch, batch.group[outbox], groups_[batch.group[outbox]].cta_count, flags);
+    add_to_launch(launch, batch.group[outbox], at_->groups[batch.group[outbox]].cta_count, flags);
     step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
     // Put with signal: NVSHMEM delivers the signal only after the data, with no quiet between
     // (a quiet waits for every put of this PE to complete), and the stream moves on once the
@@ -603,7 +614,7 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
     cuda::FlaggedLaunch launch;
     acks.clear();
     for (std::size_t k = first; k < last; ++k) {
-      const StagedBatch& batch = receives_[wave.receives[k]];
+      const StagedBatch& batch = at_->receives[wave.receives[k]];
       const int peer = batch.peer;
       const std::uint64_t sequence = rt_.received[peer]++;
       const int slot = static_cast<int>(sequence % kDepth);
@@ -617,7 +628,7 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
       } else {
         acks.emplace_back(peer, cuda::done_mark(sequence + 1));
       }
-      add_to_launch(launch, batch.group[slot], groups_[batch.group[slot]].cta_count, flags);
+      add_to_launch(launch, batch.group[slot], at_->groups[batch.group[slot]].cta_count, flags);
     }
     step(2, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
     for (const auto& [peer, value] : acks) {
@@ -628,9 +639,10 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
   });
 }
 
-void NvshmemTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
+void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* stream_handle) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   if (!prepared_) throw_error(ErrorCode::kInvalidState, "run() before schedule()");
+  at_ = phases_.at(phase).get();
   if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
   cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
@@ -649,10 +661,10 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, void* stream_handle) {
     RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
     RESHARD_CUDA_CHECK(cudaStreamWaitEvent(sends, fork_, 0));
   }
-  if (local_group_) cuda::launch_plain_copy(args_for(*local_group_), stream);
+  if (at_->local_group) cuda::launch_plain_copy(args_for(*at_->local_group), stream);
   // On one stream each wave's receives follow its sends; on two, the receives of every wave
   // drain while the later waves' sends go out.
-  for (const Wave& wave : waves_) {
+  for (const Wave& wave : at_->waves) {
     send_wave(wave, sends);
     receive_wave(wave, stream);
   }
