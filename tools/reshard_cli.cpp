@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
                    "cudaMemcpy2DAsync loop over CUDA IPC that frameworks write by hand), host, "
                    "cuda, nvshmem or nccl")
       ->check(CLI::IsMember({"auto", "none", "ipc-loop", "host", "cuda", "nvshmem", "nccl"}));
+  refit_cmd->add_option("--staging-budget", refit.staging_budget,
+                        "most staging memory per PE (e.g. 512MiB, 0, unlimited; default "
+                        "RESHARD_STAGING_BUDGET, else 512MiB): larger refits run in phases");
   refit_cmd->add_option("-i,--iters", refit.iterations, "timed refits")->check(CLI::Range(1, 1000));
   refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")
       ->check(CLI::Range(0, 100));

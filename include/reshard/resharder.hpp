@@ -18,14 +18,16 @@ using TensorMap = std::unordered_map<std::string, LocalTensor>;
 
 struct ReshardOptions {
   static constexpr std::uint64_t kUnlimited = UINT64_MAX;
+  static constexpr std::uint64_t kDefaultStagingBudget = 512ull << 20;
   // Most bytes of staging one rank holds at once: the wire buffers of the built-in transforms
   // (FP8 data and scales, casts, bf16 landing before a conversion on arrival) and slices packed
   // for transports that do not move rows in place. A refit that needs more runs in phases, each
-  // within the budget and reusing the same memory, one after the other; a single slice that needs
-  // more than the budget is refused before anything moves, naming it. The memory stays with the
-  // executor between refits (at most the budget). 0: no staging at all (a refit that needs any
-  // is refused); kUnlimited: one phase, as much as the refit needs. Unset: RESHARD_STAGING_BUDGET
-  // ("512MiB", "unlimited", ...), else 512 MiB. Every rank must use the same budget. A custom
+  // within the budget and reusing the same memory, one after the other. The memory stays with the
+  // executor between refits (at most the budget). 0: no staging at all; kUnlimited: one phase, as
+  // much as the refit needs. Unset: RESHARD_STAGING_BUDGET ("512MiB", "unlimited", ...). A budget
+  // given either way is strict: a refit with a slice that alone needs more is refused before
+  // anything moves, naming the slice. With neither, the budget is kDefaultStagingBudget, or the
+  // largest slice's need where that is more. Every rank must use the same budget. A custom
   // transform's own wire buffers are its own and outside the budget.
   std::optional<std::uint64_t> staging_budget;
 };
@@ -71,8 +73,11 @@ class Resharder {
   // (naming it).
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
 
-  // The staging budget in force (the option, else the environment's default).
+  // The staging budget in force (the option, else the environment's, else the default).
   std::uint64_t staging_budget() const;
+  // Whether `options` ask for what this executor was made with (execute_reshard_plan makes a new
+  // one otherwise).
+  bool same_options(const ReshardOptions& options) const;
 
  private:
   struct Impl;

@@ -486,9 +486,8 @@ void CopyService::set_phase(std::uint32_t phase) {
   // Phases are cheap only while they are few: each is prepared and launched on its own.
   constexpr std::uint32_t kMaxPhases = 1 << 16;
   if (phase >= kMaxPhases) {
-    throw_error(ErrorCode::kInvalidArgument, "set_phase(" + std::to_string(phase) +
-                                                 "): at most " + std::to_string(kMaxPhases) +
-                                                 " phases");
+    throw_error(ErrorCode::kInvalidArgument, "set_phase(" + std::to_string(phase) + "): at most " +
+                                                 std::to_string(kMaxPhases) + " phases");
   }
   impl_->phase = phase;
 }

@@ -49,9 +49,9 @@ std::uint64_t host_staging_bytes() {
   return value ? parse_bytes(*value) : (8ull << 20);
 }
 
-std::uint64_t staging_budget() {
+std::optional<std::uint64_t> staging_budget() {
   auto value = get("RESHARD_STAGING_BUDGET");
-  if (!value) return 512ull << 20;
+  if (!value) return std::nullopt;
   if (*value == "unlimited") return UINT64_MAX;
   return parse_bytes(*value);
 }

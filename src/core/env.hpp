@@ -18,9 +18,9 @@ std::optional<LogLevel> log_level();
 // RESHARD_HOST_STAGING_BYTES: shared memory each PE offers its peers to stage sends (default 8
 // MiB).
 std::uint64_t host_staging_bytes();
-// RESHARD_STAGING_BUDGET: most staging memory the executor holds per rank at once (default 512
-// MiB; "unlimited" for no bound; 0 for none): see ReshardOptions::staging_budget.
-std::uint64_t staging_budget();
+// RESHARD_STAGING_BUDGET: most staging memory the executor holds per rank at once ("unlimited" for
+// no bound; 0 for none); unset: none given (see ReshardOptions::staging_budget).
+std::optional<std::uint64_t> staging_budget();
 // RESHARD_CHUNK_BYTES: caps the scheduler's chunk size (default: the transport's).
 std::optional<std::uint64_t> chunk_bytes();
 // RESHARD_JOB_ID: set by reshard-run so leftovers of a failed job can be found and removed.

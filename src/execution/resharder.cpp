@@ -68,7 +68,8 @@ struct Resharder::Impl {
   std::shared_ptr<ReshardTransform> transform;
   exec::RangedTransform* ranged;  // the transform, where it is a built-in one
   ReshardOptions options;
-  std::uint64_t budget;  // options.staging_budget, or the environment's
+  std::optional<std::uint64_t> requested;  // the budget given (option, else environment)
+  std::uint64_t budget;                    // requested, else the default
   PeId me;
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
@@ -106,7 +107,8 @@ struct Resharder::Impl {
         transform(std::move(t)),
         ranged(dynamic_cast<exec::RangedTransform*>(transform.get())),
         options(o),
-        budget(o.staging_budget.value_or(env::staging_budget())),
+        requested(requested_budget(o)),
+        budget(requested.value_or(ReshardOptions::kDefaultStagingBudget)),
         me(s.my_pe()),
         rows_in_place(s.moves_rows_in_place()) {
     if (!plan) throw_error(ErrorCode::kInvalidArgument, "Resharder: null plan");
@@ -477,11 +479,17 @@ struct Resharder::Impl {
     return true;
   }
 
+  static std::optional<std::uint64_t> requested_budget(const ReshardOptions& options) {
+    return options.staging_budget ? options.staging_budget : env::staging_budget();
+  }
+
   // Collective: which phase each op of the plan runs in, the same on every rank. Every rank
   // says what staging each of its ops needs (`sized`: bytes per (sending, op task id)); ops are
   // taken in plan order and a new phase begins where one more op would take some rank past the
-  // budget. An op that alone needs more than the budget is refused, on every rank alike.
-  std::vector<std::uint32_t> assign_phases(const std::map<exec::StagingPool::OpKey, std::size_t>& sized) {
+  // budget. An op that alone needs more than a budget the caller gave is refused, on every rank
+  // alike; the default budget grows to it instead.
+  std::vector<std::uint32_t> assign_phases(
+      const std::map<exec::StagingPool::OpKey, std::size_t>& sized) {
     std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
     for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
     wire::Writer out;
@@ -505,21 +513,33 @@ struct Resharder::Impl {
       for (std::size_t i = 0; i + 1 < pairs.size(); i += 2)
         needs.at(pairs[i]).emplace_back(static_cast<PeId>(rank), pairs[i + 1]);
     }
+    std::uint64_t limit = budget;
+    if (!requested) {
+      for (const auto& op_needs : needs) {
+        for (const auto& [rank, bytes] : op_needs) limit = std::max(limit, bytes);
+      }
+      if (limit > budget) {
+        RESHARD_LOG(kInfo, "a slice needs " << format_bytes(limit)
+                                            << " of staging, more than the default budget of "
+                                            << format_bytes(budget)
+                                            << ": the budget is that slice's need");
+      }
+    }
     std::vector<std::uint32_t> phase_of(plan->ops().size(), 0);
     std::vector<std::uint64_t> used(all.size(), 0);
     std::uint32_t phase = 0;
     for (std::size_t i = 0; i < needs.size(); ++i) {
       bool full = false;
       for (const auto& [rank, bytes] : needs[i]) {
-        if (bytes > budget) {
+        if (bytes > limit) {
           throw_error(ErrorCode::kInvalidArgument,
-                      "the staging budget of " + budget_text(budget) + " per rank is smaller than " +
-                          where(*plan, plan->ops()[i]) + " needs on rank " +
-                          std::to_string(rank) + ": " + format_bytes(bytes) +
+                      "the staging budget of " + budget_text(limit) + " per rank is smaller than " +
+                          where(*plan, plan->ops()[i]) + " needs on rank " + std::to_string(rank) +
+                          ": " + format_bytes(bytes) +
                           " of wire buffers; raise ReshardOptions::staging_budget "
                           "(RESHARD_STAGING_BUDGET) to at least that");
         }
-        full = full || used[rank] + bytes > budget;
+        full = full || used[rank] + bytes > limit;
       }
       if (full) {
         ++phase;
@@ -586,9 +606,8 @@ struct Resharder::Impl {
     }
     const std::vector<std::uint32_t> phase_of = assign_phases(staging.sized_bytes());
     auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
-    staging.arrange([&](const exec::StagingPool::OpKey& key) {
-      return phase_of[op_index.at(key.second)];
-    });
+    staging.arrange(
+        [&](const exec::StagingPool::OpKey& key) { return phase_of[op_index.at(key.second)]; });
     const std::uint32_t phases = phase_of.empty() ? 1 : phase_of.back() + 1;
     for (std::uint32_t p = 0; p < phases; ++p) prepared.phases.push_back(std::make_unique<Phase>());
     for (std::uint32_t p = 0; p < phases; ++p) {
@@ -671,15 +690,15 @@ struct Resharder::Impl {
       if (!side.transformed) continue;
       const LocalTensor& tensor = src.at(plan->params()[side.op->param].name);
       const std::vector<exec::WireRange> wire = transform_wire(side, tensor, true, stream);
-      const bool same = std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
-                                   [](const exec::WireRange& a, const exec::WireRange& b) {
-                                     return a.buffer.data == b.buffer.data &&
-                                            a.range.bytes() == b.range.bytes();
-                                   });
+      const bool same =
+          std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
+                     [](const exec::WireRange& a, const exec::WireRange& b) {
+                       return a.buffer.data == b.buffer.data && a.range.bytes() == b.range.bytes();
+                     });
       if (!same) {
-        throw_error(ErrorCode::kInvalidState, "transform '" + transform->name() +
-                                              "' returned other wire buffers for " +
-                                              where(*plan, *side.op) + " than it was scheduled with");
+        throw_error(ErrorCode::kInvalidState,
+                    "transform '" + transform->name() + "' returned other wire buffers for " +
+                        where(*plan, *side.op) + " than it was scheduled with");
       }
     }
   }
@@ -750,6 +769,9 @@ Resharder::Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& servi
     : impl_(std::make_unique<Impl>(std::move(plan), service, std::move(transform), options)) {}
 
 std::uint64_t Resharder::staging_budget() const { return impl_->budget; }
+bool Resharder::same_options(const ReshardOptions& options) const {
+  return Impl::requested_budget(options) == impl_->requested;
+}
 
 Resharder::~Resharder() = default;
 
@@ -778,9 +800,7 @@ ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& pla
   auto key = std::make_pair(plan.get(), transform.get());
   auto it = cache.find(key);
   // Another budget means other phases: a new executor (and schedule) on every rank alike.
-  if (it != cache.end() &&
-      it->second.second->staging_budget() !=
-          options.staging_budget.value_or(env::staging_budget())) {
+  if (it != cache.end() && !it->second.second->same_options(options)) {
     cache.erase(it);
     it = cache.end();
   }

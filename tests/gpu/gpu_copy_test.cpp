@@ -197,8 +197,8 @@ TEST(Phases, EachPhaseLandsAfterTheLastOneWasReadOnTheStream) {
                               scratch.data, w.scratch_bytes(), cudaMemcpyDeviceToDevice, stream));
     }
     std::vector<std::byte> landed(saved.size);
-    CUDA_OK(cudaMemcpyAsync(landed.data(), saved.data, landed.size(), cudaMemcpyDeviceToHost,
-                            stream));
+    CUDA_OK(
+        cudaMemcpyAsync(landed.data(), saved.data, landed.size(), cudaMemcpyDeviceToHost, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     for (std::uint32_t p = 0; p < w.phases(); ++p) {
       const std::vector<std::byte> phase(landed.begin() + p * w.scratch_bytes(),

@@ -431,8 +431,8 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     auto transform = transform_for(mode);
     options.staging_budget = stages ? small_budget(*plan, transform.get()) : 0;
     const auto expected = expectations(*plan, mode, transform.get());
-    RankTensors tensors = make_tensors(*plan, service.my_pe(), my_device(), expected,
-                                       transform.get());
+    RankTensors tensors =
+        make_tensors(*plan, service.my_pe(), my_device(), expected, transform.get());
     ReshardOptions unlimited;
     unlimited.staging_budget = ReshardOptions::kUnlimited;
     const std::uint64_t staging = execute_reshard_plan(plan, tensors.src_map, tensors.dst_map,
@@ -624,8 +624,7 @@ TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
   EXPECT_NE(too_small.find("RESHARD_STAGING_BUDGET"), std::string::npos) << too_small;
   if (n > 1) {
     const std::string differ = refusal(1 << 20, 2 << 20);
-    EXPECT_NE(differ.find("the staging budget differs between ranks"), std::string::npos)
-        << differ;
+    EXPECT_NE(differ.find("the staging budget differs between ranks"), std::string::npos) << differ;
   }
   // Nothing moved (destinations hold what TestMemory filled them with), and the same tensors
   // refit within a budget that fits.

@@ -129,6 +129,9 @@ struct RefitBenchOptions {
   // ("ipc-loop" where PEs share a GPU, else NCCL where the transport under test is another GPU
   // transport and NCCL is built), "none", "ipc-loop" (IpcCopyLoop), or a transport name.
   std::string baseline = "auto";
+  // ReshardOptions::staging_budget: a byte count ("512MiB"), "unlimited", or empty for the
+  // default (RESHARD_STAGING_BUDGET, else 512 MiB).
+  std::string staging_budget;
   int iterations = 5;
   int warmup = 2;
   std::string json_path;

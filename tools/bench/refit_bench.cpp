@@ -282,6 +282,12 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   }
 
   ReshardReport report;
+  ReshardOptions reshard_options;
+  if (options.staging_budget == "unlimited") {
+    reshard_options.staging_budget = ReshardOptions::kUnlimited;
+  } else if (!options.staging_budget.empty()) {
+    reshard_options.staging_budget = parse_bytes(options.staging_budget);
+  }
   // Median of the slowest PE's time per `refit()`, after the warm-up.
   auto time_each = [&](const auto& refit) {
     std::vector<double> times;
@@ -302,7 +308,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     return times[times.size() / 2];
   };
   auto time_refits = [&](CopyService& on) {
-    return time_each([&] { report = execute_reshard_plan(plan, src, dst, on, transform); });
+    return time_each([&] {
+      report = execute_reshard_plan(plan, src, dst, on, transform, nullptr, reshard_options);
+    });
   };
   // Device memory the refits hold beyond the tensors: free memory of each PE's GPU before the
   // first refit and after the last, every PE between barriers (PEs sharing a GPU see the same
@@ -456,6 +464,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                                  (static_cast<double>(pes_per_gpu) * source_shard)
                            : 0.0,
           format_bytes(report.strided_bytes).c_str(), format_bytes(report.packed_bytes).c_str());
+      std::printf("  staging held by PE 0: %s in %u phase(s) (budget %s)\n",
+                  format_bytes(measured.staging_bytes).c_str(), measured.phases,
+                  options.staging_budget.empty() ? "default" : options.staging_budget.c_str());
     }
     if (report.prepare_seconds + report.transfer_seconds + report.finalize_seconds > 0) {
       std::printf(
@@ -489,7 +500,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         json << ",\"extra_device_bytes_per_gpu\":" << extra_device_bytes
              << ",\"pes_per_gpu\":" << pes_per_gpu
              << ",\"strided_bytes_pe0\":" << report.strided_bytes
-             << ",\"packed_bytes_pe0\":" << report.packed_bytes;
+             << ",\"packed_bytes_pe0\":" << report.packed_bytes
+             << ",\"staging_bytes_pe0\":" << measured.staging_bytes
+             << ",\"phases\":" << measured.phases << ",\"staging_budget\":\""
+             << (options.staging_budget.empty() ? "default" : options.staging_budget) << "\"";
       }
       if (baseline_median > 0) {
         json << ",\"baseline\":\"" << baseline_name

@@ -464,8 +464,9 @@ void NvshmemTransport::build_copies(const ExecutionPlan& plan) {
   for (const StagedBatch& batch : at_->sends) mapped += batch.mapped;
   RESHARD_LOG(kInfo, "nvshmem plan on PE " << me_ << ": " << at_->sends.size() << " send batches ("
                                            << mapped << " written straight into the peer's inbox, "
-                                           << at_->sends.size() - mapped << " put) in " << at_->waves.size()
-                                           << " waves over " << plan.rounds << " rounds");
+                                           << at_->sends.size() - mapped << " put) in "
+                                           << at_->waves.size() << " waves over " << plan.rounds
+                                           << " rounds");
   at_->descriptors_device = at_->descriptors.upload(descriptors);
   at_->groups_device = at_->device_groups.upload(at_->groups);
 }
@@ -526,8 +527,8 @@ void NvshmemTransport::share_ctas(const std::vector<std::uint32_t>& batches, std
     const StagedBatch& batch = list[batches[k]];
     const std::uint64_t share = total == 0 ? 0 : spare * batch.bytes / total;
     for (std::uint32_t group : batch.group) {
-      at_->groups[group].cta_count =
-          static_cast<std::uint32_t>(std::min<std::uint64_t>(at_->groups[group].cta_count, 1 + share));
+      at_->groups[group].cta_count = static_cast<std::uint32_t>(
+          std::min<std::uint64_t>(at_->groups[group].cta_count, 1 + share));
     }
   }
 }
