@@ -484,12 +484,14 @@ struct Resharder::Impl {
   }
 
   // Collective: which phase each op of the plan runs in, the same on every rank. Every rank
-  // says what staging each of its ops needs (`sized`: bytes per (sending, op task id)); ops are
-  // taken in plan order and a new phase begins where one more op would take some rank past the
-  // budget. An op that alone needs more than a budget the caller gave is refused, on every rank
-  // alike; the default budget grows to it instead.
+  // says what staging each of its ops needs (`sized`: bytes per (sending, op task id)) and which
+  // ops share another's conversion (`leaders`); an op and those sharing its conversion form a
+  // unit, placed where its first op is. Units are taken in plan order and a new phase begins
+  // where one more would take some rank past the budget. A unit that alone needs more than a
+  // budget the caller gave is refused, on every rank alike; the default budget grows to it.
   std::vector<std::uint32_t> assign_phases(
-      const std::map<exec::StagingPool::OpKey, std::size_t>& sized) {
+      const std::map<exec::StagingPool::OpKey, std::size_t>& sized,
+      const std::map<std::uint32_t, std::uint32_t>& leaders) {
     std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
     for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
     wire::Writer out;
@@ -497,8 +499,14 @@ struct Resharder::Impl {
     std::vector<std::uint64_t> flat;
     for (const auto& [op, bytes] : mine) flat.insert(flat.end(), {op, bytes});
     out.put_array(std::span<const std::uint64_t>(flat));
+    flat.clear();
+    for (const auto& [op, leader] : leaders) flat.insert(flat.end(), {op, leader});
+    out.put_array(std::span<const std::uint64_t>(flat));
     const auto all = service.all_gather(out.bytes());
-    std::vector<std::vector<std::pair<PeId, std::uint64_t>>> needs(plan->ops().size());
+    const std::size_t ops = plan->ops().size();
+    std::vector<std::uint32_t> unit(ops);
+    for (std::uint32_t i = 0; i < ops; ++i) unit[i] = i;
+    std::vector<std::vector<std::pair<PeId, std::uint64_t>>> needs(ops);
     for (std::size_t rank = 0; rank < all.size(); ++rank) {
       wire::Reader in(all[rank]);
       const auto theirs = in.get<std::uint64_t>();
@@ -512,11 +520,19 @@ struct Resharder::Impl {
       const auto pairs = in.get_array<std::uint64_t>();
       for (std::size_t i = 0; i + 1 < pairs.size(); i += 2)
         needs.at(pairs[i]).emplace_back(static_cast<PeId>(rank), pairs[i + 1]);
+      const auto shared = in.get_array<std::uint64_t>();
+      for (std::size_t i = 0; i + 1 < shared.size(); i += 2) unit.at(shared[i]) = shared[i + 1];
+    }
+    // Each unit's needs, per rank, on its first op (a leader comes before the ops sharing it).
+    std::vector<std::map<PeId, std::uint64_t>> unit_needs(ops);
+    for (std::uint32_t i = 0; i < ops; ++i) {
+      while (unit[unit[i]] != unit[i]) unit[i] = unit[unit[i]];
+      for (const auto& [rank, bytes] : needs[i]) unit_needs[unit[i]][rank] += bytes;
     }
     std::uint64_t limit = budget;
     if (!requested) {
-      for (const auto& op_needs : needs) {
-        for (const auto& [rank, bytes] : op_needs) limit = std::max(limit, bytes);
+      for (const auto& per_rank : unit_needs) {
+        for (const auto& [rank, bytes] : per_rank) limit = std::max(limit, bytes);
       }
       if (limit > budget) {
         RESHARD_LOG(kInfo, "a slice needs " << format_bytes(limit)
@@ -525,17 +541,25 @@ struct Resharder::Impl {
                                             << ": the budget is that slice's need");
       }
     }
-    std::vector<std::uint32_t> phase_of(plan->ops().size(), 0);
+    std::vector<std::uint32_t> phase_of(ops, 0);
     std::vector<std::uint64_t> used(all.size(), 0);
     std::uint32_t phase = 0;
-    for (std::size_t i = 0; i < needs.size(); ++i) {
+    for (std::uint32_t i = 0; i < ops; ++i) {
+      if (unit[i] != i) {
+        phase_of[i] = phase_of[unit[i]];
+        continue;
+      }
       bool full = false;
-      for (const auto& [rank, bytes] : needs[i]) {
+      for (const auto& [rank, bytes] : unit_needs[i]) {
         if (bytes > limit) {
+          const auto sharing = std::count(unit.begin(), unit.end(), i) - 1;
           throw_error(ErrorCode::kInvalidArgument,
                       "the staging budget of " + budget_text(limit) + " per rank is smaller than " +
-                          where(*plan, plan->ops()[i]) + " needs on rank " + std::to_string(rank) +
-                          ": " + format_bytes(bytes) +
+                          where(*plan, plan->ops()[i]) +
+                          (sharing > 0 ? " (converted once for it and " +
+                                             std::to_string(sharing) + " more ops)"
+                                       : std::string()) +
+                          " needs on rank " + std::to_string(rank) + ": " + format_bytes(bytes) +
                           " of wire buffers; raise ReshardOptions::staging_budget "
                           "(RESHARD_STAGING_BUDGET) to at least that");
         }
@@ -545,7 +569,7 @@ struct Resharder::Impl {
         ++phase;
         std::fill(used.begin(), used.end(), 0);
       }
-      for (const auto& [rank, bytes] : needs[i]) used[rank] += bytes;
+      for (const auto& [rank, bytes] : unit_needs[i]) used[rank] += bytes;
       phase_of[i] = phase;
     }
     return phase_of;
@@ -590,25 +614,32 @@ struct Resharder::Impl {
         if (ranged != nullptr) ranged->set_dry_run(false);
       }
     } dry_run(ranged);
-    // Sizing: each op alone (a transform that converts a slice once for several ops shares its
-    // wire only within a phase), so each op's staging is an upper bound of what it takes.
+    // Sizing. A transform that converts a slice once for several ops (replicas) gives the later
+    // ones the first one's wire buffers: those ops share a phase (`leaders`: op index -> the op
+    // whose conversion it shares).
     staging.start_sizing();
+    std::map<std::uint32_t, std::uint32_t> leaders;
     {
       exec::BlockCopyBatch scratch;
       ReshardReport ignored;
       for (const auto& [ops, map, is_send] :
            {std::tuple{&sending, &src, true}, std::tuple{&receiving, &dst, false}}) {
         for (const TransferOp* op : *ops) {
-          prepare_side(*op, *map, is_send, stream, scratch, ignored);
-          if (ranged != nullptr) transform->flush(stream);
+          const Side side = prepare_side(*op, *map, is_send, stream, scratch, ignored);
+          if (!is_send || side.wire.empty()) continue;
+          const auto owner = staging.sized_owner(side.wire[0].buffer.data);
+          if (owner && std::get<1>(*owner) != op->task_id)
+            leaders[op_index.at(op->task_id)] = op_index.at(std::get<1>(*owner));
         }
+        if (ranged != nullptr) transform->flush(stream);
       }
     }
-    const std::vector<std::uint32_t> phase_of = assign_phases(staging.sized_bytes());
+    const std::vector<std::uint32_t> phase_of = assign_phases(staging.sized_bytes(), leaders);
     auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
     staging.arrange(
         [&](const exec::StagingPool::OpKey& key) { return phase_of[op_index.at(key.second)]; });
-    const std::uint32_t phases = phase_of.empty() ? 1 : phase_of.back() + 1;
+    const std::uint32_t phases =
+        phase_of.empty() ? 1 : *std::max_element(phase_of.begin(), phase_of.end()) + 1;
     for (std::uint32_t p = 0; p < phases; ++p) prepared.phases.push_back(std::make_unique<Phase>());
     for (std::uint32_t p = 0; p < phases; ++p) {
       Phase& phase = *prepared.phases[p];

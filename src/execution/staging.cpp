@@ -88,10 +88,12 @@ const Buffer& StagingPool::slot(const Key& key, const Buffer& like, std::size_t 
   if (sizing_) {
     sized_.push_back({key, like, bytes});
     sized_by_op_[{std::get<0>(key), std::get<1>(key)}] += aligned(bytes);
-    null_ = like;
-    null_.data = nullptr;
-    null_.bytes = bytes;
-    return null_;
+    sized_owners_[sized_end_] = key;
+    sized_buffer_ = like;
+    sized_buffer_.data = reinterpret_cast<void*>(sized_end_);
+    sized_buffer_.bytes = bytes;
+    sized_end_ += aligned(std::max<std::size_t>(bytes, 1));
+    return sized_buffer_;
   }
   Slot& slot = slots_[key];
   if (slot.buffer.data == nullptr || slot.capacity < bytes || !same_place(slot.buffer, like)) {
@@ -110,6 +112,16 @@ void StagingPool::start_sizing() {
   chunks_.clear();
   sized_.clear();
   sized_by_op_.clear();
+  sized_owners_.clear();
+  // Made-up addresses in the kernel's half of the address space (x86-64, AArch64), where no
+  // memory of this process lies: they never equal a tensor's.
+  sized_end_ = std::uintptr_t{0xf} << 60;
+}
+
+std::optional<StagingPool::Key> StagingPool::sized_owner(const void* data) const {
+  auto it = sized_owners_.find(reinterpret_cast<std::uintptr_t>(data));
+  if (it == sized_owners_.end()) return std::nullopt;
+  return it->second;
 }
 
 std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of) {
@@ -155,6 +167,7 @@ std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)
   }
   sized_.clear();
   sized_by_op_.clear();
+  sized_owners_.clear();
   return held;
 }
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <functional>
 #include <map>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -51,7 +52,8 @@ class StagingPool {
   // The buffer for `key`, of `bytes` in the same place as `like` (kind and device): its place in
   // the arena where arrange() gave it one that fits, else the one returned last time when it
   // still fits, else carved from the pool. Space a key outgrows is reclaimed only with the pool.
-  // While sizing: a buffer of null data (the bytes are only recorded).
+  // While sizing: a buffer at an address that is no memory (each slot its own, so callers can
+  // tell slots apart; sized_owner() says whose it is); the bytes are only recorded.
   const Buffer& slot(const Key& key, const Buffer& like, std::size_t bytes);
 
   // Forgets every slot and starts recording what slot() is asked for.
@@ -60,6 +62,8 @@ class StagingPool {
   // While sizing: the bytes (each slot rounded up to the pool's alignment) asked for per
   // (sending, op task id) since start_sizing().
   const std::map<OpKey, std::size_t>& sized_bytes() const { return sized_by_op_; }
+  // While sizing: the key whose slot a buffer slot() returned starts at, if `data` is one.
+  std::optional<Key> sized_owner(const void* data) const;
   // Ends sizing: places every sized key in its phase (`phase_of` by (sending, op task id)).
   // Returns the bytes of the largest phase, summed over memory places: what the refit holds.
   std::size_t arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of);
@@ -95,7 +99,9 @@ class StagingPool {
   bool sizing_ = false;
   std::vector<Sized> sized_;  // in the order slot() was asked
   std::map<OpKey, std::size_t> sized_by_op_;
-  Buffer null_;
+  std::unordered_map<std::uintptr_t, Key> sized_owners_;  // by the address slot() made up
+  std::uintptr_t sized_end_ = 0;
+  Buffer sized_buffer_;
 };
 
 // One block copy between row views (`element_bytes` per element; the views' rows and columns

@@ -396,16 +396,17 @@ std::uint64_t strided_slice_bytes(const ReshardPlan& plan, PeId me) {
 }
 
 // A staging budget that holds any one op of the plan that may stage (of a parameter the transform
-// converts; any, without one), whose wire buffers on one rank are at most twice its bytes (fp32 on
-// the wire of a bf16 parameter, or both ends of a local op packed), but, split over several ranks,
-// not a whole refit of the test models.
-std::uint64_t small_budget(const ReshardPlan& plan, const ReshardTransform* transform) {
+// converts; any, without one) but not a whole refit of the test models. An op's wire buffers on
+// one rank are at most its bytes, or twice that for fp32 on the wire of a bf16 parameter and for
+// both ends of a local op packed (no transform).
+std::uint64_t small_budget(const ReshardPlan& plan, const ReshardTransform* transform, Mode mode) {
   std::uint64_t largest = 0;
   for (const TransferOp& op : plan.ops()) {
     if (transform == nullptr || transform->should_transform(plan.params()[op.param]))
       largest = std::max(largest, op.bytes);
   }
-  return 2 * largest + 4096;
+  const bool twice = mode == Mode::kFp32Wire || mode == Mode::kPlain;
+  return (twice ? 2 : 1) * largest + 4096;
 }
 
 // The phases the refits ran in and the staging they held (the largest of the refits').
@@ -429,7 +430,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   if (bounded) {
     const bool stages = mode != Mode::kPlain || !service.moves_rows_in_place();
     auto transform = transform_for(mode);
-    options.staging_budget = stages ? small_budget(*plan, transform.get()) : 0;
+    options.staging_budget = stages ? small_budget(*plan, transform.get(), mode) : 0;
     const auto expected = expectations(*plan, mode, transform.get());
     RankTensors tensors =
         make_tensors(*plan, service.my_pe(), my_device(), expected, transform.get());
@@ -635,7 +636,7 @@ TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
         << "'" << name << "' was written by a refused refit";
   }
   ReshardOptions fits;
-  fits.staging_budget = small_budget(*plan, transform.get());
+  fits.staging_budget = small_budget(*plan, transform.get(), Mode::kMxSender);
   execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform, nullptr, fits);
   EXPECT_EQ(verify(*plan, service->my_pe(), t, expected), 0u);
   EXPECT_TRUE(all_pes(!HasFailure()));
