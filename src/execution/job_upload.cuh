@@ -38,47 +38,64 @@ struct JobList {
 };
 
 // Host-side job lists reach the device through pinned memory and a copy queued on the stream, so
-// a flush never waits for the GPU; the previous copy must have left the pinned buffer first. A
-// list equal to the one in device memory is not sent again: refits that queue the same jobs
-// (the same tensors) upload nothing.
+// a flush never waits for the GPU; the previous copy must have left the pinned buffer first. The
+// last few lists stay in device memory, each under its own, and a list equal to one of them is
+// not sent again: refits that queue the same jobs (the same tensors) upload nothing, also when a
+// refit runs in phases that each queue lists of their own.
 class JobUpload {
  public:
   ~JobUpload() {
+    for (Entry& entry : entries_) {
+      if (entry.used != nullptr) cudaEventDestroy(entry.used);
+      if (entry.device != nullptr) cudaFree(entry.device);
+    }
     if (done_ != nullptr) cudaEventDestroy(done_);
-    if (used_ != nullptr) cudaEventDestroy(used_);
     if (pinned_ != nullptr) cudaFreeHost(pinned_);
-    if (device_memory_ != nullptr) cudaFree(device_memory_);
   }
   const std::byte* upload(const std::vector<std::byte>& bytes, cudaStream_t stream) {
-    if (device_memory_ != nullptr && bytes == sent_) return current();
+    ++clock_;
+    for (Entry& entry : entries_) {
+      if (entry.bytes == bytes) {
+        entry.last_use = clock_;
+        current_ = &entry;
+        return current();
+      }
+    }
+    Entry& entry = replaceable();
     if (done_ == nullptr)
       RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     RESHARD_CUDA_CHECK(cudaEventSynchronize(done_));  // the last upload has left pinned_
-    if (bytes.size() > capacity_) {
-      // cudaFree waits for the device, so no queued kernel still reads the old list.
-      if (device_memory_ != nullptr) RESHARD_CUDA_CHECK(cudaFree(device_memory_));
+    if (bytes.size() > pinned_capacity_) {
       if (pinned_ != nullptr) RESHARD_CUDA_CHECK(cudaFreeHost(pinned_));
-      capacity_ = std::max<std::size_t>(bytes.size(), 2 * capacity_);
-      RESHARD_CUDA_CHECK(cudaMalloc(&device_memory_, capacity_));
-      RESHARD_CUDA_CHECK(cudaMallocHost(&pinned_, capacity_));
+      pinned_capacity_ = std::max<std::size_t>(bytes.size(), 2 * pinned_capacity_);
+      RESHARD_CUDA_CHECK(cudaMallocHost(&pinned_, pinned_capacity_));
+    }
+    if (bytes.size() > entry.capacity) {
+      // cudaFree waits for the device, so no queued kernel still reads the old list.
+      if (entry.device != nullptr) RESHARD_CUDA_CHECK(cudaFree(entry.device));
+      entry.capacity = std::max<std::size_t>(bytes.size(), 2 * entry.capacity);
+      RESHARD_CUDA_CHECK(cudaMalloc(&entry.device, entry.capacity));
+    } else if (entry.used != nullptr) {
+      // A kernel queued on another stream may still read the list being replaced.
+      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, entry.used, 0));
     }
     std::memcpy(pinned_, bytes.data(), bytes.size());
-    // A kernel queued on another stream may still read the list being replaced.
-    if (used_ != nullptr) RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, used_, 0));
     RESHARD_CUDA_CHECK(
-        cudaMemcpyAsync(device_memory_, pinned_, bytes.size(), cudaMemcpyHostToDevice, stream));
+        cudaMemcpyAsync(entry.device, pinned_, bytes.size(), cudaMemcpyHostToDevice, stream));
     RESHARD_CUDA_CHECK(cudaEventRecord(done_, stream));
-    sent_ = bytes;
-    return static_cast<const std::byte*>(device_memory_);
+    entry.bytes = bytes;
+    entry.last_use = clock_;
+    current_ = &entry;
+    return current();
   }
-  // Call after queuing a kernel that reads the list on `stream`.
+  // Call after queuing a kernel that reads the list returned last on `stream`.
   void mark_used(cudaStream_t stream) {
-    if (used_ == nullptr)
-      RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&used_, cudaEventDisableTiming));
-    RESHARD_CUDA_CHECK(cudaEventRecord(used_, stream));
+    if (current_->used == nullptr)
+      RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&current_->used, cudaEventDisableTiming));
+    RESHARD_CUDA_CHECK(cudaEventRecord(current_->used, stream));
   }
-  // The list uploaded last (still in device memory).
-  const std::byte* current() const { return static_cast<const std::byte*>(device_memory_); }
+  // The list returned last (still in device memory).
+  const std::byte* current() const { return static_cast<const std::byte*>(current_->device); }
 
   // What the caller needs to launch on the list again without rebuilding it.
   std::uint64_t items = 0;
@@ -88,12 +105,32 @@ class JobUpload {
   std::vector<std::byte> scratch;
 
  private:
+  // Lists kept: a refit in phases queues a few per phase.
+  static constexpr std::size_t kKept = 64;
+  struct Entry {
+    void* device = nullptr;
+    std::size_t capacity = 0;
+    std::vector<std::byte> bytes;  // what `device` holds
+    cudaEvent_t used = nullptr;    // after the last kernel queued on it
+    std::uint64_t last_use = 0;
+  };
+  // A new entry while there are fewer than kKept, else the one used longest ago.
+  Entry& replaceable() {
+    if (entries_.size() < kKept) {
+      entries_.reserve(kKept);  // entries never move: current_ points into them
+      return entries_.emplace_back();
+    }
+    return *std::min_element(entries_.begin(), entries_.end(), [](const Entry& a, const Entry& b) {
+      return a.last_use < b.last_use;
+    });
+  }
+
+  std::vector<Entry> entries_;
+  Entry* current_ = nullptr;
+  std::uint64_t clock_ = 0;
   void* pinned_ = nullptr;
-  void* device_memory_ = nullptr;
-  std::size_t capacity_ = 0;
+  std::size_t pinned_capacity_ = 0;
   cudaEvent_t done_ = nullptr;
-  cudaEvent_t used_ = nullptr;
-  std::vector<std::byte> sent_;  // what device_memory_ holds
 };
 
 // The jobs followed by their first items (the prefix of `items_of`), as one byte array in `bytes`.
