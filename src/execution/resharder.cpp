@@ -84,7 +84,6 @@ struct Resharder::Impl {
     int device = -1;                      // the GPU of the tensors (device_of)
     std::vector<bool> converted_locally;  // by op index in the plan
     std::vector<std::unique_ptr<Phase>> phases;
-    bool pipelined = false;  // phases alternate between two banks of staging (run_pipelined)
     std::vector<LocalTensor> tensors;
     ReshardReport report;  // the byte counts, the same at every refit
   } prepared;
@@ -100,16 +99,6 @@ struct Resharder::Impl {
   void* transfer_fork = nullptr;
   void* transfer_join = nullptr;
   int transfer_stream_device = -1;
-  // A pipelined refit's streams beside the caller's (which carries the transfers): the send
-  // conversions and packs, and the unpacks and receive conversions; and per phase the events
-  // that order them.
-  struct Pipeline {
-    int device = -1;
-    void* convert = nullptr;
-    void* finish = nullptr;
-    void* start = nullptr;
-    std::vector<void*> converted, moved, finished;
-  } pipeline;
 
   Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s, std::shared_ptr<ReshardTransform> t,
        ReshardOptions o)
@@ -187,7 +176,6 @@ struct Resharder::Impl {
 #ifdef RESHARD_WITH_CUDA
     if (own_stream != nullptr) exec::cuda::destroy_stream(own_stream_device, own_stream);
     if (transfer_stream != nullptr) destroy_transfer_stream();
-    destroy_pipeline();
 #endif
   }
 
@@ -374,69 +362,6 @@ struct Resharder::Impl {
   }
 
 #ifdef RESHARD_WITH_CUDA
-  void destroy_pipeline() {
-    Pipeline& p = pipeline;
-    if (p.convert == nullptr) return;
-    exec::cuda::destroy_stream(p.device, p.convert);
-    exec::cuda::destroy_stream(p.device, p.finish);
-    exec::cuda::destroy_event(p.device, p.start);
-    for (auto* events : {&p.converted, &p.moved, &p.finished}) {
-      for (void* event : *events) exec::cuda::destroy_event(p.device, event);
-    }
-    p = Pipeline{};
-  }
-
-  // The streams and `phases` events of each kind on the tensors' GPU.
-  Pipeline& pipeline_for(std::size_t phases) {
-    Pipeline& p = pipeline;
-    if (p.convert != nullptr && p.device != prepared.device) destroy_pipeline();
-    if (p.convert == nullptr) {
-      p.device = prepared.device;
-      p.convert = exec::cuda::create_stream(p.device);
-      p.finish = exec::cuda::create_stream(p.device);
-      p.start = exec::cuda::create_event(p.device);
-    }
-    for (auto* events : {&p.converted, &p.moved, &p.finished}) {
-      while (events->size() < phases) events->push_back(exec::cuda::create_event(p.device));
-    }
-    return p;
-  }
-
-  // The phases with their conversions and finishing beside the transfers: the send conversions
-  // (and packs) of phase p on one stream, its transfer on the caller's, its unpacks and receive
-  // conversions on a third. Phases alternate between two banks of staging, so phase p may
-  // convert while p - 1 moves and p - 2 finishes; p's conversions wait for the transfer of p - 2
-  // (which read the bank), p's transfer waits for the finishing of p - 2 (which read this rank's
-  // receive staging in the bank) and for p's conversions, and the copy service lets it write a
-  // peer's staging only once the peer's transfer reached p, after its finishing of p - 2.
-  void run_pipelined(const TensorMap& src, const TensorMap& dst, void* stream) {
-    namespace cu = exec::cuda;
-    const std::size_t phases = prepared.phases.size();
-    Pipeline& p = pipeline_for(phases);
-    cu::record(p.start, stream);
-    cu::wait(p.convert, p.start);
-    cu::wait(p.finish, p.start);
-    convert_locals(src, dst, p.finish);  // beside everything: no transfer touches those slices
-    for (std::size_t k = 0; k < phases; ++k) {
-      Phase& phase = *prepared.phases[k];
-      if (k >= 2) cu::wait(p.convert, p.moved[k - 2]);
-      if (ranged != nullptr) convert_sends(phase, src, p.convert);
-      if (transform) transform->flush(p.convert);
-      phase.packs.run(p.convert);
-      cu::record(p.converted[k], p.convert);
-      cu::wait(stream, p.converted[k]);
-      if (k >= 2) cu::wait(stream, p.finished[k - 2]);
-      service.run_phase(static_cast<std::uint32_t>(k), stream);
-      cu::record(p.moved[k], stream);
-      cu::wait(p.finish, p.moved[k]);
-      phase.unpacks.run(p.finish);
-      finalize_receives(phase, dst, p.finish);
-      if (transform) transform->flush(p.finish);
-      cu::record(p.finished[k], p.finish);
-    }
-    cu::wait(stream, p.finished[phases - 1]);  // after everything on the finishing stream
-  }
-
   void destroy_transfer_stream() {
     exec::cuda::destroy_stream(transfer_stream_device, transfer_stream);
     exec::cuda::destroy_event(transfer_stream_device, transfer_fork);
@@ -564,16 +489,9 @@ struct Resharder::Impl {
   // unit, placed where its first op is. Units are taken in plan order and a new phase begins
   // where one more would take some rank past the budget. A unit that alone needs more than a
   // budget the caller gave is refused, on every rank alike; the default budget grows to it.
-  //
-  // Where every rank `pipelines` (GPU tensors and streams) and the refit needs several phases,
-  // each phase gets half the budget and the phases alternate between two banks of it: a phase's
-  // conversions and finishing then overlap the transfers of the phases beside it.
-  struct Phases {
-    std::vector<std::uint32_t> of;  // by op index
-    std::uint32_t banks = 1;
-  };
-  Phases assign_phases(const std::map<exec::StagingPool::OpKey, std::size_t>& sized,
-                       const std::map<std::uint32_t, std::uint32_t>& leaders, bool pipelines) {
+  std::vector<std::uint32_t> assign_phases(
+      const std::map<exec::StagingPool::OpKey, std::size_t>& sized,
+      const std::map<std::uint32_t, std::uint32_t>& leaders) {
     std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
     for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
     wire::Writer out;
@@ -584,7 +502,6 @@ struct Resharder::Impl {
     flat.clear();
     for (const auto& [op, leader] : leaders) flat.insert(flat.end(), {op, leader});
     out.put_array(std::span<const std::uint64_t>(flat));
-    out.put<std::uint8_t>(pipelines);
     const auto all = service.all_gather(out.bytes());
     const std::size_t ops = plan->ops().size();
     std::vector<std::uint32_t> unit(ops);
@@ -605,7 +522,6 @@ struct Resharder::Impl {
         needs.at(pairs[i]).emplace_back(static_cast<PeId>(rank), pairs[i + 1]);
       const auto shared = in.get_array<std::uint64_t>();
       for (std::size_t i = 0; i + 1 < shared.size(); i += 2) unit.at(shared[i]) = shared[i + 1];
-      pipelines = pipelines && in.get<std::uint8_t>() != 0;
     }
     // Each unit's needs, per rank, on its first op (a leader comes before the ops sharing it).
     std::vector<std::map<PeId, std::uint64_t>> unit_needs(ops);
@@ -625,49 +541,38 @@ struct Resharder::Impl {
                                             << ": the budget is that slice's need");
       }
     }
-    std::uint64_t largest_unit = 0;
+    std::vector<std::uint32_t> phase_of(ops, 0);
+    std::vector<std::uint64_t> used(all.size(), 0);
+    std::uint32_t phase = 0;
     for (std::uint32_t i = 0; i < ops; ++i) {
+      if (unit[i] != i) {
+        phase_of[i] = phase_of[unit[i]];
+        continue;
+      }
+      bool full = false;
       for (const auto& [rank, bytes] : unit_needs[i]) {
-        largest_unit = std::max(largest_unit, bytes);
-        if (bytes <= limit) continue;
-        const auto sharing = std::count(unit.begin(), unit.end(), i) - 1;
-        throw_error(ErrorCode::kInvalidArgument,
-                    "the staging budget of " + budget_text(limit) + " per rank is smaller than " +
-                        where(*plan, plan->ops()[i]) +
-                        (sharing > 0 ? " (converted once for it and " + std::to_string(sharing) +
-                                           " more ops)"
-                                     : std::string()) +
-                        " needs on rank " + std::to_string(rank) + ": " + format_bytes(bytes) +
-                        " of wire buffers; raise ReshardOptions::staging_budget "
-                        "(RESHARD_STAGING_BUDGET) to at least that");
+        if (bytes > limit) {
+          const auto sharing = std::count(unit.begin(), unit.end(), i) - 1;
+          throw_error(ErrorCode::kInvalidArgument,
+                      "the staging budget of " + budget_text(limit) + " per rank is smaller than " +
+                          where(*plan, plan->ops()[i]) +
+                          (sharing > 0 ? " (converted once for it and " + std::to_string(sharing) +
+                                             " more ops)"
+                                       : std::string()) +
+                          " needs on rank " + std::to_string(rank) + ": " + format_bytes(bytes) +
+                          " of wire buffers; raise ReshardOptions::staging_budget "
+                          "(RESHARD_STAGING_BUDGET) to at least that");
+        }
+        full = full || used[rank] + bytes > limit;
       }
+      if (full) {
+        ++phase;
+        std::fill(used.begin(), used.end(), 0);
+      }
+      for (const auto& [rank, bytes] : unit_needs[i]) used[rank] += bytes;
+      phase_of[i] = phase;
     }
-    // Units in plan order, a new phase where one more would take some rank past `cap`.
-    auto fill = [&](std::uint64_t cap) {
-      std::vector<std::uint32_t> phase_of(ops, 0);
-      std::vector<std::uint64_t> used(all.size(), 0);
-      std::uint32_t phase = 0;
-      for (std::uint32_t i = 0; i < ops; ++i) {
-        if (unit[i] != i) {
-          phase_of[i] = phase_of[unit[i]];
-          continue;
-        }
-        bool full = false;
-        for (const auto& [rank, bytes] : unit_needs[i]) full = full || used[rank] + bytes > cap;
-        if (full) {
-          ++phase;
-          std::fill(used.begin(), used.end(), 0);
-        }
-        for (const auto& [rank, bytes] : unit_needs[i]) used[rank] += bytes;
-        phase_of[i] = phase;
-      }
-      return phase_of;
-    };
-    Phases phases{fill(limit), 1};
-    const bool several =
-        std::any_of(phases.of.begin(), phases.of.end(), [](std::uint32_t p) { return p > 0; });
-    if (pipelines && several && largest_unit <= limit / 2) phases = {fill(limit / 2), 2};
-    return phases;
+    return phase_of;
   }
 
   static std::string budget_text(std::uint64_t bytes) {
@@ -729,16 +634,10 @@ struct Resharder::Impl {
         if (ranged != nullptr) transform->flush(stream);
       }
     }
-    // Pipelined where the conversions and finishing can run on streams of their own.
-    const bool gpu = stream != nullptr && prepared.device >= 0;
-    const Phases assigned = assign_phases(staging.sized_bytes(), leaders,
-                                          gpu && (transform == nullptr || ranged != nullptr));
-    const std::vector<std::uint32_t>& phase_of = assigned.of;
+    const std::vector<std::uint32_t> phase_of = assign_phases(staging.sized_bytes(), leaders);
     auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
     staging.arrange(
-        [&](const exec::StagingPool::OpKey& key) { return phase_of[op_index.at(key.second)]; },
-        assigned.banks);
-    prepared.pipelined = assigned.banks > 1;
+        [&](const exec::StagingPool::OpKey& key) { return phase_of[op_index.at(key.second)]; });
     const std::uint32_t phases =
         phase_of.empty() ? 1 : *std::max_element(phase_of.begin(), phase_of.end()) + 1;
     for (std::uint32_t p = 0; p < phases; ++p) prepared.phases.push_back(std::make_unique<Phase>());
@@ -862,13 +761,6 @@ struct Resharder::Impl {
       prepared.valid = false;
       prepare(src, dst, std::move(tensors), stream, report);
     }
-#ifdef RESHARD_WITH_CUDA
-    if (prepared.pipelined && !clock.enabled) {
-      run_pipelined(src, dst, stream);
-      if (cuda_stream == nullptr) exec::cuda::synchronize_stream(stream);
-      return finish_report(report);
-    }
-#endif
     // Phase by phase, in stream order: the next phase's conversions reuse the staging of this
     // one, and the copy service lets a phase write a peer's memory only once the peer finished
     // the phases before it.
@@ -883,6 +775,14 @@ struct Resharder::Impl {
       } else {
         service.run_phase(static_cast<std::uint32_t>(p), stream);
       }
+      // On GPUs the host waits for each phase's transfer before queuing the next phase's work
+      // (the copy service's bounded wait, which names a peer that does not answer). Queued all at
+      // once, the refits of processes sharing a GPU ran slower (1x H100, 2 PEs, Llama-3-8B 16
+      // layers, 512 MiB): block FP8 38.96 -> 24.51 ms without MPS (unlimited budget: 23.74),
+      // 31.06 -> 20.75 with MPS (21.03); MXFP8 the same either way. Conversions and finishing on
+      // streams of their own beside the transfers, over two banks of a 1 GiB budget, were slower
+      // than this: MXFP8 by the sender 21.10 ms against 18.16, on arrival 48.82 against 30.35.
+      if (stream != nullptr && p + 1 < prepared.phases.size()) service.synchronize();
       clock.mark(report.transfer_seconds);
       phase.unpacks.run(stream);
       finalize_receives(phase, dst, stream);
@@ -892,11 +792,6 @@ struct Resharder::Impl {
 #ifdef RESHARD_WITH_CUDA
     if (cuda_stream == nullptr && stream != nullptr) exec::cuda::synchronize_stream(stream);
 #endif
-    return finish_report(report);
-  }
-
-  // The refit's byte counts, the same at every refit.
-  ReshardReport& finish_report(ReshardReport& report) const {
     report.bytes_sent = prepared.report.bytes_sent;
     report.bytes_received = prepared.report.bytes_received;
     report.packed_bytes = prepared.report.packed_bytes;

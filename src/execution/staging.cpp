@@ -124,47 +124,32 @@ std::optional<StagingPool::Key> StagingPool::sized_owner(const void* data) const
   return it->second;
 }
 
-std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of,
-                                 std::uint32_t banks) {
+std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of) {
   sizing_ = false;
-  banks = std::max<std::uint32_t>(banks, 1);
-  // Per place: where each phase has got to, the largest phase of each bank, and (then) where
-  // each bank begins.
+  // Per place: where each phase has got to, and the largest phase.
   struct Place {
     Buffer like;
     std::map<std::uint32_t, std::size_t> used;
-    std::vector<std::size_t> bank_largest, bank_start;
-    std::size_t largest = 0;  // all banks
+    std::size_t largest = 0;
   };
   std::vector<Place> places;
   auto place_of = [&](const Buffer& like) -> Place& {
     for (Place& p : places) {
       if (same_place(p.like, like)) return p;
     }
-    return places.emplace_back(Place{like, {}, std::vector<std::size_t>(banks, 0), {}, 0});
+    return places.emplace_back(Place{like, {}, 0});
   };
   std::vector<std::size_t> offsets(sized_.size());
-  std::vector<std::uint32_t> bank_of(sized_.size());
   for (std::size_t i = 0; i < sized_.size(); ++i) {
     const auto [sending, task, index] = sized_[i].key;
     Place& place = place_of(sized_[i].like);
-    const std::uint32_t phase = phase_of({sending, task});
-    std::size_t& used = place.used[phase];
+    std::size_t& used = place.used[phase_of({sending, task})];
     offsets[i] = used;
-    bank_of[i] = phase % banks;
     used += aligned(std::max<std::size_t>(sized_[i].bytes, 1));
-    place.bank_largest[bank_of[i]] = std::max(place.bank_largest[bank_of[i]], used);
+    place.largest = std::max(place.largest, used);
   }
   std::size_t held = 0;
-  for (Place& place : places) {
-    for (std::size_t largest : place.bank_largest) {
-      place.bank_start.push_back(place.largest);
-      place.largest += largest;
-    }
-    held += place.largest;
-  }
-  for (std::size_t i = 0; i < sized_.size(); ++i)
-    offsets[i] += place_of(sized_[i].like).bank_start[bank_of[i]];
+  for (const Place& place : places) held += place.largest;
   // Arenas of places this refit stages nothing in go.
   std::erase_if(arenas_, [&](const Staging& memory) {
     return std::none_of(places.begin(), places.end(), [&](const Place& place) {

@@ -151,16 +151,6 @@ void destroy_event(int device, void* event) {
   cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
-void record(void* event, void* stream) {
-  RESHARD_CUDA_CHECK(
-      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
-}
-
-void wait(void* stream, void* event) {
-  RESHARD_CUDA_CHECK(
-      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
-}
-
 void order_after(void* later, void* earlier, void* event) {
   auto* point = static_cast<cudaEvent_t>(event);
   RESHARD_CUDA_CHECK(cudaEventRecord(point, static_cast<cudaStream_t>(earlier)));

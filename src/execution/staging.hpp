@@ -64,12 +64,9 @@ class StagingPool {
   const std::map<OpKey, std::size_t>& sized_bytes() const { return sized_by_op_; }
   // While sizing: the key whose slot a buffer slot() returned starts at, if `data` is one.
   std::optional<Key> sized_owner(const void* data) const;
-  // Ends sizing: places every sized key in its phase (`phase_of` by (sending, op task id)). With
-  // several `banks`, phase p takes bank p % banks, each bank an arena region of its own (a phase
-  // then never shares memory with the `banks` - 1 phases around it). Returns the bytes held:
-  // per memory place, the largest phase of each bank, summed.
-  std::size_t arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of,
-                      std::uint32_t banks = 1);
+  // Ends sizing: places every sized key in its phase (`phase_of` by (sending, op task id)).
+  // Returns the bytes of the largest phase, summed over memory places: what the refit holds.
+  std::size_t arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of);
 
   std::size_t reserved_bytes() const;
 
@@ -157,9 +154,6 @@ void destroy_copy_upload(void* upload);
 // Runs `copies` in one launch; uploads them first unless `uploaded` (the list is unchanged).
 void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void* upload,
                       void* stream);
-// Records `event` on `stream`; makes `stream` wait for `event` (as last recorded).
-void record(void* event, void* stream);
-void wait(void* stream, void* event);
 // A non-blocking stream on `device`; with `high_priority`, of the device's greatest priority.
 void* create_stream(int device, bool high_priority = false);
 void destroy_stream(int device, void* stream);
