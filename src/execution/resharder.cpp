@@ -775,14 +775,6 @@ struct Resharder::Impl {
       } else {
         service.run_phase(static_cast<std::uint32_t>(p), stream);
       }
-      // On GPUs the host waits for each phase's transfer before queuing the next phase's work
-      // (the copy service's bounded wait, which names a peer that does not answer). Queued all at
-      // once, the refits of processes sharing a GPU ran slower (1x H100, 2 PEs, Llama-3-8B 16
-      // layers, 512 MiB): block FP8 38.96 -> 24.51 ms without MPS (unlimited budget: 23.74),
-      // 31.06 -> 20.75 with MPS (21.03); MXFP8 the same either way. Conversions and finishing on
-      // streams of their own beside the transfers, over two banks of a 1 GiB budget, were slower
-      // than this: MXFP8 by the sender 21.10 ms against 18.16, on arrival 48.82 against 30.35.
-      if (stream != nullptr && p + 1 < prepared.phases.size()) service.synchronize();
       clock.mark(report.transfer_seconds);
       phase.unpacks.run(stream);
       finalize_receives(phase, dst, stream);
