@@ -33,8 +33,10 @@ struct ReshardOptions {
 };
 
 struct ReshardReport {
-  bool rescheduled = false;      // this call registered and scheduled (first call, new buffers)
-  std::uint64_t bytes_sent = 0;  // on the wire from this rank, local copies excluded
+  bool rescheduled = false;  // this call registered and scheduled (first call, new buffers)
+  // On the wire from and to this rank, local copies excluded: what travels, e.g. FP8 data and
+  // scales where a transform quantizes on the sender.
+  std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
   std::uint64_t packed_bytes = 0;  // copied through staging because a slice was not contiguous
   // Slices that are not contiguous but travelled in place, row by row (no staging): all of them

@@ -308,6 +308,14 @@ struct Resharder::Impl {
     return side;
   }
 
+  // The bytes a side puts on the wire or takes from it: what the transform made of the op (FP8
+  // data and scales by the sender, say), the op's own bytes without one.
+  static std::uint64_t wire_bytes(const Side& side) {
+    std::uint64_t bytes = 0;
+    for (const exec::WireRange& w : side.wire) bytes += w.range.bytes();
+    return bytes;
+  }
+
   // A local op of a transformed parameter that the transform converts in place: recorded in
   // prepared.locals (checked by the transform now, before the schedule).
   bool converts_locally(const TransferOp& op, const TensorMap& src, const TensorMap& dst) {
@@ -648,7 +656,7 @@ struct Resharder::Impl {
         phase.sends.push_back(prepared.sends.size());
         prepared.sends.push_back(prepare_side(*op, src, true, stream, phase.packs, counts));
         prepared.sends.back().phase = p;
-        if (!op->local()) counts.bytes_sent += op->bytes;
+        if (!op->local()) counts.bytes_sent += wire_bytes(prepared.sends.back());
       }
       // As the refits do: a transform converts a slice once per phase.
       if (ranged != nullptr) transform->flush(stream);
@@ -657,7 +665,7 @@ struct Resharder::Impl {
         phase.receives.push_back(prepared.receives.size());
         prepared.receives.push_back(prepare_side(*op, dst, false, stream, phase.unpacks, counts));
         prepared.receives.back().phase = p;
-        if (!op->local()) counts.bytes_received += op->bytes;
+        if (!op->local()) counts.bytes_received += wire_bytes(prepared.receives.back());
       }
     }
     counts.staging_bytes = staging.reserved_bytes();
