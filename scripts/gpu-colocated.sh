@@ -4,7 +4,9 @@
 # same-device ordering of the streams (default) and of the kernels, without and with MPS.
 # Logs and JSON lines go to $OUT (default build-gpu/logs). Usage: gpu-colocated.sh [--tests];
 # MPS="off on" (none: no benchmarks), ORDERS="stream kernel", PES="2 4" (PEs per GPU), TESTS (a
-# ctest -R pattern) and FAULTS (a gtest filter of the dead-peer tests) narrow the sweep.
+# ctest -R pattern) and FAULTS (a gtest filter of the dead-peer tests) narrow the sweep;
+# TRANSFORMS="none mxfp8 mxfp8-receiver fp8-block" and BUDGETS="default unlimited" (staging
+# budgets, or sizes such as 1GiB) widen the refits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -44,10 +46,18 @@ for mps in ${MPS:-off on}; do
         tee -a "$OUT/bench-gpu-$mps-$order.txt" | grep -vE "^\s*$" | tail -12 || status=1
       for model in "llama3-8b 16" "qwen3-30b-a3b 12"; do
         set -- $model
-        echo "== refit $1 ($2 layers), $n PEs, MPS $mps, order $order"
-        RESHARD_CUDA_SAME_DEVICE=$order timeout 200 build-gpu/reshard bench-refit -n "$n" -m "$1" \
-          --layers "$2" -t cuda --json "$OUT/bench-refit.jsonl" \
-          --commit "$commit" 2>&1 | tee -a "$OUT/bench-refit-$mps-$order.txt" | tail -6 || status=1
+        for transform in ${TRANSFORMS:-none}; do
+          for budget in ${BUDGETS:-default}; do
+            budget_args=()
+            [[ $budget != default ]] && budget_args=(--staging-budget "$budget")
+            echo "== refit $1 ($2 layers), $n PEs, MPS $mps, order $order, transform $transform," \
+              "staging budget $budget"
+            RESHARD_CUDA_SAME_DEVICE=$order timeout 200 build-gpu/reshard bench-refit -n "$n" \
+              -m "$1" --layers "$2" -t cuda --transform "$transform" "${budget_args[@]}" \
+              --json "$OUT/bench-refit.jsonl" --commit "$commit" 2>&1 |
+              tee -a "$OUT/bench-refit-$mps-$order.txt" | tail -7 || status=1
+          done
+        done
       done
     done
   done
