@@ -53,7 +53,14 @@ std::optional<std::uint64_t> staging_budget() {
   auto value = get("RESHARD_STAGING_BUDGET");
   if (!value) return std::nullopt;
   if (*value == "unlimited") return UINT64_MAX;
-  return parse_bytes(*value);
+  try {
+    return parse_bytes(*value);
+  } catch (const Error& error) {
+    throw_error(ErrorCode::kInvalidArgument, "RESHARD_STAGING_BUDGET=" + *value +
+                                                 ": not a byte count such as 512MiB, or "
+                                                 "'unlimited' (" +
+                                                 error.what() + ")");
+  }
 }
 
 std::uint64_t nvshmem_staging_bytes() {

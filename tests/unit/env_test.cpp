@@ -50,6 +50,23 @@ TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "-1", [] { env::nvshmem_peers_per_round(); });
   expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "all", [] { env::nvshmem_peers_per_round(); });
   expect_refused("RESHARD_CUDA_EARLY_LAUNCH", "on", [] { env::cuda_early_launch(); });
+  expect_refused("RESHARD_STAGING_BUDGET", "lots", [] { env::staging_budget(); });
+  expect_refused("RESHARD_STAGING_BUDGET", "2 TB", [] { env::staging_budget(); });
+}
+
+TEST(Env, StagingBudgetTakesBytesUnlimitedOrNothing) {
+  ::unsetenv("RESHARD_STAGING_BUDGET");
+  EXPECT_EQ(env::staging_budget(), std::nullopt);
+  {
+    ScopedEnv scoped("RESHARD_STAGING_BUDGET", "1GiB");
+    EXPECT_EQ(env::staging_budget(), std::uint64_t{1} << 30);
+  }
+  {
+    ScopedEnv scoped("RESHARD_STAGING_BUDGET", "0");
+    EXPECT_EQ(env::staging_budget(), 0u);
+  }
+  ScopedEnv scoped("RESHARD_STAGING_BUDGET", "unlimited");
+  EXPECT_EQ(env::staging_budget(), UINT64_MAX);
 }
 
 TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
