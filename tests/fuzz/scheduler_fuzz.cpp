@@ -33,7 +33,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const PeId src = in.ConsumeIntegralInRange(-1, n);
     const PeId dst = in.ConsumeIntegralInRange(-1, n);
     const std::uint64_t bytes = in.ConsumeIntegralInRange<std::uint64_t>(0, 1 << 15);
-    switch (in.ConsumeIntegralInRange(0, 7)) {
+    const std::uint32_t phase = in.ConsumeIntegralInRange<std::uint32_t>(0, 3);
+    switch (in.ConsumeIntegralInRange(0, 8)) {
       case 0:  // a send nobody receives
         sends.push_back({task, src, dst, bytes});
         break;
@@ -44,9 +45,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         sends.push_back({task, src, dst, bytes});
         receives.push_back({task, dst, src, bytes + 1});
         break;
-      default:  // a matched pair
-        sends.push_back({task, src, dst, bytes});
-        receives.push_back({task, dst, src, bytes});
+      case 3:  // phases that disagree
+        sends.push_back({task, src, dst, bytes, 0, phase});
+        receives.push_back({task, dst, src, bytes, 0, phase + 1});
+        break;
+      default:  // a matched pair, in a phase
+        sends.push_back({task, src, dst, bytes, 0, phase});
+        receives.push_back({task, dst, src, bytes, 0, phase});
     }
   }
   std::vector<Transfer> transfers;
@@ -59,6 +64,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     return 0;
   }
   if (transfers.size() != sends.size()) finding("an accepted request set lost or gained transfers");
+  for (const Transfer& t : transfers) {
+    const auto send = std::find_if(sends.begin(), sends.end(),
+                                   [&](const RequestClaim& c) { return c.task == t.task; });
+    if (send == sends.end() || send->phase != t.phase)
+      finding("a transfer is not in its requests' phase");
+  }
   SchedulerOptions options;
   // Chunks from 64 bytes: smaller ones only multiply the segments without new cases.
   options.chunk_bytes = in.ConsumeIntegralInRange<std::uint64_t>(64, 1 << 16);
