@@ -75,8 +75,6 @@ class Resharder {
   // (naming it).
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
 
-  // The staging budget in force (the option, else the environment's, else the default).
-  std::uint64_t staging_budget() const;
   // Whether `options` ask for what this executor was made with (execute_reshard_plan makes a new
   // one otherwise).
   bool same_options(const ReshardOptions& options) const;

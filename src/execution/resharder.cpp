@@ -66,8 +66,7 @@ struct Resharder::Impl {
   std::shared_ptr<const ReshardPlan> plan;
   CopyService& service;
   std::shared_ptr<ReshardTransform> transform;
-  exec::RangedTransform* ranged;  // the transform, where it is a built-in one
-  ReshardOptions options;
+  exec::RangedTransform* ranged;           // the transform, where it is a built-in one
   std::optional<std::uint64_t> requested;  // the budget given (option, else environment)
   std::uint64_t budget;                    // requested, else the default
   PeId me;
@@ -106,7 +105,6 @@ struct Resharder::Impl {
         service(s),
         transform(std::move(t)),
         ranged(dynamic_cast<exec::RangedTransform*>(transform.get())),
-        options(o),
         requested(requested_budget(o)),
         budget(requested.value_or(ReshardOptions::kDefaultStagingBudget)),
         me(s.my_pe()),
@@ -465,6 +463,15 @@ struct Resharder::Impl {
         });
   }
 
+  // Whether a transform's hooks returned the wire buffers a side was scheduled with.
+  static bool same_wire(const std::vector<exec::WireRange>& a,
+                        const std::vector<exec::WireRange>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                      [](const exec::WireRange& x, const exec::WireRange& y) {
+                        return x.buffer.data == y.buffer.data && x.range.bytes() == y.range.bytes();
+                      });
+  }
+
   // Re-runs a custom transform's hooks of a prepared refit; false when it returned other wire
   // buffers than those scheduled (the refit is then prepared again). A built-in transform's
   // send hooks run phase by phase instead (convert_sends), and its buffers are the pool's.
@@ -475,13 +482,7 @@ struct Resharder::Impl {
       for (Side& side : *sides) {
         if (!side.transformed) continue;
         const LocalTensor& tensor = map->at(plan->params()[side.op->param].name);
-        const std::vector<exec::WireRange> wire = transform_wire(side, tensor, sending, stream);
-        const bool same = std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
-                                     [](const exec::WireRange& a, const exec::WireRange& b) {
-                                       return a.buffer.data == b.buffer.data &&
-                                              a.range.bytes() == b.range.bytes();
-                                     });
-        if (!same) return false;
+        if (!same_wire(transform_wire(side, tensor, sending, stream), side.wire)) return false;
       }
     }
     return true;
@@ -651,21 +652,20 @@ struct Resharder::Impl {
     for (std::uint32_t p = 0; p < phases; ++p) prepared.phases.push_back(std::make_unique<Phase>());
     for (std::uint32_t p = 0; p < phases; ++p) {
       Phase& phase = *prepared.phases[p];
-      for (const TransferOp* op : sending) {
-        if (phase_of_op(*op) != p) continue;
-        phase.sends.push_back(prepared.sends.size());
-        prepared.sends.push_back(prepare_side(*op, src, true, stream, phase.packs, counts));
-        prepared.sends.back().phase = p;
-        if (!op->local()) counts.bytes_sent += wire_bytes(prepared.sends.back());
-      }
-      // As the refits do: a transform converts a slice once per phase.
-      if (ranged != nullptr) transform->flush(stream);
-      for (const TransferOp* op : receiving) {
-        if (phase_of_op(*op) != p) continue;
-        phase.receives.push_back(prepared.receives.size());
-        prepared.receives.push_back(prepare_side(*op, dst, false, stream, phase.unpacks, counts));
-        prepared.receives.back().phase = p;
-        if (!op->local()) counts.bytes_received += wire_bytes(prepared.receives.back());
+      for (const auto& [ops, map, is_send] :
+           {std::tuple{&sending, &src, true}, std::tuple{&receiving, &dst, false}}) {
+        std::vector<Side>& sides = is_send ? prepared.sends : prepared.receives;
+        for (const TransferOp* op : *ops) {
+          if (phase_of_op(*op) != p) continue;
+          (is_send ? phase.sends : phase.receives).push_back(sides.size());
+          sides.push_back(prepare_side(*op, *map, is_send, stream,
+                                       is_send ? phase.packs : phase.unpacks, counts));
+          sides.back().phase = p;
+          if (!op->local())
+            (is_send ? counts.bytes_sent : counts.bytes_received) += wire_bytes(sides.back());
+        }
+        // As the refits do: a transform converts a slice once per phase.
+        if (is_send && ranged != nullptr) transform->flush(stream);
       }
     }
     counts.staging_bytes = staging.reserved_bytes();
@@ -728,13 +728,7 @@ struct Resharder::Impl {
       const Side& side = prepared.sends[index];
       if (!side.transformed) continue;
       const LocalTensor& tensor = src.at(plan->params()[side.op->param].name);
-      const std::vector<exec::WireRange> wire = transform_wire(side, tensor, true, stream);
-      const bool same =
-          std::equal(wire.begin(), wire.end(), side.wire.begin(), side.wire.end(),
-                     [](const exec::WireRange& a, const exec::WireRange& b) {
-                       return a.buffer.data == b.buffer.data && a.range.bytes() == b.range.bytes();
-                     });
-      if (!same) {
+      if (!same_wire(transform_wire(side, tensor, true, stream), side.wire)) {
         throw_error(ErrorCode::kInvalidState,
                     "transform '" + transform->name() + "' returned other wire buffers for " +
                         where(*plan, *side.op) + " than it was scheduled with");
@@ -807,7 +801,6 @@ Resharder::Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& servi
                      std::shared_ptr<ReshardTransform> transform, ReshardOptions options)
     : impl_(std::make_unique<Impl>(std::move(plan), service, std::move(transform), options)) {}
 
-std::uint64_t Resharder::staging_budget() const { return impl_->budget; }
 bool Resharder::same_options(const ReshardOptions& options) const {
   return Impl::requested_budget(options) == impl_->requested;
 }

@@ -71,6 +71,10 @@ std::size_t aligned(std::size_t bytes) {
   return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
 }
 
+// What a slot of `bytes` takes of its memory (an empty one too: each slot has an address of its
+// own). Sizing counts it the same way, so the budget holds what arrange() places.
+std::size_t slot_bytes(std::size_t bytes) { return aligned(std::max<std::size_t>(bytes, 1)); }
+
 bool same_place(const Buffer& a, const Buffer& b) {
   return a.kind == b.kind && (a.kind == MemoryKind::kHost || a.device == b.device);
 }
@@ -87,12 +91,12 @@ std::size_t StagingPool::KeyHash::operator()(const Key& key) const {
 const Buffer& StagingPool::slot(const Key& key, const Buffer& like, std::size_t bytes) {
   if (sizing_) {
     sized_.push_back({key, like, bytes});
-    sized_by_op_[{std::get<0>(key), std::get<1>(key)}] += aligned(bytes);
+    sized_by_op_[{std::get<0>(key), std::get<1>(key)}] += slot_bytes(bytes);
     sized_owners_[sized_end_] = key;
     sized_buffer_ = like;
     sized_buffer_.data = reinterpret_cast<void*>(sized_end_);
     sized_buffer_.bytes = bytes;
-    sized_end_ += aligned(std::max<std::size_t>(bytes, 1));
+    sized_end_ += slot_bytes(bytes);
     return sized_buffer_;
   }
   Slot& slot = slots_[key];
@@ -145,7 +149,7 @@ std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)
     Place& place = place_of(sized_[i].like);
     std::size_t& used = place.used[phase_of({sending, task})];
     offsets[i] = used;
-    used += aligned(std::max<std::size_t>(sized_[i].bytes, 1));
+    used += slot_bytes(sized_[i].bytes);
     place.largest = std::max(place.largest, used);
   }
   std::size_t held = 0;
@@ -163,7 +167,7 @@ std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)
     slot.buffer = s.like;
     slot.buffer.data = memory.data() + offsets[i];
     slot.buffer.bytes = s.bytes;
-    slot.capacity = aligned(std::max<std::size_t>(s.bytes, 1));
+    slot.capacity = slot_bytes(s.bytes);
   }
   sized_.clear();
   sized_by_op_.clear();
@@ -181,7 +185,7 @@ Staging& StagingPool::arena(const Buffer& like, std::size_t bytes) {
 }
 
 std::byte* StagingPool::carve(const Buffer& like, std::size_t bytes) {
-  const std::size_t need = aligned(std::max<std::size_t>(bytes, 1));
+  const std::size_t need = slot_bytes(bytes);
   std::size_t last_size = 0;
   for (Chunk& chunk : chunks_) {
     if (!same_place(chunk.memory.buffer(), like)) continue;
