@@ -167,6 +167,42 @@ int main(int argc, char** argv) {
   gpu_cmd->add_option("--json", gpu.json_path, "append results as JSON lines to this file");
   gpu_cmd->add_option("--commit", gpu.commit, "source revision recorded in the JSON lines");
 
+  reshard::bench::ConvertBenchOptions convert;
+  std::vector<std::string> convert_layouts = {"contiguous", "column-block"};
+  auto* convert_cmd = app.add_subcommand(
+      "bench-convert",
+      "Time the conversion kernels (MXFP8, block FP8, casts, pack/unpack) on one GPU against a "
+      "device-to-device copy of the same bytes; check every result against the host reference");
+  convert_cmd
+      ->add_option("-s,--shapes", convert.shapes,
+                   "ROWSxCOLS (one matrix) or ROWSxCOLSxCOUNT (that many in one launch)")
+      ->delimiter(',');
+  convert_cmd
+      ->add_option("-m,--model", convert.model,
+                   "also every weight matrix of this model in one launch: llama3-8b, "
+                   "qwen3-30b-a3b or none")
+      ->check(CLI::IsMember({"llama3-8b", "qwen3-30b-a3b", "none"}));
+  convert_cmd->add_option("--layers", convert.layers, "the model's layers")
+      ->check(CLI::Range(1, 1000));
+  convert_cmd
+      ->add_option("-c,--conversions", convert.conversions,
+                   "mxfp8, mxfp8-round-up, fp8-block, cast-bf16-fp32, cast-fp32-bf16, pack, unpack")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"mxfp8", "mxfp8-round-up", "fp8-block", "cast-bf16-fp32",
+                             "cast-fp32-bf16", "pack", "unpack"}));
+  convert_cmd
+      ->add_option("--layouts", convert_layouts,
+                   "contiguous (whole matrices) and/or column-block (their left half of the "
+                   "columns: strided rows)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"contiguous", "column-block"}));
+  convert_cmd->add_option("-i,--iters", convert.iterations, "conversions per timed repeat")
+      ->check(CLI::Range(1, 100000));
+  convert_cmd->add_option("--repeats", convert.repeats, "timed repeats (median reported)")
+      ->check(CLI::Range(1, 1000));
+  convert_cmd->add_option("--json", convert.json_path, "append results as JSON lines to this file");
+  convert_cmd->add_option("--commit", convert.commit, "source revision recorded in the JSON lines");
+
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -190,6 +226,23 @@ int main(int argc, char** argv) {
     if (*scale_cmd) {
       reshard::bench::run_scale_bench(scale);
       return 0;
+    }
+    if (*convert_cmd) {
+#ifdef RESHARD_WITH_CUDA
+      convert.column_block.clear();
+      for (const std::string& layout : convert_layouts)
+        convert.column_block.push_back(layout == "column-block");
+      const std::uint64_t wrong = reshard::bench::run_convert_bench(convert);
+      if (wrong != 0) {
+        std::fprintf(stderr, "reshard bench-convert: %llu bytes differ from the host reference\n",
+                     static_cast<unsigned long long>(wrong));
+        return 1;
+      }
+      return 0;
+#else
+      std::fprintf(stderr, "reshard bench-convert: this build has no CUDA\n");
+      return 1;
+#endif
     }
     if (*sched_cmd) {
       sched.chunk_bytes = reshard::parse_bytes(chunk_text);

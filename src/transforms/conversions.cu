@@ -4,8 +4,9 @@
 #include <vector>
 
 #include "execution/job_upload.cuh"
+#include "execution/row_walk.hpp"
+#include "reshard/error.hpp"
 #include "transforms/conversions.hpp"
-#include "transforms/element_access.hpp"
 #include "transports/cuda/cuda_check.hpp"
 
 namespace reshard::exec::cuda {
@@ -13,205 +14,313 @@ namespace {
 
 using namespace formats;
 
-// One CTA per row of a conversion.
-__global__ void convert_kernel(JobList<ConvertJob> list) {
-  for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x) {
-    const std::uint32_t j = list.find(item);
-    const BlockRef& src = list.jobs[j].src;
-    const BlockRef& dst = list.jobs[j].dst;
-    const auto row = static_cast<std::int64_t>(item - list.first[j]);
-    const std::int64_t from = src.view.row_start(row);
-    const std::int64_t to = dst.view.row_start(row);
-    for (std::int64_t col = threadIdx.x; col < src.view.cols; col += blockDim.x) {
-      store_float(dst.data, dst.dtype, to + col, load_float(src.data, src.dtype, from + col));
-    }
-  }
-}
+// The element-wise kernels (casts, MXFP8) give each lane a vector of 8 consecutive elements of a
+// row (one 16-byte load of bfloat16) and each warp a tile of 32 vectors; a warp loads
+// kTilesInFlight tiles, a launch's warps apart, before converting any. Rows are any length:
+// a tile runs on across rows (a row of 64 elements is 8 lanes), so skinny tensors keep every lane
+// busy, and a lane finds its row with a multiply (FastDivisor), not a division.
+constexpr int kPerLane = 8;
+constexpr int kLanesPerMxBlock = kMxBlock / kPerLane;
+constexpr int kThreads = 256;
+constexpr int kTilesInFlight = 4;
 
-// Eight consecutive elements per thread: one 16-byte load for bfloat16 (two for float32) where the
-// address allows, element by element otherwise or for the `count` < 8 at a ragged edge.
-constexpr int kPerThread = 8;
-
-__device__ __forceinline__ void load_elements(const void* data, DType dtype, std::int64_t index,
-                                              int count, float (&v)[kPerThread]) {
-  const auto address = [&](std::size_t element) {
-    return reinterpret_cast<std::uintptr_t>(data) + static_cast<std::uintptr_t>(index) * element;
-  };
-  if (count == kPerThread && dtype == DType::kBFloat16 && (address(2) & 15) == 0) {
-    const uint4 word = *reinterpret_cast<const uint4*>(address(2));
-    const unsigned words[4] = {word.x, word.y, word.z, word.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = bf16_to_float(static_cast<std::uint16_t>(words[i] & 0xffffu));
-      v[2 * i + 1] = bf16_to_float(static_cast<std::uint16_t>(words[i] >> 16));
-    }
-    return;
-  }
-  if (count == kPerThread && dtype == DType::kFloat32 && (address(4) & 15) == 0) {
-    const auto* quads = reinterpret_cast<const float4*>(address(4));
-    const float4 a = quads[0], b = quads[1];
-    const float values[kPerThread] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) v[i] = values[i];
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) v[i] = i < count ? load_float(data, dtype, index + i) : 0.0f;
-}
-
-// Stores `count` FP8 bytes: one 8-byte store where the address allows.
-__device__ __forceinline__ void store_bytes(void* data, std::int64_t index, int count,
-                                            const std::uint8_t (&bytes)[kPerThread]) {
-  auto* out = static_cast<std::uint8_t*>(data) + index;
-  if (count == kPerThread && (reinterpret_cast<std::uintptr_t>(out) & 7) == 0) {
-    std::uint64_t word = 0;
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) word |= static_cast<std::uint64_t>(bytes[i]) << (8 * i);
-    *reinterpret_cast<std::uint64_t*>(out) = word;
-    return;
-  }
-  for (int i = 0; i < count; ++i) out[i] = bytes[i];
-}
-
-// A work item is 256 elements of one row (8 MX blocks, 4 lanes of 8 elements each), so the loads
-// are 16-byte vectors and a block's maximum is two shuffles inside each group of 4 lanes (max is
-// order-independent, NaN propagates). Each warp takes a contiguous run of items and walks it with
-// a cursor, issuing the loads of kMxItemsInFlight items before encoding any. Two items and at most
-// 64 registers (4 CTAs per SM) beat four items at 106 registers (2 CTAs): 8 GB of bf16 in 7.2
-// instead of 9.5 ms, a Qwen3-30B MXFP8 refit 103 -> 78 ms (2x H200, 2026-11-22). The 64-register
-// bound spills ~100 bytes; 3 CTAs per SM at 80 registers spill none and ran the same (Llama
-// sender prepare 7.4-7.7 against 7.3 ms, 2x H200, 2026-11-23).
-constexpr int kLanesPerMxBlock = kMxBlock / kPerThread;
-constexpr int kPerWarp = 32 * kPerThread;
-constexpr int kMxItemsInFlight = 2;
-constexpr int kMxThreads = 256;
-
-__host__ __device__ std::int64_t mx_tasks_per_row(const MxJob& job) {
-  return (job.src.view.cols + kPerWarp - 1) / kPerWarp;
-}
-
-// Where a warp is in its run: the job, the row, the 256-element chunk of the row, and the row's
-// starts in the three views. The starts are recomputed only when the row changes: the divisions
-// behind them, done per item, cost more than the conversion itself.
-struct MxCursor {
-  std::uint32_t job;
-  std::int64_t row, chunk, per_row;
-  std::int64_t src_row, data_row, scale_row;
-
-  __device__ void seek_row(const MxJob& current) {
-    src_row = current.src.view.row_start(row);
-    data_row = current.data.view.row_start(row);
-    scale_row = current.scale.view.row_start(row);
-  }
-  __device__ MxCursor(const JobList<MxJob>& list, std::uint64_t item) : job(list.find(item)) {
-    per_row = mx_tasks_per_row(list.jobs[job]);
-    const auto t = static_cast<std::int64_t>(item - list.first[job]);
-    row = t / per_row;
-    chunk = t % per_row;
-    seek_row(list.jobs[job]);
-  }
-  // To the next item; there must be one.
-  __device__ void advance(const JobList<MxJob>& list) {
-    if (++chunk < per_row) return;
-    chunk = 0;
-    ++row;
-    if (static_cast<std::uint64_t>(row * per_row) >= list.first[job + 1] - list.first[job]) {
-      do {
-        ++job;
-      } while (list.first[job + 1] == list.first[job]);  // jobs without items
-      row = 0;
-      per_row = mx_tasks_per_row(list.jobs[job]);
-    }
-    seek_row(list.jobs[job]);
-  }
+// A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
+// of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
+struct VectorSpan {
+  FastDivisor per_row;
+  std::int64_t first_row = 0;
+  std::uint32_t vectors = 0;
 };
 
-__global__ void __launch_bounds__(kMxThreads, 4) mx_quantize_kernel(JobList<MxJob> list) {
-  const unsigned lane = threadIdx.x % 32;
-  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
-  const std::uint64_t warp =
-      (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
-  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
-  const std::uint64_t begin = warp * per_warp;
-  const std::uint64_t end = min(list.items, begin + per_warp);
-  if (begin >= end) return;
-  MxCursor cursor(list, begin);
-  for (std::uint64_t item = begin; item < end; item += kMxItemsInFlight) {
-    float v[kMxItemsInFlight][kPerThread];
-    std::uint32_t job[kMxItemsInFlight];
-    std::int64_t data_at[kMxItemsInFlight], scale_at[kMxItemsInFlight];
-    bool active[kMxItemsInFlight];
+struct MxTask {
+  const void* src;
+  std::uint8_t* data;
+  std::uint8_t* scale;
+  RowWalk src_rows, data_rows, scale_rows;
+  VectorSpan span;
+  bool round_up;
+};
+
+struct CastTask {
+  const void* src;
+  void* dst;
+  RowWalk src_rows, dst_rows;
+  VectorSpan span;
+  std::int64_t cols;
+};
+
+// A lane's vector: its row in the job's views and its first column.
+struct LaneVector {
+  std::int64_t row = 0, col = 0;
+  bool active = false;
+};
+
+template <typename Task>
+__device__ __forceinline__ const Task& find_task(const JobList<Task>& list, std::uint64_t tile,
+                                                 unsigned lane, LaneVector& at) {
+  const std::uint32_t j = list.find(tile);
+  const Task& task = list.jobs[j];
+  const std::uint64_t vector = (tile - list.first[j]) * 32 + lane;
+  at.active = vector < task.span.vectors;
+  const auto v = static_cast<std::uint32_t>(at.active ? vector : 0);
+  const std::uint32_t row = task.span.per_row.divide(v);
+  at.row = task.span.first_row + row;
+  at.col = static_cast<std::int64_t>(v - row * task.span.per_row.divisor) * kPerLane;
+  return task;
+}
+
+// 8 elements of a float32, bfloat16 or float16 tensor as they are stored: two 16-bit elements
+// per word (the first in the low half), or one float32 per word.
+template <DType D>
+constexpr int kWords = D == DType::kFloat32 ? 8 : 4;
+
+template <DType D>
+struct Raw {
+  std::uint32_t word[kWords<D>];
+};
+
+// Loads the `count` (<= 8) elements at `index`; the rest read as zero. One or two 16-byte loads
+// where the address allows.
+template <DType D>
+__device__ __forceinline__ Raw<D> load_raw(const void* base, std::int64_t index, int count) {
+  constexpr int size = D == DType::kFloat32 ? 4 : 2;
+  Raw<D> raw{};
+  const auto* at = static_cast<const std::uint8_t*>(base) + index * size;
+  if (count == kPerLane && (reinterpret_cast<std::uintptr_t>(at) & 15) == 0) {
 #pragma unroll
-    for (int u = 0; u < kMxItemsInFlight; ++u) {
-      const bool inside = item + u < end;
-      const MxJob& current = list.jobs[cursor.job];
-      job[u] = cursor.job;
-      const std::int64_t col = cursor.chunk * kPerWarp + lane * kPerThread;
-      data_at[u] = cursor.data_row + col;
-      scale_at[u] = cursor.scale_row + col / kMxBlock;
-      // Rows hold whole MX blocks, so the 4 lanes of a block are active together.
-      active[u] = inside && col < current.src.view.cols;
-      load_elements(current.src.data, current.src.dtype, active[u] ? cursor.src_row + col : 0,
-                    active[u] ? kPerThread : 0, v[u]);
-      if (item + u + 1 < end) cursor.advance(list);
+    for (int q = 0; q < kWords<D> / 4; ++q) {
+      const uint4 v = reinterpret_cast<const uint4*>(at)[q];
+      raw.word[4 * q] = v.x;
+      raw.word[4 * q + 1] = v.y;
+      raw.word[4 * q + 2] = v.z;
+      raw.word[4 * q + 3] = v.w;
+    }
+    return raw;
+  }
+  // Unrolled with constant indices, so `raw` stays in registers.
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (i >= count) break;
+    if constexpr (size == 4) {
+      raw.word[i] = reinterpret_cast<const std::uint32_t*>(at)[i];
+    } else {
+      raw.word[i / 2] |= static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t*>(at)[i])
+                         << (16 * (i % 2));
+    }
+  }
+  return raw;
+}
+
+template <DType D>
+__device__ __forceinline__ float element(const Raw<D>& raw, int i) {
+  if constexpr (D == DType::kFloat32) {
+    return __uint_as_float(raw.word[i]);
+  } else {
+    const std::uint32_t w = raw.word[i / 2];
+    if constexpr (D == DType::kBFloat16) return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+    return fp16_to_float(static_cast<std::uint16_t>(i % 2 ? w >> 16 : w & 0xffffu));
+  }
+}
+
+// The largest magnitude's bits in the element's own format: magnitudes order as their bit
+// patterns, and every NaN lies above infinity, so an integer maximum is abs_max exactly (a NaN
+// anywhere gives a NaN, which amax_of turns into a float NaN).
+template <DType D>
+__device__ __forceinline__ std::uint32_t magnitude_max(const Raw<D>& raw) {
+  std::uint32_t m = 0;
+  if constexpr (D == DType::kFloat32) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = max(m, raw.word[i] & 0x7fffffffu);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = __vmaxu2(m, raw.word[i] & 0x7fff7fffu);
+    m = max(m & 0xffffu, m >> 16);
+  }
+  return m;
+}
+
+template <DType D>
+__device__ __forceinline__ float amax_of(std::uint32_t magnitude) {
+  if constexpr (D == DType::kFloat32) return __uint_as_float(magnitude);
+  if constexpr (D == DType::kBFloat16) return __uint_as_float(magnitude << 16);
+  return fp16_to_float(static_cast<std::uint16_t>(magnitude));
+}
+
+// Stores 8 bytes, as one word where the address allows.
+__device__ __forceinline__ void store_8_bytes(std::uint8_t* at, uint2 bytes) {
+  if ((reinterpret_cast<std::uintptr_t>(at) & 7) == 0) {
+    *reinterpret_cast<uint2*>(at) = bytes;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    at[i] = static_cast<std::uint8_t>((i < 4 ? bytes.x : bytes.y) >> (8 * (i % 4)));
+}
+
+// Casts: load, convert each element as store_float(load_float()) does, store.
+template <DType S, DType D>
+__global__ void __launch_bounds__(kThreads) cast_kernel(JobList<CastTask> list) {
+  constexpr int dst_size = D == DType::kFloat32 ? 4 : 2;
+  const unsigned lane = threadIdx.x % 32;
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
+  const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  for (std::uint64_t first = warp; first < list.items; first += warps * kTilesInFlight) {
+    Raw<S> raw[kTilesInFlight];
+    std::uint8_t* out[kTilesInFlight];
+    int count[kTilesInFlight];
+#pragma unroll
+    for (int u = 0; u < kTilesInFlight; ++u) {
+      const std::uint64_t tile = first + u * warps;
+      count[u] = 0;
+      if (tile >= list.items) continue;
+      LaneVector at;
+      const CastTask& task = find_task(list, tile, lane, at);
+      count[u] =
+          at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), task.cols - at.col))
+                    : 0;
+      raw[u] = load_raw<S>(task.src, task.src_rows.row_start(at.row) + at.col, count[u]);
+      out[u] = static_cast<std::uint8_t*>(task.dst) +
+               (task.dst_rows.row_start(at.row) + at.col) * dst_size;
     }
 #pragma unroll
-    for (int u = 0; u < kMxItemsInFlight; ++u) {
-      float amax = 0.0f;
+    for (int u = 0; u < kTilesInFlight; ++u) {
+      if (count[u] == 0) continue;
+      std::uint32_t words[kWords<D>] = {};
 #pragma unroll
-      for (int i = 0; i < kPerThread; ++i) amax = abs_max(amax, v[u][i]);
+      for (int i = 0; i < kPerLane; ++i) {
+        const float value = element<S>(raw[u], i);
+        if constexpr (D == DType::kFloat32) {
+          words[i] = __float_as_uint(value);
+        } else {
+          const std::uint16_t half =
+              D == DType::kBFloat16 ? float_to_bf16(value) : float_to_fp16(value);
+          words[i / 2] |= static_cast<std::uint32_t>(half) << (16 * (i % 2));
+        }
+      }
+      if (count[u] == kPerLane && (reinterpret_cast<std::uintptr_t>(out[u]) & 15) == 0) {
 #pragma unroll
-      for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
-        amax = abs_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        for (int q = 0; q < kWords<D> / 4; ++q) {
+          reinterpret_cast<uint4*>(out[u])[q] =
+              make_uint4(words[4 * q], words[4 * q + 1], words[4 * q + 2], words[4 * q + 3]);
+        }
+        continue;
       }
-      if (!active[u]) continue;
-      const MxJob& current = list.jobs[job[u]];
-      const std::uint8_t bits = mx_scale_bits(amax, current.round_up);
-      if (lane % kLanesPerMxBlock == 0) {
-        static_cast<std::uint8_t*>(current.scale.data)[scale_at[u]] = bits;
-      }
-      std::uint8_t encoded[kPerThread];
 #pragma unroll
-      for (int i = 0; i < kPerThread; i += 2) {
-        const std::uint16_t pair = mx_encode_pair(v[u][i], v[u][i + 1], bits);
-        encoded[i] = static_cast<std::uint8_t>(pair & 0xffu);
-        encoded[i + 1] = static_cast<std::uint8_t>(pair >> 8);
+      for (int i = 0; i < kPerLane; ++i) {
+        if (i >= count[u]) break;
+        if constexpr (D == DType::kFloat32) {
+          reinterpret_cast<std::uint32_t*>(out[u])[i] = words[i];
+        } else {
+          reinterpret_cast<std::uint16_t*>(out[u])[i] =
+              static_cast<std::uint16_t>(words[i / 2] >> (16 * (i % 2)));
+        }
       }
-      store_bytes(current.data.data, data_at[u], kPerThread, encoded);
     }
   }
 }
 
-// One CTA per 128 x 128 tile: 16 threads of 8 elements span a tile row, 16 rows per pass, 8
-// passes; the values stay in registers between the maximum and the encode. A tile's rows lie in
-// one matrix, one stride apart, so a thread finds its rows from the tile's first row, before any
-// store: the job list is in global memory, and after a byte store the compiler must assume a job
-// changed and reload it. Per-row offsets recomputed after the stores had the Llama-3-8B block-FP8
-// refit's sender preparing for 34.4 ms instead of 24.8 (2x H200, 2026-11-23).
+// MXFP8: the 4 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a
+// block) take its maximum with two shuffles, then each encodes its 8 elements. A block whose
+// scale is not NaN holds no NaN or infinity, so the encoding needs no special cases.
+template <DType S>
+__global__ void __launch_bounds__(kThreads) mx_quantize_kernel(JobList<MxTask> list) {
+  const unsigned lane = threadIdx.x % 32;
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
+  const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  for (std::uint64_t first = warp; first < list.items; first += warps * kTilesInFlight) {
+    Raw<S> raw[kTilesInFlight];
+    std::uint8_t* data_at[kTilesInFlight];
+    std::uint8_t* scale_at[kTilesInFlight];
+    bool round_up[kTilesInFlight], active[kTilesInFlight];
+#pragma unroll
+    for (int u = 0; u < kTilesInFlight; ++u) {
+      const std::uint64_t tile = first + u * warps;
+      active[u] = false;
+      raw[u] = Raw<S>{};
+      if (tile >= list.items) continue;
+      LaneVector at;
+      const MxTask& task = find_task(list, tile, lane, at);
+      active[u] = at.active;
+      raw[u] =
+          load_raw<S>(task.src, task.src_rows.row_start(at.row) + at.col, at.active ? kPerLane : 0);
+      data_at[u] = task.data + task.data_rows.row_start(at.row) + at.col;
+      scale_at[u] = task.scale + task.scale_rows.row_start(at.row) + at.col / kMxBlock;
+      round_up[u] = task.round_up;
+    }
+#pragma unroll
+    for (int u = 0; u < kTilesInFlight; ++u) {
+      if (first + u * warps >= list.items) break;  // the same for the whole warp
+      std::uint32_t m = magnitude_max<S>(raw[u]);
+#pragma unroll
+      for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      }
+      if (!active[u]) continue;
+      const std::uint8_t bits = mx_scale_bits(amax_of<S>(m), round_up[u]);
+      if (lane % kLanesPerMxBlock == 0) *scale_at[u] = bits;
+      uint2 encoded = make_uint2(0x7f7f7f7fu, 0x7f7f7f7fu);
+      if (bits != kE8m0Nan) {
+        const float factor = power_of_two(127 - static_cast<int>(bits));
+        std::uint32_t pair[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pair[i] = mx_encode_finite_pair(element<S>(raw[u], 2 * i), element<S>(raw[u], 2 * i + 1),
+                                          factor);
+        }
+        encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+      }
+      store_8_bytes(data_at[u], encoded);
+    }
+  }
+}
+
+// Block FP8: one CTA per 128 x 128 tile: 16 lanes of 8 elements span a tile row, 16 rows per
+// pass, 8 passes, all loaded before any is encoded and kept as loaded (32 registers of bfloat16).
+// A tile's rows lie in one matrix, one stride apart. Where the tile's scale is a finite normal
+// number, a quotient is value * (1 / scale) and the FP8 conversion, unless it lies near a
+// rounding tie or in E4M3's subnormal range (about 1 in 100,000 for weights): such a lane's 8
+// elements take block_encode_pair, as does every element of other tiles.
 constexpr int kTileThreads = 256;
-constexpr int kThreadsPerTileRow = kFp8Block / kPerThread;
+constexpr int kThreadsPerTileRow = kFp8Block / kPerLane;
 constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
 constexpr int kTilePasses = kFp8Block / kTileRowsPerPass;
 
-__host__ __device__ std::int64_t tiles_of(const BlockFp8Job& job) {
-  const std::int64_t tile_rows = (job.rows_per_matrix + kFp8Block - 1) / kFp8Block;
-  const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
-  return job.src.view.rows / job.rows_per_matrix * tile_rows * tile_cols;
+struct BlockTask {
+  const void* src;
+  std::uint8_t* data;
+  float* scale;
+  BoxView src_view, data_view, scale_view;
+  std::int64_t rows_per_matrix;
+};
+
+__host__ __device__ std::int64_t tiles_of(const BlockTask& task) {
+  const std::int64_t tile_rows = (task.rows_per_matrix + kFp8Block - 1) / kFp8Block;
+  const std::int64_t tile_cols = (task.src_view.cols + kFp8Block - 1) / kFp8Block;
+  return task.src_view.rows / task.rows_per_matrix * tile_rows * tile_cols;
 }
 
-__global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockFp8Job> list) {
-  __shared__ float warp_amax[kTileThreads / 32];
-  const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerThread;
+// Whether the FP8 conversion of `quotient` (within 2 ulps of the exact one) is the exactly
+// rounded code: a normal E4M3 value off every tie by more than 4 ulps, or zero. The subnormal
+// range goes to quotient_is_decisive.
+__device__ __forceinline__ bool plainly_decisive(float quotient) {
+  const std::uint32_t magnitude = __float_as_uint(quotient) & 0x7fffffffu;
+  return magnitude == 0 ||
+         (magnitude >= 0x3c800000u && (magnitude & 0xfffffu) - (0x80000u - 4) > 8);
+}
+
+template <DType S>
+__global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockTask> list) {
+  __shared__ std::uint32_t warp_max[kTileThreads / 32];
+  const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerLane;
   const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
   for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x) {
     const std::uint32_t j = list.find(item);
-    const BlockFp8Job& job = list.jobs[j];
-    const void* const src = job.src.data;
-    const DType src_dtype = job.src.dtype;
-    auto* const data = static_cast<std::uint8_t*>(job.data.data);
-    const std::int64_t rows_per_matrix = job.rows_per_matrix;
+    const BlockTask& task = list.jobs[j];
+    const void* const src = task.src;
+    std::uint8_t* const data = task.data;
+    const std::int64_t rows_per_matrix = task.rows_per_matrix;
     const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
-    const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
+    const std::int64_t tile_cols = (task.src_view.cols + kFp8Block - 1) / kFp8Block;
     const auto t = static_cast<std::int64_t>(item - list.first[j]);
     const std::int64_t m = t / (tile_rows * tile_cols);
     const std::int64_t tr = (t / tile_cols) % tile_rows;
@@ -222,73 +331,134 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
     const std::int64_t c0 = tc * kFp8Block + col;
     const int count =
         static_cast<int>(max(static_cast<std::int64_t>(0),
-                             min(static_cast<std::int64_t>(kPerThread), job.src.view.cols - c0)));
-    const std::int64_t src_first = job.src.view.row_start(row_begin) + c0;
-    const std::int64_t src_stride = job.src.view.row_stride();
-    const std::int64_t data_first = job.data.view.row_start(row_begin) + c0;
-    const std::int64_t data_stride = job.data.view.row_stride();
-    float* const scale_at =
-        static_cast<float*>(job.scale.data) + job.scale.view.row_start(m * tile_rows + tr) + tc;
-    float v[kTilePasses][kPerThread];
-    float amax = 0.0f;
+                             min(static_cast<std::int64_t>(kPerLane), task.src_view.cols - c0)));
+    const std::int64_t src_first = task.src_view.row_start(row_begin) + c0;
+    const std::int64_t src_stride = task.src_view.row_stride();
+    const std::int64_t data_first = task.data_view.row_start(row_begin) + c0;
+    const std::int64_t data_stride = task.data_view.row_stride();
+    float* const scale_at = task.scale + task.scale_view.row_start(m * tile_rows + tr) + tc;
+    Raw<S> raw[kTilePasses];
+    std::uint32_t magnitude = 0;
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = p * kTileRowsPerPass + first_row;
       const int n = r < rows ? count : 0;
-      load_elements(src, src_dtype, n > 0 ? src_first + r * src_stride : 0, n, v[p]);
-#pragma unroll
-      for (int i = 0; i < kPerThread; ++i) amax = abs_max(amax, v[p][i]);
+      raw[p] = load_raw<S>(src, n > 0 ? src_first + r * src_stride : 0, n);
+      magnitude = max(magnitude, magnitude_max<S>(raw[p]));
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
-      amax = abs_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      magnitude = max(magnitude, __shfl_xor_sync(0xffffffffu, magnitude, offset));
     }
-    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = magnitude;
     __syncthreads();
-    amax = 0.0f;
+    magnitude = 0;
 #pragma unroll
-    for (int w = 0; w < kTileThreads / 32; ++w) amax = abs_max(amax, warp_amax[w]);
+    for (int w = 0; w < kTileThreads / 32; ++w) magnitude = max(magnitude, warp_max[w]);
+    const float amax = amax_of<S>(magnitude);
     const float s = block_scale(amax);
     const float reciprocal = __frcp_rn(s);
+    // A finite amax (so finite elements) and a scale whose reciprocal is finite.
+    const bool plain = amax <= 3.4028234663852886e38f && reciprocal_is_usable(s);
     if (threadIdx.x == 0) *scale_at = s;
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = p * kTileRowsPerPass + first_row;
       if (r >= rows || count == 0) continue;
-      std::uint8_t encoded[kPerThread];
+      std::uint32_t pair[4];
+      bool done = false;
+      if (plain) {
+        float q[kPerLane];
+        bool decisive = true;
 #pragma unroll
-      for (int i = 0; i < kPerThread; i += 2) {
-        const std::uint16_t pair = block_encode_pair(v[p][i], v[p][i + 1], s, reciprocal);
-        encoded[i] = static_cast<std::uint8_t>(pair & 0xffu);
-        encoded[i + 1] = static_cast<std::uint8_t>(pair >> 8);
+        for (int i = 0; i < kPerLane; ++i) {
+          asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element<S>(raw[p], i)), "f"(reciprocal));
+          decisive = decisive && plainly_decisive(q[i]);
+        }
+        if (decisive) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            std::uint16_t bits;
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                : "=h"(bits)
+                : "f"(q[2 * i + 1]), "f"(q[2 * i]));
+            pair[i] = bits;
+          }
+          done = true;
+        }
       }
-      store_bytes(data, data_first + r * data_stride, count, encoded);
+      if (!done) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pair[i] = block_encode_pair(element<S>(raw[p], 2 * i), element<S>(raw[p], 2 * i + 1), s,
+                                      reciprocal);
+        }
+      }
+      const uint2 encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+      std::uint8_t* const out = data + data_first + r * data_stride;
+      if (count == kPerLane) {
+        store_8_bytes(out, encoded);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          if (i >= count) break;
+          out[i] = static_cast<std::uint8_t>((i < 4 ? encoded.x : encoded.y) >> (8 * (i % 4)));
+        }
+      }
     }
-    __syncthreads();  // warp_amax is reused by the next tile
+    __syncthreads();  // warp_max is reused by the next tile
   }
 }
 
-template <typename Job, typename ItemsOf, typename Launch>
-void run_jobs(const std::vector<Job>& jobs, JobUpload& upload, void* stream, ItemsOf items_of,
-              Launch launch) {
-  if (jobs.empty()) return;
-  std::uint64_t items = 0;
-  std::size_t prefix_offset = 0;
-  job_bytes(jobs, items_of, items, prefix_offset, upload.scratch);
-  if (items == 0) return;
-  auto cuda_stream = static_cast<cudaStream_t>(stream);
-  const std::byte* device_list = upload.upload(upload.scratch, cuda_stream);
-  launch(JobList<Job>{reinterpret_cast<const Job*>(device_list),
-                      reinterpret_cast<const std::uint64_t*>(device_list + prefix_offset),
-                      static_cast<std::uint32_t>(jobs.size()), items},
-         cuda_stream);
-  RESHARD_CUDA_CHECK(cudaGetLastError());
-  upload.mark_used(cuda_stream);
+// CTAs for `units` of work: at most what the GPU holds at once several times over (the kernels
+// walk their work in strides of the grid).
+unsigned grid_for(std::uint64_t units) {
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  const std::uint64_t most = static_cast<std::uint64_t>(sms) * 16;
+  return static_cast<unsigned>(std::max<std::uint64_t>(1, std::min(units, most)));
 }
 
-unsigned grid_of(std::uint64_t units) {
-  return static_cast<unsigned>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(units, 8192)));
+// Uploads `tasks` (with each one's first item) and launches `launch` on them.
+template <typename Task, typename ItemsOf, typename Launch>
+void run_tasks(const std::vector<Task>& tasks, JobUpload& upload, cudaStream_t stream,
+               ItemsOf items_of, Launch launch) {
+  if (tasks.empty()) return;
+  std::uint64_t items = 0;
+  std::size_t prefix_offset = 0;
+  job_bytes(tasks, items_of, items, prefix_offset, upload.scratch);
+  if (items == 0) return;
+  const std::byte* device_list = upload.upload(upload.scratch, stream);
+  launch(JobList<Task>{reinterpret_cast<const Task*>(device_list),
+                       reinterpret_cast<const std::uint64_t*>(device_list + prefix_offset),
+                       static_cast<std::uint32_t>(tasks.size()), items},
+         stream);
+  RESHARD_CUDA_CHECK(cudaGetLastError());
+  upload.mark_used(stream);
 }
+
+// The spans of a job's vectors: rows of `cols` elements, in pieces of fewer than 2^31 vectors.
+template <typename Add>
+void split_rows(std::int64_t rows, std::int64_t cols, Add add) {
+  if (rows <= 0 || cols <= 0) return;
+  const std::int64_t per_row = (cols + kPerLane - 1) / kPerLane;
+  constexpr std::int64_t kMostVectors = std::int64_t{1} << 31;
+  if (per_row >= kMostVectors) {
+    throw_error(ErrorCode::kUnsupported, "a conversion of rows of " + std::to_string(cols) +
+                                             " elements (at most " +
+                                             std::to_string(kMostVectors * kPerLane) + " per row)");
+  }
+  const std::int64_t rows_per_piece = kMostVectors / per_row;
+  for (std::int64_t first = 0; first < rows; first += rows_per_piece) {
+    const std::int64_t n = std::min(rows_per_piece, rows - first);
+    add(VectorSpan{FastDivisor::of(static_cast<std::uint32_t>(per_row)), first,
+                   static_cast<std::uint32_t>(n * per_row)});
+  }
+}
+
+std::uint64_t tiles_of_span(const VectorSpan& span) { return (span.vectors + 31) / 32; }
 
 }  // namespace
 
@@ -300,40 +470,102 @@ ConversionUploads* create_uploads() { return new ConversionUploads(); }
 void destroy_uploads(ConversionUploads* uploads) { delete uploads; }
 
 void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, void* stream) {
-  run_jobs(
-      jobs, uploads.convert, stream,
-      [](const ConvertJob& job) {
-        return job.src.view.cols == 0 ? 0 : static_cast<std::uint64_t>(job.src.view.rows);
-      },
-      [](const JobList<ConvertJob>& list, cudaStream_t s) {
-        convert_kernel<<<grid_of(list.items), 256, 0, s>>>(list);
+  // One launch per pair of dtypes.
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  auto launch_pair = [&]<DType S, DType D>() {
+    std::vector<CastTask> tasks;
+    for (const ConvertJob& job : jobs) {
+      if (job.src.dtype != S || job.dst.dtype != D) continue;
+      split_rows(job.src.view.rows, job.src.view.cols, [&](const VectorSpan& span) {
+        CastTask task{};
+        task.src = job.src.data;
+        task.dst = job.dst.data;
+        task.src_rows = RowWalk::of(job.src.view);
+        task.dst_rows = RowWalk::of(job.dst.view);
+        task.span = span;
+        task.cols = job.src.view.cols;
+        tasks.push_back(task);
       });
+    }
+    run_tasks(
+        tasks, uploads.convert, cuda_stream,
+        [](const CastTask& task) { return tiles_of_span(task.span); },
+        [](const JobList<CastTask>& list, cudaStream_t s) {
+          constexpr std::uint64_t kTilesPerCta = kThreads / 32 * kTilesInFlight;
+          cast_kernel<S, D>
+              <<<grid_for((list.items + kTilesPerCta - 1) / kTilesPerCta), kThreads, 0, s>>>(list);
+        });
+  };
+  auto for_sources = [&]<DType D>() {
+    launch_pair.template operator()<DType::kFloat32, D>();
+    launch_pair.template operator()<DType::kBFloat16, D>();
+    launch_pair.template operator()<DType::kFloat16, D>();
+  };
+  for_sources.template operator()<DType::kFloat32>();
+  for_sources.template operator()<DType::kBFloat16>();
+  for_sources.template operator()<DType::kFloat16>();
 }
 
 void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, void* stream) {
-  run_jobs(
-      jobs, uploads.mx, stream,
-      [](const MxJob& job) {
-        return static_cast<std::uint64_t>(job.src.view.rows * mx_tasks_per_row(job));
-      },
-      // Whole warps only (256-thread CTAs), so the shuffles are legal.
-      [](const JobList<MxJob>& list, cudaStream_t s) {
-        constexpr std::uint64_t kItemsPerCta = kMxThreads / 32 * kMxItemsInFlight;
-        mx_quantize_kernel<<<grid_of((list.items + kItemsPerCta - 1) / kItemsPerCta), kMxThreads, 0,
-                             s>>>(list);
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  auto launch_source = [&]<DType S>() {
+    std::vector<MxTask> tasks;
+    for (const MxJob& job : jobs) {
+      if (job.src.dtype != S) continue;
+      split_rows(job.src.view.rows, job.src.view.cols, [&](const VectorSpan& span) {
+        MxTask task{};
+        task.src = job.src.data;
+        task.data = static_cast<std::uint8_t*>(job.data.data);
+        task.scale = static_cast<std::uint8_t*>(job.scale.data);
+        task.src_rows = RowWalk::of(job.src.view);
+        task.data_rows = RowWalk::of(job.data.view);
+        task.scale_rows = RowWalk::of(job.scale.view);
+        task.span = span;
+        task.round_up = job.round_up;
+        tasks.push_back(task);
       });
+    }
+    run_tasks(
+        tasks, uploads.mx, cuda_stream, [](const MxTask& task) { return tiles_of_span(task.span); },
+        // Whole warps only (256-thread CTAs), so the shuffles are legal.
+        [](const JobList<MxTask>& list, cudaStream_t s) {
+          constexpr std::uint64_t kTilesPerCta = kThreads / 32 * kTilesInFlight;
+          mx_quantize_kernel<S>
+              <<<grid_for((list.items + kTilesPerCta - 1) / kTilesPerCta), kThreads, 0, s>>>(list);
+        });
+  };
+  launch_source.template operator()<DType::kBFloat16>();
+  launch_source.template operator()<DType::kFloat32>();
+  launch_source.template operator()<DType::kFloat16>();
 }
 
 void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& uploads,
                     void* stream) {
-  run_jobs(
-      jobs, uploads.block, stream,
-      [](const BlockFp8Job& job) {
-        return job.src.view.cols == 0 ? 0 : static_cast<std::uint64_t>(tiles_of(job));
-      },
-      [](const JobList<BlockFp8Job>& list, cudaStream_t s) {
-        block_quantize_kernel<<<grid_of(list.items), kTileThreads, 0, s>>>(list);
-      });
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  auto launch_source = [&]<DType S>() {
+    std::vector<BlockTask> tasks;
+    for (const BlockFp8Job& job : jobs) {
+      if (job.src.dtype != S || job.src.view.cols == 0 || job.src.view.rows == 0) continue;
+      BlockTask task{};
+      task.src = job.src.data;
+      task.data = static_cast<std::uint8_t*>(job.data.data);
+      task.scale = static_cast<float*>(job.scale.data);
+      task.src_view = job.src.view;
+      task.data_view = job.data.view;
+      task.scale_view = job.scale.view;
+      task.rows_per_matrix = job.rows_per_matrix;
+      tasks.push_back(task);
+    }
+    run_tasks(
+        tasks, uploads.block, cuda_stream,
+        [](const BlockTask& task) { return static_cast<std::uint64_t>(tiles_of(task)); },
+        [](const JobList<BlockTask>& list, cudaStream_t s) {
+          block_quantize_kernel<S><<<grid_for(list.items), kTileThreads, 0, s>>>(list);
+        });
+  };
+  launch_source.template operator()<DType::kBFloat16>();
+  launch_source.template operator()<DType::kFloat32>();
+  launch_source.template operator()<DType::kFloat16>();
 }
 
 }  // namespace reshard::exec::cuda

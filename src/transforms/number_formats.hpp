@@ -210,20 +210,30 @@ RESHARD_HD std::uint8_t mx_encode(float value, std::uint8_t scale_bits) {
   return scaled_to_e4m3(value, 127 - static_cast<int>(scale_bits));
 }
 
-// mx_encode of two values of one block: `low` in the low byte. On GPUs that have one, with the
-// FP8 conversion instruction (round to nearest even, saturating at 448, as scaled_to_e4m3; the
-// integer path costs a quantization kernel most of its time). The multiply by a power of two,
-// without flushing subnormals, is exact down to the float subnormals, far below E4M3's, where
-// both paths give a signed zero; NaN gives 0x7f whatever its sign.
-RESHARD_HD std::uint16_t mx_encode_pair(float low, float high, std::uint8_t scale_bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if (scale_bits == kE8m0Nan) return 0x7f7f;
-  const float factor = power_of_two(127 - static_cast<int>(scale_bits));
+// mx_encode of two values of a block whose scale is not NaN (so no value is NaN or infinite),
+// `factor` = power_of_two(127 - scale_bits), `low` in the low byte: with the FP8 conversion
+// instruction (round to nearest even, saturating at 448, as scaled_to_e4m3; the integer path
+// costs a quantization kernel most of its time). The multiply by a power of two, without flushing
+// subnormals, is exact down to the float subnormals, far below E4M3's, where both paths give a
+// signed zero.
+__device__ __forceinline__ std::uint16_t mx_encode_finite_pair(float low, float high,
+                                                               float factor) {
   float scaled_low, scaled_high;
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(scaled_low) : "f"(low), "f"(factor));
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(scaled_high) : "f"(high), "f"(factor));
   std::uint16_t pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(scaled_high), "f"(scaled_low));
+  return pair;
+}
+#endif
+
+// mx_encode of two values of one block: `low` in the low byte. NaN gives 0x7f whatever its sign.
+RESHARD_HD std::uint16_t mx_encode_pair(float low, float high, std::uint8_t scale_bits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (scale_bits == kE8m0Nan) return 0x7f7f;
+  std::uint16_t pair =
+      mx_encode_finite_pair(low, high, power_of_two(127 - static_cast<int>(scale_bits)));
   if (low != low) pair = static_cast<std::uint16_t>((pair & 0xff00u) | 0x7fu);
   if (high != high) pair = static_cast<std::uint16_t>((pair & 0x00ffu) | 0x7f00u);
   return pair;

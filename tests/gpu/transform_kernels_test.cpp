@@ -116,6 +116,8 @@ TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
       {kShape, kBlock, DType::kFloat32, 0},
       {{3, 5, 96}, Box{3, {0, 1, 32}, {3, 4, 64}}, DType::kFloat32, 3},
       {{7, 608}, Box{2, {2, 64}, {5, 352}}, DType::kBFloat16, 0},  // rows not multiples of 256
+      {kShape, kBlock, DType::kFloat16, 0},
+      {{300, 32}, Box{2, {0, 0}, {300, 32}}, DType::kBFloat16, 0},  // a warp's tile spans 8 rows
   };
   std::uint32_t seed = 7;
   for (const QuantizeCase& c : cases) {
@@ -262,6 +264,8 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceBitForBit) {
       {kShape, Box{3, {0, 0, 128}, {2, 300, 256}}, DType::kFloat32, 0},
       {{2, 300, 300}, Box{3, {0, 0, 0}, {2, 300, 300}}, DType::kBFloat16, 0},
       {{1, 200, 428}, Box{3, {0, 0, 128}, {1, 200, 300}}, DType::kFloat32, 2},
+      {{2, 300, 300}, Box{3, {0, 0, 0}, {2, 300, 300}}, DType::kFloat16, 0},
+      {{1, 130, 4}, Box{3, {0, 0, 0}, {1, 130, 4}}, DType::kBFloat16, 0},  // half-empty lanes
   };
   std::uint32_t seed = 11;
   for (const QuantizeCase& c : cases) {
@@ -418,6 +422,63 @@ TEST(TransformKernels, CastsMatchTheReferenceBitForBit) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(d_mid.download(), mid) << dtype_name(to);
     EXPECT_EQ(d_back.download(), back) << dtype_name(to);
+  }
+}
+
+// Many casts in one flush, as a refit queues them: every pair of float32, bfloat16 and float16,
+// blocks of 1-3 dimensions with rows of 1 to 300 elements (most not a multiple of 8) cut from
+// larger tensors, sources and destinations at any element offset, so lanes take the vector and
+// the element paths and tiles run across rows and jobs.
+TEST(TransformKernels, CastQueueOfManyJobsMatchesTheReferenceBitForBit) {
+  std::mt19937 rng(57);
+  const DType kinds[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  struct Block {
+    std::vector<std::int64_t> shape;
+    Box box;
+    DType from, to;
+    std::size_t src_at, dst_at;  // byte offsets in the shared buffers
+  };
+  std::vector<Block> blocks;
+  std::size_t src_total = 0, dst_total = 0;
+  for (int b = 0; b < 400; ++b) {
+    const int dims = 1 + static_cast<int>(rng() % 3);
+    std::vector<std::int64_t> shape(dims);
+    Box box{dims, {}, {}};
+    for (int d = 0; d < dims; ++d) {
+      shape[d] = d == dims - 1 ? 1 + rng() % 300 : 1 + rng() % 6;
+      box.offset[d] = static_cast<std::int64_t>(rng() % shape[d]);
+      box.extent[d] = 1 + static_cast<std::int64_t>(rng() % (shape[d] - box.offset[d]));
+    }
+    const DType from = kinds[rng() % 3], to = kinds[rng() % 3];
+    const auto n = static_cast<std::size_t>(elements_of(shape));
+    blocks.push_back({shape, box, from, to, src_total + (rng() % 4) * dtype_size(from),
+                      dst_total + (rng() % 4) * dtype_size(to)});
+    src_total += (n + 4) * 4;
+    dst_total += (n + 4) * 4;
+  }
+  // Salted bf16 bit patterns, widened or reinterpreted per block's source type.
+  const auto bits = salted_tensor(src_total / 4, DType::kFloat32, 61);
+  std::vector<std::uint8_t> want(dst_total, 0xab);
+  DeviceCopy d_src(bits.data(), bits.size()), d_dst(dst_total);
+  ConversionQueue queue;
+  for (const Block& block : blocks) {
+    const BoxView v = view_of(block.box, block.shape, false);
+    auto* src = const_cast<std::uint8_t*>(bits.data()) + block.src_at;
+    convert_block({src, block.from, v}, {want.data() + block.dst_at, block.to, v},
+                  MemoryKind::kHost, nullptr);
+    queue.convert({{static_cast<std::uint8_t*>(d_src.pointer) + block.src_at, block.from, v},
+                   {static_cast<std::uint8_t*>(d_dst.pointer) + block.dst_at, block.to, v}},
+                  Buffer::cuda(d_src.pointer, d_src.bytes, 0));
+  }
+  queue.flush(nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = d_dst.download();
+  for (const Block& block : blocks) {
+    const auto bytes = static_cast<std::size_t>(elements_of(block.shape)) * dtype_size(block.to);
+    ASSERT_TRUE(std::equal(want.begin() + block.dst_at, want.begin() + block.dst_at + bytes,
+                           got.begin() + block.dst_at))
+        << dtype_name(block.from) << " -> " << dtype_name(block.to) << " of block "
+        << block.box.str();
   }
 }
 

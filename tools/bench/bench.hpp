@@ -169,4 +169,26 @@ struct ScaleBenchOptions {
 // domain 8, 8 x 400 Gb/s per node) and GB200 NVL72 (domain 72) clusters; prints a table.
 void run_scale_bench(const ScaleBenchOptions& options);
 
+struct ConvertBenchOptions {
+  // "ROWSxCOLS" one matrix, "ROWSxCOLSxCOUNT" that many (converted in one launch).
+  std::vector<std::string> shapes = {"14336x4096", "4096x14336", "8192x8192",
+                                     "65536x128",  "128x65536",  "256x1024x512"};
+  std::string model = "llama3-8b";  // its weight matrices, all in one launch; "none" for none
+  int layers = 16;
+  std::vector<std::string> conversions = {
+      "mxfp8", "mxfp8-round-up", "fp8-block", "cast-bf16-fp32", "cast-fp32-bf16", "pack", "unpack"};
+  // Whole matrices (false) and their left half of the columns (true: rows a full row apart).
+  std::vector<bool> column_block = {false, true};
+  int iterations = 20;
+  int repeats = 5;
+  int warmup = 3;
+  std::string json_path;
+  std::string commit;
+};
+
+// Builds with CUDA only. Times the executor's conversion kernels on one GPU against a
+// device-to-device copy of the same bytes; returns the wrong bytes found against the host
+// reference.
+std::uint64_t run_convert_bench(const ConvertBenchOptions& options);
+
 }  // namespace reshard::bench
