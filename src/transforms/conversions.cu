@@ -15,14 +15,17 @@ namespace {
 using namespace formats;
 
 // The element-wise kernels (casts, MXFP8) give each lane a vector of 8 consecutive elements of a
-// row (one 16-byte load of bfloat16) and each warp a tile of 32 vectors; a warp loads
-// kTilesInFlight tiles, a launch's warps apart, before converting any. Rows are any length:
-// a tile runs on across rows (a row of 64 elements is 8 lanes), so skinny tensors keep every lane
-// busy, and a lane finds its row with a multiply (FastDivisor), not a division.
+// row (one 16-byte load of bfloat16) and each warp a chunk of kTilesInFlight tiles of 32 vectors,
+// all loaded before any is converted. A chunk lies in one job, found once per chunk; rows are any
+// length: a tile runs on across rows (a row of 64 elements is 8 lanes), so skinny tensors keep
+// every lane busy, and a lane finds its row with a multiply (FastDivisor), not a division.
+// (Tiles found one by one, each with its own lookup of the job, ran MXFP8 at 0.62 of the copy
+// rate on one H100, 2026-11-24.)
 constexpr int kPerLane = 8;
 constexpr int kLanesPerMxBlock = kMxBlock / kPerLane;
 constexpr int kThreads = 256;
 constexpr int kTilesInFlight = 4;
+constexpr int kVectorsPerChunk = 32 * kTilesInFlight;
 
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
@@ -55,18 +58,33 @@ struct LaneVector {
   bool active = false;
 };
 
+// The job holding `chunk`: the previous one's (`job`, where the warp's last chunk was) or a later
+// one. Warps walk their chunks upwards, so the search mostly ends at the first comparison.
 template <typename Task>
-__device__ __forceinline__ const Task& find_task(const JobList<Task>& list, std::uint64_t tile,
-                                                 unsigned lane, LaneVector& at) {
-  const std::uint32_t j = list.find(tile);
-  const Task& task = list.jobs[j];
-  const std::uint64_t vector = (tile - list.first[j]) * 32 + lane;
-  at.active = vector < task.span.vectors;
+__device__ __forceinline__ std::uint32_t job_of(const JobList<Task>& list, std::uint64_t chunk,
+                                                std::uint32_t job) {
+  if (list.first[job + 1] > chunk) return job;
+  std::uint32_t low = job + 1, high = list.count - 1;
+  while (low < high) {
+    const std::uint32_t middle = (low + high + 1) / 2;
+    if (list.first[middle] <= chunk) {
+      low = middle;
+    } else {
+      high = middle - 1;
+    }
+  }
+  return low;
+}
+
+// Vector `vector` of a job's span (inactive past its end).
+__device__ __forceinline__ LaneVector lane_vector(const VectorSpan& span, std::uint64_t vector) {
+  LaneVector at;
+  at.active = vector < span.vectors;
   const auto v = static_cast<std::uint32_t>(at.active ? vector : 0);
-  const std::uint32_t row = task.span.per_row.divide(v);
-  at.row = task.span.first_row + row;
-  at.col = static_cast<std::int64_t>(v - row * task.span.per_row.divisor) * kPerLane;
-  return task;
+  const std::uint32_t row = span.per_row.divide(v);
+  at.row = span.first_row + row;
+  at.col = static_cast<std::int64_t>(v - row * span.per_row.divisor) * kPerLane;
+  return at;
 }
 
 // 8 elements of a float32, bfloat16 or float16 tensor as they are stored: two 16-bit elements
@@ -146,6 +164,22 @@ __device__ __forceinline__ float amax_of(std::uint32_t magnitude) {
   return fp16_to_float(static_cast<std::uint16_t>(magnitude));
 }
 
+// mx_scale_bits of a block's largest magnitude (bits as magnitude_max gives them). For bfloat16
+// straight from the bits: the exponent field less 8 (plus one where rounding up and the
+// significand exceeds 1.75), 0 for zero and subnormal maxima (whose exponent clamps at -127), NaN
+// for NaN and infinity.
+template <DType S>
+__device__ __forceinline__ std::uint8_t scale_bits_of(std::uint32_t magnitude, bool round_up) {
+  if constexpr (S == DType::kBFloat16) {
+    const int exponent = static_cast<int>(magnitude >> 7);
+    if (exponent == 0xff) return kE8m0Nan;
+    const int up = round_up && (magnitude & 0x7fu) > 0x60u ? 1 : 0;
+    return static_cast<std::uint8_t>(max(0, exponent - 8 + up));
+  } else {
+    return mx_scale_bits(amax_of<S>(magnitude), round_up);
+  }
+}
+
 // Stores 8 bytes, as one word where the address allows.
 __device__ __forceinline__ void store_8_bytes(std::uint8_t* at, uint2 bytes) {
   if ((reinterpret_cast<std::uintptr_t>(at) & 7) == 0) {
@@ -159,22 +193,22 @@ __device__ __forceinline__ void store_8_bytes(std::uint8_t* at, uint2 bytes) {
 
 // Casts: load, convert each element as store_float(load_float()) does, store.
 template <DType S, DType D>
-__global__ void __launch_bounds__(kThreads) cast_kernel(JobList<CastTask> list) {
+__global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> list) {
   constexpr int dst_size = D == DType::kFloat32 ? 4 : 2;
   const unsigned lane = threadIdx.x % 32;
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
   const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  for (std::uint64_t first = warp; first < list.items; first += warps * kTilesInFlight) {
+  std::uint32_t job = 0;
+  for (std::uint64_t chunk = warp; chunk < list.items; chunk += warps) {
+    job = job_of(list, chunk, job);
+    const CastTask& task = list.jobs[job];
+    const std::uint64_t first = (chunk - list.first[job]) * kVectorsPerChunk + lane;
     Raw<S> raw[kTilesInFlight];
     std::uint8_t* out[kTilesInFlight];
     int count[kTilesInFlight];
 #pragma unroll
     for (int u = 0; u < kTilesInFlight; ++u) {
-      const std::uint64_t tile = first + u * warps;
-      count[u] = 0;
-      if (tile >= list.items) continue;
-      LaneVector at;
-      const CastTask& task = find_task(list, tile, lane, at);
+      const LaneVector at = lane_vector(task.span, first + 32 * u);
       count[u] =
           at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), task.cols - at.col))
                     : 0;
@@ -223,40 +257,38 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(JobList<CastTask> list) 
 // block) take its maximum with two shuffles, then each encodes its 8 elements. A block whose
 // scale is not NaN holds no NaN or infinity, so the encoding needs no special cases.
 template <DType S>
-__global__ void __launch_bounds__(kThreads) mx_quantize_kernel(JobList<MxTask> list) {
+__global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask> list) {
   const unsigned lane = threadIdx.x % 32;
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
   const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  for (std::uint64_t first = warp; first < list.items; first += warps * kTilesInFlight) {
+  std::uint32_t job = 0;
+  for (std::uint64_t chunk = warp; chunk < list.items; chunk += warps) {
+    job = job_of(list, chunk, job);
+    const MxTask& task = list.jobs[job];
+    const std::uint64_t first = (chunk - list.first[job]) * kVectorsPerChunk + lane;
     Raw<S> raw[kTilesInFlight];
     std::uint8_t* data_at[kTilesInFlight];
     std::uint8_t* scale_at[kTilesInFlight];
-    bool round_up[kTilesInFlight], active[kTilesInFlight];
+    bool active[kTilesInFlight];
 #pragma unroll
     for (int u = 0; u < kTilesInFlight; ++u) {
-      const std::uint64_t tile = first + u * warps;
-      active[u] = false;
-      raw[u] = Raw<S>{};
-      if (tile >= list.items) continue;
-      LaneVector at;
-      const MxTask& task = find_task(list, tile, lane, at);
+      const LaneVector at = lane_vector(task.span, first + 32 * u);
       active[u] = at.active;
       raw[u] =
           load_raw<S>(task.src, task.src_rows.row_start(at.row) + at.col, at.active ? kPerLane : 0);
       data_at[u] = task.data + task.data_rows.row_start(at.row) + at.col;
       scale_at[u] = task.scale + task.scale_rows.row_start(at.row) + at.col / kMxBlock;
-      round_up[u] = task.round_up;
     }
+    const bool round_up = task.round_up;
 #pragma unroll
     for (int u = 0; u < kTilesInFlight; ++u) {
-      if (first + u * warps >= list.items) break;  // the same for the whole warp
       std::uint32_t m = magnitude_max<S>(raw[u]);
 #pragma unroll
       for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
         m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
       }
       if (!active[u]) continue;
-      const std::uint8_t bits = mx_scale_bits(amax_of<S>(m), round_up[u]);
+      const std::uint8_t bits = scale_bits_of<S>(m, round_up);
       if (lane % kLanesPerMxBlock == 0) *scale_at[u] = bits;
       uint2 encoded = make_uint2(0x7f7f7f7fu, 0x7f7f7f7fu);
       if (bits != kE8m0Nan) {
@@ -276,10 +308,12 @@ __global__ void __launch_bounds__(kThreads) mx_quantize_kernel(JobList<MxTask> l
 
 // Block FP8: one CTA per 128 x 128 tile: 16 lanes of 8 elements span a tile row, 16 rows per
 // pass, 8 passes, all loaded before any is encoded and kept as loaded (32 registers of bfloat16).
-// A tile's rows lie in one matrix, one stride apart. Where the tile's scale is a finite normal
-// number, a quotient is value * (1 / scale) and the FP8 conversion, unless it lies near a
-// rounding tie or in E4M3's subnormal range (about 1 in 100,000 for weights): such a lane's 8
-// elements take block_encode_pair, as does every element of other tiles.
+// A tile's rows lie in one matrix, one stride apart. Where the tile's values are finite and its
+// scale at least 2^-100, a quotient is value * (1 / scale) and the FP8 conversion, with the rare
+// quotients that could round either way settled by one fma (settle_tie); other tiles take
+// block_encode_pair. (Sending those quotients to block_encode_pair's double division held the
+// kernel at 0.2 of the copy rate on one H100, 2026-11-24: with a tile maximum of few significant
+// bits, as weights have, 1 quotient in 130 lies at a tie, and nearly every warp met one.)
 constexpr int kTileThreads = 256;
 constexpr int kThreadsPerTileRow = kFp8Block / kPerLane;
 constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
@@ -291,21 +325,42 @@ struct BlockTask {
   float* scale;
   BoxView src_view, data_view, scale_view;
   std::int64_t rows_per_matrix;
+  FastDivisor tiles_per_matrix, tile_cols;
+  std::uint32_t tiles;
 };
 
-__host__ __device__ std::int64_t tiles_of(const BlockTask& task) {
-  const std::int64_t tile_rows = (task.rows_per_matrix + kFp8Block - 1) / kFp8Block;
-  const std::int64_t tile_cols = (task.src_view.cols + kFp8Block - 1) / kFp8Block;
-  return task.src_view.rows / task.rows_per_matrix * tile_rows * tile_cols;
+// value / scale as a float that the FP8 conversion (round to nearest even) rounds to the same code
+// as block_encode, where `quotient` = value * reciprocal is not plainly decisive: the tie nearest
+// to it (a normal E4M3 value's midpoint, or an odd multiple of 2^-10 below 2^-6), whose side the
+// exact quotient lies on is the sign of tie * scale - |value|, exact in one fma (scale >= 2^-100,
+// so the product's last bit is above float's smallest subnormal); then the tie itself (a true tie
+// rounds to even in the conversion as in rint) or its neighbour one ulp towards the quotient.
+__device__ __noinline__ float settle_tie(float quotient, float value, float scale) {
+  const float magnitude = fabsf(quotient);
+  float tie;
+  if (magnitude >= 0.015625f) {
+    tie = __uint_as_float((__float_as_uint(magnitude) & 0xfff00000u) | 0x80000u);
+  } else {
+    const float half_steps = magnitude * 1024.0f;  // exact: a power of two
+    tie = (2.0f * floorf(half_steps * 0.5f) + 1.0f) * 0.0009765625f;
+  }
+  const float side = fmaf(tie, scale, -fabsf(value));
+  std::uint32_t bits = __float_as_uint(tie);
+  if (side > 0.0f) bits -= 1;
+  if (side < 0.0f) bits += 1;
+  return __uint_as_float(bits | (__float_as_uint(quotient) & 0x80000000u));
 }
 
-// Whether the FP8 conversion of `quotient` (within 2 ulps of the exact one) is the exactly
-// rounded code: a normal E4M3 value off every tie by more than 4 ulps, or zero. The subnormal
-// range goes to quotient_is_decisive.
-__device__ __forceinline__ bool plainly_decisive(float quotient) {
+// value * reciprocal, settled where it could round either way (plainly: zero, or a normal E4M3
+// value more than 4 ulps from every tie; see quotient_is_decisive).
+__device__ __forceinline__ float settled_quotient(float value, float scale, float reciprocal) {
+  float quotient;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(quotient) : "f"(value), "f"(reciprocal));
   const std::uint32_t magnitude = __float_as_uint(quotient) & 0x7fffffffu;
-  return magnitude == 0 ||
-         (magnitude >= 0x3c800000u && (magnitude & 0xfffffu) - (0x80000u - 4) > 8);
+  if (magnitude == 0 || (magnitude >= 0x3c800000u && (magnitude & 0xfffffu) - (0x80000u - 4) > 8)) {
+    return quotient;
+  }
+  return settle_tie(quotient, value, scale);
 }
 
 template <DType S>
@@ -320,15 +375,17 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
     std::uint8_t* const data = task.data;
     const std::int64_t rows_per_matrix = task.rows_per_matrix;
     const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
-    const std::int64_t tile_cols = (task.src_view.cols + kFp8Block - 1) / kFp8Block;
-    const auto t = static_cast<std::int64_t>(item - list.first[j]);
-    const std::int64_t m = t / (tile_rows * tile_cols);
-    const std::int64_t tr = (t / tile_cols) % tile_rows;
-    const std::int64_t tc = t % tile_cols;
-    const std::int64_t row_begin = m * rows_per_matrix + tr * kFp8Block;
-    const int rows = static_cast<int>(
-        min(static_cast<std::int64_t>(kFp8Block), rows_per_matrix - tr * kFp8Block));
-    const std::int64_t c0 = tc * kFp8Block + col;
+    const auto t = static_cast<std::uint32_t>(item - list.first[j]);
+    const std::uint32_t m = task.tiles_per_matrix.divide(t);
+    const std::uint32_t in_matrix = t - m * task.tiles_per_matrix.divisor;
+    const std::uint32_t tr = task.tile_cols.divide(in_matrix);
+    const std::uint32_t tc = in_matrix - tr * task.tile_cols.divisor;
+    const std::int64_t row_begin =
+        static_cast<std::int64_t>(m) * rows_per_matrix + static_cast<std::int64_t>(tr) * kFp8Block;
+    const int rows =
+        static_cast<int>(min(static_cast<std::int64_t>(kFp8Block),
+                             rows_per_matrix - static_cast<std::int64_t>(tr) * kFp8Block));
+    const std::int64_t c0 = static_cast<std::int64_t>(tc) * kFp8Block + col;
     const int count =
         static_cast<int>(max(static_cast<std::int64_t>(0),
                              min(static_cast<std::int64_t>(kPerLane), task.src_view.cols - c0)));
@@ -336,7 +393,8 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
     const std::int64_t src_stride = task.src_view.row_stride();
     const std::int64_t data_first = task.data_view.row_start(row_begin) + c0;
     const std::int64_t data_stride = task.data_view.row_stride();
-    float* const scale_at = task.scale + task.scale_view.row_start(m * tile_rows + tr) + tc;
+    float* const scale_at =
+        task.scale + task.scale_view.row_start(static_cast<std::int64_t>(m) * tile_rows + tr) + tc;
     Raw<S> raw[kTilePasses];
     std::uint32_t magnitude = 0;
 #pragma unroll
@@ -358,40 +416,25 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
     const float amax = amax_of<S>(magnitude);
     const float s = block_scale(amax);
     const float reciprocal = __frcp_rn(s);
-    // A finite amax (so finite elements) and a scale whose reciprocal is finite.
-    const bool plain = amax <= 3.4028234663852886e38f && reciprocal_is_usable(s);
+    // Finite elements (a finite maximum) and a scale of at least 2^-100.
+    const bool plain = amax <= 3.4028234663852886e38f && s >= 7.888609052210118e-31f;
     if (threadIdx.x == 0) *scale_at = s;
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = p * kTileRowsPerPass + first_row;
       if (r >= rows || count == 0) continue;
       std::uint32_t pair[4];
-      bool done = false;
-      if (plain) {
-        float q[kPerLane];
-        bool decisive = true;
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element<S>(raw[p], i)), "f"(reciprocal));
-          decisive = decisive && plainly_decisive(q[i]);
-        }
-        if (decisive) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            std::uint16_t bits;
-            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                : "=h"(bits)
-                : "f"(q[2 * i + 1]), "f"(q[2 * i]));
-            pair[i] = bits;
-          }
-          done = true;
-        }
-      }
-      if (!done) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pair[i] = block_encode_pair(element<S>(raw[p], 2 * i), element<S>(raw[p], 2 * i + 1), s,
-                                      reciprocal);
+      for (int i = 0; i < 4; ++i) {
+        const float low = element<S>(raw[p], 2 * i), high = element<S>(raw[p], 2 * i + 1);
+        if (plain) {
+          const float q_low = settled_quotient(low, s, reciprocal);
+          const float q_high = settled_quotient(high, s, reciprocal);
+          std::uint16_t bits;
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q_high), "f"(q_low));
+          pair[i] = bits;
+        } else {
+          pair[i] = block_encode_pair(low, high, s, reciprocal);
         }
       }
       const uint2 encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
@@ -458,7 +501,9 @@ void split_rows(std::int64_t rows, std::int64_t cols, Add add) {
   }
 }
 
-std::uint64_t tiles_of_span(const VectorSpan& span) { return (span.vectors + 31) / 32; }
+std::uint64_t chunks_of(const VectorSpan& span) {
+  return (span.vectors + kVectorsPerChunk - 1) / kVectorsPerChunk;
+}
 
 }  // namespace
 
@@ -489,11 +534,12 @@ void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, vo
     }
     run_tasks(
         tasks, uploads.convert, cuda_stream,
-        [](const CastTask& task) { return tiles_of_span(task.span); },
+        [](const CastTask& task) { return chunks_of(task.span); },
         [](const JobList<CastTask>& list, cudaStream_t s) {
-          constexpr std::uint64_t kTilesPerCta = kThreads / 32 * kTilesInFlight;
+          constexpr std::uint64_t kChunksPerCta = kThreads / 32;
           cast_kernel<S, D>
-              <<<grid_for((list.items + kTilesPerCta - 1) / kTilesPerCta), kThreads, 0, s>>>(list);
+              <<<grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0, s>>>(
+                  list);
         });
   };
   auto for_sources = [&]<DType D>() {
@@ -526,12 +572,13 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
       });
     }
     run_tasks(
-        tasks, uploads.mx, cuda_stream, [](const MxTask& task) { return tiles_of_span(task.span); },
+        tasks, uploads.mx, cuda_stream, [](const MxTask& task) { return chunks_of(task.span); },
         // Whole warps only (256-thread CTAs), so the shuffles are legal.
         [](const JobList<MxTask>& list, cudaStream_t s) {
-          constexpr std::uint64_t kTilesPerCta = kThreads / 32 * kTilesInFlight;
+          constexpr std::uint64_t kChunksPerCta = kThreads / 32;
           mx_quantize_kernel<S>
-              <<<grid_for((list.items + kTilesPerCta - 1) / kTilesPerCta), kThreads, 0, s>>>(list);
+              <<<grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0, s>>>(
+                  list);
         });
   };
   launch_source.template operator()<DType::kBFloat16>();
@@ -554,11 +601,21 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
       task.data_view = job.data.view;
       task.scale_view = job.scale.view;
       task.rows_per_matrix = job.rows_per_matrix;
+      const std::int64_t tile_rows = (job.rows_per_matrix + kFp8Block - 1) / kFp8Block;
+      const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
+      const std::int64_t tiles = job.src.view.rows / job.rows_per_matrix * tile_rows * tile_cols;
+      if (tiles >= (std::int64_t{1} << 32)) {
+        throw_error(ErrorCode::kUnsupported, "a block-FP8 conversion of " + std::to_string(tiles) +
+                                                 " tiles (at most 2^32 - 1 in one block)");
+      }
+      task.tiles_per_matrix = FastDivisor::of(static_cast<std::uint32_t>(tile_rows * tile_cols));
+      task.tile_cols = FastDivisor::of(static_cast<std::uint32_t>(tile_cols));
+      task.tiles = static_cast<std::uint32_t>(tiles);
       tasks.push_back(task);
     }
     run_tasks(
         tasks, uploads.block, cuda_stream,
-        [](const BlockTask& task) { return static_cast<std::uint64_t>(tiles_of(task)); },
+        [](const BlockTask& task) { return std::uint64_t{task.tiles}; },
         [](const JobList<BlockTask>& list, cudaStream_t s) {
           block_quantize_kernel<S><<<grid_for(list.items), kTileThreads, 0, s>>>(list);
         });

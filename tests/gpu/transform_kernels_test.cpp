@@ -78,7 +78,7 @@ std::vector<std::uint8_t> salted_tensor(std::size_t n, DType dtype, std::uint32_
   std::vector<std::uint8_t> out(n * dtype_size(dtype));
   std::mt19937 rng(seed + 1);
   for (std::size_t i = 0; i < n; ++i) {
-    if (dtype == DType::kBFloat16) {
+    if (dtype != DType::kFloat32) {  // bf16 bit patterns; as float16, other values as salty
       std::memcpy(out.data() + 2 * i, &bf16[i], 2);
     } else {
       std::uint32_t bits = static_cast<std::uint32_t>(bf16[i]) << 16;
