@@ -15,8 +15,9 @@ namespace {
 using namespace formats;
 
 // The element-wise kernels (casts, MXFP8) give each lane a vector of 8 consecutive elements of a
-// row (one 16-byte load of bfloat16) and each warp a chunk of kTilesInFlight tiles of 32 vectors,
-// all loaded before any is converted. A chunk lies in one job, found once per chunk; rows are any
+// row (one 16-byte load of bfloat16) and each warp a run of chunks of kTilesInFlight tiles of 32
+// vectors, a chunk's tiles all loaded before any is converted. A chunk lies in one job, found once
+// per chunk (a search only where the run enters the next job); rows are any
 // length: a tile runs on across rows (a row of 64 elements is 8 lanes), so skinny tensors keep
 // every lane busy, and a lane finds its row with a multiply (FastDivisor), not a division.
 // (Tiles found one by one, each with its own lookup of the job, ran MXFP8 at 0.62 of the copy
@@ -59,7 +60,8 @@ struct LaneVector {
 };
 
 // The job holding `chunk`: the previous one's (`job`, where the warp's last chunk was) or a later
-// one. Warps walk their chunks upwards, so the search mostly ends at the first comparison.
+// one. Warps walk their chunks upwards, one after the other, so the search mostly ends at the
+// first comparison.
 template <typename Task>
 __device__ __forceinline__ std::uint32_t job_of(const JobList<Task>& list, std::uint64_t chunk,
                                                 std::uint32_t job) {
@@ -198,8 +200,11 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
   const unsigned lane = threadIdx.x % 32;
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
   const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  // Each warp walks a run of consecutive chunks: mostly of one job, whose fields stay cached.
+  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
+  const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
   std::uint32_t job = 0;
-  for (std::uint64_t chunk = warp; chunk < list.items; chunk += warps) {
+  for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
     job = job_of(list, chunk, job);
     const CastTask& task = list.jobs[job];
     const std::uint64_t first = (chunk - list.first[job]) * kVectorsPerChunk + lane;
@@ -261,8 +266,11 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
   const unsigned lane = threadIdx.x % 32;
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
   const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  // Each warp walks a run of consecutive chunks: mostly of one job, whose fields stay cached.
+  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
+  const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
   std::uint32_t job = 0;
-  for (std::uint64_t chunk = warp; chunk < list.items; chunk += warps) {
+  for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
     job = job_of(list, chunk, job);
     const MxTask& task = list.jobs[job];
     const std::uint64_t first = (chunk - list.first[job]) * kVectorsPerChunk + lane;
