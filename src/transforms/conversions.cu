@@ -371,70 +371,103 @@ __device__ __forceinline__ float settled_quotient(float value, float scale, floa
   return settle_tie(quotient, value, scale);
 }
 
+// Where a CTA's thread reads and writes one tile.
+struct TilePlace {
+  std::int64_t src_first, src_stride, data_first, data_stride;
+  std::uint8_t* data;
+  float* scale_at;
+  int rows, count;
+};
+
+__device__ __forceinline__ TilePlace place_tile(const JobList<BlockTask>& list, std::uint64_t item,
+                                                int col, const BlockTask*& task_out) {
+  const std::uint32_t j = list.find(item);
+  const BlockTask& task = list.jobs[j];
+  task_out = &task;
+  const std::int64_t rows_per_matrix = task.rows_per_matrix;
+  const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
+  const auto t = static_cast<std::uint32_t>(item - list.first[j]);
+  const std::uint32_t m = task.tiles_per_matrix.divide(t);
+  const std::uint32_t in_matrix = t - m * task.tiles_per_matrix.divisor;
+  const std::uint32_t tr = task.tile_cols.divide(in_matrix);
+  const std::uint32_t tc = in_matrix - tr * task.tile_cols.divisor;
+  const std::int64_t row_begin =
+      static_cast<std::int64_t>(m) * rows_per_matrix + static_cast<std::int64_t>(tr) * kFp8Block;
+  const std::int64_t c0 = static_cast<std::int64_t>(tc) * kFp8Block + col;
+  TilePlace at;
+  at.rows = static_cast<int>(min(static_cast<std::int64_t>(kFp8Block),
+                                 rows_per_matrix - static_cast<std::int64_t>(tr) * kFp8Block));
+  at.count =
+      static_cast<int>(max(static_cast<std::int64_t>(0),
+                           min(static_cast<std::int64_t>(kPerLane), task.src_view.cols - c0)));
+  at.src_first = task.src_view.row_start(row_begin) + c0;
+  at.src_stride = task.src_view.row_stride();
+  at.data_first = task.data_view.row_start(row_begin) + c0;
+  at.data_stride = task.data_view.row_stride();
+  at.data = task.data;
+  at.scale_at =
+      task.scale + task.scale_view.row_start(static_cast<std::int64_t>(m) * tile_rows + tr) + tc;
+  return at;
+}
+
+// The CTA's next tile is loaded while the current one is encoded (a tile's maximum needs all of
+// it, so a CTA working on one tile at a time waits for memory with nothing else to do).
 template <DType S>
 __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockTask> list) {
-  __shared__ std::uint32_t warp_max[kTileThreads / 32];
+  __shared__ std::uint32_t warp_max[2][kTileThreads / 32];  // by the tile's parity: one sync each
   const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerLane;
   const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
-  for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x) {
-    const std::uint32_t j = list.find(item);
-    const BlockTask& task = list.jobs[j];
-    const void* const src = task.src;
-    std::uint8_t* const data = task.data;
-    const std::int64_t rows_per_matrix = task.rows_per_matrix;
-    const std::int64_t tile_rows = (rows_per_matrix + kFp8Block - 1) / kFp8Block;
-    const auto t = static_cast<std::uint32_t>(item - list.first[j]);
-    const std::uint32_t m = task.tiles_per_matrix.divide(t);
-    const std::uint32_t in_matrix = t - m * task.tiles_per_matrix.divisor;
-    const std::uint32_t tr = task.tile_cols.divide(in_matrix);
-    const std::uint32_t tc = in_matrix - tr * task.tile_cols.divisor;
-    const std::int64_t row_begin =
-        static_cast<std::int64_t>(m) * rows_per_matrix + static_cast<std::int64_t>(tr) * kFp8Block;
-    const int rows =
-        static_cast<int>(min(static_cast<std::int64_t>(kFp8Block),
-                             rows_per_matrix - static_cast<std::int64_t>(tr) * kFp8Block));
-    const std::int64_t c0 = static_cast<std::int64_t>(tc) * kFp8Block + col;
-    const int count =
-        static_cast<int>(max(static_cast<std::int64_t>(0),
-                             min(static_cast<std::int64_t>(kPerLane), task.src_view.cols - c0)));
-    const std::int64_t src_first = task.src_view.row_start(row_begin) + c0;
-    const std::int64_t src_stride = task.src_view.row_stride();
-    const std::int64_t data_first = task.data_view.row_start(row_begin) + c0;
-    const std::int64_t data_stride = task.data_view.row_stride();
-    float* const scale_at =
-        task.scale + task.scale_view.row_start(static_cast<std::int64_t>(m) * tile_rows + tr) + tc;
-    Raw<S> raw[kTilePasses];
-    std::uint32_t magnitude = 0;
+  const auto load_tile = [&](const BlockTask& task, const TilePlace& at,
+                             Raw<S>(&raw)[kTilePasses]) {
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = p * kTileRowsPerPass + first_row;
-      const int n = r < rows ? count : 0;
-      raw[p] = load_raw<S>(src, n > 0 ? src_first + r * src_stride : 0, n);
-      magnitude = max(magnitude, magnitude_max<S>(raw[p]));
+      const int n = r < at.rows ? at.count : 0;
+      raw[p] = load_raw<S>(task.src, n > 0 ? at.src_first + r * at.src_stride : 0, n);
     }
+  };
+  std::uint64_t item = blockIdx.x;
+  if (item >= list.items) return;
+  const BlockTask* task = nullptr;
+  TilePlace at = place_tile(list, item, col, task);
+  Raw<S> raw[kTilePasses];
+  load_tile(*task, at, raw);
+  for (int parity = 0; item < list.items; item += gridDim.x, parity ^= 1) {
+    std::uint32_t magnitude = 0;
+#pragma unroll
+    for (int p = 0; p < kTilePasses; ++p) magnitude = max(magnitude, magnitude_max<S>(raw[p]));
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
       magnitude = max(magnitude, __shfl_xor_sync(0xffffffffu, magnitude, offset));
     }
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = magnitude;
+    if (threadIdx.x % 32 == 0) warp_max[parity][threadIdx.x / 32] = magnitude;
     __syncthreads();
     magnitude = 0;
 #pragma unroll
-    for (int w = 0; w < kTileThreads / 32; ++w) magnitude = max(magnitude, warp_max[w]);
+    for (int w = 0; w < kTileThreads / 32; ++w) magnitude = max(magnitude, warp_max[parity][w]);
+    // The next tile's loads go out before this one is encoded.
+    Raw<S> current[kTilePasses];
+#pragma unroll
+    for (int p = 0; p < kTilePasses; ++p) current[p] = raw[p];
+    const TilePlace here = at;
+    if (item + gridDim.x < list.items) {
+      at = place_tile(list, item + gridDim.x, col, task);
+      load_tile(*task, at, raw);
+    }
     const float amax = amax_of<S>(magnitude);
     const float s = block_scale(amax);
     const float reciprocal = __frcp_rn(s);
     // Finite elements (a finite maximum) and a scale of at least 2^-100.
     const bool plain = amax <= 3.4028234663852886e38f && s >= 7.888609052210118e-31f;
-    if (threadIdx.x == 0) *scale_at = s;
+    if (threadIdx.x == 0) *here.scale_at = s;
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = p * kTileRowsPerPass + first_row;
-      if (r >= rows || count == 0) continue;
+      if (r >= here.rows || here.count == 0) continue;
       std::uint32_t pair[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float low = element<S>(raw[p], 2 * i), high = element<S>(raw[p], 2 * i + 1);
+        const float low = element<S>(current[p], 2 * i), high = element<S>(current[p], 2 * i + 1);
         if (plain) {
           const float q_low = settled_quotient(low, s, reciprocal);
           const float q_high = settled_quotient(high, s, reciprocal);
@@ -446,18 +479,17 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
         }
       }
       const uint2 encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
-      std::uint8_t* const out = data + data_first + r * data_stride;
-      if (count == kPerLane) {
+      std::uint8_t* const out = here.data + here.data_first + r * here.data_stride;
+      if (here.count == kPerLane) {
         store_8_bytes(out, encoded);
       } else {
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
-          if (i >= count) break;
+          if (i >= here.count) break;
           out[i] = static_cast<std::uint8_t>((i < 4 ? encoded.x : encoded.y) >> (8 * (i % 4)));
         }
       }
     }
-    __syncthreads();  // warp_max is reused by the next tile
   }
 }
 
