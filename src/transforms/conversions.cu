@@ -23,10 +23,16 @@ using namespace formats;
 // (Tiles found one by one, each with its own lookup of the job, ran MXFP8 at 0.62 of the copy
 // rate on one H100, 2026-11-24.)
 constexpr int kPerLane = 8;
-constexpr int kLanesPerMxBlock = kMxBlock / kPerLane;
 constexpr int kThreads = 256;
 constexpr int kTilesInFlight = 4;
 constexpr int kVectorsPerChunk = 32 * kTilesInFlight;
+// MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle)
+// and chunks of 2 tiles: the same bytes in flight, half the work per element of finding rows and
+// scales (0.77 -> 0.8x of the copy rate, one H100, 2026-11-24).
+constexpr int kMxPerLane = 16;
+constexpr int kLanesPerMxBlock = kMxBlock / kMxPerLane;
+constexpr int kMxTilesInFlight = 2;
+constexpr int kMxVectorsPerChunk = 32 * kMxTilesInFlight;
 
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
@@ -78,37 +84,38 @@ __device__ __forceinline__ std::uint32_t job_of(const JobList<Task>& list, std::
   return low;
 }
 
-// Vector `vector` of a job's span (inactive past its end).
+// Vector `vector` (of N elements) of a job's span (inactive past its end).
+template <int N>
 __device__ __forceinline__ LaneVector lane_vector(const VectorSpan& span, std::uint64_t vector) {
   LaneVector at;
   at.active = vector < span.vectors;
   const auto v = static_cast<std::uint32_t>(at.active ? vector : 0);
   const std::uint32_t row = span.per_row.divide(v);
   at.row = span.first_row + row;
-  at.col = static_cast<std::int64_t>(v - row * span.per_row.divisor) * kPerLane;
+  at.col = static_cast<std::int64_t>(v - row * span.per_row.divisor) * N;
   return at;
 }
 
-// 8 elements of a float32, bfloat16 or float16 tensor as they are stored: two 16-bit elements
-// per word (the first in the low half), or one float32 per word.
-template <DType D>
-constexpr int kWords = D == DType::kFloat32 ? 8 : 4;
+// N (8 or 16) elements of a float32, bfloat16 or float16 tensor as they are stored: two 16-bit
+// elements per word (the first in the low half), or one float32 per word.
+template <DType D, int N = kPerLane>
+constexpr int kWords = D == DType::kFloat32 ? N : N / 2;
 
-template <DType D>
+template <DType D, int N = kPerLane>
 struct Raw {
-  std::uint32_t word[kWords<D>];
+  std::uint32_t word[kWords<D, N>];
 };
 
-// Loads the `count` (<= 8) elements at `index`; the rest read as zero. One or two 16-byte loads
-// where the address allows.
-template <DType D>
-__device__ __forceinline__ Raw<D> load_raw(const void* base, std::int64_t index, int count) {
+// Loads the `count` (<= N) elements at `index`; the rest read as zero. 16-byte loads where the
+// address allows.
+template <DType D, int N = kPerLane>
+__device__ __forceinline__ Raw<D, N> load_raw(const void* base, std::int64_t index, int count) {
   constexpr int size = D == DType::kFloat32 ? 4 : 2;
-  Raw<D> raw{};
+  Raw<D, N> raw{};
   const auto* at = static_cast<const std::uint8_t*>(base) + index * size;
-  if (count == kPerLane && (reinterpret_cast<std::uintptr_t>(at) & 15) == 0) {
+  if (count == N && (reinterpret_cast<std::uintptr_t>(at) & 15) == 0) {
 #pragma unroll
-    for (int q = 0; q < kWords<D> / 4; ++q) {
+    for (int q = 0; q < kWords<D, N> / 4; ++q) {
       const uint4 v = reinterpret_cast<const uint4*>(at)[q];
       raw.word[4 * q] = v.x;
       raw.word[4 * q + 1] = v.y;
@@ -119,7 +126,7 @@ __device__ __forceinline__ Raw<D> load_raw(const void* base, std::int64_t index,
   }
   // Unrolled with constant indices, so `raw` stays in registers.
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
+  for (int i = 0; i < N; ++i) {
     if (i >= count) break;
     if constexpr (size == 4) {
       raw.word[i] = reinterpret_cast<const std::uint32_t*>(at)[i];
@@ -131,8 +138,8 @@ __device__ __forceinline__ Raw<D> load_raw(const void* base, std::int64_t index,
   return raw;
 }
 
-template <DType D>
-__device__ __forceinline__ float element(const Raw<D>& raw, int i) {
+template <DType D, int N>
+__device__ __forceinline__ float element(const Raw<D, N>& raw, int i) {
   if constexpr (D == DType::kFloat32) {
     return __uint_as_float(raw.word[i]);
   } else {
@@ -145,15 +152,15 @@ __device__ __forceinline__ float element(const Raw<D>& raw, int i) {
 // The largest magnitude's bits in the element's own format: magnitudes order as their bit
 // patterns, and every NaN lies above infinity, so an integer maximum is abs_max exactly (a NaN
 // anywhere gives a NaN, which amax_of turns into a float NaN).
-template <DType D>
-__device__ __forceinline__ std::uint32_t magnitude_max(const Raw<D>& raw) {
+template <DType D, int N>
+__device__ __forceinline__ std::uint32_t magnitude_max(const Raw<D, N>& raw) {
   std::uint32_t m = 0;
   if constexpr (D == DType::kFloat32) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) m = max(m, raw.word[i] & 0x7fffffffu);
+    for (int i = 0; i < N; ++i) m = max(m, raw.word[i] & 0x7fffffffu);
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) m = __vmaxu2(m, raw.word[i] & 0x7fff7fffu);
+    for (int i = 0; i < N / 2; ++i) m = __vmaxu2(m, raw.word[i] & 0x7fff7fffu);
     m = max(m & 0xffffu, m >> 16);
   }
   return m;
@@ -193,6 +200,16 @@ __device__ __forceinline__ void store_8_bytes(std::uint8_t* at, uint2 bytes) {
     at[i] = static_cast<std::uint8_t>((i < 4 ? bytes.x : bytes.y) >> (8 * (i % 4)));
 }
 
+// Stores 16 bytes, as one vector where the address allows.
+__device__ __forceinline__ void store_16_bytes(std::uint8_t* at, uint4 bytes) {
+  if ((reinterpret_cast<std::uintptr_t>(at) & 15) == 0) {
+    *reinterpret_cast<uint4*>(at) = bytes;
+    return;
+  }
+  store_8_bytes(at, make_uint2(bytes.x, bytes.y));
+  store_8_bytes(at + 8, make_uint2(bytes.z, bytes.w));
+}
+
 // Casts: load, convert each element as store_float(load_float()) does, store.
 template <DType S, DType D>
 __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> list) {
@@ -213,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
     int count[kTilesInFlight];
 #pragma unroll
     for (int u = 0; u < kTilesInFlight; ++u) {
-      const LaneVector at = lane_vector(task.span, first + 32 * u);
+      const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
       count[u] =
           at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), task.cols - at.col))
                     : 0;
@@ -258,8 +275,8 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
   }
 }
 
-// MXFP8: the 4 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a
-// block) take its maximum with two shuffles, then each encodes its 8 elements. A block whose
+// MXFP8: the 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a
+// block) take its maximum with a shuffle, then each encodes its 16 elements. A block whose
 // scale is not NaN holds no NaN or infinity, so the encoding needs no special cases.
 template <DType S>
 __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask> list) {
@@ -273,23 +290,23 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
   for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
     job = job_of(list, chunk, job);
     const MxTask& task = list.jobs[job];
-    const std::uint64_t first = (chunk - list.first[job]) * kVectorsPerChunk + lane;
-    Raw<S> raw[kTilesInFlight];
-    std::uint8_t* data_at[kTilesInFlight];
-    std::uint8_t* scale_at[kTilesInFlight];
-    bool active[kTilesInFlight];
+    const std::uint64_t first = (chunk - list.first[job]) * kMxVectorsPerChunk + lane;
+    Raw<S, kMxPerLane> raw[kMxTilesInFlight];
+    std::uint8_t* data_at[kMxTilesInFlight];
+    std::uint8_t* scale_at[kMxTilesInFlight];
+    bool active[kMxTilesInFlight];
 #pragma unroll
-    for (int u = 0; u < kTilesInFlight; ++u) {
-      const LaneVector at = lane_vector(task.span, first + 32 * u);
+    for (int u = 0; u < kMxTilesInFlight; ++u) {
+      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
       active[u] = at.active;
-      raw[u] =
-          load_raw<S>(task.src, task.src_rows.row_start(at.row) + at.col, at.active ? kPerLane : 0);
+      raw[u] = load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row) + at.col,
+                                       at.active ? kMxPerLane : 0);
       data_at[u] = task.data + task.data_rows.row_start(at.row) + at.col;
       scale_at[u] = task.scale + task.scale_rows.row_start(at.row) + at.col / kMxBlock;
     }
     const bool round_up = task.round_up;
 #pragma unroll
-    for (int u = 0; u < kTilesInFlight; ++u) {
+    for (int u = 0; u < kMxTilesInFlight; ++u) {
       std::uint32_t m = magnitude_max<S>(raw[u]);
 #pragma unroll
       for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
@@ -298,18 +315,19 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
       if (!active[u]) continue;
       const std::uint8_t bits = scale_bits_of<S>(m, round_up);
       if (lane % kLanesPerMxBlock == 0) *scale_at[u] = bits;
-      uint2 encoded = make_uint2(0x7f7f7f7fu, 0x7f7f7f7fu);
+      uint4 encoded = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
       if (bits != kE8m0Nan) {
         const float factor = power_of_two(127 - static_cast<int>(bits));
-        std::uint32_t pair[4];
+        std::uint32_t pair[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pair[i] = mx_encode_finite_pair(element<S>(raw[u], 2 * i), element<S>(raw[u], 2 * i + 1),
-                                          factor);
+        for (int i = 0; i < 8; ++i) {
+          pair[i] =
+              mx_encode_finite_pair(element(raw[u], 2 * i), element(raw[u], 2 * i + 1), factor);
         }
-        encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+        encoded = make_uint4(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16,
+                             pair[4] | pair[5] << 16, pair[6] | pair[7] << 16);
       }
-      store_8_bytes(data_at[u], encoded);
+      store_16_bytes(data_at[u], encoded);
     }
   }
 }
@@ -318,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
 // pass, 8 passes, all loaded before any is encoded and kept as loaded (32 registers of bfloat16).
 // A tile's rows lie in one matrix, one stride apart. Where the tile's values are finite and its
 // scale at least 2^-100, a quotient is value * (1 / scale) and the FP8 conversion, with the rare
-// quotients that could round either way settled by one fma (settle_tie); other tiles take
+// quotients that could round either way settled by one fma (settled_quotient); other tiles take
 // block_encode_pair. (Sending those quotients to block_encode_pair's double division held the
 // kernel at 0.2 of the copy rate on one H100, 2026-11-24: with a tile maximum of few significant
 // bits, as weights have, 1 quotient in 130 lies at a tie, and nearly every warp met one.)
@@ -338,37 +356,36 @@ struct BlockTask {
 };
 
 // value / scale as a float that the FP8 conversion (round to nearest even) rounds to the same code
-// as block_encode, where `quotient` = value * reciprocal is not plainly decisive: the tie nearest
-// to it (a normal E4M3 value's midpoint, or an odd multiple of 2^-10 below 2^-6), whose side the
-// exact quotient lies on is the sign of tie * scale - |value|, exact in one fma (scale >= 2^-100,
-// so the product's last bit is above float's smallest subnormal); then the tie itself (a true tie
-// rounds to even in the conversion as in rint) or its neighbour one ulp towards the quotient.
-__device__ __noinline__ float settle_tie(float quotient, float value, float scale) {
-  const float magnitude = fabsf(quotient);
-  float tie;
-  if (magnitude >= 0.015625f) {
-    tie = __uint_as_float((__float_as_uint(magnitude) & 0xfff00000u) | 0x80000u);
-  } else {
-    const float half_steps = magnitude * 1024.0f;  // exact: a power of two
-    tie = (2.0f * floorf(half_steps * 0.5f) + 1.0f) * 0.0009765625f;
-  }
-  const float side = fmaf(tie, scale, -fabsf(value));
-  std::uint32_t bits = __float_as_uint(tie);
-  if (side > 0.0f) bits -= 1;
-  if (side < 0.0f) bits += 1;
-  return __uint_as_float(bits | (__float_as_uint(quotient) & 0x80000000u));
+// as block_encode: `quotient` = value * reciprocal where that is plainly decisive (zero, or a
+// normal E4M3 value more than 4 ulps from every tie; see quotient_is_decisive), else the tie
+// nearest to it itself (a true tie rounds to even in the conversion, as in rint) or its neighbour
+// one ulp towards the exact quotient. Which side of the tie the exact quotient lies on is the sign
+// of tie * scale - |value|, exact in one fma (scale >= 2^-100, so the product's last bit lies
+// above float's smallest subnormal).
+__device__ __forceinline__ float settle_at(std::uint32_t tie, float quotient, float value,
+                                           float scale) {
+  const float side = fmaf(__uint_as_float(tie), scale, -fabsf(value));
+  const std::uint32_t settled = tie - (side > 0.0f ? 1u : 0u) + (side < 0.0f ? 1u : 0u);
+  return __uint_as_float(settled | (__float_as_uint(quotient) & 0x80000000u));
 }
 
-// value * reciprocal, settled where it could round either way (plainly: zero, or a normal E4M3
-// value more than 4 ulps from every tie; see quotient_is_decisive).
+// Below 2^-6, E4M3's subnormals: steps of 2^-9, ties at odd multiples of 2^-10.
+__device__ __noinline__ float settle_subnormal(float quotient, float value, float scale) {
+  const float half_steps = fabsf(quotient) * 1024.0f;  // exact: a power of two
+  const float tie = (2.0f * floorf(half_steps * 0.5f) + 1.0f) * 0.0009765625f;
+  return settle_at(__float_as_uint(tie), quotient, value, scale);
+}
+
 __device__ __forceinline__ float settled_quotient(float value, float scale, float reciprocal) {
   float quotient;
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(quotient) : "f"(value), "f"(reciprocal));
   const std::uint32_t magnitude = __float_as_uint(quotient) & 0x7fffffffu;
-  if (magnitude == 0 || (magnitude >= 0x3c800000u && (magnitude & 0xfffffu) - (0x80000u - 4) > 8)) {
-    return quotient;
+  if (magnitude >= 0x3c800000u) {
+    if ((magnitude & 0xfffffu) - (0x80000u - 4) > 8) return quotient;
+    return settle_at((magnitude & 0xfff00000u) | 0x80000u, quotient, value, scale);
   }
-  return settle_tie(quotient, value, scale);
+  if (magnitude == 0) return quotient;
+  return settle_subnormal(quotient, value, scale);
 }
 
 // Where a CTA's thread reads and writes one tile.
@@ -524,14 +541,14 @@ void run_tasks(const std::vector<Task>& tasks, JobUpload& upload, cudaStream_t s
 
 // The spans of a job's vectors: rows of `cols` elements, in pieces of fewer than 2^31 vectors.
 template <typename Add>
-void split_rows(std::int64_t rows, std::int64_t cols, Add add) {
+void split_rows(std::int64_t rows, std::int64_t cols, int per_lane, Add add) {
   if (rows <= 0 || cols <= 0) return;
-  const std::int64_t per_row = (cols + kPerLane - 1) / kPerLane;
+  const std::int64_t per_row = (cols + per_lane - 1) / per_lane;
   constexpr std::int64_t kMostVectors = std::int64_t{1} << 31;
   if (per_row >= kMostVectors) {
     throw_error(ErrorCode::kUnsupported, "a conversion of rows of " + std::to_string(cols) +
                                              " elements (at most " +
-                                             std::to_string(kMostVectors * kPerLane) + " per row)");
+                                             std::to_string(kMostVectors * per_lane) + " per row)");
   }
   const std::int64_t rows_per_piece = kMostVectors / per_row;
   for (std::int64_t first = 0; first < rows; first += rows_per_piece) {
@@ -541,8 +558,8 @@ void split_rows(std::int64_t rows, std::int64_t cols, Add add) {
   }
 }
 
-std::uint64_t chunks_of(const VectorSpan& span) {
-  return (span.vectors + kVectorsPerChunk - 1) / kVectorsPerChunk;
+std::uint64_t chunks_of(const VectorSpan& span, int vectors_per_chunk) {
+  return (span.vectors + vectors_per_chunk - 1) / vectors_per_chunk;
 }
 
 }  // namespace
@@ -561,7 +578,7 @@ void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, vo
     std::vector<CastTask> tasks;
     for (const ConvertJob& job : jobs) {
       if (job.src.dtype != S || job.dst.dtype != D) continue;
-      split_rows(job.src.view.rows, job.src.view.cols, [&](const VectorSpan& span) {
+      split_rows(job.src.view.rows, job.src.view.cols, kPerLane, [&](const VectorSpan& span) {
         CastTask task{};
         task.src = job.src.data;
         task.dst = job.dst.data;
@@ -574,7 +591,7 @@ void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, vo
     }
     run_tasks(
         tasks, uploads.convert, cuda_stream,
-        [](const CastTask& task) { return chunks_of(task.span); },
+        [](const CastTask& task) { return chunks_of(task.span, kVectorsPerChunk); },
         [](const JobList<CastTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;
           cast_kernel<S, D>
@@ -598,7 +615,7 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
     std::vector<MxTask> tasks;
     for (const MxJob& job : jobs) {
       if (job.src.dtype != S) continue;
-      split_rows(job.src.view.rows, job.src.view.cols, [&](const VectorSpan& span) {
+      split_rows(job.src.view.rows, job.src.view.cols, kMxPerLane, [&](const VectorSpan& span) {
         MxTask task{};
         task.src = job.src.data;
         task.data = static_cast<std::uint8_t*>(job.data.data);
@@ -612,7 +629,8 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
       });
     }
     run_tasks(
-        tasks, uploads.mx, cuda_stream, [](const MxTask& task) { return chunks_of(task.span); },
+        tasks, uploads.mx, cuda_stream,
+        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk); },
         // Whole warps only (256-thread CTAs), so the shuffles are legal.
         [](const JobList<MxTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;

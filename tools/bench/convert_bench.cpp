@@ -1,11 +1,13 @@
 // `reshard bench-convert`: the executor's conversion kernels (MXFP8, 128 x 128 block FP8, casts,
 // packing strided slices into wire buffers and unpacking them) on one GPU, each queued through
 // exec::ConversionQueue as a refit queues them, timed against a device-to-device copy of the same
-// bytes in the same run. Rates count bytes read plus bytes written; every result is checked
+// bytes in the same run (both cycling through copies of their buffers, so small cases come from
+// memory, not the L2 cache). Rates count bytes read plus bytes written; every result is checked
 // against the host reference (all rows of small tensors, the first tile row of large ones).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -290,6 +292,8 @@ std::int64_t checked_rows(const Matrix& m) {
   return m.rows * m.cols <= (4 << 20) ? m.rows : std::min<std::int64_t>(m.rows, 128);
 }
 
+constexpr double kRoundBytes = 256.0 * (1 << 20);
+
 struct Result {
   double seconds = 0, copy_seconds = 0, moved = 0;
   std::uint64_t wrong = 0;
@@ -307,41 +311,54 @@ Result run_case(const Case& c, const Conversion& conv, bool column_block, cudaSt
     out_total += align(conv.out_bytes(m));
     scale_total += align(conv.scale_bytes(m));
   }
-  DeviceBuffer src(src_total), out(out_total), scale(scale_total);
-  fill(src.data, src_total, conv.src_dtype, 7);
-  BENCH_CUDA(cudaMemset(out.data, 0xab, out_total));
-  BENCH_CUDA(cudaMemset(scale.data, 0xab, scale_total));
+  double moved = 0;
+  for (const Matrix& m : c.matrices) moved += conv.moved(m, column_block);
+  // Copies of the buffers taken in turn, at least 256 MiB of traffic a round, so small cases
+  // stream from memory as a refit's conversions do, not from the 50 MB L2 cache (the copy
+  // ceiling likewise).
+  const int copies = static_cast<int>(std::clamp(std::ceil(kRoundBytes / moved), 1.0, 64.0));
+  DeviceBuffer src(src_total * copies), out(out_total * copies), scale(scale_total * copies);
+  fill(src.data, src.bytes, conv.src_dtype, 7);
+  BENCH_CUDA(cudaMemset(out.data, 0xab, out.bytes));
+  BENCH_CUDA(cudaMemset(scale.data, 0xab, scale.bytes));
 
   exec::ConversionQueue queue;
   const Buffer memory = Buffer::cuda(src.data, src.bytes, 0);
   std::vector<Views> views;
   for (const Matrix& m : c.matrices) views.push_back(views_of(conv, m, column_block, m.rows));
+  int turn = 0;
   const auto body = [&] {
+    const std::size_t k = static_cast<std::size_t>(turn++ % copies);
     for (std::size_t i = 0; i < c.matrices.size(); ++i) {
       // Unpack reads the dense side: the source allocation holds it, the matrix is the output.
-      queue_one(queue, conv, views[i], src.at(placed[i].src), out.at(placed[i].out),
-                scale.at(placed[i].scale), c.matrices[i].rows, memory);
+      queue_one(queue, conv, views[i], src.at(k * src_total + placed[i].src),
+                out.at(k * out_total + placed[i].out), scale.at(k * scale_total + placed[i].scale),
+                c.matrices[i].rows, memory);
       queue.flush_if_full(stream);
     }
     queue.flush(stream);
   };
   Result result;
+  result.moved = moved;
   result.seconds = time_it(stream, options, body);
-  for (const Matrix& m : c.matrices) result.moved += conv.moved(m, column_block);
 
-  // The ceiling: a device-to-device copy of as many bytes (half read, half written), in at most
-  // 2 GiB (the copy rate is flat from 1 GiB on).
+  // The ceiling: device-to-device copies of as many bytes (half read, half written), taken in
+  // turn as above; in at most 2 GiB (the copy rate is flat from 1 GiB on).
   {
-    const auto half = static_cast<std::size_t>(result.moved / 2);
-    const std::size_t copy_bytes = std::min<std::size_t>(half, std::size_t{2} << 30);
-    DeviceBuffer a(copy_bytes), b(copy_bytes);
-    BENCH_CUDA(cudaMemsetAsync(a.data, 1, copy_bytes, stream));
-    result.copy_seconds = time_it(stream, options,
-                                  [&] {
-                                    BENCH_CUDA(cudaMemcpyAsync(b.data, a.data, copy_bytes,
-                                                               cudaMemcpyDeviceToDevice, stream));
-                                  }) *
-                          (static_cast<double>(half) / static_cast<double>(copy_bytes));
+    const auto half = static_cast<std::size_t>(moved / 2);
+    const std::size_t copy_bytes =
+        (std::min<std::size_t>(half, std::size_t{2} << 30) + 255) / 256 * 256;
+    DeviceBuffer a(copy_bytes * copies), b(copy_bytes * copies);
+    BENCH_CUDA(cudaMemsetAsync(a.data, 1, a.bytes, stream));
+    int copy_turn = 0;
+    result.copy_seconds =
+        time_it(stream, options,
+                [&] {
+                  const std::size_t k = copy_turn++ % copies;
+                  BENCH_CUDA(cudaMemcpyAsync(b.at(k * copy_bytes), a.at(k * copy_bytes), copy_bytes,
+                                             cudaMemcpyDeviceToDevice, stream));
+                }) *
+        (static_cast<double>(half) / static_cast<double>(copy_bytes));
   }
 
   // Every matrix's checked rows against the host reference, byte for byte.
