@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "execution/box_view.hpp"
 #include "transports/cuda/cuda_check.hpp"
 
 namespace reshard::exec::cuda {
@@ -22,6 +23,7 @@ struct JobList {
   const std::uint64_t* first;
   std::uint32_t count;
   std::uint64_t items;
+  const BoxView* uneven = nullptr;  // views the jobs' RowWalks refer to
 
   __device__ std::uint32_t find(std::uint64_t item) const {
     std::uint32_t low = 0, high = count - 1;
@@ -133,17 +135,25 @@ class JobUpload {
   cudaEvent_t done_ = nullptr;
 };
 
-// The jobs followed by their first items (the prefix of `items_of`), as one byte array in `bytes`.
+// The jobs followed by their first items (the prefix of `items_of`) and then the `uneven` views,
+// as one byte array in `bytes`.
 template <typename Job, typename ItemsOf>
 inline void job_bytes(const std::vector<Job>& jobs, ItemsOf items_of, std::uint64_t& total,
-                      std::size_t& prefix_offset, std::vector<std::byte>& bytes) {
+                      std::size_t& prefix_offset, std::vector<std::byte>& bytes,
+                      const std::vector<BoxView>& uneven = {}) {
   prefix_offset = (jobs.size() * sizeof(Job) + 7) / 8 * 8;
-  bytes.assign(prefix_offset + (jobs.size() + 1) * sizeof(std::uint64_t), std::byte{0});
+  const std::size_t views_offset = prefix_offset + (jobs.size() + 1) * sizeof(std::uint64_t);
+  bytes.resize(views_offset + uneven.size() * sizeof(BoxView));
   std::memcpy(bytes.data(), jobs.data(), jobs.size() * sizeof(Job));
+  std::memset(bytes.data() + jobs.size() * sizeof(Job), 0,
+              prefix_offset - jobs.size() * sizeof(Job));
   auto* first = reinterpret_cast<std::uint64_t*>(bytes.data() + prefix_offset);
   first[0] = 0;
   for (std::size_t i = 0; i < jobs.size(); ++i) first[i + 1] = first[i] + items_of(jobs[i]);
   total = first[jobs.size()];
+  if (!uneven.empty()) {
+    std::memcpy(bytes.data() + views_offset, uneven.data(), uneven.size() * sizeof(BoxView));
+  }
 }
 
 }  // namespace reshard::exec::cuda

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "execution/box_view.hpp"
 
@@ -35,34 +36,33 @@ struct FastDivisor {
   }
 };
 
-// Where the rows of a BoxView start: `stride` apart from the view's base when they are evenly
-// spaced (a block of a matrix, or of a tensor whose outer dimensions the block spans whole),
-// else through BoxView::row_start.
+// Where the rows of a BoxView start: `stride` apart from `base` when they are evenly spaced (a
+// block of a matrix, or of a tensor whose outer dimensions the block spans whole), else through
+// the view itself, kept aside (`uneven`, uploaded beside the jobs) so that a job stays small: a
+// refit queues thousands, and the host builds and uploads every one.
 struct RowWalk {
-  BoxView view;
-  std::int64_t stride = 0;  // 0: not evenly spaced
+  std::int64_t base = 0, stride = 0;
+  std::int32_t view = -1;  // >= 0: rows not evenly spaced; the view is uneven[view]
 
-  static RowWalk of(const BoxView& view) {
-    RowWalk walk{view, 0};
-    if (view.outer_dims == 0) {
-      walk.stride = view.cols;  // one row
-      return walk;
-    }
+  static RowWalk of(const BoxView& view, std::vector<BoxView>& uneven) {
+    RowWalk walk{view.base, view.cols, -1};
     std::int64_t step = 0, span = 0;  // the innermost dimension that moves, and what it spans
     for (int d = view.outer_dims - 1; d >= 0; --d) {
       if (view.outer_extent[d] <= 1) continue;
       if (step == 0) {
         step = view.outer_stride[d];
       } else if (view.outer_stride[d] != span) {
+        walk.view = static_cast<std::int32_t>(uneven.size());
+        uneven.push_back(view);
         return walk;
       }
       span = view.outer_stride[d] * view.outer_extent[d];
     }
-    walk.stride = step > 0 ? step : view.cols;
+    if (step > 0) walk.stride = step;
     return walk;
   }
-  RESHARD_HD std::int64_t row_start(std::int64_t row) const {
-    return stride > 0 ? view.base + row * stride : view.row_start(row);
+  RESHARD_HD std::int64_t row_start(std::int64_t row, const BoxView* uneven) const {
+    return view < 0 ? base + row * stride : uneven[view].row_start(row);
   }
 };
 

@@ -21,26 +21,36 @@ class DeviceScope {
   int previous_ = 0;
 };
 
-// A warp's share of a copy: up to 4 KiB of one row, 8 16-byte loads in flight per lane before
-// the stores when both ends allow vectors. Splitting rows into chunks keeps a long contiguous
-// slice (one row) spread over the whole GPU, and short rows cost one warp each, not a CTA.
+// A warp's share of a copy: up to 4 KiB of one row, or as many whole rows as fit in 4 KiB where
+// rows are at most 2 KiB (a 128-byte row would otherwise keep 8 lanes of 32 busy); 8 16-byte
+// loads in flight per lane before the stores when both ends allow vectors. Splitting rows into
+// chunks keeps a long contiguous slice (one row) spread over the whole GPU.
 constexpr std::uint64_t kChunkBytes = 4096;
 constexpr int kVectorsPerLane = static_cast<int>(kChunkBytes / 16 / 32);
 constexpr int kThreads = 256;
 
+__host__ __device__ std::uint64_t row_bytes_of(const BlockCopy& copy) {
+  return static_cast<std::uint64_t>(copy.src_view.cols) * copy.element_bytes;
+}
+
 __host__ __device__ std::uint64_t chunks_per_row(const BlockCopy& copy) {
-  const std::uint64_t row_bytes =
-      static_cast<std::uint64_t>(copy.src_view.cols) * copy.element_bytes;
-  return (row_bytes + kChunkBytes - 1) / kChunkBytes;
+  return (row_bytes_of(copy) + kChunkBytes - 1) / kChunkBytes;
+}
+
+// Rows per work item: 1, or several short ones.
+__host__ __device__ std::uint64_t rows_per_item(const BlockCopy& copy) {
+  const std::uint64_t row_bytes = row_bytes_of(copy);
+  return row_bytes == 0 || row_bytes > kChunkBytes / 2 ? 1 : kChunkBytes / row_bytes;
 }
 
 __host__ __device__ std::uint64_t items_of(const BlockCopy& copy) {
-  return static_cast<std::uint64_t>(copy.src_view.rows) * chunks_per_row(copy);
+  const auto rows = static_cast<std::uint64_t>(copy.src_view.rows);
+  const std::uint64_t per_item = rows_per_item(copy);
+  return per_item > 1 ? (rows + per_item - 1) / per_item : rows * chunks_per_row(copy);
 }
 
 __device__ void copy_chunk(const BlockCopy& copy, std::uint64_t item, unsigned lane) {
-  const std::uint64_t row_bytes =
-      static_cast<std::uint64_t>(copy.src_view.cols) * copy.element_bytes;
+  const std::uint64_t row_bytes = row_bytes_of(copy);
   const std::uint64_t chunks = chunks_per_row(copy);
   const auto row = static_cast<std::int64_t>(item / chunks);
   const std::uint64_t begin = (item % chunks) * kChunkBytes;
@@ -68,6 +78,49 @@ __device__ void copy_chunk(const BlockCopy& copy, std::uint64_t item, unsigned l
   for (std::uint64_t i = lane; i < bytes; i += 32) to[i] = from[i];
 }
 
+// Several short rows: the lanes walk their 16-byte vectors across the rows.
+__device__ void copy_rows(const BlockCopy& copy, std::uint64_t item, unsigned lane) {
+  const auto row_bytes = static_cast<std::uint32_t>(row_bytes_of(copy));
+  const auto per_item = static_cast<std::int64_t>(rows_per_item(copy));
+  const std::int64_t first = static_cast<std::int64_t>(item) * per_item;
+  const auto rows = static_cast<std::uint32_t>(min(per_item, copy.src_view.rows - first));
+  const auto at = [&](const std::byte* base, const BoxView& view, std::uint32_t row) {
+    return base + view.row_start(first + row) * copy.element_bytes;
+  };
+  if (row_bytes % 16 != 0) {
+    for (std::uint32_t row = 0; row < rows; ++row) {
+      const std::byte* from = at(copy.src, copy.src_view, row);
+      std::byte* to = const_cast<std::byte*>(at(copy.dst, copy.dst_view, row));
+      for (std::uint32_t i = lane; i < row_bytes; i += 32) to[i] = from[i];
+    }
+    return;
+  }
+  const std::uint32_t per_row = row_bytes / 16, total = rows * per_row;
+  std::uint32_t row = lane / per_row, vector = lane % per_row;
+  uint4 held[kVectorsPerLane];
+  uint4* out[kVectorsPerLane];
+#pragma unroll
+  for (int k = 0; k < kVectorsPerLane; ++k) {
+    out[k] = nullptr;
+    if (lane + 32u * k < total) {
+      const std::byte* from = at(copy.src, copy.src_view, row) + 16u * vector;
+      std::byte* to = const_cast<std::byte*>(at(copy.dst, copy.dst_view, row)) + 16u * vector;
+      if (((reinterpret_cast<std::uintptr_t>(from) | reinterpret_cast<std::uintptr_t>(to)) & 15) ==
+          0) {
+        held[k] = *reinterpret_cast<const uint4*>(from);
+        out[k] = reinterpret_cast<uint4*>(to);
+      } else {
+        for (int b = 0; b < 16; ++b) to[b] = from[b];
+      }
+    }
+    for (vector += 32; vector >= per_row; vector -= per_row) ++row;
+  }
+#pragma unroll
+  for (int k = 0; k < kVectorsPerLane; ++k) {
+    if (out[k] != nullptr) *out[k] = held[k];
+  }
+}
+
 // Work items are numbered across the copies; a warp finds its copy in the list.
 __global__ void copy_blocks_kernel(JobList<BlockCopy> list) {
   const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
@@ -75,7 +128,12 @@ __global__ void copy_blocks_kernel(JobList<BlockCopy> list) {
            (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
        item < list.items; item += warps) {
     const std::uint32_t j = list.find(item);
-    copy_chunk(list.jobs[j], item - list.first[j], threadIdx.x % 32);
+    const BlockCopy& copy = list.jobs[j];
+    if (rows_per_item(copy) > 1) {
+      copy_rows(copy, item - list.first[j], threadIdx.x % 32);
+    } else {
+      copy_chunk(copy, item - list.first[j], threadIdx.x % 32);
+    }
   }
 }
 

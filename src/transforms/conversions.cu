@@ -234,9 +234,10 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
       count[u] =
           at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), task.cols - at.col))
                     : 0;
-      raw[u] = load_raw<S>(task.src, task.src_rows.row_start(at.row) + at.col, count[u]);
+      raw[u] =
+          load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count[u]);
       out[u] = static_cast<std::uint8_t*>(task.dst) +
-               (task.dst_rows.row_start(at.row) + at.col) * dst_size;
+               (task.dst_rows.row_start(at.row, list.uneven) + at.col) * dst_size;
     }
 #pragma unroll
     for (int u = 0; u < kTilesInFlight; ++u) {
@@ -299,10 +300,11 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
     for (int u = 0; u < kMxTilesInFlight; ++u) {
       const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
       active[u] = at.active;
-      raw[u] = load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row) + at.col,
-                                       at.active ? kMxPerLane : 0);
-      data_at[u] = task.data + task.data_rows.row_start(at.row) + at.col;
-      scale_at[u] = task.scale + task.scale_rows.row_start(at.row) + at.col / kMxBlock;
+      raw[u] =
+          load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
+                                  at.active ? kMxPerLane : 0);
+      data_at[u] = task.data + task.data_rows.row_start(at.row, list.uneven) + at.col;
+      scale_at[u] = task.scale + task.scale_rows.row_start(at.row, list.uneven) + at.col / kMxBlock;
     }
     const bool round_up = task.round_up;
 #pragma unroll
@@ -523,17 +525,19 @@ unsigned grid_for(std::uint64_t units) {
 
 // Uploads `tasks` (with each one's first item) and launches `launch` on them.
 template <typename Task, typename ItemsOf, typename Launch>
-void run_tasks(const std::vector<Task>& tasks, JobUpload& upload, cudaStream_t stream,
-               ItemsOf items_of, Launch launch) {
+void run_tasks(const std::vector<Task>& tasks, const std::vector<BoxView>& uneven,
+               JobUpload& upload, cudaStream_t stream, ItemsOf items_of, Launch launch) {
   if (tasks.empty()) return;
   std::uint64_t items = 0;
   std::size_t prefix_offset = 0;
-  job_bytes(tasks, items_of, items, prefix_offset, upload.scratch);
+  job_bytes(tasks, items_of, items, prefix_offset, upload.scratch, uneven);
   if (items == 0) return;
   const std::byte* device_list = upload.upload(upload.scratch, stream);
+  const std::size_t views_offset = prefix_offset + (tasks.size() + 1) * sizeof(std::uint64_t);
   launch(JobList<Task>{reinterpret_cast<const Task*>(device_list),
                        reinterpret_cast<const std::uint64_t*>(device_list + prefix_offset),
-                       static_cast<std::uint32_t>(tasks.size()), items},
+                       static_cast<std::uint32_t>(tasks.size()), items,
+                       reinterpret_cast<const BoxView*>(device_list + views_offset)},
          stream);
   RESHARD_CUDA_CHECK(cudaGetLastError());
   upload.mark_used(stream);
@@ -576,21 +580,23 @@ void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, vo
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   auto launch_pair = [&]<DType S, DType D>() {
     std::vector<CastTask> tasks;
+    std::vector<BoxView> uneven;
+    tasks.reserve(jobs.size());
     for (const ConvertJob& job : jobs) {
       if (job.src.dtype != S || job.dst.dtype != D) continue;
       split_rows(job.src.view.rows, job.src.view.cols, kPerLane, [&](const VectorSpan& span) {
         CastTask task{};
         task.src = job.src.data;
         task.dst = job.dst.data;
-        task.src_rows = RowWalk::of(job.src.view);
-        task.dst_rows = RowWalk::of(job.dst.view);
+        task.src_rows = RowWalk::of(job.src.view, uneven);
+        task.dst_rows = RowWalk::of(job.dst.view, uneven);
         task.span = span;
         task.cols = job.src.view.cols;
         tasks.push_back(task);
       });
     }
     run_tasks(
-        tasks, uploads.convert, cuda_stream,
+        tasks, uneven, uploads.convert, cuda_stream,
         [](const CastTask& task) { return chunks_of(task.span, kVectorsPerChunk); },
         [](const JobList<CastTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;
@@ -613,6 +619,8 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   auto launch_source = [&]<DType S>() {
     std::vector<MxTask> tasks;
+    std::vector<BoxView> uneven;
+    tasks.reserve(jobs.size());
     for (const MxJob& job : jobs) {
       if (job.src.dtype != S) continue;
       split_rows(job.src.view.rows, job.src.view.cols, kMxPerLane, [&](const VectorSpan& span) {
@@ -620,16 +628,16 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
         task.src = job.src.data;
         task.data = static_cast<std::uint8_t*>(job.data.data);
         task.scale = static_cast<std::uint8_t*>(job.scale.data);
-        task.src_rows = RowWalk::of(job.src.view);
-        task.data_rows = RowWalk::of(job.data.view);
-        task.scale_rows = RowWalk::of(job.scale.view);
+        task.src_rows = RowWalk::of(job.src.view, uneven);
+        task.data_rows = RowWalk::of(job.data.view, uneven);
+        task.scale_rows = RowWalk::of(job.scale.view, uneven);
         task.span = span;
         task.round_up = job.round_up;
         tasks.push_back(task);
       });
     }
     run_tasks(
-        tasks, uploads.mx, cuda_stream,
+        tasks, uneven, uploads.mx, cuda_stream,
         [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk); },
         // Whole warps only (256-thread CTAs), so the shuffles are legal.
         [](const JobList<MxTask>& list, cudaStream_t s) {
@@ -672,7 +680,7 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
       tasks.push_back(task);
     }
     run_tasks(
-        tasks, uploads.block, cuda_stream,
+        tasks, {}, uploads.block, cuda_stream,
         [](const BlockTask& task) { return std::uint64_t{task.tiles}; },
         [](const JobList<BlockTask>& list, cudaStream_t s) {
           block_quantize_kernel<S><<<grid_for(list.items), kTileThreads, 0, s>>>(list);
