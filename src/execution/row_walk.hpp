@@ -36,8 +36,24 @@ struct FastDivisor {
   }
 };
 
-// Where the rows of a BoxView start: `stride` apart from `base` when they are evenly spaced (a
-// block of a matrix, or of a tensor whose outer dimensions the block spans whole), else through
+// The elements between consecutive rows of `view` where that is one number (a block of a matrix,
+// or of a tensor whose outer dimensions the block spans whole), else 0.
+inline std::int64_t even_row_stride(const BoxView& view) {
+  std::int64_t step = 0, span = 0;  // the innermost dimension that moves, and what it spans
+  for (int d = view.outer_dims - 1; d >= 0; --d) {
+    if (view.outer_extent[d] <= 1) continue;
+    if (step == 0) {
+      step = view.outer_stride[d];
+    } else if (view.outer_stride[d] != span) {
+      return 0;
+    }
+    span = view.outer_stride[d] * view.outer_extent[d];
+  }
+  return step > 0 ? step : (view.cols > 0 ? view.cols : 1);  // one row: any stride will do
+}
+
+// Where the rows of a BoxView start: `stride` apart from `base` when they are evenly spaced, else
+// through
 // the view itself, kept aside (`uneven`, uploaded beside the jobs) so that a job stays small: a
 // refit queues thousands, and the host builds and uploads every one.
 struct RowWalk {
@@ -45,20 +61,11 @@ struct RowWalk {
   std::int32_t view = -1;  // >= 0: rows not evenly spaced; the view is uneven[view]
 
   static RowWalk of(const BoxView& view, std::vector<BoxView>& uneven) {
-    RowWalk walk{view.base, view.cols, -1};
-    std::int64_t step = 0, span = 0;  // the innermost dimension that moves, and what it spans
-    for (int d = view.outer_dims - 1; d >= 0; --d) {
-      if (view.outer_extent[d] <= 1) continue;
-      if (step == 0) {
-        step = view.outer_stride[d];
-      } else if (view.outer_stride[d] != span) {
-        walk.view = static_cast<std::int32_t>(uneven.size());
-        uneven.push_back(view);
-        return walk;
-      }
-      span = view.outer_stride[d] * view.outer_extent[d];
+    RowWalk walk{view.base, even_row_stride(view), -1};
+    if (walk.stride == 0) {
+      walk.view = static_cast<std::int32_t>(uneven.size());
+      uneven.push_back(view);
     }
-    if (step > 0) walk.stride = step;
     return walk;
   }
   RESHARD_HD std::int64_t row_start(std::int64_t row, const BoxView* uneven) const {

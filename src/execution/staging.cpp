@@ -6,6 +6,7 @@
 #include <new>
 #include <utility>
 
+#include "execution/row_walk.hpp"
 #include "reshard/error.hpp"
 
 namespace reshard::exec {
@@ -37,8 +38,13 @@ BlockCopy block_copy(const Buffer& src, const BoxView& src_view, const Buffer& d
     throw_error(ErrorCode::kInvalidArgument, "staging copy between host and GPU memory: " +
                                                  describe(src) + " -> " + describe(dst));
   }
-  return {static_cast<const std::byte*>(src.data), src_view, static_cast<std::byte*>(dst.data),
-          dst_view, static_cast<std::uint32_t>(element_bytes)};
+  return {static_cast<const std::byte*>(src.data),
+          src_view,
+          static_cast<std::byte*>(dst.data),
+          dst_view,
+          static_cast<std::uint32_t>(element_bytes),
+          even_row_stride(src_view),
+          even_row_stride(dst_view)};
 }
 
 }  // namespace

@@ -84,13 +84,15 @@ __device__ void copy_rows(const BlockCopy& copy, std::uint64_t item, unsigned la
   const auto per_item = static_cast<std::int64_t>(rows_per_item(copy));
   const std::int64_t first = static_cast<std::int64_t>(item) * per_item;
   const auto rows = static_cast<std::uint32_t>(min(per_item, copy.src_view.rows - first));
-  const auto at = [&](const std::byte* base, const BoxView& view, std::uint32_t row) {
-    return base + view.row_start(first + row) * copy.element_bytes;
+  const auto at = [&](const std::byte* base, const BoxView& view, std::int64_t stride,
+                      std::uint32_t row) {
+    const std::int64_t r = first + row;
+    return base + (stride > 0 ? view.base + r * stride : view.row_start(r)) * copy.element_bytes;
   };
   if (row_bytes % 16 != 0) {
     for (std::uint32_t row = 0; row < rows; ++row) {
-      const std::byte* from = at(copy.src, copy.src_view, row);
-      std::byte* to = const_cast<std::byte*>(at(copy.dst, copy.dst_view, row));
+      const std::byte* from = at(copy.src, copy.src_view, copy.src_stride, row);
+      std::byte* to = const_cast<std::byte*>(at(copy.dst, copy.dst_view, copy.dst_stride, row));
       for (std::uint32_t i = lane; i < row_bytes; i += 32) to[i] = from[i];
     }
     return;
@@ -103,8 +105,9 @@ __device__ void copy_rows(const BlockCopy& copy, std::uint64_t item, unsigned la
   for (int k = 0; k < kVectorsPerLane; ++k) {
     out[k] = nullptr;
     if (lane + 32u * k < total) {
-      const std::byte* from = at(copy.src, copy.src_view, row) + 16u * vector;
-      std::byte* to = const_cast<std::byte*>(at(copy.dst, copy.dst_view, row)) + 16u * vector;
+      const std::byte* from = at(copy.src, copy.src_view, copy.src_stride, row) + 16u * vector;
+      std::byte* to =
+          const_cast<std::byte*>(at(copy.dst, copy.dst_view, copy.dst_stride, row)) + 16u * vector;
       if (((reinterpret_cast<std::uintptr_t>(from) | reinterpret_cast<std::uintptr_t>(to)) & 15) ==
           0) {
         held[k] = *reinterpret_cast<const uint4*>(from);

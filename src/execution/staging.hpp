@@ -112,6 +112,8 @@ struct BlockCopy {
   std::byte* dst = nullptr;
   BoxView dst_view;
   std::uint32_t element_bytes = 1;
+  // even_row_stride of the views (0: rows not evenly spaced), so kernels find rows by a multiply.
+  std::int64_t src_stride = 0, dst_stride = 0;
 };
 
 // Block copies listed once and replayed at every refit: on the GPU one kernel launch runs all of

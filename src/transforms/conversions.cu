@@ -378,6 +378,14 @@ __device__ __noinline__ float settle_subnormal(float quotient, float value, floa
   return settle_at(__float_as_uint(tie), quotient, value, scale);
 }
 
+// Zero, or a normal E4M3 value more than 4 ulps from every tie (quotient_is_decisive's normal
+// case): the conversion of value * reciprocal is the exactly rounded code.
+__device__ __forceinline__ bool plainly_decisive(float quotient) {
+  const std::uint32_t magnitude = __float_as_uint(quotient) & 0x7fffffffu;
+  return magnitude == 0 ||
+         (magnitude >= 0x3c800000u && (magnitude & 0xfffffu) - (0x80000u - 4) > 8);
+}
+
 __device__ __forceinline__ float settled_quotient(float value, float scale, float reciprocal) {
   float quotient;
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(quotient) : "f"(value), "f"(reciprocal));
@@ -429,32 +437,32 @@ __device__ __forceinline__ TilePlace place_tile(const JobList<BlockTask>& list, 
   return at;
 }
 
-// The CTA's next tile is loaded while the current one is encoded (a tile's maximum needs all of
-// it, so a CTA working on one tile at a time waits for memory with nothing else to do).
+// Two passes over a tile: the maximum, then (once the CTA has it) the encoding, which reads the
+// tile again, from L2 (it was read microseconds before): nothing is held in registers across the
+// CTA's barrier, so enough CTAs stay resident to keep memory busy. (Holding the tile in registers
+// allowed 2-3 CTAs per SM and reached 0.5 of the copy rate, prefetching the next tile included;
+// one H100, 2026-11-24.)
 template <DType S>
 __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockTask> list) {
   __shared__ std::uint32_t warp_max[2][kTileThreads / 32];  // by the tile's parity: one sync each
   const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerLane;
   const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
-  const auto load_tile = [&](const BlockTask& task, const TilePlace& at,
-                             Raw<S>(&raw)[kTilePasses]) {
-#pragma unroll
-    for (int p = 0; p < kTilePasses; ++p) {
+  int parity = 0;
+  for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x, parity ^= 1) {
+    const BlockTask* task = nullptr;
+    const TilePlace at = place_tile(list, item, col, task);
+    const auto row_of = [&](int p) {
       const int r = p * kTileRowsPerPass + first_row;
-      const int n = r < at.rows ? at.count : 0;
-      raw[p] = load_raw<S>(task.src, n > 0 ? at.src_first + r * at.src_stride : 0, n);
-    }
-  };
-  std::uint64_t item = blockIdx.x;
-  if (item >= list.items) return;
-  const BlockTask* task = nullptr;
-  TilePlace at = place_tile(list, item, col, task);
-  Raw<S> raw[kTilePasses];
-  load_tile(*task, at, raw);
-  for (int parity = 0; item < list.items; item += gridDim.x, parity ^= 1) {
+      return r < at.rows && at.count > 0 ? r : -1;
+    };
     std::uint32_t magnitude = 0;
 #pragma unroll
-    for (int p = 0; p < kTilePasses; ++p) magnitude = max(magnitude, magnitude_max<S>(raw[p]));
+    for (int p = 0; p < kTilePasses; ++p) {
+      const int r = row_of(p);
+      const Raw<S> raw = load_raw<S>(task->src, r >= 0 ? at.src_first + r * at.src_stride : 0,
+                                     r >= 0 ? at.count : 0);
+      magnitude = max(magnitude, magnitude_max<S>(raw));
+    }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
       magnitude = max(magnitude, __shfl_xor_sync(0xffffffffu, magnitude, offset));
@@ -464,47 +472,53 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
     magnitude = 0;
 #pragma unroll
     for (int w = 0; w < kTileThreads / 32; ++w) magnitude = max(magnitude, warp_max[parity][w]);
-    // The next tile's loads go out before this one is encoded.
-    Raw<S> current[kTilePasses];
-#pragma unroll
-    for (int p = 0; p < kTilePasses; ++p) current[p] = raw[p];
-    const TilePlace here = at;
-    if (item + gridDim.x < list.items) {
-      at = place_tile(list, item + gridDim.x, col, task);
-      load_tile(*task, at, raw);
-    }
     const float amax = amax_of<S>(magnitude);
     const float s = block_scale(amax);
     const float reciprocal = __frcp_rn(s);
     // Finite elements (a finite maximum) and a scale of at least 2^-100.
     const bool plain = amax <= 3.4028234663852886e38f && s >= 7.888609052210118e-31f;
-    if (threadIdx.x == 0) *here.scale_at = s;
-#pragma unroll
+    if (threadIdx.x == 0) *at.scale_at = s;
+#pragma unroll 4
     for (int p = 0; p < kTilePasses; ++p) {
-      const int r = p * kTileRowsPerPass + first_row;
-      if (r >= here.rows || here.count == 0) continue;
+      const int r = row_of(p);
+      if (r < 0) continue;
+      const Raw<S> raw = load_raw<S>(task->src, at.src_first + r * at.src_stride, at.count);
       std::uint32_t pair[4];
+      if (plain) {
+        float q[kPerLane];
+        bool decisive = true;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float low = element<S>(current[p], 2 * i), high = element<S>(current[p], 2 * i + 1);
-        if (plain) {
-          const float q_low = settled_quotient(low, s, reciprocal);
-          const float q_high = settled_quotient(high, s, reciprocal);
+        for (int i = 0; i < kPerLane; ++i) {
+          asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element(raw, i)), "f"(reciprocal));
+          decisive = decisive && plainly_decisive(q[i]);
+        }
+        if (!decisive) {
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i)
+            q[i] = settled_quotient(element(raw, i), s, reciprocal);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
           std::uint16_t bits;
-          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q_high), "f"(q_low));
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+              : "=h"(bits)
+              : "f"(q[2 * i + 1]), "f"(q[2 * i]));
           pair[i] = bits;
-        } else {
-          pair[i] = block_encode_pair(low, high, s, reciprocal);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pair[i] = block_encode_pair(element(raw, 2 * i), element(raw, 2 * i + 1), s, reciprocal);
         }
       }
       const uint2 encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
-      std::uint8_t* const out = here.data + here.data_first + r * here.data_stride;
-      if (here.count == kPerLane) {
+      std::uint8_t* const out = at.data + at.data_first + r * at.data_stride;
+      if (at.count == kPerLane) {
         store_8_bytes(out, encoded);
       } else {
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
-          if (i >= here.count) break;
+          if (i >= at.count) break;
           out[i] = static_cast<std::uint8_t>((i < 4 ? encoded.x : encoded.y) >> (8 * (i % 4)));
         }
       }
