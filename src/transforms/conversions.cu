@@ -437,6 +437,27 @@ __device__ __forceinline__ TilePlace place_tile(const JobList<BlockTask>& list, 
   return at;
 }
 
+// A lane's 8 elements where some quotient is not plainly decisive, or the tile is not plain: out
+// of line, so the rare paths do not crowd the instruction cache in the kernel's unrolled loops.
+template <DType S>
+__device__ __noinline__ uint2 encode_unplainly(Raw<S> raw, float s, float reciprocal, bool plain) {
+  std::uint32_t pair[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float low = element(raw, 2 * i), high = element(raw, 2 * i + 1);
+    if (plain) {
+      const float q_low = settled_quotient(low, s, reciprocal);
+      const float q_high = settled_quotient(high, s, reciprocal);
+      std::uint16_t bits;
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q_high), "f"(q_low));
+      pair[i] = bits;
+    } else {
+      pair[i] = block_encode_pair(low, high, s, reciprocal);
+    }
+  }
+  return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+
 // Two passes over a tile: the maximum, then (once the CTA has it) the encoding, which reads the
 // tile again, from L2 (it was read microseconds before): nothing is held in registers across the
 // CTA's barrier, so enough CTAs stay resident to keep memory busy. (Holding the tile in registers
@@ -483,20 +504,16 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
       const int r = row_of(p);
       if (r < 0) continue;
       const Raw<S> raw = load_raw<S>(task->src, at.src_first + r * at.src_stride, at.count);
-      std::uint32_t pair[4];
-      if (plain) {
-        float q[kPerLane];
-        bool decisive = true;
+      uint2 encoded;
+      float q[kPerLane];
+      bool decisive = plain;
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element(raw, i)), "f"(reciprocal));
-          decisive = decisive && plainly_decisive(q[i]);
-        }
-        if (!decisive) {
-#pragma unroll
-          for (int i = 0; i < kPerLane; ++i)
-            q[i] = settled_quotient(element(raw, i), s, reciprocal);
-        }
+      for (int i = 0; i < kPerLane; ++i) {
+        asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element(raw, i)), "f"(reciprocal));
+        decisive &= plainly_decisive(q[i]);
+      }
+      if (decisive) {
+        std::uint32_t pair[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           std::uint16_t bits;
@@ -505,13 +522,10 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
               : "f"(q[2 * i + 1]), "f"(q[2 * i]));
           pair[i] = bits;
         }
+        encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
       } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pair[i] = block_encode_pair(element(raw, 2 * i), element(raw, 2 * i + 1), s, reciprocal);
-        }
+        encoded = encode_unplainly(raw, s, reciprocal, plain);
       }
-      const uint2 encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
       std::uint8_t* const out = at.data + at.data_first + r * at.data_stride;
       if (at.count == kPerLane) {
         store_8_bytes(out, encoded);
