@@ -28,7 +28,7 @@ constexpr int kTilesInFlight = 4;
 constexpr int kVectorsPerChunk = 32 * kTilesInFlight;
 // MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle)
 // and chunks of 2 tiles: the same bytes in flight, half the work per element of finding rows and
-// scales (0.77 -> 0.8x of the copy rate, one H100, 2026-11-24).
+// scales (0.77 -> 0.89 of the copy rate on one H100, 2026-11-24).
 constexpr int kMxPerLane = 16;
 constexpr int kLanesPerMxBlock = kMxBlock / kMxPerLane;
 constexpr int kMxTilesInFlight = 2;
@@ -335,13 +335,13 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
 }
 
 // Block FP8: one CTA per 128 x 128 tile: 16 lanes of 8 elements span a tile row, 16 rows per
-// pass, 8 passes, all loaded before any is encoded and kept as loaded (32 registers of bfloat16).
-// A tile's rows lie in one matrix, one stride apart. Where the tile's values are finite and its
-// scale at least 2^-100, a quotient is value * (1 / scale) and the FP8 conversion, with the rare
-// quotients that could round either way settled by one fma (settled_quotient); other tiles take
-// block_encode_pair. (Sending those quotients to block_encode_pair's double division held the
-// kernel at 0.2 of the copy rate on one H100, 2026-11-24: with a tile maximum of few significant
-// bits, as weights have, 1 quotient in 130 lies at a tie, and nearly every warp met one.)
+// pass, 8 passes. A tile's rows lie in one matrix, one stride apart. Where the tile's values are
+// finite and its scale at least 2^-100, a quotient is value * (1 / scale) and the FP8 conversion,
+// with the rare quotients that could round either way settled by one fma (settled_quotient);
+// other tiles take block_encode_pair. (Sending those quotients to block_encode_pair's double
+// division held the kernel at 0.2 of the copy rate on one H100, 2026-11-24: where a tile's maximum
+// has few significant bits (a power of two, 1.5 x 2^k), 1 quotient in 130 lies on a tie, and
+// nearly every warp met one.)
 constexpr int kTileThreads = 256;
 constexpr int kThreadsPerTileRow = kFp8Block / kPerLane;
 constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
@@ -460,9 +460,8 @@ __device__ __noinline__ uint2 encode_unplainly(Raw<S> raw, float s, float recipr
 
 // Two passes over a tile: the maximum, then (once the CTA has it) the encoding, which reads the
 // tile again, from L2 (it was read microseconds before): nothing is held in registers across the
-// CTA's barrier, so enough CTAs stay resident to keep memory busy. (Holding the tile in registers
-// allowed 2-3 CTAs per SM and reached 0.5 of the copy rate, prefetching the next tile included;
-// one H100, 2026-11-24.)
+// CTA's barrier, so more CTAs stay resident. (Holding the tile in registers, 2-3 CTAs per SM,
+// prefetching the next tile or not, ran the same or slower; one H100, 2026-11-24.)
 template <DType S>
 __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockTask> list) {
   __shared__ std::uint32_t warp_max[2][kTileThreads / 32];  // by the tile's parity: one sync each
