@@ -84,6 +84,24 @@ __device__ __forceinline__ std::uint32_t job_of(const JobList<Task>& list, std::
   return low;
 }
 
+// Calls body(job, first) for each chunk of the calling warp's run, `first` being the lane's vector
+// in the chunk's first tile. Each warp walks consecutive chunks: mostly of one job, whose fields
+// stay cached, so the job is searched for only where the run enters the next.
+template <int VectorsPerChunk, typename Task, typename Body>
+__device__ __forceinline__ void for_each_chunk(const JobList<Task>& list, Body body) {
+  const unsigned lane = threadIdx.x % 32;
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
+  const std::uint64_t warp =
+      (static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
+  const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
+  std::uint32_t job = 0;
+  for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
+    job = job_of(list, chunk, job);
+    body(list.jobs[job], (chunk - list.first[job]) * VectorsPerChunk + lane);
+  }
+}
+
 // Vector `vector` (of N elements) of a job's span (inactive past its end).
 template <int N>
 __device__ __forceinline__ LaneVector lane_vector(const VectorSpan& span, std::uint64_t vector) {
@@ -214,17 +232,7 @@ __device__ __forceinline__ void store_16_bytes(std::uint8_t* at, uint4 bytes) {
 template <DType S, DType D>
 __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> list) {
   constexpr int dst_size = D == DType::kFloat32 ? 4 : 2;
-  const unsigned lane = threadIdx.x % 32;
-  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
-  const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  // Each warp walks a run of consecutive chunks: mostly of one job, whose fields stay cached.
-  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
-  const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
-  std::uint32_t job = 0;
-  for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
-    job = job_of(list, chunk, job);
-    const CastTask& task = list.jobs[job];
-    const std::uint64_t first = (chunk - list.first[job]) * kVectorsPerChunk + lane;
+  for_each_chunk<kVectorsPerChunk>(list, [&](const CastTask& task, std::uint64_t first) {
     Raw<S> raw[kTilesInFlight];
     std::uint8_t* out[kTilesInFlight];
     int count[kTilesInFlight];
@@ -273,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
         }
       }
     }
-  }
+  });
 }
 
 // MXFP8: the 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a
@@ -282,16 +290,7 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
 template <DType S>
 __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask> list) {
   const unsigned lane = threadIdx.x % 32;
-  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (kThreads / 32);
-  const std::uint64_t warp = (static_cast<std::uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  // Each warp walks a run of consecutive chunks: mostly of one job, whose fields stay cached.
-  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
-  const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
-  std::uint32_t job = 0;
-  for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
-    job = job_of(list, chunk, job);
-    const MxTask& task = list.jobs[job];
-    const std::uint64_t first = (chunk - list.first[job]) * kMxVectorsPerChunk + lane;
+  for_each_chunk<kMxVectorsPerChunk>(list, [&](const MxTask& task, std::uint64_t first) {
     Raw<S, kMxPerLane> raw[kMxTilesInFlight];
     std::uint8_t* data_at[kMxTilesInFlight];
     std::uint8_t* scale_at[kMxTilesInFlight];
@@ -331,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
       }
       store_16_bytes(data_at[u], encoded);
     }
-  }
+  });
 }
 
 // Block FP8: one CTA per 128 x 128 tile: 16 lanes of 8 elements span a tile row, 16 rows per
