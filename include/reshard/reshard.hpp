@@ -2,6 +2,7 @@
 #pragma once
 
 #include "reshard/bootstrap.hpp"
+#include "reshard/config.hpp"
 #include "reshard/copy_service.hpp"
 #include "reshard/error.hpp"
 #include "reshard/layout.hpp"
