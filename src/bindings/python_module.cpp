@@ -698,6 +698,12 @@ void bind_execution(nb::module_& m) {
 
 NB_MODULE(_core, m) {
   m.doc() = "reshard's C++ core; use the `reshard` package rather than this module directly.";
+#ifdef NDEBUG
+  // Objects a program keeps until the interpreter ends (globals, compiled closures) are freed by
+  // the process's exit, not leaked; nanobind would list each one on stderr. Debug builds keep the
+  // warnings, for finding real leaks.
+  nb::set_leak_warnings(false);
+#endif
   reshard::python::bind_errors(m);
   reshard::python::bind_bootstrap(m);
   reshard::python::bind_copy_service(m);
