@@ -42,24 +42,6 @@ struct Row {
   std::uint64_t wrong_bytes = 0;
 };
 
-// Progress for long runs, from rank 0, at most every two seconds.
-class Progress {
- public:
-  Progress(bool enabled, std::string what, int total)
-      : enabled_(enabled), what_(std::move(what)), total_(total), last_(Clock::now()) {}
-  void step(int done) {
-    if (!enabled_ || Clock::now() - last_ < std::chrono::seconds(2)) return;
-    last_ = Clock::now();
-    std::fprintf(stderr, "[bench] %s: %d/%d runs\n", what_.c_str(), done, total_);
-  }
-
- private:
-  bool enabled_;
-  std::string what_;
-  int total_;
-  Clock::time_point last_;
-};
-
 Row bench_workload(Bootstrap& bootstrap, CopyService& service, const Workload& workload,
                    const CopyBenchOptions& options) {
   const PeId me = bootstrap.rank();
@@ -95,12 +77,12 @@ Row bench_workload(Bootstrap& bootstrap, CopyService& service, const Workload& w
   std::uint64_t wrong = verified_run(1);
   for (int i = 0; i < options.warmup; ++i) service.run();
 
-  Progress progress(me == 0, workload.name, options.iterations);
+  Progress progress("bench " + workload.name, me == 0, std::chrono::seconds(2));
   bootstrap.barrier();
   const auto start = Clock::now();
   for (int i = 0; i < options.iterations; ++i) {
     service.run();
-    progress.step(i + 1);
+    progress.note(std::to_string(i + 1) + "/" + std::to_string(options.iterations) + " runs");
   }
   bootstrap.barrier();
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
