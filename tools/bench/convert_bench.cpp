@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "bench/bench.hpp"
+#include "bench/bench_cuda.hpp"
 #include "execution/box_view.hpp"
 #include "reshard/error.hpp"
 #include "transforms/conversions.hpp"
@@ -26,13 +27,6 @@ namespace {
 
 using exec::BlockRef;
 using exec::BoxView;
-
-#define BENCH_CUDA(call)                                                                        \
-  do {                                                                                          \
-    const cudaError_t status_ = (call);                                                         \
-    if (status_ != cudaSuccess)                                                                 \
-      throw_error(ErrorCode::kSystem, std::string(#call) + ": " + cudaGetErrorString(status_)); \
-  } while (0)
 
 struct DeviceBuffer {
   explicit DeviceBuffer(std::size_t n) : bytes(std::max<std::size_t>(n, 1)) {

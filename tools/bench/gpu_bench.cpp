@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "bench/bench.hpp"
+#include "bench/bench_cuda.hpp"
 #include "bench/workloads.hpp"
 #include "core/env.hpp"
 #include "reshard/error.hpp"
@@ -21,13 +22,6 @@
 
 namespace reshard::bench {
 namespace {
-
-#define BENCH_CUDA(call)                                                                        \
-  do {                                                                                          \
-    const cudaError_t status_ = (call);                                                         \
-    if (status_ != cudaSuccess)                                                                 \
-      throw_error(ErrorCode::kSystem, std::string(#call) + ": " + cudaGetErrorString(status_)); \
-  } while (0)
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
