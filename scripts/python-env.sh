@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Makes build/pyenv, a virtual environment holding what the Python package builds and tests with
-# (scikit-build-core, nanobind, pytest, NumPy, JAX, PyTorch's CPU build, megatron-core; NCCL's
-# wheel where CUDA is present), and installs the package into it from this checkout. Prints
-# nothing on success.
+# (scikit-build-core, nanobind, pytest, NumPy, JAX, matplotlib, PyTorch's CPU build,
+# megatron-core; NCCL's wheel where CUDA is present), and installs the package into it from this
+# checkout. Prints nothing on success.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 env_dir=build/pyenv
@@ -19,7 +19,8 @@ if [[ ! -x $env_dir/bin/python ]]; then
     fi
   fi
   # JAX (CPU) checks that its arrays cross through DLPack too.
-  wheels=("scikit-build-core>=0.10" "nanobind>=2.4" pytest numpy jax)
+  # matplotlib: `reshard bench plot` is tested on the recorded results.
+  wheels=("scikit-build-core>=0.10" "nanobind>=2.4" pytest numpy jax matplotlib)
   command -v nvcc >/dev/null && wheels+=(nvidia-nccl-cu13 nvidia-nvshmem-cu13==3.4.5)
   "$env_dir/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$env_dir/bin/python" -m pip install -q "${wheels[@]}"

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,16 @@ std::string self_executable(const char* argv0) {
   if (n <= 0) return argv0;
   path[n] = '\0';
   return path;
+}
+
+// The plotting script: installed beside the program (PREFIX/share/reshard), else in the sources
+// this program was built from.
+std::string plot_script(const char* argv0) {
+  const std::filesystem::path installed =
+      std::filesystem::path(self_executable(argv0)).parent_path().parent_path() / "share" /
+      "reshard" / "plot_results.py";
+  if (std::filesystem::exists(installed)) return installed.string();
+  return RESHARD_SOURCE_DIR "/tools/bench/plot_results.py";
 }
 
 }  // namespace
@@ -208,8 +219,7 @@ int main(int argc, char** argv) {
   try {
     if (*plot_cmd) {
       // The drawing is Python (matplotlib): run the script that ships with the sources.
-      std::vector<std::string> args = {"python3",
-                                       RESHARD_SOURCE_DIR "/tools/bench/plot_results.py"};
+      std::vector<std::string> args = {"python3", plot_script(argv[0])};
       args.insert(args.end(), plot_inputs.begin(), plot_inputs.end());
       args.insert(args.end(), {"--out", plot_out});
       std::vector<char*> argv_plot;

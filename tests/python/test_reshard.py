@@ -412,6 +412,27 @@ def test_every_test_the_docs_cite_exists():
     assert not missing, "the docs cite tests that do not exist:\n" + "\n".join(missing)
 
 
+def test_bench_plot_draws_the_records_it_is_given(tmp_path):
+    """`reshard bench plot`'s script on recorded results: one chart per kind of record given."""
+    pytest.importorskip("matplotlib")
+    root = HERE.parent.parent
+    sys.path.insert(0, str(root / "tools" / "bench"))
+    try:
+        import plot_results
+    finally:
+        sys.path.pop(0)
+    results = root / "bench" / "results"
+    records = plot_results.load([results / "host-cpu-2cores.jsonl",
+                                 results / "h100x1-convert.jsonl"])
+    written = plot_results.plot_all(records, tmp_path)
+    assert sorted(p.name for p in written) == ["convert_nvidia-h100-80gb-hbm3.png",
+                                               "copy_host_4pes.png"]
+    assert all(p.stat().st_size > 10_000 for p in written)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert plot_results.main([str(empty), "--out", str(tmp_path / "none")]) == 1
+
+
 # ---- several processes, host transport ----
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -159,7 +159,7 @@ void append_json(const std::string& path, const std::vector<Row>& rows,
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   for (const Row& r : rows) {
-    out << "{\"date\":\"" << date << "\",\"versions\":\"" << component_versions()
+    out << "{\"bench\":\"copy\",\"date\":\"" << date << "\",\"versions\":\"" << component_versions()
         << "\",\"transport\":\"" << transport << "\",\"workload\":\"" << r.workload
         << "\",\"pes\":" << r.pes << ",\"size\":" << options.size << ",\"requests\":" << r.requests
         << ",\"bound_bytes\":" << r.bound_bytes << ",\"seconds_per_run\":" << r.seconds_per_run

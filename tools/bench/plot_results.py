@@ -15,7 +15,11 @@ Draws, from the newest run of each engine (files are appended to, so later lines
   run measured it;
 * ``colocated_<device>.png`` — PEs sharing one GPU (records with ``colocated`` / ``pes_per_gpu``):
   refit time of reshard, of the hand-written IPC copy loop and of one process copying the same
-  bytes, per model, PEs per GPU and MPS off/on; and the 4 KiB all-to-all time.
+  bytes, per model, PEs per GPU and MPS off/on; and the 4 KiB all-to-all time;
+* ``convert_<device>.png`` — ``reshard bench-convert``: each conversion's rate as a fraction of the
+  device copy of the same bytes, per tensor set and layout, from the newest commit's records;
+* ``copy_<transport>_<pes>pes.png`` — ``reshard bench`` (the host transport on a CPU machine): GB/s
+  per PE of each workload beside one ``memcpy`` of the same bytes on every PE.
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -200,6 +204,77 @@ def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
     return [path]
 
 
+def plot_convert(records: List[dict], out: Path, plt) -> List[Path]:
+    by_device: Dict[str, List[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("bench") == "convert":
+            by_device[r.get("device", "GPU")].append(r)
+    written = []
+    for device, rows in sorted(by_device.items()):
+        newest = rows[-1].get("commit", "")  # files are appended to: the last run is the newest
+        latest = {}
+        for r in rows:
+            if r.get("commit", "") == newest:
+                latest[(r["tensors"], r["layout"], r["conversion"])] = r
+        cases = list(dict.fromkeys((t, layout) for t, layout, _ in latest))
+        conversions = list(dict.fromkeys(c for _, _, c in latest))
+        figure, axis = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 4.5))
+        width = 0.8 / max(1, len(conversions))
+        for i, conversion in enumerate(conversions):
+            xs, heights = [], []
+            for j, case in enumerate(cases):
+                r = latest.get((*case, conversion))
+                if r is not None:
+                    xs.append(j + i * width)
+                    heights.append(r["fraction_of_copy"])
+            axis.bar(xs, heights, width, label=conversion)
+        axis.axhline(0.85, color="grey", linewidth=1, linestyle="--")
+        axis.set_xticks([j + width * (len(conversions) - 1) / 2 for j in range(len(cases))])
+        axis.set_xticklabels([f"{t.replace(' (', chr(10) + '(')}\n{layout}" for t, layout in cases],
+                             fontsize=7)
+        axis.set_ylabel("fraction of the device copy rate")
+        date = rows[-1].get("date", "")
+        axis.set_title(f"conversion kernels, {device}, {date}, commit {newest or '?'}", fontsize=9)
+        axis.legend(fontsize=7, ncol=4)
+        axis.grid(True, axis="y", alpha=0.3)
+        path = out / f"convert_{_slug(device)}.png"
+        _save(plt, figure, path)
+        written.append(path)
+    return written
+
+
+def _is_copy_record(r: dict) -> bool:
+    # `reshard bench` records; the early ones did not name their benchmark.
+    return r.get("bench") == "copy" or ("bench" not in r and "seconds_per_run" in r)
+
+
+def plot_copy(records: List[dict], out: Path, plt) -> List[Path]:
+    runs: Dict[tuple, Dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        if _is_copy_record(r):
+            runs[(r.get("transport", "host"), r.get("pes", 0))][r["workload"]] = r  # last wins
+    written = []
+    for (transport, pes), rows in sorted(runs.items()):
+        workloads = list(rows)
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        xs = range(len(workloads))
+        rate = [rows[w]["bound_bytes"] / rows[w]["seconds_per_run"] / 1e9 for w in workloads]
+        copy = [rows[w]["bound_bytes"] / rows[w]["memcpy_seconds"] / 1e9 for w in workloads]
+        axis.bar([x - 0.2 for x in xs], rate, 0.4, label=f"reshard ({transport})")
+        axis.bar([x + 0.2 for x in xs], copy, 0.4, label="memcpy of the same bytes")
+        axis.set_xticks(list(xs))
+        axis.set_xticklabels(workloads)
+        axis.set_ylabel("GB/s per PE (busiest PE's bytes over the time)")
+        date = max(rows[w].get("date", "") for w in workloads)
+        axis.set_title(f"reshard bench, {transport} transport, {pes} PEs, {date[:10]}")
+        axis.legend()
+        axis.grid(True, axis="y", alpha=0.3)
+        path = out / f"copy_{_slug(transport)}_{pes}pes.png"
+        _save(plt, figure, path)
+        written.append(path)
+    return written
+
+
 def plot_all(records: List[dict], out: Path) -> List[Path]:
     try:
         import matplotlib
@@ -210,7 +285,8 @@ def plot_all(records: List[dict], out: Path) -> List[Path]:
         raise SystemExit("plotting needs matplotlib: pip install matplotlib")
     out.mkdir(parents=True, exist_ok=True)
     return (plot_all_to_all(records, out, plt) + plot_refits(records, out, plt) +
-            plot_colocated(records, out, plt))
+            plot_colocated(records, out, plt) + plot_convert(records, out, plt) +
+            plot_copy(records, out, plt))
 
 
 def main(argv=None) -> int:
