@@ -350,7 +350,9 @@ struct BlockTask {
   const void* src;
   std::uint8_t* data;
   float* scale;
-  BoxView src_view, data_view, scale_view;
+  RowWalk src_rows, data_rows, scale_rows;
+  std::int64_t cols;                     // of a row
+  std::int64_t src_stride, data_stride;  // between rows of one matrix
   std::int64_t rows_per_matrix;
   FastDivisor tiles_per_matrix, tile_cols;
   std::uint32_t tiles;
@@ -423,16 +425,16 @@ __device__ __forceinline__ TilePlace place_tile(const JobList<BlockTask>& list, 
   TilePlace at;
   at.rows = static_cast<int>(min(static_cast<std::int64_t>(kFp8Block),
                                  rows_per_matrix - static_cast<std::int64_t>(tr) * kFp8Block));
-  at.count =
-      static_cast<int>(max(static_cast<std::int64_t>(0),
-                           min(static_cast<std::int64_t>(kPerLane), task.src_view.cols - c0)));
-  at.src_first = task.src_view.row_start(row_begin) + c0;
-  at.src_stride = task.src_view.row_stride();
-  at.data_first = task.data_view.row_start(row_begin) + c0;
-  at.data_stride = task.data_view.row_stride();
+  at.count = static_cast<int>(
+      max(static_cast<std::int64_t>(0), min(static_cast<std::int64_t>(kPerLane), task.cols - c0)));
+  at.src_first = task.src_rows.row_start(row_begin, list.uneven) + c0;
+  at.src_stride = task.src_stride;
+  at.data_first = task.data_rows.row_start(row_begin, list.uneven) + c0;
+  at.data_stride = task.data_stride;
   at.data = task.data;
   at.scale_at =
-      task.scale + task.scale_view.row_start(static_cast<std::int64_t>(m) * tile_rows + tr) + tc;
+      task.scale +
+      task.scale_rows.row_start(static_cast<std::int64_t>(m) * tile_rows + tr, list.uneven) + tc;
   return at;
 }
 
@@ -683,15 +685,19 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   auto launch_source = [&]<DType S>() {
     std::vector<BlockTask> tasks;
+    std::vector<BoxView> uneven;
     for (const BlockFp8Job& job : jobs) {
       if (job.src.dtype != S || job.src.view.cols == 0 || job.src.view.rows == 0) continue;
       BlockTask task{};
       task.src = job.src.data;
       task.data = static_cast<std::uint8_t*>(job.data.data);
       task.scale = static_cast<float*>(job.scale.data);
-      task.src_view = job.src.view;
-      task.data_view = job.data.view;
-      task.scale_view = job.scale.view;
+      task.src_rows = RowWalk::of(job.src.view, uneven);
+      task.data_rows = RowWalk::of(job.data.view, uneven);
+      task.scale_rows = RowWalk::of(job.scale.view, uneven);
+      task.cols = job.src.view.cols;
+      task.src_stride = job.src.view.row_stride();
+      task.data_stride = job.data.view.row_stride();
       task.rows_per_matrix = job.rows_per_matrix;
       const std::int64_t tile_rows = (job.rows_per_matrix + kFp8Block - 1) / kFp8Block;
       const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
@@ -706,7 +712,7 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
       tasks.push_back(task);
     }
     run_tasks(
-        tasks, {}, uploads.block, cuda_stream,
+        tasks, uneven, uploads.block, cuda_stream,
         [](const BlockTask& task) { return std::uint64_t{task.tiles}; },
         [](const JobList<BlockTask>& list, cudaStream_t s) {
           block_quantize_kernel<S><<<grid_for(list.items), kTileThreads, 0, s>>>(list);
