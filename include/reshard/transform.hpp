@@ -95,8 +95,21 @@ constexpr int kMaxWireBuffers = 15;
 std::shared_ptr<ReshardTransform> make_cast_transform(DType wire);
 
 enum class MxScaleRounding {
-  kOcp,      // floor(log2(amax)) - 8: the OCP MX v1.0 rule; the largest elements may saturate
-  kRoundUp,  // the smallest power of two keeping amax / scale <= 448: never saturates
+  kOcp,       // floor(log2(amax)) - 8: the OCP MX v1.0 rule; the largest elements may saturate
+  kRoundUp,   // the smallest power of two keeping amax / scale <= 448: never saturates (what
+              // Transformer Engine writes)
+  kMegatron,  // kRoundUp as Megatron-LM's quantizer computes it, amax / 448 in float32: a block
+              // that is not all zeros never gets a scale below 2^-126 (kRoundUp gives 2^-127
+              // where amax <= 448 * 2^-127); bit for bit what Megatron writes for finite inputs
+};
+
+// Where the E8M0 scales of an MXFP8 destination go.
+enum class MxScaleLayout {
+  kRowMajor,  // [..., K / 32] beside the data
+  kSwizzled,  // cuBLAS's blocked layout, read by its MXFP8 GEMMs and kept so by Megatron-LM and
+              // Transformer Engine: one byte array of 128 x 4 tiles (512 bytes each) over the
+              // [M, K / 32] scale matrix, padded to ceil(M / 128) * 128 rows and ceil(K / 128) * 4
+              // columns. For 2-D tensors; padding bytes are left as they are (allocate zeros).
 };
 
 enum class QuantizeSide {
@@ -107,8 +120,10 @@ enum class QuantizeSide {
 // OCP MXFP8: FP8 E4M3 elements, one E8M0 scale per 32 consecutive elements of the last dimension.
 // Destination tensors are the caller's FP8 data and E8M0 scale buffers, written in place.
 // Applies to parameters of 2 or more dimensions whose name passes `filter` (empty = all).
-std::shared_ptr<ReshardTransform> make_mxfp8_transform(QuantizeSide side, MxScaleRounding rounding,
-                                                       std::string name_filter = {});
+// Megatron-LM's MXFP8 buffers: MxScaleRounding::kMegatron with MxScaleLayout::kSwizzled.
+std::shared_ptr<ReshardTransform> make_mxfp8_transform(
+    QuantizeSide side, MxScaleRounding rounding, std::string name_filter = {},
+    MxScaleLayout scale_layout = MxScaleLayout::kRowMajor);
 
 // FP8 E4M3 with a float32 scale (amax / 448) per 128x128 block of the last two dimensions, as
 // DeepSeek-V3 and Kimi-K2 checkpoints store their weights.
@@ -116,8 +131,10 @@ std::shared_ptr<ReshardTransform> make_fp8_block_transform(QuantizeSide side,
                                                            std::string name_filter = {});
 
 // CPU references of the conversions, for callers and tests: `rows` x `cols` row-major inputs.
+// `scales` holds rows * cols / 32 bytes row-major, or swizzled_scale_bytes when swizzled.
 void reference_mxfp8_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
-                              MxScaleRounding rounding, std::uint8_t* data, std::uint8_t* scales);
+                              MxScaleRounding rounding, std::uint8_t* data, std::uint8_t* scales,
+                              MxScaleLayout scale_layout = MxScaleLayout::kRowMajor);
 void reference_fp8_block_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
                                   std::uint8_t* data, float* scales);
 

@@ -623,17 +623,28 @@ void bind_execution(nb::module_& m) {
   };
   m.def(
       "make_mxfp8_transform",
-      [side_of](const std::string& side, const std::string& rounding, std::string filter) {
+      [side_of](const std::string& side, const std::string& rounding, std::string filter,
+                const std::string& scale_layout) {
         MxScaleRounding rule = MxScaleRounding::kOcp;
         if (rounding == "round_up") {
           rule = MxScaleRounding::kRoundUp;
+        } else if (rounding == "megatron") {
+          rule = MxScaleRounding::kMegatron;
         } else if (rounding != "ocp") {
           throw_error(ErrorCode::kInvalidArgument,
-                      "rounding must be 'ocp' or 'round_up', not '" + rounding + "'");
+                      "rounding must be 'ocp', 'round_up' or 'megatron', not '" + rounding + "'");
         }
-        return make_mxfp8_transform(side_of(side), rule, std::move(filter));
+        MxScaleLayout layout = MxScaleLayout::kRowMajor;
+        if (scale_layout == "swizzled") {
+          layout = MxScaleLayout::kSwizzled;
+        } else if (scale_layout != "row_major") {
+          throw_error(ErrorCode::kInvalidArgument,
+                      "scale_layout must be 'row_major' or 'swizzled', not '" + scale_layout + "'");
+        }
+        return make_mxfp8_transform(side_of(side), rule, std::move(filter), layout);
       },
-      "side"_a = "sender", "rounding"_a = "ocp", "name_filter"_a = "");
+      "side"_a = "sender", "rounding"_a = "ocp", "name_filter"_a = "",
+      "scale_layout"_a = "row_major");
   m.def(
       "make_fp8_block_transform",
       [side_of](const std::string& side, std::string filter) {

@@ -18,25 +18,40 @@ void convert_host(const BlockRef& src, const BlockRef& dst) {
   }
 }
 
-void mx_quantize_host(const BlockRef& src, const BlockRef& data, const BlockRef& scale,
-                      bool round_up) {
-  auto* out = static_cast<std::uint8_t*>(data.data);
-  auto* scales = static_cast<std::uint8_t*>(scale.data);
+void mx_quantize_host(const MxJob& job) {
+  const BlockRef& src = job.src;
+  auto* out = static_cast<std::uint8_t*>(job.data.data);
+  auto* scales = static_cast<std::uint8_t*>(job.scale.data);
+  const bool round_up = rounds_up(job.rounding);
+  const std::uint8_t least = least_scale_bits(job.rounding);
+  const SwizzledScales& swizzled = job.swizzled;
   for (std::int64_t row = 0; row < src.view.rows; ++row) {
     const std::int64_t from = src.view.row_start(row);
-    const std::int64_t to = data.view.row_start(row);
-    const std::int64_t scale_at = scale.view.row_start(row);
+    const std::int64_t to = job.data.view.row_start(row);
+    const std::int64_t scale_at = job.scale.view.row_start(row);
     for (std::int64_t block = 0; block * kMxBlock < src.view.cols; ++block) {
       float amax = 0.0f;
       for (int i = 0; i < kMxBlock; ++i) {
         amax = abs_max(amax, load_float(src.data, src.dtype, from + block * kMxBlock + i));
       }
-      const std::uint8_t bits = mx_scale_bits(amax, round_up);
-      scales[scale_at + block] = bits;
+      const std::uint8_t bits = mx_scale_bits(amax, round_up, least);
+      scales[swizzled.col_tiles > 0
+                 ? swizzled_scale_offset(swizzled.first_row + row, swizzled.first_col + block,
+                                         swizzled.col_tiles)
+                 : scale_at + block] = bits;
       for (int i = 0; i < kMxBlock; ++i) {
         const std::int64_t col = block * kMxBlock + i;
         out[to + col] = mx_encode(load_float(src.data, src.dtype, from + col), bits);
       }
+    }
+  }
+}
+
+void swizzle_host(const SwizzleJob& job) {
+  for (std::int64_t row = 0; row < job.rows; ++row) {
+    for (std::int64_t col = 0; col < job.cols; ++col) {
+      job.dst[swizzled_scale_offset(job.at.first_row + row, job.at.first_col + col,
+                                    job.at.col_tiles)] = job.src[row * job.cols + col];
     }
   }
 }
@@ -114,11 +129,10 @@ void convert_block(const BlockRef& src, const BlockRef& dst, MemoryKind where, v
 #endif
 }
 
-void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scale, bool round_up,
-                 MemoryKind where, void* stream) {
-  if (where == MemoryKind::kHost) return mx_quantize_host(src, data, scale, round_up);
+void mx_quantize(const MxJob& job, MemoryKind where, void* stream) {
+  if (where == MemoryKind::kHost) return mx_quantize_host(job);
 #ifdef RESHARD_WITH_CUDA
-  run_one(MxJob{src, data, scale, round_up}, stream, cuda::mx_quantize);
+  run_one(job, stream, cuda::mx_quantize);
 #else
   (void)stream;
   no_cuda();
@@ -161,11 +175,16 @@ void ConversionQueue::convert(const ConvertJob& job, const Buffer& memory) {
 
 void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
   if (dry_run_) return;
-  if (memory.kind == MemoryKind::kHost) {
-    return mx_quantize_host(job.src, job.data, job.scale, job.round_up);
-  }
+  if (memory.kind == MemoryKind::kHost) return mx_quantize_host(job);
   on_gpu();
   mx_.push_back(job);
+}
+
+void ConversionQueue::swizzle_scales(const SwizzleJob& job, const Buffer& memory) {
+  if (dry_run_) return;
+  if (memory.kind == MemoryKind::kHost) return swizzle_host(job);
+  on_gpu();
+  swizzles_.push_back(job);
 }
 
 void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memory) {
@@ -191,7 +210,8 @@ void ConversionQueue::unpack(const Buffer& in, const Buffer& tensor, const BoxVi
 
 void ConversionQueue::flush_if_full(void* stream) {
   constexpr std::size_t kJobsPerLaunch = 512;
-  if (converts_.size() + mx_.size() + blocks_.size() + copies_.size() >= kJobsPerLaunch) {
+  if (converts_.size() + mx_.size() + blocks_.size() + swizzles_.size() + copies_.size() >=
+      kJobsPerLaunch) {
     flush(stream);
   }
 }
@@ -206,6 +226,7 @@ void ConversionQueue::flush(void* stream) {
     cuda::convert(converts_, *uploads_, stream);
     cuda::mx_quantize(mx_, *uploads_, stream);
     cuda::block_quantize(blocks_, *uploads_, stream);
+    cuda::swizzle_scales(swizzles_, *uploads_, stream);
   }
 #else
   (void)stream;
@@ -213,6 +234,7 @@ void ConversionQueue::flush(void* stream) {
   converts_.clear();
   mx_.clear();
   blocks_.clear();
+  swizzles_.clear();
 }
 
 }  // namespace reshard::exec

@@ -46,9 +46,21 @@ struct MxTask {
   const void* src;
   std::uint8_t* data;
   std::uint8_t* scale;
+  // Swizzled scales (col_tiles > 0): scale_rows gives a row's index in the scale matrix (stride
+  // 1) and first_col the job's first block column.
   RowWalk src_rows, data_rows, scale_rows;
   VectorSpan span;
+  std::int64_t first_col;
+  std::uint32_t col_tiles;
   bool round_up;
+  std::uint8_t least_bits;
+};
+
+struct SwizzleTask {
+  const std::uint8_t* src;
+  std::uint8_t* dst;
+  VectorSpan span;  // one scale per lane
+  std::int64_t first_row, first_col, col_tiles;
 };
 
 struct CastTask {
@@ -196,14 +208,16 @@ __device__ __forceinline__ float amax_of(std::uint32_t magnitude) {
 // significand exceeds 1.75), 0 for zero and subnormal maxima (whose exponent clamps at -127), NaN
 // for NaN and infinity.
 template <DType S>
-__device__ __forceinline__ std::uint8_t scale_bits_of(std::uint32_t magnitude, bool round_up) {
+__device__ __forceinline__ std::uint8_t scale_bits_of(std::uint32_t magnitude, bool round_up,
+                                                      std::uint8_t least_bits) {
   if constexpr (S == DType::kBFloat16) {
     const int exponent = static_cast<int>(magnitude >> 7);
     if (exponent == 0xff) return kE8m0Nan;
     const int up = round_up && (magnitude & 0x7fu) > 0x60u ? 1 : 0;
-    return static_cast<std::uint8_t>(max(0, exponent - 8 + up));
+    const int least = magnitude == 0 ? 0 : least_bits;
+    return static_cast<std::uint8_t>(max(least, exponent - 8 + up));
   } else {
-    return mx_scale_bits(amax_of<S>(magnitude), round_up);
+    return mx_scale_bits(amax_of<S>(magnitude), round_up, least_bits);
   }
 }
 
@@ -226,6 +240,22 @@ __device__ __forceinline__ void store_16_bytes(std::uint8_t* at, uint4 bytes) {
   }
   store_8_bytes(at, make_uint2(bytes.x, bytes.y));
   store_8_bytes(at + 8, make_uint2(bytes.z, bytes.w));
+}
+
+// Scales received dense into their places of a swizzled scale matrix: a byte per lane (scales
+// are 1/32 of the data they describe), several in flight.
+constexpr int kSwizzlesInFlight = 8;
+__global__ void __launch_bounds__(kThreads) swizzle_kernel(JobList<SwizzleTask> list) {
+  for_each_chunk<32 * kSwizzlesInFlight>(list, [&](const SwizzleTask& task, std::uint64_t first) {
+#pragma unroll
+    for (int u = 0; u < kSwizzlesInFlight; ++u) {
+      const LaneVector at = lane_vector<1>(task.span, first + 32 * u);
+      if (!at.active) continue;
+      task.dst[swizzled_scale_offset(task.first_row + at.row, task.first_col + at.col,
+                                     task.col_tiles)] =
+          task.src[at.row * task.span.per_row.divisor + at.col];
+    }
+  });
 }
 
 // Casts: load, convert each element as store_float(load_float()) does, store.
@@ -303,9 +333,15 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
           load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
                                   at.active ? kMxPerLane : 0);
       data_at[u] = task.data + task.data_rows.row_start(at.row, list.uneven) + at.col;
-      scale_at[u] = task.scale + task.scale_rows.row_start(at.row, list.uneven) + at.col / kMxBlock;
+      const std::int64_t scale_row = task.scale_rows.row_start(at.row, list.uneven);
+      scale_at[u] =
+          task.scale + (task.col_tiles == 0
+                            ? scale_row + at.col / kMxBlock
+                            : swizzled_scale_offset(scale_row, task.first_col + at.col / kMxBlock,
+                                                    task.col_tiles));
     }
     const bool round_up = task.round_up;
+    const std::uint8_t least_bits = task.least_bits;
 #pragma unroll
     for (int u = 0; u < kMxTilesInFlight; ++u) {
       std::uint32_t m = magnitude_max<S>(raw[u]);
@@ -314,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
         m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
       }
       if (!active[u]) continue;
-      const std::uint8_t bits = scale_bits_of<S>(m, round_up);
+      const std::uint8_t bits = scale_bits_of<S>(m, round_up, least_bits);
       if (lane % kLanesPerMxBlock == 0) *scale_at[u] = bits;
       uint4 encoded = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
       if (bits != kE8m0Nan) {
@@ -597,7 +633,7 @@ std::uint64_t chunks_of(const VectorSpan& span, int vectors_per_chunk) {
 }  // namespace
 
 struct ConversionUploads {
-  JobUpload convert, mx, block;
+  JobUpload convert, mx, block, swizzle;
 };
 
 ConversionUploads* create_uploads() { return new ConversionUploads(); }
@@ -658,9 +694,16 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
         task.scale = static_cast<std::uint8_t*>(job.scale.data);
         task.src_rows = RowWalk::of(job.src.view, uneven);
         task.data_rows = RowWalk::of(job.data.view, uneven);
-        task.scale_rows = RowWalk::of(job.scale.view, uneven);
+        if (job.swizzled.col_tiles > 0) {
+          task.scale_rows = RowWalk{job.swizzled.first_row, 1, -1};
+          task.first_col = job.swizzled.first_col;
+          task.col_tiles = static_cast<std::uint32_t>(job.swizzled.col_tiles);
+        } else {
+          task.scale_rows = RowWalk::of(job.scale.view, uneven);
+        }
         task.span = span;
-        task.round_up = job.round_up;
+        task.round_up = rounds_up(job.rounding);
+        task.least_bits = least_scale_bits(job.rounding);
         tasks.push_back(task);
       });
     }
@@ -678,6 +721,26 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
   launch_source.template operator()<DType::kBFloat16>();
   launch_source.template operator()<DType::kFloat32>();
   launch_source.template operator()<DType::kFloat16>();
+}
+
+void swizzle_scales(const std::vector<SwizzleJob>& jobs, ConversionUploads& uploads, void* stream) {
+  std::vector<SwizzleTask> tasks;
+  std::vector<BoxView> uneven;  // none: the tasks find their places themselves
+  for (const SwizzleJob& job : jobs) {
+    split_rows(job.rows, job.cols, 1, [&](const VectorSpan& span) {
+      tasks.push_back(
+          {job.src, job.dst, span, job.at.first_row, job.at.first_col, job.at.col_tiles});
+    });
+  }
+  constexpr int kPerChunk = 32 * kSwizzlesInFlight;
+  run_tasks(
+      tasks, uneven, uploads.swizzle, static_cast<cudaStream_t>(stream),
+      [](const SwizzleTask& task) { return chunks_of(task.span, kPerChunk); },
+      [](const JobList<SwizzleTask>& list, cudaStream_t s) {
+        constexpr std::uint64_t kChunksPerCta = kThreads / 32;
+        swizzle_kernel<<<grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0,
+                         s>>>(list);
+      });
 }
 
 void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& uploads,

@@ -7,6 +7,7 @@
 #include "execution/box_view.hpp"
 #include "execution/staging.hpp"
 #include "reshard/layout.hpp"
+#include "reshard/transform.hpp"
 #include "reshard/types.hpp"
 
 namespace reshard::exec {
@@ -21,9 +22,23 @@ struct BlockRef {
 struct ConvertJob {
   BlockRef src, dst;
 };
+// Scales in cuBLAS's swizzled layout (formats::swizzled_scale_offset), where col_tiles > 0: the
+// scale of a job's row r and block b lies at swizzled_scale_offset(first_row + r, first_col + b,
+// col_tiles) of the scale BlockRef's data, whose view is then unused.
+struct SwizzledScales {
+  std::int64_t first_row = 0, first_col = 0, col_tiles = 0;
+};
 struct MxJob {
   BlockRef src, data, scale;
-  bool round_up;
+  MxScaleRounding rounding = MxScaleRounding::kOcp;
+  SwizzledScales swizzled{};
+};
+// Scales of a block, dense [rows, cols] at `src`, into their places of a swizzled scale matrix.
+struct SwizzleJob {
+  const std::uint8_t* src;
+  std::uint8_t* dst;
+  std::int64_t rows, cols;
+  SwizzledScales at;
 };
 struct BlockFp8Job {
   BlockRef src, data, scale;
@@ -51,6 +66,7 @@ class ConversionQueue {
   void convert(const ConvertJob& job, const Buffer& memory);
   void mx_quantize(const MxJob& job, const Buffer& memory);
   void block_quantize(const BlockFp8Job& job, const Buffer& memory);
+  void swizzle_scales(const SwizzleJob& job, const Buffer& memory);
   void pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
             const Buffer& out);
   void unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
@@ -71,6 +87,7 @@ class ConversionQueue {
   std::vector<ConvertJob> converts_;
   std::vector<MxJob> mx_;
   std::vector<BlockFp8Job> blocks_;
+  std::vector<SwizzleJob> swizzles_;
   BlockCopyBatch copies_;
 #ifdef RESHARD_WITH_CUDA
   cuda::ConversionUploads* uploads_ = nullptr;
@@ -80,9 +97,14 @@ class ConversionQueue {
 // Element-wise dtype conversion between float32, bfloat16 and float16 blocks of equal extents.
 void convert_block(const BlockRef& src, const BlockRef& dst, MemoryKind where, void* stream);
 
-// MXFP8: src (float32 or bfloat16) -> E4M3 data and one E8M0 scale per 32 elements of each row.
-void mx_quantize(const BlockRef& src, const BlockRef& data, const BlockRef& scale, bool round_up,
-                 MemoryKind where, void* stream);
+// MXFP8: src (float32, bfloat16 or float16) -> E4M3 data and one E8M0 scale per 32 elements of
+// each row.
+void mx_quantize(const MxJob& job, MemoryKind where, void* stream);
+// A rounding rule as formats::mx_scale_bits takes it.
+inline bool rounds_up(MxScaleRounding rounding) { return rounding != MxScaleRounding::kOcp; }
+inline std::uint8_t least_scale_bits(MxScaleRounding rounding) {
+  return rounding == MxScaleRounding::kMegatron ? formats::kMegatronLeastScaleBits : 0;
+}
 
 // FP8 with a float32 scale per 128 x 128 tile of each matrix: the views' rows run over
 // `matrices` matrices of `rows_per_matrix` rows; scale rows over matrices of ceil(rows / 128).
@@ -96,6 +118,7 @@ void destroy_uploads(ConversionUploads* uploads);
 void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, void* stream);
 void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, void* stream);
 void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& uploads, void* stream);
+void swizzle_scales(const std::vector<SwizzleJob>& jobs, ConversionUploads& uploads, void* stream);
 }  // namespace cuda
 #endif
 

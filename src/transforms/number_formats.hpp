@@ -185,15 +185,36 @@ RESHARD_HD std::uint8_t scaled_to_e4m3(float value, int scale) {
 // The shared exponent of a block from its largest magnitude. OCP (v1.0, section 6.3):
 // floor(log2(amax)) - emax(E4M3) = -8, which may saturate the largest elements; the round-up rule
 // picks the smallest exponent with amax / 2^e <= 448 (a significand above 1.75), which never does.
-RESHARD_HD std::uint8_t mx_scale_bits(float amax, bool round_up) {
+// A block that is not all zeros gets at least `least_bits` (Megatron-LM computes amax / 448 in
+// float32 and rounds it up to a power of two, so its scales never fall below 2^-126: 1; except
+// where that quotient rounds to zero, amax <= 7 * 2^-144, a float32 subnormal: 0).
+RESHARD_HD std::uint8_t mx_scale_bits(float amax, bool round_up, std::uint8_t least_bits = 0) {
   if (!(amax == amax) || amax > 3.4028234663852886e38f) return kE8m0Nan;  // NaN or Inf in block
   if (amax == 0.0f) return 0;  // an all-zero block: smallest scale, elements encode as zeros
+  if (least_bits != 0 && float_bits(amax) <= 7u << 5) return 0;  // 7 * 2^-144 = 7 * 32 * 2^-149
   const Normalized n = normalize(float_bits(amax) & 0x7fffffffu);
   int exponent = n.exponent - 8;
   if (round_up && n.significand > 0xe00000u) exponent += 1;
-  if (exponent < -127) exponent = -127;
+  if (exponent < static_cast<int>(least_bits) - 127) exponent = static_cast<int>(least_bits) - 127;
   if (exponent > 127) exponent = 127;
   return static_cast<std::uint8_t>(exponent + 127);
+}
+
+// The least scale bits of each MxScaleRounding rule (see mx_scale_bits).
+constexpr std::uint8_t kMegatronLeastScaleBits = 1;
+
+// cuBLAS's blocked layout of MXFP8 scales (what Megatron-LM and Transformer Engine keep for their
+// GEMMs): the [rows, cols] scale matrix in tiles of 128 rows x 4 columns, 512 bytes each, tiles
+// row-major (`col_tiles` = ceil(cols / 4) per tile row); inside a tile, rows r and r + 32, r + 64,
+// r + 96 sit side by side: byte (r % 32) * 16 + (r % 128 / 32) * 4 + c % 4.
+RESHARD_HD std::int64_t swizzled_scale_offset(std::int64_t row, std::int64_t col,
+                                              std::int64_t col_tiles) {
+  return ((row >> 7) * col_tiles + (col >> 2)) * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 +
+         (col & 3);
+}
+// Bytes of that layout for a [rows, cols] scale matrix: padded to whole tiles.
+inline std::int64_t swizzled_scale_bytes(std::int64_t rows, std::int64_t cols) {
+  return (rows + 127) / 128 * ((cols + 3) / 4) * 512;
 }
 
 RESHARD_HD double mx_scale_value(std::uint8_t bits) {

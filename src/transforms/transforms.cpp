@@ -350,7 +350,7 @@ class ScaledFp8Transform : public TransformBase {
     quantize(queue_,
              {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
              {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
-             {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data);
+             {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data, {});
     return remember(key, {WireRange::whole(data), WireRange::whole(scale)});
   }
 
@@ -362,8 +362,13 @@ class ScaledFp8Transform : public TransformBase {
       return {WireRange::whole(
           wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data))};
     }
-    return {landing(slice, dst.data, 0, exec::view_of(slice.local, slice.local_shape, true), 1,
-                    in_place),
+    WireRange data = landing(slice, dst.data, 0,
+                             exec::view_of(slice.local, slice.local_shape, true), 1, in_place);
+    if (swizzled_scales(slice).col_tiles > 0) {  // scattered over the tiles at the end
+      return {data, WireRange::whole(wire_.get(false, slice.op, 1,
+                                               scale_bytes(scale_box(slice.local)), dst.scale))};
+    }
+    return {data,
             landing(slice, dst.scale, 1, scale_view(slice), dtype_size(scale_dtype()), in_place)};
   }
 
@@ -379,6 +384,14 @@ class ScaledFp8Transform : public TransformBase {
     const BoxView data_view = exec::view_of(slice.local, slice.local_shape, true);
     if (!data_view.contiguous() && !landed_in_place(wire[0], dst.data))
       queue_.unpack(wire[0], dst.data, data_view, 1);
+    if (const exec::SwizzledScales at = swizzled_scales(slice); at.col_tiles > 0) {
+      const Box scales = scale_box(slice.local);
+      queue_.swizzle_scales(
+          {static_cast<const std::uint8_t*>(wire[1].data),
+           static_cast<std::uint8_t*>(dst.scale.data), scales.extent[0], scales.extent[1], at},
+          dst.scale);
+      return;
+    }
     const BoxView scale_at = scale_view(slice);
     if (!scale_at.contiguous() && !landed_in_place(wire[1], dst.scale))
       queue_.unpack(wire[1], dst.scale, scale_at, dtype_size(scale_dtype()));
@@ -417,23 +430,32 @@ class ScaledFp8Transform : public TransformBase {
   // The scales of `box` (a block of a tensor), as a block of that tensor's scale tensor.
   virtual Box scale_box(const Box& box) const = 0;
   virtual std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const = 0;
+  // Where a destination keeps the slice's scales in cuBLAS's swizzled layout; col_tiles 0 where
+  // it keeps them as scale_shape says.
+  virtual exec::SwizzledScales swizzled_scales(const OpSlice& slice) const {
+    (void)slice;
+    return {};
+  }
   // Queues the conversion on `queue`; `block` is the slice in local coordinates, for formats
-  // whose blocks span rows, and `memory` says where the buffers are.
+  // whose blocks span rows, `memory` says where the buffers are, and `swizzled` where the scales
+  // go if not where `scale` says.
   virtual void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src,
                         const exec::BlockRef& data, const exec::BlockRef& scale, const Box& block,
-                        const Buffer& memory) = 0;
+                        const Buffer& memory, const exec::SwizzledScales& swizzled) = 0;
 
   // Queues the quantization of `src` (the slice's elements) into the slice of `dst` and its
   // scales.
   void quantize_into(exec::ConversionQueue& queue, const exec::BlockRef& src, const OpSlice& slice,
                      const LocalTensor& dst) {
     const Box scales = scale_box(slice.local);
+    const exec::SwizzledScales swizzled = swizzled_scales(slice);
     quantize(
         queue, src,
         {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
         {dst.scale.data, scale_dtype(),
-         exec::view_of(scales, scale_shape(slice.local_shape), false)},
-        slice.local, dst.data);
+         swizzled.col_tiles > 0 ? exec::dense_view(scales)  // unused
+                                : exec::view_of(scales, scale_shape(slice.local_shape), false)},
+        slice.local, dst.data, swizzled);
   }
   // What prepare_send checks of a source slice (and converts_locally of a local op's).
   void check_source(const OpSlice& slice, const LocalTensor& src) const {
@@ -468,12 +490,14 @@ class ScaledFp8Transform : public TransformBase {
 // OCP MXFP8: one E8M0 scale per 32 consecutive elements of the last dimension.
 class Mxfp8Transform final : public ScaledFp8Transform {
  public:
-  Mxfp8Transform(QuantizeSide side, MxScaleRounding rounding, std::string filter)
-      : ScaledFp8Transform(side, std::move(filter)),
-        round_up_(rounding == MxScaleRounding::kRoundUp) {}
+  Mxfp8Transform(QuantizeSide side, MxScaleRounding rounding, std::string filter,
+                 MxScaleLayout layout)
+      : ScaledFp8Transform(side, std::move(filter)), rounding_(rounding), layout_(layout) {}
 
   std::string name() const override {
-    return std::string("mxfp8-") + side_name() + (round_up_ ? "-roundup" : "");
+    static constexpr const char* kRounding[] = {"", "-roundup", "-megatron"};
+    return std::string("mxfp8-") + side_name() + kRounding[static_cast<int>(rounding_)] +
+           (layout_ == MxScaleLayout::kSwizzled ? "-swizzled" : "");
   }
 
  private:
@@ -488,13 +512,27 @@ class Mxfp8Transform final : public ScaledFp8Transform {
   std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const override {
     std::vector<std::int64_t> scales = shape;
     scales.back() /= formats::kMxBlock;
+    if (layout_ == MxScaleLayout::kSwizzled) {
+      return {formats::swizzled_scale_bytes(scales[0], scales[1])};
+    }
     return scales;
   }
+  exec::SwizzledScales swizzled_scales(const OpSlice& slice) const override {
+    if (layout_ != MxScaleLayout::kSwizzled) return {};
+    const std::int64_t scale_cols = slice.local_shape[1] / formats::kMxBlock;
+    return {slice.local.offset[0], slice.local.offset[1] / formats::kMxBlock, (scale_cols + 3) / 4};
+  }
   void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src, const exec::BlockRef& data,
-                const exec::BlockRef& scale, const Box&, const Buffer& memory) override {
-    queue.mx_quantize({src, data, scale, round_up_}, memory);
+                const exec::BlockRef& scale, const Box&, const Buffer& memory,
+                const exec::SwizzledScales& swizzled) override {
+    queue.mx_quantize({src, data, scale, rounding_, swizzled}, memory);
   }
   void check_shape(const std::vector<std::int64_t>& shape) const override {
+    if (layout_ == MxScaleLayout::kSwizzled && shape.size() != 2) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  name() + ": swizzled scales are laid out for 2-D tensors, not " +
+                      std::to_string(shape.size()) + "-D (use row-major scales)");
+    }
     if (shape.back() % formats::kMxBlock != 0) {
       throw_error(ErrorCode::kInvalidArgument, name() + ": the last dimension (" +
                                                    std::to_string(shape.back()) +
@@ -518,7 +556,8 @@ class Mxfp8Transform final : public ScaledFp8Transform {
     }
   }
 
-  bool round_up_;
+  MxScaleRounding rounding_;
+  MxScaleLayout layout_;
 };
 
 // FP8 with a float32 scale (amax / 448) per 128 x 128 tile of the last two dimensions.
@@ -549,7 +588,8 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
     return tiles;
   }
   void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src, const exec::BlockRef& data,
-                const exec::BlockRef& scale, const Box& block, const Buffer& memory) override {
+                const exec::BlockRef& scale, const Box& block, const Buffer& memory,
+                const exec::SwizzledScales&) override {
     queue.block_quantize({src, data, scale, block.extent[block.ndim - 2]}, memory);
   }
   // Tiles must stay whole: slices start on a tile boundary and end on one or at the dimension's
@@ -594,8 +634,9 @@ std::shared_ptr<ReshardTransform> make_cast_transform(DType wire) {
 }
 
 std::shared_ptr<ReshardTransform> make_mxfp8_transform(QuantizeSide side, MxScaleRounding rounding,
-                                                       std::string name_filter) {
-  return std::make_shared<Mxfp8Transform>(side, rounding, std::move(name_filter));
+                                                       std::string name_filter,
+                                                       MxScaleLayout scale_layout) {
+  return std::make_shared<Mxfp8Transform>(side, rounding, std::move(name_filter), scale_layout);
 }
 
 std::shared_ptr<ReshardTransform> make_fp8_block_transform(QuantizeSide side,
@@ -604,17 +645,23 @@ std::shared_ptr<ReshardTransform> make_fp8_block_transform(QuantizeSide side,
 }
 
 void reference_mxfp8_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
-                              MxScaleRounding rounding, std::uint8_t* data, std::uint8_t* scales) {
+                              MxScaleRounding rounding, std::uint8_t* data, std::uint8_t* scales,
+                              MxScaleLayout scale_layout) {
   if (cols % formats::kMxBlock != 0) {
     throw_error(ErrorCode::kInvalidArgument,
                 "MXFP8 rows need a multiple of 32 elements, got " + std::to_string(cols));
   }
   const Box box = Box::whole({rows, cols});
-  const Box scale_box = Box::whole({rows, cols / formats::kMxBlock});
-  exec::mx_quantize({const_cast<std::uint16_t*>(bf16), DType::kBFloat16, exec::dense_view(box)},
-                    {data, DType::kFloat8E4M3, exec::dense_view(box)},
-                    {scales, DType::kFloat8E8M0, exec::dense_view(scale_box)},
-                    rounding == MxScaleRounding::kRoundUp, MemoryKind::kHost, nullptr);
+  const std::int64_t scale_cols = cols / formats::kMxBlock;
+  const Box scale_box = Box::whole({rows, scale_cols});
+  exec::SwizzledScales swizzled{};
+  if (scale_layout == MxScaleLayout::kSwizzled) swizzled.col_tiles = (scale_cols + 3) / 4;
+  exec::mx_quantize({{const_cast<std::uint16_t*>(bf16), DType::kBFloat16, exec::dense_view(box)},
+                     {data, DType::kFloat8E4M3, exec::dense_view(box)},
+                     {scales, DType::kFloat8E8M0, exec::dense_view(scale_box)},
+                     rounding,
+                     swizzled},
+                    MemoryKind::kHost, nullptr);
 }
 
 void reference_fp8_block_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,

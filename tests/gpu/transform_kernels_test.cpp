@@ -100,6 +100,9 @@ struct MxViews {
   BoxView data, scales;
 };
 
+constexpr MxScaleRounding kRoundings[] = {MxScaleRounding::kOcp, MxScaleRounding::kRoundUp,
+                                          MxScaleRounding::kMegatron};
+
 MxViews mx_views(const std::vector<std::int64_t>& shape, const Box& block) {
   std::vector<std::int64_t> scale_shape = shape;
   scale_shape.back() /= 32;
@@ -127,17 +130,22 @@ TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
     const auto [v, sv] = mx_views(c.shape, c.block);
     DeviceCopy d_src(src.data(), src.size());
     void* shifted = static_cast<std::uint8_t*>(d_src.pointer) + c.shift * size;
-    for (bool round_up : {false, true}) {
+    for (MxScaleRounding rounding : kRoundings) {
       std::vector<std::uint8_t> data(n, 0xab), scales(n / 32, 0xab);
-      mx_quantize({const_cast<std::uint8_t*>(src.data()) + c.shift * size, c.dtype, v},
-                  {data.data(), DType::kFloat8E4M3, v}, {scales.data(), DType::kFloat8E8M0, sv},
-                  round_up, MemoryKind::kHost, nullptr);
+      mx_quantize({{const_cast<std::uint8_t*>(src.data()) + c.shift * size, c.dtype, v},
+                   {data.data(), DType::kFloat8E4M3, v},
+                   {scales.data(), DType::kFloat8E8M0, sv},
+                   rounding},
+                  MemoryKind::kHost, nullptr);
       DeviceCopy d_data(data.size()), d_scales(scales.size());
-      mx_quantize({shifted, c.dtype, v}, {d_data.pointer, DType::kFloat8E4M3, v},
-                  {d_scales.pointer, DType::kFloat8E8M0, sv}, round_up, MemoryKind::kCuda, nullptr);
+      mx_quantize({{shifted, c.dtype, v},
+                   {d_data.pointer, DType::kFloat8E4M3, v},
+                   {d_scales.pointer, DType::kFloat8E8M0, sv},
+                   rounding},
+                  MemoryKind::kCuda, nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(d_data.download(), data) << describe(c) << " round_up " << round_up;
-      EXPECT_EQ(d_scales.download(), scales) << describe(c) << " round_up " << round_up;
+      EXPECT_EQ(d_data.download(), data) << describe(c) << " rounding " << int(rounding);
+      EXPECT_EQ(d_scales.download(), scales) << describe(c) << " rounding " << int(rounding);
     }
   }
 }
@@ -150,7 +158,7 @@ TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
 // (itself checked against double arithmetic in the unit tests).
 TEST(TransformKernels, MxEncodesEveryBf16UnderEveryScaleLikeTheReference) {
   std::vector<std::uint16_t> values;
-  for (int e = -119; e <= 127; ++e) {
+  for (int e = -133; e <= 127; ++e) {                     // from the smallest subnormal maxima up
     const float amax = std::ldexp(2.0f - 1.0f / 128, e);  // the largest bf16 below 2^(e + 1)
     const std::uint16_t amax_bits = formats::float_to_bf16(amax);
     int in_block = 0;
@@ -173,20 +181,27 @@ TEST(TransformKernels, MxEncodesEveryBf16UnderEveryScaleLikeTheReference) {
   const BoxView v = view_of(Box::whole({rows, 256}), {rows, 256}, false);
   const BoxView sv = view_of(Box::whole({rows, 8}), {rows, 8}, false);
   DeviceCopy d_src(values.data(), values.size() * 2);
-  for (bool round_up : {false, true}) {
+  for (MxScaleRounding rounding : kRoundings) {
     std::vector<std::uint8_t> data(values.size(), 0xab), scales(values.size() / 32, 0xab);
-    mx_quantize({values.data(), DType::kBFloat16, v}, {data.data(), DType::kFloat8E4M3, v},
-                {scales.data(), DType::kFloat8E8M0, sv}, round_up, MemoryKind::kHost, nullptr);
+    mx_quantize({{values.data(), DType::kBFloat16, v},
+                 {data.data(), DType::kFloat8E4M3, v},
+                 {scales.data(), DType::kFloat8E8M0, sv},
+                 rounding},
+                MemoryKind::kHost, nullptr);
     DeviceCopy d_data(data.size()), d_scales(scales.size());
-    mx_quantize({d_src.pointer, DType::kBFloat16, v}, {d_data.pointer, DType::kFloat8E4M3, v},
-                {d_scales.pointer, DType::kFloat8E8M0, sv}, round_up, MemoryKind::kCuda, nullptr);
+    mx_quantize({{d_src.pointer, DType::kBFloat16, v},
+                 {d_data.pointer, DType::kFloat8E4M3, v},
+                 {d_scales.pointer, DType::kFloat8E8M0, sv},
+                 rounding},
+                MemoryKind::kCuda, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got = d_data.download();
     const auto got_scales = d_scales.download();
-    ASSERT_EQ(got_scales, scales) << "round_up " << round_up;
+    ASSERT_EQ(got_scales, scales) << "rounding " << int(rounding);
     for (std::size_t i = 0; i < values.size(); ++i) {
       ASSERT_EQ(got[i], data[i]) << "bf16 0x" << std::hex << values[i] << " in a block of scale 0x"
-                                 << int{scales[i / 32]} << std::dec << ", round_up " << round_up;
+                                 << int{scales[i / 32]} << std::dec << ", rounding "
+                                 << int(rounding);
     }
   }
 }
@@ -197,6 +212,9 @@ TEST(TransformKernels, MxQueueOfManyJobsMatchesTheReferenceBitForBit) {
     std::vector<std::int64_t> shape;
     Box box;
     std::size_t src_at, out_at, scale_at;  // element offsets in the shared buffers
+    MxScaleRounding rounding;
+    SwizzledScales swizzled;  // every other 2-D block's scales are swizzled
+    std::size_t scale_bytes;
   };
   std::vector<Block> blocks;
   std::size_t src_total = 0, out_total = 0, scale_total = 0;
@@ -215,10 +233,22 @@ TEST(TransformKernels, MxQueueOfManyJobsMatchesTheReferenceBitForBit) {
     }
     if (b % 7 == 0) box.extent[0] = 0;  // an empty block: no work items
     const auto n = static_cast<std::size_t>(elements_of(shape));
-    blocks.push_back({shape, box, src_total, out_total, scale_total});
-    src_total += n + 8;  // keeps every tensor 16-byte aligned
-    out_total += n;
-    scale_total += n / 32;
+    SwizzledScales swizzled{};
+    std::size_t scale_bytes = n / 32;
+    if (dims == 2 && b % 2 == 0) {
+      shape[0] = 1 + rng() % 300;  // more than one tile row
+      box.extent[0] = 1 + static_cast<std::int64_t>(rng() % shape[0]);
+      box.offset[0] = static_cast<std::int64_t>(rng() % (shape[0] - box.extent[0] + 1));
+      swizzled = {box.offset[0], box.offset[1] / 32, (shape[1] / 32 + 3) / 4};
+      scale_bytes =
+          static_cast<std::size_t>(formats::swizzled_scale_bytes(shape[0], shape[1] / 32));
+    }
+    const auto elements = static_cast<std::size_t>(elements_of(shape));
+    blocks.push_back(
+        {shape, box, src_total, out_total, scale_total, kRoundings[b % 3], swizzled, scale_bytes});
+    src_total += elements + 8;  // keeps every tensor 16-byte aligned
+    out_total += elements;
+    scale_total += scale_bytes;
   }
   const auto src = salted_tensor(src_total, DType::kBFloat16, 41);
   std::vector<std::uint8_t> data(out_total, 0xab), scales(scale_total, 0xab);
@@ -229,14 +259,17 @@ TEST(TransformKernels, MxQueueOfManyJobsMatchesTheReferenceBitForBit) {
     auto at = [](auto* base, std::size_t offset, std::size_t size) {
       return static_cast<void*>(reinterpret_cast<std::uint8_t*>(base) + offset * size);
     };
-    mx_quantize({at(const_cast<std::uint8_t*>(src.data()), block.src_at, 2), DType::kBFloat16, v},
-                {at(data.data(), block.out_at, 1), DType::kFloat8E4M3, v},
-                {at(scales.data(), block.scale_at, 1), DType::kFloat8E8M0, sv}, block.shape[0] % 2,
+    mx_quantize({{at(const_cast<std::uint8_t*>(src.data()), block.src_at, 2), DType::kBFloat16, v},
+                 {at(data.data(), block.out_at, 1), DType::kFloat8E4M3, v},
+                 {at(scales.data(), block.scale_at, 1), DType::kFloat8E8M0, sv},
+                 block.rounding,
+                 block.swizzled},
                 MemoryKind::kHost, nullptr);
     queue.mx_quantize({{at(d_src.pointer, block.src_at, 2), DType::kBFloat16, v},
                        {at(d_data.pointer, block.out_at, 1), DType::kFloat8E4M3, v},
                        {at(d_scales.pointer, block.scale_at, 1), DType::kFloat8E8M0, sv},
-                       block.shape[0] % 2 == 1},
+                       block.rounding,
+                       block.swizzled},
                       Buffer::cuda(d_src.pointer, d_src.bytes, 0));
   }
   queue.flush(nullptr);
@@ -249,9 +282,64 @@ TEST(TransformKernels, MxQueueOfManyJobsMatchesTheReferenceBitForBit) {
         << "data of block " << block.box.str() << " of a tensor of " << block.shape.size()
         << " dims";
     ASSERT_TRUE(std::equal(scales.begin() + block.scale_at,
-                           scales.begin() + block.scale_at + n / 32,
+                           scales.begin() + block.scale_at + block.scale_bytes,
                            got_scales.begin() + block.scale_at))
-        << "scales of block " << block.box.str();
+        << "scales of block " << block.box.str()
+        << (block.swizzled.col_tiles > 0 ? " (swizzled)" : "");
+  }
+}
+
+// Dense scale blocks scattered into swizzled scale matrices, many in one launch, against the
+// host and against the layout's definition (cuBLAS's 128 x 4 tiles).
+TEST(TransformKernels, SwizzleQueueMatchesTheLayoutByteForByte) {
+  std::mt19937 rng(5);
+  struct Case {
+    std::int64_t rows, cols;  // of the scale matrix
+    Box box;
+    std::size_t src_at, dst_at;
+  };
+  std::vector<Case> cases;
+  std::size_t src_total = 0, dst_total = 0;
+  for (int c = 0; c < 200; ++c) {
+    const std::int64_t rows = 1 + rng() % 400, cols = 1 + rng() % 40;
+    Box box{2, {}, {}};
+    box.extent[0] = 1 + static_cast<std::int64_t>(rng() % rows);
+    box.extent[1] = 1 + static_cast<std::int64_t>(rng() % cols);
+    box.offset[0] = static_cast<std::int64_t>(rng() % (rows - box.extent[0] + 1));
+    box.offset[1] = static_cast<std::int64_t>(rng() % (cols - box.extent[1] + 1));
+    cases.push_back({rows, cols, box, src_total, dst_total});
+    src_total += static_cast<std::size_t>(box.elements());
+    dst_total += static_cast<std::size_t>(formats::swizzled_scale_bytes(rows, cols));
+  }
+  std::vector<std::uint8_t> src(src_total);
+  for (auto& byte : src) byte = static_cast<std::uint8_t>(rng());
+  std::vector<std::uint8_t> host(dst_total, 0xab);
+  DeviceCopy d_src(src.data(), src.size()), d_dst(host.size());
+  ConversionQueue host_queue, gpu_queue;
+  for (const Case& c : cases) {
+    const SwizzledScales at{c.box.offset[0], c.box.offset[1], (c.cols + 3) / 4};
+    host_queue.swizzle_scales(
+        {src.data() + c.src_at, host.data() + c.dst_at, c.box.extent[0], c.box.extent[1], at},
+        Buffer::host(host.data(), host.size()));
+    gpu_queue.swizzle_scales({static_cast<const std::uint8_t*>(d_src.pointer) + c.src_at,
+                              static_cast<std::uint8_t*>(d_dst.pointer) + c.dst_at, c.box.extent[0],
+                              c.box.extent[1], at},
+                             Buffer::cuda(d_dst.pointer, d_dst.bytes, 0));
+  }
+  gpu_queue.flush(nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(d_dst.download(), host);
+  for (const Case& c : cases) {  // the definition, written out
+    const std::int64_t col_tiles = (c.cols + 3) / 4;
+    for (std::int64_t r = 0; r < c.box.extent[0]; ++r) {
+      for (std::int64_t k = 0; k < c.box.extent[1]; ++k) {
+        const std::int64_t row = c.box.offset[0] + r, col = c.box.offset[1] + k;
+        const std::int64_t tile = (row / 128) * col_tiles + col / 4;
+        const std::int64_t in_tile = (row % 32) * 16 + (row % 128) / 32 * 4 + col % 4;
+        ASSERT_EQ(host[c.dst_at + tile * 512 + in_tile],
+                  src[c.src_at + static_cast<std::size_t>(r * c.box.extent[1] + k)]);
+      }
+    }
   }
 }
 

@@ -260,8 +260,12 @@ def test_plan_refuses_uncovered_destination():
 def test_bad_transform_options_are_refused():
     with pytest.raises(reshard.ReshardError, match="side"):
         reshard.make_mxfp8_transform(side="middle")
-    with pytest.raises(reshard.ReshardError, match="rounding"):
+    with pytest.raises(reshard.ReshardError, match="rounding must be 'ocp', 'round_up' or "
+                       "'megatron', not 'nearest'"):
         reshard.make_mxfp8_transform(rounding="nearest")
+    with pytest.raises(reshard.ReshardError, match="scale_layout must be 'row_major' or "
+                       "'swizzled', not 'blocked'"):
+        reshard.make_mxfp8_transform(scale_layout="blocked")
 
 
 def test_fp8_transforms_say_what_scale_tensor_a_destination_needs():
@@ -274,6 +278,13 @@ def test_fp8_transforms_say_what_scale_tensor_a_destination_needs():
         reshard.make_mxfp8_transform().destination_scale([4, 48])
     with pytest.raises(reshard.ReshardError, match="2 or more dimensions"):
         reshard.make_fp8_block_transform().destination_scale([256])
+    # Megatron's preset: its scales swizzled into 128 x 4 tiles, padded (one byte array).
+    megatron = reshard.make_mxfp8_transform(rounding="megatron", scale_layout="swizzled")
+    swizzled = megatron.destination_scale([300, 4096 + 32])
+    assert (swizzled.dtype, swizzled.shape) == ("float8_e8m0fnu", (3 * 33 * 512,))
+    assert megatron.name == "mxfp8-sender-megatron-swizzled"
+    with pytest.raises(reshard.ReshardError, match="swizzled scales are laid out for 2-D tensors"):
+        megatron.destination_scale([4, 256, 256])
 
 
 class _BrokenTransform(reshard.ReshardTransform):
@@ -338,6 +349,12 @@ def test_phases_reuse_one_receive_buffer(service):
         np.testing.assert_array_equal(scratch, source[phase])
     with pytest.raises(reshard.ReshardError, match="4 phase"):
         service.run_phase(4)
+
+
+def test_an_object_that_is_no_transform_is_refused_naming_what_would_do(service):
+    plan, src, dst = _one_pe_plan()
+    with pytest.raises(TypeError, match="Megatron's hooks: should_transform, prepare_send"):
+        reshard.execute_reshard_plan(plan, src, dst, service, transform=object())
 
 
 def test_python_transform_returning_no_array_is_refused(service):
@@ -454,6 +471,12 @@ def test_example_refits_tp4_into_tp2():
 @pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
 def test_megatron_adapter_on_cpu_tensors():
     assert_ok(launch(3, WORKERS / "megatron_worker.py", "cpu"))
+
+
+@pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_transform_written_for_megatron_runs_unchanged(n):
+    assert_ok(launch(n, WORKERS / "megatron_transform_worker.py", "cpu"))
 
 
 def has_megatron() -> bool:
@@ -650,3 +673,8 @@ def test_gpu_example_refits_tp4_into_tp2():
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_megatron_adapter():
     assert_ok(launch(2, WORKERS / "megatron_worker.py", "cuda"))
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
+def test_gpu_a_transform_written_for_megatron_runs_unchanged():
+    assert_ok(launch(2, WORKERS / "megatron_transform_worker.py", "cuda"))

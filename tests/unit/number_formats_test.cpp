@@ -108,6 +108,79 @@ TEST(NumberFormats, MxEncodingMatchesTheDoubleArithmeticForEveryBf16AndScale) {
   }
 }
 
+// Megatron-LM's quantizer, as its kernel computes a block's scale: amax / 448 in float32, rounded
+// up to a power of two by adding the mantissa mask to the bits and keeping the exponent field.
+std::uint8_t megatron_scale_bits(float amax) {
+  const float quotient = amax / 448.0f;
+  return static_cast<std::uint8_t>(((float_bits(quotient) + 0x007fffffu) & 0x7f800000u) >> 23);
+}
+
+TEST(NumberFormats, MegatronRoundingGivesMegatronsScaleForEveryFiniteMaximum) {
+  // Every bf16 magnitude (what bf16 blocks can have), then random float32 and float16 ones.
+  for (std::uint32_t h = 0; h < 0x7f80; ++h) {
+    const float amax = bf16_to_float(static_cast<std::uint16_t>(h));
+    ASSERT_EQ(mx_scale_bits(amax, true, kMegatronLeastScaleBits), megatron_scale_bits(amax))
+        << "bf16 0x" << std::hex << h;
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < 4'000'000; ++i) {
+    const float amax = bits_float(rng() & 0x7fffffffu);
+    if (!std::isfinite(amax)) continue;
+    ASSERT_EQ(mx_scale_bits(amax, true, kMegatronLeastScaleBits), megatron_scale_bits(amax))
+        << "float 0x" << std::hex << float_bits(amax);
+  }
+  for (std::uint32_t h = 0; h < 0x7c00; ++h) {
+    const float amax = fp16_to_float(static_cast<std::uint16_t>(h));
+    ASSERT_EQ(mx_scale_bits(amax, true, kMegatronLeastScaleBits), megatron_scale_bits(amax));
+  }
+  // Where it parts from round-up: maxima at most 448 * 2^-127 get 2^-126, not 2^-127.
+  EXPECT_EQ(mx_scale_bits(std::ldexp(1.0f, -120), true), 0);
+  EXPECT_EQ(mx_scale_bits(std::ldexp(1.0f, -120), true, kMegatronLeastScaleBits), 1);
+  EXPECT_EQ(mx_scale_bits(0.0f, true, kMegatronLeastScaleBits), 0);  // all zeros: as Megatron
+}
+
+// The swizzled layout against its definition: scale (row, col) of an [M, C] matrix sits in tile
+// (row / 128, col / 4) of 512 bytes, tiles row-major over ceil(C / 4) columns; in a tile, at
+// (row % 32) * 16 + (row % 128) / 32 * 4 + col % 4. Every place is taken once; padding stays.
+TEST(NumberFormats, ReferenceMxfp8WritesSwizzledScalesWhereTheLayoutSays) {
+  for (auto [rows, cols] :
+       {std::pair<std::int64_t, std::int64_t>{1, 32}, {130, 160}, {256, 4096}, {300, 96}}) {
+    std::mt19937 rng(static_cast<std::uint32_t>(rows * cols));
+    std::vector<std::uint16_t> values(static_cast<std::size_t>(rows * cols));
+    for (auto& v : values) v = static_cast<std::uint16_t>(rng() & 0x7f7f);  // finite, spread out
+    const std::int64_t scale_cols = cols / 32;
+    std::vector<std::uint8_t> data(values.size()), row_major(values.size() / 32),
+        data2(values.size());
+    std::vector<std::uint8_t> swizzled(
+        static_cast<std::size_t>(swizzled_scale_bytes(rows, scale_cols)), 0xee);
+    reference_mxfp8_quantize(values.data(), rows, cols, MxScaleRounding::kMegatron, data.data(),
+                             row_major.data());
+    reference_mxfp8_quantize(values.data(), rows, cols, MxScaleRounding::kMegatron, data2.data(),
+                             swizzled.data(), MxScaleLayout::kSwizzled);
+    ASSERT_EQ(data, data2);
+    const std::int64_t col_tiles = (scale_cols + 3) / 4;
+    std::vector<bool> taken(swizzled.size());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < scale_cols; ++c) {
+        const auto at = static_cast<std::size_t>(((r / 128) * col_tiles + c / 4) * 512 +
+                                                 (r % 32) * 16 + (r % 128) / 32 * 4 + c % 4);
+        ASSERT_FALSE(taken[at]);
+        taken[at] = true;
+        ASSERT_EQ(swizzled[at], row_major[static_cast<std::size_t>(r * scale_cols + c)]);
+        // And the scale is Megatron's, from the block's maximum.
+        float amax = 0;
+        for (int i = 0; i < 32; ++i) {
+          amax = std::max(amax, std::fabs(bf16_to_float(values[r * cols + c * 32 + i])));
+        }
+        ASSERT_EQ(swizzled[at], megatron_scale_bits(amax));
+      }
+    }
+    for (std::size_t i = 0; i < swizzled.size(); ++i) {
+      if (!taken[i]) ASSERT_EQ(swizzled[i], 0xee) << "padding byte " << i << " written";
+    }
+  }
+}
+
 TEST(NumberFormats, MxEncodingMatchesTheDoubleArithmeticForRandomFloats) {
   std::mt19937 rng(2026);
   // Every float bit pattern is equally likely, so subnormals, NaN payloads and the ties of the

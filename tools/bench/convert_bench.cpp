@@ -224,11 +224,12 @@ void queue_one(exec::ConversionQueue& queue, const Conversion& c, const Views& v
   switch (c.kind) {
     case K::kMx:
     case K::kMxRoundUp:
-      queue.mx_quantize({{src, c.src_dtype, v.src},
-                         {out, DType::kFloat8E4M3, v.out},
-                         {scale, DType::kFloat8E8M0, v.scale},
-                         c.kind == K::kMxRoundUp},
-                        memory);
+      queue.mx_quantize(
+          {{src, c.src_dtype, v.src},
+           {out, DType::kFloat8E4M3, v.out},
+           {scale, DType::kFloat8E8M0, v.scale},
+           c.kind == K::kMxRoundUp ? MxScaleRounding::kRoundUp : MxScaleRounding::kOcp},
+          memory);
       break;
     case K::kBlock:
       queue.block_quantize({{src, c.src_dtype, v.src},

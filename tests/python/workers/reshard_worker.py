@@ -1,11 +1,14 @@
 """One rank of a reshard test job (started by reshard.launch): every layout change of a small
 model that fits the job, through execute_reshard_plan with NumPy tensors on the host transport,
 each element checked against the full weight; then the two MXFP8 modes must agree bit for bit
-(both are checked against the C++ reference in the C++ suite), and a missing tensor is refused.
+(both are checked against the C++ reference in the C++ suite), Megatron's MXFP8 preset must give
+Megatron's bits and swizzled scales (against a NumPy reference written from the format), and a
+missing tensor is refused.
 """
 
 import sys
 
+import ml_dtypes
 import numpy as np
 
 import reshard
@@ -81,6 +84,70 @@ class ByteSplitTransform(reshard.ReshardTransform):
         high, low = buffers
         values = ((high ^ 0xFF).astype(np.uint16) << 8) | low
         tensor.data[self._block(slice)] = values.reshape(slice.extent)
+
+
+def megatron_mxfp8(values):
+    """Megatron-LM's MXFP8 of a [M, K] bf16 tensor (uint16 bits), from the format's definition
+    (what its quantizer computes): per 32 elements of a row, amax / 448 in float32 rounded up to a
+    power of two is the scale; elements times its inverse, to E4M3 by rounding to nearest even.
+    Returns the data bytes and the [M, K / 32] scale bytes (the E8M0 exponent fields)."""
+    rows, cols = values.shape
+    x = (values.astype(np.uint32) << 16).view(np.float32).reshape(rows, cols // 32, 32)
+    amax = np.abs(x).max(axis=2)
+    dequant = ((amax / np.float32(448)).view(np.uint32) + 0x7FFFFF) & 0x7F800000
+    scale = dequant.view(np.float32)
+    inverse = np.where(scale == 0, np.float32(0), np.float32(1) / np.where(scale == 0, 1, scale))
+    data = (x * inverse[:, :, None].astype(np.float32)).astype(ml_dtypes.float8_e4m3fn)
+    return data.view(np.uint8).reshape(rows, cols), (dequant >> 23).astype(np.uint8)
+
+
+def swizzled(scales):
+    """cuBLAS's blocked layout of a [M, C] scale matrix: 128 x 4 tiles of 512 bytes, tiles
+    row-major, in a tile row r at (r % 32) * 16 + (r % 128) // 32 * 4 (+ column % 4); padded."""
+    rows, cols = scales.shape
+    col_tiles = -(-cols // 4)
+    out = np.zeros(-(-rows // 128) * col_tiles * 512, dtype=np.uint8)
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    at = ((r // 128) * col_tiles + c // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+    out[at] = scales
+    return out
+
+
+def check_megatron_mxfp8(plan, src, want, dst_layout, me, svc):
+    """Both MXFP8 sides with Megatron's preset (its rounding, swizzled scales) against
+    megatron_mxfp8 of the expected weights; returns the number of failures."""
+    failures = 0
+    for side in ("sender", "receiver"):
+        transform = reshard.make_mxfp8_transform(side=side, rounding="megatron",
+                                                 scale_layout="swizzled")
+        fp8 = {}
+        for name, tensor in tensors_for(dst_layout, me, plan, False).items():
+            param = next(p for p in plan.params if p.name == name)
+            if transform.should_transform(param):
+                fp8[name] = reshard.LocalTensor(
+                    np.full(tensor.shape, 0xAB, dtype=np.uint8),
+                    scale=np.zeros(transform.destination_scale(tensor.shape).shape, np.uint8),
+                    dtype="float8_e4m3")
+            else:
+                fp8[name] = reshard.LocalTensor(tensor, dtype="bfloat16")
+        for refit in range(2):
+            reshard.execute_reshard_plan(plan, bf16(src), fp8, svc, transform)
+            for name, got in fp8.items():
+                if got.scale is None:
+                    ok = np.array_equal(got.data, want[name])
+                else:
+                    data, scales = megatron_mxfp8(want[name])
+                    ok = (np.array_equal(got.data, data) and
+                          np.array_equal(got.scale, swizzled(scales)))
+                if not ok:
+                    print(f"rank {me}: Megatron MXFP8 by the {side}, refit {refit}: '{name}' "
+                          "differs from Megatron's bits", file=sys.stderr)
+                    failures += 1
+                got.data[...] = 0
+                if got.scale is not None:
+                    got.scale[...] = 0
+        svc.clear_requests()
+    return failures
 
 
 def cases(n):
@@ -175,6 +242,8 @@ def main():
                               f"on '{name}'", file=sys.stderr)
                         failures += 1
         svc.clear_requests()
+        if not moe:  # swizzled scales are laid out for 2-D weights
+            failures += check_megatron_mxfp8(plan, src, want, dst_layout, me, svc)
 
     # A destination tensor missing on one rank is refused there, naming it, before any byte moves.
     model = reshard.toy_model(1, 128)
