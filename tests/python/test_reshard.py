@@ -675,6 +675,21 @@ def test_gpu_megatron_adapter():
     assert_ok(launch(2, WORKERS / "megatron_worker.py", "cuda"))
 
 
+def has_megatron_mxfp8_quantizer() -> bool:
+    """Megatron's own MXFP8 quantizer (megatron-core >= 0.17, with Triton and a GPU)."""
+    try:
+        from megatron.core.inference.quantization import mxfp8_quantize
+    except Exception:
+        return False
+    return gpu_count() >= 1 and mxfp8_quantize.HAVE_TRITON
+
+
+@pytest.mark.skipif(not has_megatron_mxfp8_quantizer(),
+                    reason="needs megatron-core >= 0.17 with Triton, and a GPU")
+def test_gpu_megatron_mxfp8_preset_writes_megatrons_own_bytes():
+    assert_ok(launch(2, WORKERS / "megatron_mxfp8_worker.py"))
+
+
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_a_transform_written_for_megatron_runs_unchanged():
     assert_ok(launch(2, WORKERS / "megatron_transform_worker.py", "cuda"))
