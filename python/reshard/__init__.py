@@ -39,7 +39,7 @@ from ._core import (
 )
 from .copy_service import CopyService, make_bootstrap
 from .execution import LocalTensor, execute_reshard_plan
-from .transforms import ReshardTransform, SliceInfo
+from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
 
 __version__ = "0.1.0"
 
@@ -70,6 +70,7 @@ __all__ = [
     "make_fp8_block_transform",
     "make_mxfp8_transform",
     "make_reshard_plan",
+    "MegatronStyleTransform",
     "moe_1t_model",
     "qwen3_30b_a3b_model",
     "toy_model",

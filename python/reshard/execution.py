@@ -56,8 +56,11 @@ def execute_reshard_plan(
     :class:`LocalTensor` for scales and explicit dtypes). The first call registers and schedules;
     later calls with the same tensors only run, so call it once per refit. With a CUDA ``stream``
     the work is queued there; otherwise the call returns when the bytes have landed.
-    ``transform`` is a built-in (``make_mxfp8_transform(...)``, ...) or an instance of a
-    :class:`ReshardTransform` subclass.
+    A service holds one schedule: alternating two plans (or two sets of tensors) on one service
+    registers and schedules again at every switch; give each its own :class:`CopyService` to keep
+    both schedules. ``transform`` is a built-in (``make_mxfp8_transform(...)``, ...), an instance
+    of a :class:`ReshardTransform` subclass, or a transform written for Megatron-LM's
+    ``execute_reshard_plan`` (its four hooks; see :class:`MegatronStyleTransform`).
 
     ``staging_budget`` bounds the staging memory this rank holds (the built-in transforms' wire
     buffers, slices packed for NCCL): bytes, or a string such as ``"512MiB"`` or

@@ -1,8 +1,10 @@
 // A PE for the fault tests: exchanges a uniform workload in a loop until PE 1 misbehaves
-// ("die": killed mid-run; "stall": stopped mid-run), then reports what this PE saw and what its
-// teardown left behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory).
+// ("die": killed mid-run; "stall": stopped mid-run; "behind": stops calling run() after two runs
+// and waits, alive), then reports what this PE saw and what its teardown left behind
+// (shared-memory segments of the job, CUDA IPC mappings of peers' memory).
 //
-//     fault_worker die|stall [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU memory)
+//     fault_worker die|stall|behind [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU
+//     memory)
 #include <signal.h>
 #include <unistd.h>
 
@@ -78,6 +80,13 @@ int main(int argc, char** argv) {
   }
   service.schedule();
   bootstrap->barrier();
+  if (service.my_pe() == 1 && scenario == "behind") {
+    service.run();
+    service.run();
+    std::this_thread::sleep_for(std::chrono::seconds(20));  // the others time out meanwhile
+    std::printf("BEHIND-DONE\n");
+    return 0;
+  }
   if (service.my_pe() == 1) {
     // Strike from another thread while the main thread is inside run().
     std::thread([scenario] {

@@ -92,6 +92,25 @@ TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
+// PE 1 stops calling run() after two runs and stays alive: whoever times out names PE 1 as the
+// one behind (by the run() calls each PE has begun), not the peer it happened to wait for.
+TEST(Faults, PeThatCallsRunLessOftenIsNamedBehindByTheOthers) {
+  ::setenv("RESHARD_TIMEOUT_S", "2", 1);
+  const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "behind"}, true);
+  EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
+  int reported = 0;
+  for (int rank : {0, 2}) {
+    const std::string line = line_of(outcome, rank, "ERROR-SEEN");
+    if (line.empty()) continue;  // the launcher may stop it once the first survivor failed
+    ++reported;
+    EXPECT_NE(line.find("code=timeout"), std::string::npos) << line;
+    EXPECT_NE(line.find("PE 1 is behind: begun run() 2 times where PE 0, PE 2 did"),
+              std::string::npos)
+        << line;
+  }
+  EXPECT_GE(reported, 1) << all_lines(outcome);
+}
+
 // A mixed schedule (two declared nodes of two PEs, host memory on both transports): PE 1 dies;
 // its node mate fails inside the node, the other node when its inter-node part meets the dead PE
 // (or its failed mate, whichever it notices first) — every survivor in bounded time.

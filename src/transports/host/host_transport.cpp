@@ -39,6 +39,8 @@ struct InboxHeader {
   std::int32_t pid;
   std::atomic<std::uint32_t> aborted;
   char abort_reason[244];
+  // Calls of run() the PE has begun: a peer that timed out names the PE that is behind.
+  std::atomic<std::uint64_t> runs;
 };
 static_assert(sizeof(InboxHeader) <= kPage);
 
@@ -93,6 +95,8 @@ class HostTransport final : public Transport {
            (sender * kSlotsPerChannel + sequence % kSlotsPerChannel) * slot_bytes_;
   }
   void check_peer(PeId peer, const char* waiting_for) const;
+  // For a timeout: the PEs that have begun fewer run() calls than the others, named (else empty).
+  std::string behind_peers() const;
 
   Bootstrap& bootstrap_;
   PeId my_pe_;
@@ -243,6 +247,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   const auto& sends_by_peer = phases_.at(phase).sends_by_peer;
   const auto& receives_by_peer = phases_.at(phase).receives_by_peer;
+  header(my_pe_).runs.fetch_add(1, std::memory_order_release);
   for (const LocalCopy& copy : plan.local_copies) std::memmove(copy.dst, copy.src, copy.bytes);
 
   std::vector<std::size_t> next_send(n_pes_, 0), next_receive(n_pes_, 0);
@@ -329,10 +334,28 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
       throw_error(ErrorCode::kTimeout,
                   "PE " + std::to_string(my_pe_) + " made no progress for " +
                       std::to_string(timeout_.count() / 1000.0).substr(0, 5) +
-                      " s; still waiting for " + waiting +
+                      " s; still waiting for " + waiting + behind_peers() +
                       " (a peer stopped or is stuck; RESHARD_TIMEOUT_S sets the limit)");
     }
   }
+}
+
+std::string HostTransport::behind_peers() const {
+  std::vector<std::uint64_t> runs(n_pes_);
+  for (PeId pe = 0; pe < n_pes_; ++pe) runs[pe] = header(pe).runs.load(std::memory_order_acquire);
+  const auto [least, most] = std::minmax_element(runs.begin(), runs.end());
+  if (*least == *most) return {};  // all in the same run: the wait above says who is missing
+  std::string behind, ahead;
+  bool ahead_agree = true;
+  for (PeId pe = 0; pe < n_pes_; ++pe) {
+    std::string& list = runs[pe] == *least ? behind : ahead;
+    list += (list.empty() ? "PE " : ", PE ") + std::to_string(pe);
+    ahead_agree = ahead_agree && (runs[pe] == *least || runs[pe] == *most);
+  }
+  return "; " + behind + (behind.find(',') == std::string::npos ? " is" : " are") +
+         " behind: begun run() " + std::to_string(*least) + " times where " + ahead + " did " +
+         (ahead_agree ? "" : "up to ") + std::to_string(*most) +
+         " (every PE must call run() as often as its peers)";
 }
 
 void HostTransport::abort(const std::string& reason) noexcept {
