@@ -74,21 +74,29 @@ TEST(Faults, PeKilledMidRunFailsTheOthersQuicklyAndCleanly) {
   }
 }
 
+// The errors PEs 0 and 2 reported, of a job whose launcher stops the others once the first
+// survivor failed (so one of them may not have reported).
+std::vector<std::string> survivor_errors(const Outcome& outcome) {
+  std::vector<std::string> lines;
+  for (int rank : {0, 2}) {
+    std::string line = line_of(outcome, rank, "ERROR-SEEN");
+    if (!line.empty()) lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
 TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   ::setenv("RESHARD_TIMEOUT_S", "2", 1);
   const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "stall"}, true);
   EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
-  int reported = 0;
-  for (int rank : {0, 2}) {
-    const std::string line = line_of(outcome, rank, "ERROR-SEEN");
-    if (line.empty()) continue;  // the launcher may stop it once the first survivor failed
-    ++reported;
+  const std::vector<std::string> errors = survivor_errors(outcome);
+  for (const std::string& line : errors) {
     EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
     EXPECT_TRUE(line.find("code=timeout") != std::string::npos ||
                 line.find("code=peer failure") != std::string::npos)
         << line;
   }
-  EXPECT_GE(reported, 1) << all_lines(outcome);
+  EXPECT_GE(errors.size(), 1u) << all_lines(outcome);
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
@@ -98,17 +106,14 @@ TEST(Faults, PeThatCallsRunLessOftenIsNamedBehindByTheOthers) {
   ::setenv("RESHARD_TIMEOUT_S", "2", 1);
   const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "behind"}, true);
   EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
-  int reported = 0;
-  for (int rank : {0, 2}) {
-    const std::string line = line_of(outcome, rank, "ERROR-SEEN");
-    if (line.empty()) continue;  // the launcher may stop it once the first survivor failed
-    ++reported;
+  const std::vector<std::string> errors = survivor_errors(outcome);
+  for (const std::string& line : errors) {
     EXPECT_NE(line.find("code=timeout"), std::string::npos) << line;
     EXPECT_NE(line.find("PE 1 is behind: begun run() 2 times where PE 0, PE 2 did"),
               std::string::npos)
         << line;
   }
-  EXPECT_GE(reported, 1) << all_lines(outcome);
+  EXPECT_GE(errors.size(), 1u) << all_lines(outcome);
 }
 
 // A mixed schedule (two declared nodes of two PEs, host memory on both transports): PE 1 dies;

@@ -86,6 +86,23 @@ class ByteSplitTransform(reshard.ReshardTransform):
         tensor.data[self._block(slice)] = values.reshape(slice.extent)
 
 
+def fp8_destinations(transform, plan, layout, rank, scale_fill):
+    """This rank's destination tensors for an FP8 transform: FP8 data (filled with 0xAB, so
+    unwritten bytes show) and scales (filled with `scale_fill`) where the transform applies,
+    zeroed bf16 elsewhere."""
+    out = {}
+    for name, tensor in tensors_for(layout, rank, plan, False).items():
+        param = next(p for p in plan.params if p.name == name)
+        if transform.should_transform(param):
+            scale = transform.destination_scale(tensor.shape)
+            out[name] = reshard.LocalTensor(np.full(tensor.shape, 0xAB, dtype=np.uint8),
+                                            scale=np.full(scale.shape, scale_fill, np.uint8),
+                                            dtype="float8_e4m3")
+        else:
+            out[name] = reshard.LocalTensor(tensor, dtype="bfloat16")
+    return out
+
+
 def megatron_mxfp8(values):
     """Megatron-LM's MXFP8 of a [M, K] bf16 tensor (uint16 bits), from the format's definition
     (what its quantizer computes): per 32 elements of a row, amax / 448 in float32 rounded up to a
@@ -120,16 +137,8 @@ def check_megatron_mxfp8(plan, src, want, dst_layout, me, svc):
     for side in ("sender", "receiver"):
         transform = reshard.make_mxfp8_transform(side=side, rounding="megatron",
                                                  scale_layout="swizzled")
-        fp8 = {}
-        for name, tensor in tensors_for(dst_layout, me, plan, False).items():
-            param = next(p for p in plan.params if p.name == name)
-            if transform.should_transform(param):
-                fp8[name] = reshard.LocalTensor(
-                    np.full(tensor.shape, 0xAB, dtype=np.uint8),
-                    scale=np.zeros(transform.destination_scale(tensor.shape).shape, np.uint8),
-                    dtype="float8_e4m3")
-            else:
-                fp8[name] = reshard.LocalTensor(tensor, dtype="bfloat16")
+        # Zeroed scales: the padding of the swizzled layout must stay as it was.
+        fp8 = fp8_destinations(transform, plan, dst_layout, me, scale_fill=0)
         for refit in range(2):
             reshard.execute_reshard_plan(plan, bf16(src), fp8, svc, transform)
             for name, got in fp8.items():
@@ -201,17 +210,7 @@ def main():
         results = []
         for side, staging_budget in (("sender", None), ("receiver", None), ("sender", budget)):
             transform = reshard.make_mxfp8_transform(side=side)
-            fp8 = {}
-            for name, tensor in tensors_for(dst_layout, me, plan, False).items():
-                param = next(p for p in plan.params if p.name == name)
-                if transform.should_transform(param):
-                    fp8[name] = reshard.LocalTensor(
-                        np.full(tensor.shape, 0xAB, dtype=np.uint8),
-                        scale=np.full(transform.destination_scale(tensor.shape).shape, 0xCD,
-                                      np.uint8),
-                        dtype="float8_e4m3")
-                else:
-                    fp8[name] = reshard.LocalTensor(tensor, dtype="bfloat16")
+            fp8 = fp8_destinations(transform, plan, dst_layout, me, scale_fill=0xCD)
             report = reshard.execute_reshard_plan(plan, bf16(src), fp8, svc, transform,
                                                   staging_budget=staging_budget)
             if staging_budget is not None and report.staging_bytes > staging_budget:
