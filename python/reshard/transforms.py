@@ -103,27 +103,27 @@ class MegatronStyleTransform(ReshardTransform):
                      stream: Optional[int]) -> Sequence[Any]:
         with _on_stream(tensor, stream):
             fresh = self.hooks.prepare_send(name, _local_slices(slice), _data(tensor))
-            return self._keep(True, slice.task_id, fresh, copy=True)
+            return self._keep(True, slice.task_id, fresh)
 
     def prepare_recv(self, name: str, slice: SliceInfo, tensor: Any) -> Sequence[Any]:
         fresh = self.hooks.prepare_recv(name, _local_slices(slice))
-        return self._keep(False, slice.task_id, fresh, copy=False)
+        return self._keep(False, slice.task_id, fresh)
 
     def finalize_recv(self, name: str, slice: SliceInfo, tensor: Any, buffers: Sequence[Any],
                       stream: Optional[int]) -> None:
         with _on_stream(tensor, stream):
             self.hooks.finalize_recv(name, _local_slices(slice), list(buffers))
 
-    def _keep(self, sending: bool, task: int, fresh: Sequence[Any], copy: bool) -> List[Any]:
+    def _keep(self, sending: bool, task: int, fresh: Sequence[Any]) -> List[Any]:
         fresh = [_contiguous(t) for t in fresh]
         kept = self._kept.get((sending, task))
         if kept is None or len(kept) != len(fresh) or not all(
                 _same_kind(k, f) for k, f in zip(kept, fresh)):
             # What is sent is copied into buffers of our own (what the hook returned may be a
             # view of the caller's weights); what is received lands where the hook said.
-            kept = [_own_copy(t) for t in fresh] if copy else fresh
+            kept = [_own_copy(t) for t in fresh] if sending else fresh
             self._kept[(sending, task)] = kept
-        elif copy:
+        elif sending:
             for k, f in zip(kept, fresh):
                 _copy_into(k, f)
         return kept

@@ -205,8 +205,8 @@ __device__ __forceinline__ float amax_of(std::uint32_t magnitude) {
 
 // mx_scale_bits of a block's largest magnitude (bits as magnitude_max gives them). For bfloat16
 // straight from the bits: the exponent field less 8 (plus one where rounding up and the
-// significand exceeds 1.75), 0 for zero and subnormal maxima (whose exponent clamps at -127), NaN
-// for NaN and infinity.
+// significand exceeds 1.75), at least `least_bits` for a maximum that is not zero (0 for zero, and
+// for subnormal maxima under least_bits 0: the exponent clamps at -127), NaN for NaN and infinity.
 template <DType S>
 __device__ __forceinline__ std::uint8_t scale_bits_of(std::uint32_t magnitude, bool round_up,
                                                       std::uint8_t least_bits) {
