@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine: builds reshard and measures colocated runs, PEs sharing each GPU as RL jobs run
 # trainer and engine: the small all-to-all sweep and model refits at 2 and 4 PEs per GPU, with the
-# same-device ordering of the streams (default) and of the kernels, without and with MPS.
+# same-device orders (RESHARD_CUDA_SAME_DEVICE: delegate, the default without MPS; stream; kernel),
+# without and with MPS.
 # Logs and JSON lines go to $OUT (default build-gpu/logs). Usage: gpu-colocated.sh [--tests];
-# MPS="off on" (none: no benchmarks), ORDERS="stream kernel", PES="2 4" (PEs per GPU), TESTS (a
+# MPS="off on" (none: no benchmarks), ORDERS="delegate stream kernel", PES="2 4" (PEs per GPU), TESTS (a
 # ctest -R pattern) and FAULTS (a gtest filter of the dead-peer tests) narrow the sweep;
 # TRANSFORMS="none mxfp8 mxfp8-receiver fp8-block" and BUDGETS="default unlimited" (staging
 # budgets, or sizes such as 1GiB) widen the refits.
@@ -37,7 +38,7 @@ mps_off() {
 for mps in ${MPS:-off on}; do
   [[ $mps == none ]] && continue  # MPS=none: the tests only
   [[ $mps == on ]] && mps_on
-  for order in ${ORDERS:-stream kernel}; do
+  for order in ${ORDERS:-delegate stream kernel}; do
     for pes in ${PES:-2 4}; do
       n=$((pes * gpus))
       echo "== all-to-all, $n PEs on $gpus GPU(s), MPS $mps, same-device order $order"

@@ -137,9 +137,9 @@ std::string cuda_engine() {
 
 std::string cuda_same_device() {
   const std::string mode = get("RESHARD_CUDA_SAME_DEVICE").value_or("auto");
-  if (mode != "auto" && mode != "stream" && mode != "kernel") {
-    throw_error(ErrorCode::kInvalidArgument,
-                "RESHARD_CUDA_SAME_DEVICE='" + mode + "' is not one of auto, stream, kernel");
+  if (mode != "auto" && mode != "delegate" && mode != "stream" && mode != "kernel") {
+    throw_error(ErrorCode::kInvalidArgument, "RESHARD_CUDA_SAME_DEVICE='" + mode +
+                                                 "' is not one of auto, delegate, stream, kernel");
   }
   return mode;
 }

@@ -55,9 +55,11 @@ std::uint64_t cuda_bytes_per_cta();
 // RESHARD_CUDA_UNROLL: 16-byte loads in flight per thread in the SM engine, 4 or 8 (default 8).
 int cuda_unroll();
 // RESHARD_CUDA_SAME_DEVICE: how runs are ordered with peers on this PE's own GPU (colocated
-// processes): "stream" (the streams wait, so the other process's kernels run meanwhile),
+// processes): "delegate" (one process per GPU makes the copies among its PEs, the others' streams
+// only wait: the GPU never changes hands within a run), "stream" (each PE copies its own bytes,
+// the streams wait on each other's flags, so the other process's kernels run meanwhile),
 // "kernel" (the copy kernels spin on flags, as between GPUs: fast only when MPS is on) or "auto"
-// (default: kernel where this process finds an MPS server, else stream).
+// (default: kernel where this process finds an MPS server, else delegate).
 std::string cuda_same_device();
 // RESHARD_CUDA_EARLY_LAUNCH: the SM engine's kernel is launched with programmatic dependent launch,
 // so it is on the GPU when the stream's previous kernel ends (default 1; 0 launches it plainly).

@@ -55,10 +55,11 @@ struct DeviceBytes {
 
 // A workload's buffers on the GPU, plus host images to fill and check them.
 struct GpuWorkload {
-  GpuWorkload(CopyService& service, bench::Workload w, bool pooled_destination = false)
+  GpuWorkload(CopyService& service, bench::Workload w, bool pooled_destination = false,
+              bool pooled_source = false)
       : workload(std::move(w)),
         me(service.my_pe()),
-        send(workload.send_buffer_bytes[me]),
+        send(workload.send_buffer_bytes[me], pooled_source),
         recv(workload.recv_buffer_bytes[me], pooled_destination),
         host_send(send.size),
         host_recv(recv.size) {
@@ -387,6 +388,20 @@ TEST(Destinations, PoolAllocatedDestinationsArrive) {
     service->run();
     EXPECT_EQ(w.check(iteration, nullptr), 0u) << "iteration " << iteration;
   }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+TEST(Sources, PoolAllocatedSourcesArrive) {
+  // Stream-ordered pool memory cannot be shared through CUDA IPC: PEs that share a GPU cannot
+  // hand such sources to the process that makes their copies, and copy them themselves.
+  auto service = make_service();
+  GpuWorkload w(*service, bench::make_workload("random", service->n_pes(), 1 << 20, 12),
+                /*pooled_destination=*/false, /*pooled_source=*/true);
+  service->schedule();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  w.run_checked(*service, 0, 3, stream, "pool-allocated sources");
+  CUDA_OK(cudaStreamDestroy(stream));
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 

@@ -275,7 +275,8 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
   std::string colocation;
   if (n > visible_gpus) {
     colocation = ",\"pes_per_gpu\":" + std::to_string((n + visible_gpus - 1) / visible_gpus) +
-                 ",\"mps\":" + (cuda::SameDeviceOrder::mps_server_found() ? "true" : "false");
+                 ",\"mps\":" + (cuda::SameDeviceOrder::mps_server_found() ? "true" : "false") +
+                 ",\"same_device_order\":\"" + env::cuda_same_device() + "\"";
   }
   std::ofstream json;
   if (me == 0 && !options.json_path.empty()) json.open(options.json_path, std::ios::app);

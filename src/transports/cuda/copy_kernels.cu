@@ -310,6 +310,9 @@ __device__ __forceinline__ std::uint64_t this_run_epoch(const KernelArgs& a) {
 
 __device__ __forceinline__ void complete_run(const KernelArgs& a, std::uint64_t epoch) {
   *reinterpret_cast<volatile std::uint64_t*>(SignalLayout::run_count(a.signals, a.n_pes)) = epoch;
+  // Followers read them only after this stream's done flag, raised behind a memory barrier.
+  for (std::uint32_t f = 0; f < a.follower_count; ++f)
+    *reinterpret_cast<volatile std::uint64_t*>(a.follower_runs[f]) = epoch;
 }
 
 // Adds this CTA's part of `units` units to `flag` (thread 0, after a barrier, once the CTA's

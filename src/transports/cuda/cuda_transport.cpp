@@ -11,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -67,6 +68,9 @@ struct WireBatch {
 struct GroupPlan {
   PeerGroup group{};
   std::vector<CopyDescriptor> descriptors;
+  // Copies between two other PEs on this GPU that this PE makes for them (it leads the GPU's
+  // PEs): no flags, the streams order them (SameDeviceOrder::lead).
+  bool delegated = false;
 
   void add(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
     append_copy(descriptors, 0, group.bytes, src, dst, bytes);
@@ -111,6 +115,15 @@ struct PreparedRun {
   void* bounce = nullptr;
   std::uint64_t bounce_bytes = 0;
   SameDeviceOrder same_device;  // this phase's same-GPU peers
+  // Delegated same-GPU copies (see CudaTransport::exchange_destinations): `delegated` when this
+  // phase's copies among the PEs of this GPU are made by its leader; this PE's local copies
+  // are made by its GPU's leader; it runs no kernel at all when it has no peer on another GPU
+  // (kernel_idle), and the leader then advances its run count (DeviceArray follower_runs).
+  bool delegated = false;
+  bool local_copies_delegated = false;
+  bool kernel_idle = false;
+  DeviceArray<std::uint64_t*> follower_runs;
+  std::uint32_t follower_run_count = 0;
 
   ~PreparedRun() {
     if (bounce != nullptr) cudaFree(bounce);
@@ -201,6 +214,10 @@ class CudaTransport final : public Transport {
   std::vector<std::unique_ptr<PreparedRun>> prepared_;  // per phase
   // Same-GPU peers (colocated processes) are ordered by the stream, not by the kernels.
   std::vector<bool> same_device_;
+  // Where every PE on this GPU delegates (see exchange_destinations): the lowest of them leads.
+  bool delegate_ = false;
+  int leader_ = -1;
+  std::vector<int> followers_;         // the group but its leader
   SameDeviceOrder same_device_order_;  // every phase's same-GPU peers (the watchdog's)
   cudaStream_t release_stream_ = nullptr;
   std::thread watchdog_;
@@ -254,16 +271,18 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   // MPS runs both processes' kernels side by side (see SameDeviceOrder). Both PEs of a pair must
   // order it the same way: each says what it would do, and a pair streams only if both would.
   const std::string same_device_mode = env::cuda_same_device();
-  const bool stream_ordered =
-      same_device_mode != "kernel" && SameDeviceOrder::supported(device_) &&
-      (same_device_mode == "stream" || !SameDeviceOrder::mps_server_found());
+  const bool stream_ordered = same_device_mode != "kernel" && SameDeviceOrder::supported(device_) &&
+                              (same_device_mode != "auto" || !SameDeviceOrder::mps_server_found());
+  const bool delegates = stream_ordered && same_device_mode != "stream";
   wire::Writer mine;
   mine.put<std::int32_t>(::getpid());
   mine.put<std::int32_t>(device_);
   mine.put(handle);
   mine.put<std::uint8_t>(engine_ == "autotune");
   mine.put<std::uint8_t>(stream_ordered);
+  mine.put<std::uint8_t>(delegates);
   const auto all = bootstrap_.all_gather(mine.bytes());
+  bool every_one_delegates = delegates;
   peer_signals_.assign(n_pes_, nullptr);
   pids_.assign(n_pes_, 0);
   same_device_.assign(n_pes_, false);
@@ -282,12 +301,14 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
                       "; autotune must be set on every PE or none");
     }
     const bool peer_stream_ordered = reader.get<std::uint8_t>() != 0;
+    const bool peer_delegates = reader.get<std::uint8_t>() != 0;
     if (pe == me_) {
       peer_signals_[pe] = signals_;
       continue;
     }
     if (peer_device == device_) {
       same_device_[pe] = stream_ordered && peer_stream_ordered;
+      if (same_device_[pe]) every_one_delegates = every_one_delegates && peer_delegates;
       RESHARD_LOG(kDebug, "PE " << pe << " shares CUDA device " << device_ << " with this PE"
                                 << (same_device_[pe] ? ": runs ordered by the streams" : ""));
     }
@@ -299,6 +320,19 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   for (std::uint64_t* signals : peer_signals_)
     waiting_on.push_back(SignalLayout::waiting_on(signals, n_pes_));
   peer_waiting_on_.upload(waiting_on);
+  // The PEs ordered by the streams on this GPU form one group (the relation is the same for
+  // every pair of them); the group delegates only if every member was asked to.
+  std::vector<int> group{me_};
+  for (int pe = 0; pe < n_pes_; ++pe)
+    if (same_device_[pe]) group.push_back(pe);
+  std::sort(group.begin(), group.end());
+  if (group.size() > 1 && every_one_delegates) {
+    delegate_ = true;
+    leader_ = group.front();
+    followers_.assign(group.begin() + 1, group.end());
+    RESHARD_LOG(kDebug, "PE " << leader_ << " makes the copies among the " << group.size()
+                              << " PEs on CUDA device " << device_);
+  }
   same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_);
   if (std::find(same_device_.begin(), same_device_.end(), true) != same_device_.end()) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
@@ -357,10 +391,57 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
                               "bounce buffer");
   }
 
+  // Delegation (see SameDeviceOrder): a follower hands its GPU's leader its sends to PEs on this
+  // GPU and its local copies, as (allocation, offset) of its own memory; the leader maps them.
+  // A follower whose memory cannot all be exported (or mapped, by the retry) keeps the whole
+  // group to pairwise order for this phase.
+  const bool follower = delegate_ && leader_ != me_;
+  std::uint8_t delegable = follower ? 1 : 0;
+  std::uint8_t other_device_work = 0;
+  for (const auto* batches_of : {&plan.sends, &plan.receives})
+    for (const PlannedBatch& batch : *batches_of)
+      if (!same_device_[batch.peer]) other_device_work = 1;
+  std::vector<WireBatch> delegated_batches;
+  std::vector<WireSpan> delegated_spans, local_sources, local_destinations;
+  auto export_span = [&](const void* pointer, std::uint64_t bytes, std::vector<WireSpan>& into) {
+    const auto exported = delegable ? exporter.export_pointer(pointer) : std::nullopt;
+    if (!exported) {
+      delegable = 0;
+      return;
+    }
+    into.push_back({exported->handle, 0, exported->offset, bytes});
+  };
+  if (follower) {
+    for (const PlannedBatch& batch : plan.sends) {
+      if (!same_device_[batch.peer]) continue;
+      delegated_batches.push_back({batch.peer, batch.span_count});
+      for (std::uint32_t s = 0; s < batch.span_count; ++s) {
+        const CopySpan& span = plan.spans[batch.first_span + s];
+        export_span(span.data, span.bytes, delegated_spans);
+      }
+    }
+    for (const LocalCopy& copy : plan.local_copies) {
+      export_span(copy.src, copy.bytes, local_sources);
+      export_span(copy.dst, copy.bytes, local_destinations);
+    }
+    if (!delegable) {
+      delegated_batches.clear();
+      delegated_spans.clear();
+      local_sources.clear();
+      local_destinations.clear();
+    }
+  }
+
   wire::Writer mine;
   mine.put_array(std::span<const HandleBytes>(exporter.handles()));
   mine.put_array(std::span<const WireBatch>(batches));
   mine.put_array(std::span<const WireSpan>(spans));
+  mine.put<std::uint8_t>(delegable);
+  mine.put<std::uint8_t>(other_device_work);
+  mine.put_array(std::span<const WireBatch>(delegated_batches));
+  mine.put_array(std::span<const WireSpan>(delegated_spans));
+  mine.put_array(std::span<const WireSpan>(local_sources));
+  mine.put_array(std::span<const WireSpan>(local_destinations));
   const auto all = bootstrap_.all_gather(mine.bytes());
 
   // My sends to each peer, in plan order, meet that peer's receives from me in its plan order.
@@ -371,22 +452,59 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     std::vector<HandleBytes> handles;
     std::vector<WireBatch> batches;
     std::vector<WireSpan> spans;
+    bool delegable = false;
+    bool other_device_work = false;
+    std::vector<WireBatch> delegated_batches;
+    std::vector<WireSpan> delegated_spans, local_sources, local_destinations;
   };
   std::vector<PeerExports> exports(n_pes_);
-  std::set<IpcImports::Key> needed;
   for (int pe = 0; pe < n_pes_; ++pe) {
-    if (pe == me_ || sends_to[pe].empty()) continue;
     wire::Reader reader(all[pe]);
     PeerExports& e = exports[pe];
     e.handles = reader.get_array<HandleBytes>();
     e.batches = reader.get_array<WireBatch>();
     e.spans = reader.get_array<WireSpan>();
+    e.delegable = reader.get<std::uint8_t>() != 0;
+    e.other_device_work = reader.get<std::uint8_t>() != 0;
+    e.delegated_batches = reader.get_array<WireBatch>();
+    e.delegated_spans = reader.get_array<WireSpan>();
+    e.local_sources = reader.get_array<WireSpan>();
+    e.local_destinations = reader.get_array<WireSpan>();
+  }
+  bool delegated = delegate_;
+  for (int pe : followers_) delegated = delegated && exports[pe].delegable;
+  const bool leads = delegated && leader_ == me_;
+  // What this PE copies itself: a follower leaves its sends to its GPU's PEs to the leader.
+  auto copies_to = [&](int pe) {
+    return pe != me_ && !sends_to[pe].empty() && !(delegated && follower && same_device_[pe]);
+  };
+
+  std::set<IpcImports::Key> needed;
+  auto need_handle = [&](int owner, std::uint32_t handle) {
+    if (handle < exports[owner].handles.size())
+      needed.insert({owner, exports[owner].handles[handle]});
+  };
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (!copies_to(pe)) continue;
     std::size_t span_index = 0;
-    for (const WireBatch& batch : e.batches) {
+    for (const WireBatch& batch : exports[pe].batches) {
       for (std::uint32_t s = 0; s < batch.span_count; ++s, ++span_index) {
-        const WireSpan& span = e.spans.at(span_index);
-        if (batch.peer == me_ && span.handle < e.handles.size())
-          needed.insert({pe, e.handles[span.handle]});
+        if (batch.peer == me_) need_handle(pe, exports[pe].spans.at(span_index).handle);
+      }
+    }
+  }
+  if (leads) {
+    for (int f : followers_) {
+      const PeerExports& from = exports[f];
+      for (const auto* list :
+           {&from.delegated_spans, &from.local_sources, &from.local_destinations})
+        for (const WireSpan& span : *list) need_handle(f, span.handle);
+      for (int pe : followers_) {
+        if (pe == f) continue;
+        std::size_t span_index = 0;
+        for (const WireBatch& batch : exports[pe].batches)
+          for (std::uint32_t s = 0; s < batch.span_count; ++s, ++span_index)
+            if (batch.peer == f) need_handle(pe, exports[pe].spans.at(span_index).handle);
       }
     }
   }
@@ -397,9 +515,19 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   if (first_phase) imports_.retain(needed);
   std::vector<GroupPlan> groups;
   std::vector<PeerHandle> unmappable;  // (owner PE, handle index)
+  // Base address of `owner`'s allocation `handle` here; null (and noted) where it cannot be
+  // mapped on this attempt.
+  auto map_handle = [&](int owner, std::uint32_t handle) -> unsigned char* {
+    const auto& handles = exports[owner].handles;
+    if (handle >= handles.size())
+      throw_error(ErrorCode::kSystem, "internal: PE " + std::to_string(owner) +
+                                          " named an allocation it did not export");
+    unsigned char* base = imports_.map(owner, handles[handle], !last_attempt);
+    if (base == nullptr) unmappable.push_back({owner, handle});
+    return base;
+  };
   for (int pe = 0; pe < n_pes_; ++pe) {
-    if (pe == me_ || sends_to[pe].empty()) continue;
-    const auto& handles = exports[pe].handles;
+    if (!copies_to(pe)) continue;
     const auto& peer_batches = exports[pe].batches;
     const auto& peer_spans = exports[pe].spans;
     GroupPlan group;
@@ -425,25 +553,115 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       for (std::uint32_t s = 0; s < send.span_count; ++s) {
         const CopySpan& source = plan.spans[send.first_span + s];
         const WireSpan& target = peer_spans.at(first + s);
-        if (target.bytes != source.bytes || target.handle >= handles.size()) {
+        if (target.bytes != source.bytes) {
           throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
                                               std::to_string(pe) + " disagree on a span");
         }
         if (target.handle != mapped_handle) {
-          mapped_base = imports_.map(pe, handles[target.handle], !last_attempt);
+          mapped_base = map_handle(pe, target.handle);
           mapped_handle = target.handle;
         }
-        unsigned char* base = mapped_base;
-        if (base == nullptr) {
-          unmappable.push_back({pe, target.handle});
-          continue;
-        }
-        group.add(reinterpret_cast<const unsigned char*>(source.data), base + target.offset,
+        if (mapped_base == nullptr) continue;
+        group.add(reinterpret_cast<const unsigned char*>(source.data), mapped_base + target.offset,
                   source.bytes);
       }
     }
     groups.push_back(std::move(group));
   }
+  // The leader makes follower f's copies: f's sends to each PE of this GPU, in f's plan order,
+  // meet that PE's receives from f in its plan order (as a sender's own do); then its local ones.
+  auto add_delegated_copies = [&](int f) {
+    const PeerExports& from = exports[f];
+    std::map<int, GroupPlan> by_destination;
+    struct Cursor {
+      std::size_t batch = 0, span = 0;
+    };
+    std::map<int, Cursor> cursors;  // per destination: its next receive batch to look at
+    std::size_t source_index = 0;
+    for (const WireBatch& send : from.delegated_batches) {
+      const int to = send.peer;
+      GroupPlan& group = by_destination[to];
+      group.group.peer = to;
+      group.delegated = true;
+      Cursor& cursor = cursors[to];
+      std::size_t first = 0;
+      std::uint32_t count = 0;
+      bool found = false;
+      if (to == me_) {
+        for (; !found && cursor.batch < plan.receives.size(); ++cursor.batch) {
+          const PlannedBatch& receive = plan.receives[cursor.batch];
+          if (receive.peer != f) continue;
+          found = true;
+          first = receive.first_span;
+          count = receive.span_count;
+        }
+      } else {
+        const auto& receives = exports[to].batches;
+        for (; !found && cursor.batch < receives.size(); ++cursor.batch) {
+          const WireBatch& receive = receives[cursor.batch];
+          if (receive.peer == f) {
+            found = true;
+            first = cursor.span;
+            count = receive.span_count;
+          }
+          cursor.span += receive.span_count;
+        }
+      }
+      if (!found || count != send.span_count) {
+        throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(f) + " and " +
+                                            std::to_string(to) + " split a batch differently");
+      }
+      for (std::uint32_t s = 0; s < count; ++s) {
+        const WireSpan& source = from.delegated_spans.at(source_index + s);
+        unsigned char* source_base = map_handle(f, source.handle);
+        unsigned char* destination = nullptr;
+        std::uint64_t bytes = 0;
+        if (to == me_) {
+          const CopySpan& target = plan.spans.at(first + s);
+          destination = reinterpret_cast<unsigned char*>(target.data);
+          bytes = target.bytes;
+        } else {
+          const WireSpan& target = exports[to].spans.at(first + s);
+          unsigned char* base = map_handle(to, target.handle);
+          destination = base == nullptr ? nullptr : base + target.offset;
+          bytes = target.bytes;
+        }
+        if (bytes != source.bytes) {
+          throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(f) + " and " +
+                                              std::to_string(to) + " disagree on a span");
+        }
+        if (source_base != nullptr && destination != nullptr)
+          group.add(source_base + source.offset, destination, bytes);
+      }
+      source_index += count;
+    }
+    for (auto& entry : by_destination) groups.push_back(std::move(entry.second));
+    GroupPlan local;
+    local.group.peer = f;
+    local.delegated = true;
+    for (std::size_t i = 0; i < from.local_sources.size(); ++i) {
+      const WireSpan& source = from.local_sources[i];
+      const WireSpan& target = from.local_destinations.at(i);
+      unsigned char* source_base = map_handle(f, source.handle);
+      unsigned char* target_base = map_handle(f, target.handle);
+      if (source_base != nullptr && target_base != nullptr)
+        local.add(source_base + source.offset, target_base + target.offset, source.bytes);
+    }
+    if (local.group.bytes > 0) groups.push_back(std::move(local));
+  };
+  std::vector<std::uint64_t*> idle_followers;
+  if (leads) {
+    for (int f : followers_) {
+      add_delegated_copies(f);
+      if (!exports[f].other_device_work)
+        idle_followers.push_back(SignalLayout::run_count(peer_signals_[f], n_pes_));
+    }
+  }
+  prepared.delegated = delegated;
+  prepared.local_copies_delegated = delegated && follower;
+  prepared.kernel_idle = delegated && follower && other_device_work == 0;
+  prepared.follower_run_count = static_cast<std::uint32_t>(idle_followers.size());
+  prepared.follower_runs.upload(idle_followers);
   // Every PE learns which of its allocations a peer could not map, and all retry together.
   wire::Writer failures;
   failures.put_array(std::span<const PeerHandle>(unmappable));
@@ -488,21 +706,14 @@ void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
   if (run_pending_) wait_for(last_run_, "the previous schedule's runs");
   throw_device_failure();
   prepared_.clear();
-  std::vector<int> destinations, sources;
+  SameDeviceOrder every_phase(signals_, peer_signals_, me_);
   for (std::size_t p = 0; p < phases.size(); ++p) {
     prepared_.push_back(prepare_phase(phases[p], p == 0));
-    const SameDeviceOrder& order = prepared_.back()->same_device;
-    destinations.insert(destinations.end(), order.destinations().begin(),
-                        order.destinations().end());
-    sources.insert(sources.end(), order.sources().begin(), order.sources().end());
-  }
-  for (std::vector<int>* list : {&destinations, &sources}) {
-    std::sort(list->begin(), list->end());
-    list->erase(std::unique(list->begin(), list->end()), list->end());
+    every_phase.merge(prepared_.back()->same_device);
   }
   // Once per schedule; the watchdog reads them.
   std::lock_guard lock(watch_mutex_);
-  same_device_order_.set_peers(std::move(destinations), std::move(sources));
+  same_device_order_ = std::move(every_phase);
 }
 
 std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& plan,
@@ -524,7 +735,9 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
   std::vector<GroupPlan> groups = std::move(*exchanged);
   GroupPlan local;
   local.group.peer = -1;
-  for (const LocalCopy& copy : plan.local_copies) {
+  // A follower's local copies are its leader's (PreparedRun::local_copies_delegated).
+  for (std::size_t c = 0; !prepared->local_copies_delegated && c < plan.local_copies.size(); ++c) {
+    const LocalCopy& copy = plan.local_copies[c];
     local.add(reinterpret_cast<const unsigned char*>(copy.src),
               reinterpret_cast<unsigned char*>(copy.dst), copy.bytes);
   }
@@ -537,7 +750,7 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
   });
   std::vector<int> same_device_destinations, same_device_sources;  // see SameDeviceOrder
   for (GroupPlan& g : groups) {
-    if (g.group.peer < 0) continue;
+    if (g.group.peer < 0 || g.delegated) continue;
     if (same_device_[g.group.peer]) {
       same_device_destinations.push_back(g.group.peer);
       continue;  // no flags: the stream orders it (SameDeviceOrder)
@@ -569,6 +782,8 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
   base.timeout_ns = timeout_ns_;
   base.unroll = unroll_;
   base.trace = trace_;
+  base.follower_runs = prepared->follower_runs.get();
+  base.follower_count = prepared->follower_run_count;
   prepared->groups = std::move(groups);
 
   if (!unstage.empty()) {
@@ -585,8 +800,12 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
   }
   // Every launch of the phase, autotune's included, orders the same peers.
   prepared->same_device = SameDeviceOrder(signals_, peer_signals_, me_);
-  prepared->same_device.set_peers(std::move(same_device_destinations),
-                                  std::move(same_device_sources));
+  if (!prepared->delegated)
+    prepared->same_device.order_pairs(same_device_destinations, same_device_sources);
+  else if (leader_ == me_)
+    prepared->same_device.lead(followers_);
+  else
+    prepared->same_device.follow(leader_);
   if (engine_ == "autotune")
     autotune(*prepared);
   else
@@ -732,7 +951,10 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
 
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
   p.same_device.begin(stream);
-  if (p.fused) {
+  if (p.kernel_idle) {
+    // A follower with no peer on another GPU: its GPU's leader makes its copies and counts its run
+    // (KernelArgs::follower_runs); a kernel here would hand the GPU over twice.
+  } else if (p.fused) {
     launch_fused_copy(p.copy_args, stream, early_launch_);
   } else {
     launch_begin(p.signal_args, stream, early_launch_);
@@ -888,10 +1110,7 @@ void CudaTransport::watch_same_device_runs() noexcept {
       watched_since_ = {};
     } else if (std::chrono::steady_clock::now() - since > timeout) {
       const int stopped = first_stopped_process(pids_);
-      const int peer = stopped >= 0 ? stopped
-                                    : (!same_device_order_.sources().empty()
-                                           ? same_device_order_.sources().front()
-                                           : same_device_order_.destinations().front());
+      const int peer = stopped >= 0 ? stopped : same_device_order_.peers().front();
       fail_run(kStatusTimeout, peer, kPhaseDone);
       watched_since_ = {};
     }

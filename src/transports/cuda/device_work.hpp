@@ -182,6 +182,12 @@ struct KernelArgs {
   int unroll;  // 16-byte loads in flight per thread before the stores: 4 or 8
   // RESHARD_CUDA_TRACE: globaltimer stamps of each run's phases (PhaseTrace), else null.
   std::uint64_t* trace;
+  // The run counts (SignalLayout::run_count, mapped here) of the PEs on this GPU whose copies this
+  // PE makes and that run no kernel of their own: each run ends by setting them to its epoch, so
+  // their next kernel (for a peer on another GPU, in a later schedule) counts runs as every PE
+  // does.
+  std::uint64_t* const* follower_runs;
+  std::uint32_t follower_count;
 };
 
 // Where the fused kernel stamps a run's phases: kTraceRuns records of kTracePhases stamps, the

@@ -3,6 +3,7 @@
 #include <cuda.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -81,26 +82,66 @@ SameDeviceOrder::SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64
                                  int me)
     : signals_(signals), peer_signals_(std::move(peer_signals)), me_(me) {}
 
-void SameDeviceOrder::set_peers(std::vector<int> destinations, std::vector<int> sources) {
-  destinations_ = std::move(destinations);
-  sources_ = std::move(sources);
+void SameDeviceOrder::order_pairs(const std::vector<int>& destinations,
+                                  const std::vector<int>& sources) {
+  // Raise before waiting: two PEs that write into each other each wait for the other's flag.
+  raise_ready_ = sources;
+  wait_ready_ = destinations;
+  raise_done_ = destinations;
+  wait_done_ = sources;
+  collect_peers();
+}
+
+void SameDeviceOrder::follow(int leader) {
+  raise_ready_ = {leader};
+  wait_ready_.clear();
+  raise_done_.clear();
+  wait_done_ = {leader};
+  collect_peers();
+}
+
+void SameDeviceOrder::lead(const std::vector<int>& followers) {
+  raise_ready_.clear();
+  wait_ready_ = followers;
+  raise_done_ = followers;
+  wait_done_.clear();
+  collect_peers();
+}
+
+void SameDeviceOrder::merge(const SameDeviceOrder& other) {
+  auto add = [](std::vector<int>& into, const std::vector<int>& from) {
+    into.insert(into.end(), from.begin(), from.end());
+    std::sort(into.begin(), into.end());
+    into.erase(std::unique(into.begin(), into.end()), into.end());
+  };
+  add(raise_ready_, other.raise_ready_);
+  add(wait_ready_, other.wait_ready_);
+  add(raise_done_, other.raise_done_);
+  add(wait_done_, other.wait_done_);
+  collect_peers();
+}
+
+void SameDeviceOrder::collect_peers() {
+  peers_.clear();
+  for (const auto* list : {&raise_ready_, &wait_ready_, &raise_done_, &wait_done_})
+    peers_.insert(peers_.end(), list->begin(), list->end());
+  std::sort(peers_.begin(), peers_.end());
+  peers_.erase(std::unique(peers_.begin(), peers_.end()), peers_.end());
 }
 
 void SameDeviceOrder::begin(cudaStream_t stream) const {
   const int n = static_cast<int>(peer_signals_.size());
-  // Raise before waiting: two PEs that write into each other each wait for the other's flag.
-  for (int source : sources_)
-    raise_flag(stream, SignalLayout::same_device_ready(peer_signals_[source], n, me_));
-  for (int destination : destinations_)
-    wait_and_reset(stream, SignalLayout::same_device_ready(signals_, n, destination));
+  for (int pe : raise_ready_)
+    raise_flag(stream, SignalLayout::same_device_ready(peer_signals_[pe], n, me_));
+  for (int pe : wait_ready_)
+    wait_and_reset(stream, SignalLayout::same_device_ready(signals_, n, pe));
 }
 
 void SameDeviceOrder::end(cudaStream_t stream) const {
   const int n = static_cast<int>(peer_signals_.size());
-  for (int destination : destinations_)
-    raise_flag(stream, SignalLayout::same_device_done(peer_signals_[destination], n, me_));
-  for (int source : sources_)
-    wait_and_reset(stream, SignalLayout::same_device_done(signals_, n, source));
+  for (int pe : raise_done_)
+    raise_flag(stream, SignalLayout::same_device_done(peer_signals_[pe], n, me_));
+  for (int pe : wait_done_) wait_and_reset(stream, SignalLayout::same_device_done(signals_, n, pe));
 }
 
 void SameDeviceOrder::release(cudaStream_t side) const noexcept {

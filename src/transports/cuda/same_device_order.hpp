@@ -9,6 +9,14 @@
 // Each flag (SignalLayout::same_device_ready / same_device_done) is 1 while raised; the stream that
 // waited for it resets it to 0 before anything it does next can let the peer raise it again, so a
 // run needs no epoch from the host and a captured graph replays correctly.
+//
+// Even so, two processes that each run a kernel in every run hand the GPU to each other twice per
+// run, and without MPS each hand-over costs about 125 us (tools/probes/same_gpu_handoff.cu, one
+// H100, 2026-11-24: 4 KiB all-to-all of 2 processes 297 us with these flags, 257 us with the hosts
+// synchronizing instead, 290 us with IPC events). When one process makes every copy among the
+// PEs on its GPU and the others' streams only raise and wait for flags, no hand-over happens:
+// 16 us (2 processes), 41 us (4). The transport delegates that way (follow / lead) unless told
+// to order pairs.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,17 +41,27 @@ class SameDeviceOrder {
   // `signals`: this PE's SignalLayout; `peer_signals[p]`: PE p's, mapped here.
   SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64_t*> peer_signals, int me);
 
-  // This schedule's same-GPU peers: those this PE writes into, those that write into it.
-  void set_peers(std::vector<int> destinations, std::vector<int> sources);
-  bool empty() const { return destinations_.empty() && sources_.empty(); }
-  const std::vector<int>& destinations() const { return destinations_; }
-  const std::vector<int>& sources() const { return sources_; }
+  // Pairwise order: this PE's own kernels write into `destinations`, and `sources` write into
+  // this PE.
+  void order_pairs(const std::vector<int>& destinations, const std::vector<int>& sources);
+  // Delegated order (see CudaTransport): `leader`, a process on this GPU, moves every byte this PE
+  // sends to or receives from the PEs on its GPU, and its local copies; this PE's stream only
+  // tells the leader that its memory may be used and waits until the leader is done with it.
+  void follow(int leader);
+  // The leader's side: waits until every follower's memory may be used, and after the copies
+  // tells each that its bytes have landed and its sources were read.
+  void lead(const std::vector<int>& followers);
+  // Adds `other`'s waits and signals (the union over a schedule's phases, for the watchdog).
+  void merge(const SameDeviceOrder& other);
+  bool empty() const { return peers_.empty(); }
+  // Every PE this order raises a flag for or waits for, ascending.
+  const std::vector<int>& peers() const { return peers_; }
 
-  // Before this run's copies: tells each source that this PE's destinations may be written, then
-  // holds the stream until each destination peer has said the same.
+  // Before this run's copies: raises the ready flags, then holds the stream until the peers' have
+  // been raised.
   void begin(cudaStream_t stream) const;
-  // After the copies: tells each destination peer that its data has landed (after a memory
-  // barrier), then holds the stream until each source has said the same.
+  // After the copies: raises the done flags (after a memory barrier), then holds the stream until
+  // the peers' have been raised.
   void end(cudaStream_t stream) const;
   // Raises every flag this PE's stream could be waiting on (a peer died or did not answer in
   // time): queued on `side`, a stream of its own, and waited for.
@@ -53,7 +71,11 @@ class SameDeviceOrder {
   std::uint64_t* signals_ = nullptr;
   std::vector<std::uint64_t*> peer_signals_;
   int me_ = 0;
-  std::vector<int> destinations_, sources_;
+  // PEs whose same_device_ready flag for this PE it raises before the copies, whose flags it
+  // waits for before the copies, and the same for same_device_done after them.
+  std::vector<int> raise_ready_, wait_ready_, raise_done_, wait_done_;
+  std::vector<int> peers_;
+  void collect_peers();
 };
 
 }  // namespace reshard::cuda
