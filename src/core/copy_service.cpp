@@ -758,6 +758,7 @@ void CopyService::run_phase(std::uint32_t phase, void* cuda_stream) {
 
 void CopyService::clear_requests() {
   impl_->require_usable("clear_requests()");
+  if (impl_->transport && impl_->state == State::kScheduled) impl_->transport->forget_schedule();
   impl_->scheduled_since_clear = false;
   impl_->sends.clear();
   impl_->receives.clear();

@@ -44,6 +44,10 @@ class Transport {
   virtual void run(const ExecutionPlan& plan, std::size_t phase, void* stream) = 0;
   // Waits for runs enqueued on streams; throws the error a device-side wait recorded.
   virtual void synchronize() {}
+  // The schedule was cleared (CopyService::clear_requests): once its runs are complete, let go of
+  // what only its plans used, such as mappings of peers' memory, so that the peers may free that
+  // memory and share what they allocate in its place. Local: no peer takes part.
+  virtual void forget_schedule() {}
   // Tells peers this PE has failed, so they stop waiting for it at once.
   virtual void abort(const std::string& reason) noexcept = 0;
   virtual void finalize() noexcept = 0;

@@ -144,6 +144,7 @@ class CudaTransport final : public Transport {
   void prepare(std::span<const ExecutionPlan> phases) override;
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
+  void forget_schedule() override;
   void abort(const std::string& reason) noexcept override;
   void finalize() noexcept override;
 
@@ -1133,6 +1134,20 @@ void CudaTransport::synchronize() {
   wait_for(last_run_, "run()");
   run_pending_ = false;
   throw_device_failure();
+}
+
+void CudaTransport::forget_schedule() {
+  if (finalized_) return;
+  DeviceScope scope(device_);
+  synchronize();
+  prepared_.clear();
+  {
+    std::lock_guard lock(watch_mutex_);
+    same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_);
+  }
+  // A follower's sources are mapped by its leader too: without this, a follower that frees them
+  // and shares new memory from the same driver allocation would find it "already mapped" here.
+  imports_.close_all();
 }
 
 void CudaTransport::throw_device_failure() {

@@ -99,6 +99,11 @@ class MixedTransport final : public Transport {
     inter_->synchronize();
   }
 
+  void forget_schedule() override {
+    in_node([&] { intra_->forget_schedule(); });
+    inter_->forget_schedule();
+  }
+
   void abort(const std::string& reason) noexcept override {
     intra_->abort(reason);
     inter_->abort(reason);
