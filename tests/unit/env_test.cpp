@@ -38,6 +38,7 @@ void expect_refused(const char* name, const char* value, const std::function<voi
 
 TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_CUDA_ENGINE", "fast", [] { env::cuda_engine(); });
+  expect_refused("RESHARD_CUDA_SAME_DEVICE", "leader", [] { env::cuda_same_device(); });
   expect_refused("RESHARD_CUDA_CE_STREAMS", "0", [] { env::cuda_ce_streams(); });
   expect_refused("RESHARD_CUDA_CE_STREAMS", "9", [] { env::cuda_ce_streams(); });
   expect_refused("RESHARD_CUDA_CE_STREAMS", "two", [] { env::cuda_ce_streams(); });
@@ -78,6 +79,12 @@ TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
     ScopedEnv scoped("RESHARD_CUDA_CE_STREAMS", std::to_string(streams).c_str());
     EXPECT_EQ(env::cuda_ce_streams(), streams);
   }
+  for (const char* order : {"auto", "delegate", "stream", "kernel"}) {
+    ScopedEnv scoped("RESHARD_CUDA_SAME_DEVICE", order);
+    EXPECT_EQ(env::cuda_same_device(), order);
+  }
+  ::unsetenv("RESHARD_CUDA_SAME_DEVICE");
+  EXPECT_EQ(env::cuda_same_device(), "auto");
   ::unsetenv("RESHARD_CUDA_ENGINE");
   ::unsetenv("RESHARD_CUDA_CE_STREAMS");
   {

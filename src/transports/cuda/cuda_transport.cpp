@@ -1111,7 +1111,8 @@ void CudaTransport::watch_same_device_runs() noexcept {
       watched_since_ = {};
     } else if (std::chrono::steady_clock::now() - since > timeout) {
       const int stopped = first_stopped_process(pids_);
-      const int peer = stopped >= 0 ? stopped : same_device_order_.peers().front();
+      const auto& peers = same_device_order_.peers();
+      const int peer = stopped >= 0 ? stopped : (peers.empty() ? -1 : peers.front());
       fail_run(kStatusTimeout, peer, kPhaseDone);
       watched_since_ = {};
     }
