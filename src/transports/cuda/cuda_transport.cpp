@@ -68,8 +68,8 @@ struct WireBatch {
 struct GroupPlan {
   PeerGroup group{};
   std::vector<CopyDescriptor> descriptors;
-  // Copies between two other PEs on this GPU that this PE makes for them (it leads the GPU's
-  // PEs): no flags, the streams order them (SameDeviceOrder::lead).
+  // Copies of another PE on this GPU that this PE, the GPU's leader, makes for it (its sends and
+  // its local copies): no flags, the streams order them (SameDeviceOrder::lead).
   bool delegated = false;
 
   void add(const unsigned char* src, unsigned char* dst, std::uint64_t bytes) {
@@ -116,9 +116,9 @@ struct PreparedRun {
   std::uint64_t bounce_bytes = 0;
   SameDeviceOrder same_device;  // this phase's same-GPU peers
   // Delegated same-GPU copies (see CudaTransport::exchange_destinations): `delegated` when this
-  // phase's copies among the PEs of this GPU are made by its leader; this PE's local copies
-  // are made by its GPU's leader; it runs no kernel at all when it has no peer on another GPU
-  // (kernel_idle), and the leader then advances its run count (DeviceArray follower_runs).
+  // phase's copies among the PEs of this GPU are made by its leader. A follower's local copies
+  // are the leader's then too, and a follower with no peer on another GPU runs no kernel at all
+  // (kernel_idle): the leader's kernel advances its run count (`follower_runs`, on the leader).
   bool delegated = false;
   bool local_copies_delegated = false;
   bool kernel_idle = false;
