@@ -115,6 +115,9 @@ int main(int argc, char** argv) {
   refit_cmd->add_option("--staging-budget", refit.staging_budget,
                         "most staging memory per PE (e.g. 512MiB, 0, unlimited; default "
                         "RESHARD_STAGING_BUDGET, else 512MiB): larger refits run in phases");
+  refit_cmd->add_flag("!--receiver-quantizes-colocated", refit.quantize_colocated_on_sender,
+                      "transforms on arrival quantize on the receiver even between PEs on one GPU "
+                      "(by default the sender does there: same bits, half the bytes)");
   refit_cmd->add_option("-i,--iters", refit.iterations, "timed refits")->check(CLI::Range(1, 1000));
   refit_cmd->add_option("--warmup", refit.warmup, "untimed refits first")
       ->check(CLI::Range(0, 100));

@@ -30,6 +30,11 @@ struct ReshardOptions {
   // largest slice's need where that is more. Every rank must use the same budget. A custom
   // transform's own wire buffers are its own and outside the budget.
   std::optional<std::uint64_t> staging_budget;
+  // The built-in transforms that quantize on arrival (QuantizeSide::kReceiver) quantize on the
+  // sender instead for ops between two ranks whose tensors are on the same GPU (colocated
+  // processes): the same kernel on the same GPU writes the same bits, half the bytes move and no
+  // bf16 landing buffer is needed. false: every op where the transform says. Every rank must agree.
+  bool quantize_colocated_on_sender = true;
 };
 
 struct ReshardReport {

@@ -49,6 +49,7 @@ def execute_reshard_plan(
     transform: Optional[Union["_core.ReshardTransform", ReshardTransform]] = None,
     stream: StreamLike = None,
     staging_budget: Optional[Union[int, str]] = None,
+    quantize_colocated_on_sender: bool = True,
 ) -> "_core.ReshardReport":
     """Moves this rank's source slices into every rank's destination tensors (collective).
 
@@ -67,11 +68,16 @@ def execute_reshard_plan(
     ``"unlimited"``. A refit that needs more runs in phases that reuse the same memory; a slice
     that alone needs more is refused, naming it; ``0`` allows no staging. Default:
     ``RESHARD_STAGING_BUDGET``, else 512 MiB. Every rank must pass the same.
+
+    Built-in transforms that quantize on arrival quantize on the sender instead for slices between
+    two ranks on the same GPU (colocated processes): the same bits, half the bytes moved, no bf16
+    landing buffer. ``quantize_colocated_on_sender=False`` keeps every slice on the side the
+    transform names. Every rank must pass the same.
     """
     core = service.core if isinstance(service, CopyService) else service
     return _core.execute_reshard_plan(
         plan, _entries(src), _entries(dst), core, native_transform(transform, src, dst),
-        stream_handle(stream), _budget_bytes(staging_budget)
+        stream_handle(stream), _budget_bytes(staging_budget), bool(quantize_colocated_on_sender)
     )
 
 

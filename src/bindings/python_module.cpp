@@ -691,17 +691,18 @@ void bind_execution(nb::module_& m) {
          const std::vector<TensorEntry<ReadOnlyArray>>& src,
          const std::vector<TensorEntry<Array>>& dst, CopyService& service,
          std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
-         std::optional<std::uint64_t> staging_budget) {
+         std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender) {
         const TensorMap src_map = tensor_map(src, "source");
         const TensorMap dst_map = tensor_map(dst, "destination");
         ReshardOptions options;
         options.staging_budget = staging_budget;
+        options.quantize_colocated_on_sender = quantize_colocated_on_sender;
         nb::gil_scoped_release released;
         return execute_reshard_plan(plan, src_map, dst_map, service, std::move(transform),
                                     stream_of(stream), options);
       },
       "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
-      "staging_budget"_a = nb::none());
+      "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true);
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 // only packs, runs and unpacks at every refit.
 #include "reshard/resharder.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -68,6 +70,7 @@ struct Resharder::Impl {
   std::shared_ptr<ReshardTransform> transform;
   exec::RangedTransform* ranged;           // the transform, where it is a built-in one
   std::optional<std::uint64_t> requested;  // the budget given (option, else environment)
+  bool colocated_on_sender;                // ReshardOptions::quantize_colocated_on_sender
   std::uint64_t budget;                    // requested, else the default
   PeId me;
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
@@ -106,6 +109,7 @@ struct Resharder::Impl {
         transform(std::move(t)),
         ranged(dynamic_cast<exec::RangedTransform*>(transform.get())),
         requested(requested_budget(o)),
+        colocated_on_sender(o.quantize_colocated_on_sender),
         budget(requested.value_or(ReshardOptions::kDefaultStagingBudget)),
         me(s.my_pe()),
         rows_in_place(s.moves_rows_in_place()) {
@@ -135,11 +139,26 @@ struct Resharder::Impl {
   // Collective: ranks that built different plans (from different layouts) would register task
   // ids that match nothing; say so plainly instead, naming the ranks and the first parameter
   // whose transfers differ.
+  // The same all-gather hands the transform where every rank's GPU is (set_placement).
   void check_same_plan_everywhere() {
-    const std::uint64_t mine[] = {plan->fingerprint(), plan->ops().size(), plan->params().size()};
+    const std::uint64_t mine[] = {plan->fingerprint(), plan->ops().size(), plan->params().size(),
+                                  gpu_identity(), colocated_on_sender};
     const auto all = service.all_gather(std::as_bytes(std::span(mine)));
     std::vector<std::array<std::uint64_t, 3>> theirs(all.size());
-    for (std::size_t r = 0; r < all.size(); ++r) std::memcpy(theirs[r].data(), all[r].data(), 24);
+    std::vector<std::uint64_t> gpu_of_rank(all.size());
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      std::memcpy(theirs[r].data(), all[r].data(), 24);
+      std::uint64_t on_sender = 0;
+      std::memcpy(&gpu_of_rank[r], all[r].data() + 24, 8);
+      std::memcpy(&on_sender, all[r].data() + 32, 8);
+      if ((on_sender != 0) != colocated_on_sender) {
+        throw_error(ErrorCode::kInvalidArgument,
+                    "ReshardOptions::quantize_colocated_on_sender differs between ranks: rank " +
+                        std::to_string(me) + " has " + (colocated_on_sender ? "true" : "false") +
+                        ", rank " + std::to_string(r) + " " + (on_sender ? "true" : "false"));
+      }
+    }
+    if (ranged != nullptr && colocated_on_sender) ranged->set_placement(std::move(gpu_of_rank));
     std::size_t other = 1;
     while (other < theirs.size() && theirs[other] == theirs[0]) ++other;
     if (other == theirs.size()) return;
@@ -168,6 +187,22 @@ struct Resharder::Impl {
     }
     text << ". Every rank must build the plan from the same two layouts.";
     throw_error(ErrorCode::kValidation, text.str());
+  }
+
+  // This rank's GPU as every process on the machine names it (host name and PCI bus id, hashed);
+  // 0 on the host transport.
+  std::uint64_t gpu_identity() const {
+    const int device = service.device();
+    if (device < 0) return 0;
+#ifdef RESHARD_WITH_CUDA
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    const std::uint64_t id =
+        std::hash<std::string>{}(std::string(host) + "/" + exec::cuda::pci_bus_id(device));
+    return id == 0 ? 1 : id;
+#else
+    return 0;
+#endif
   }
 
   ~Impl() {
@@ -802,7 +837,8 @@ Resharder::Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& servi
     : impl_(std::make_unique<Impl>(std::move(plan), service, std::move(transform), options)) {}
 
 bool Resharder::same_options(const ReshardOptions& options) const {
-  return Impl::requested_budget(options) == impl_->requested;
+  return Impl::requested_budget(options) == impl_->requested &&
+         options.quantize_colocated_on_sender == impl_->colocated_on_sender;
 }
 
 Resharder::~Resharder() = default;

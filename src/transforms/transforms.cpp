@@ -80,6 +80,9 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
     return recv_wire(slice, dst, in_place);
   }
   void set_dry_run(bool on) final { queue_.set_dry_run(on); }
+  void set_placement(std::vector<std::uint64_t> gpu_of_rank) final {
+    gpu_of_rank_ = std::move(gpu_of_rank);
+  }
 
  protected:
   // The op's wire; with `in_place`, slices that are not contiguous go as strided ranges of the
@@ -98,6 +101,11 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
   // Wire buffers of the transform's own are never the tensor's memory.
   static bool landed_in_place(const Buffer& wire, const Buffer& tensor) {
     return wire.data == tensor.data;
+  }
+  // Whether the op's two ranks hold their tensors on one GPU (set_placement).
+  bool same_gpu(const TransferOp& op) const {
+    return op.src_rank < gpu_of_rank_.size() && op.dst_rank < gpu_of_rank_.size() &&
+           gpu_of_rank_[op.src_rank] != 0 && gpu_of_rank_[op.src_rank] == gpu_of_rank_[op.dst_rank];
   }
   bool name_selected(const ParamSpec& param) const {
     return filter_.empty() || param.name.find(filter_) != std::string::npos;
@@ -213,6 +221,7 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
 
  private:
   std::string filter_;
+  std::vector<std::uint64_t> gpu_of_rank_;  // set_placement
   // Hashed: a MoE refit converts tens of thousands of slices.
   std::unordered_map<SliceKey, std::vector<WireRange>, SliceKeyHash> converted_;  // until flush()
   std::unordered_set<TaskId> sent_ops_;
@@ -341,7 +350,7 @@ class ScaledFp8Transform : public TransformBase {
                                    bool in_place) override {
     queue_.flush_if_full(stream);
     check_source(slice, src);
-    if (side_ == QuantizeSide::kReceiver) return {source_slice(slice, src, 0, in_place)};
+    if (on_arrival(slice)) return {source_slice(slice, src, 0, in_place)};
     const SliceKey key = slice_key(src, slice.local);
     if (const std::vector<WireRange>* done = converted(slice.op, key)) return *done;
     const Box scales = scale_box(slice.local);
@@ -358,7 +367,7 @@ class ScaledFp8Transform : public TransformBase {
                                    bool in_place) override {
     check_destination(slice, dst);
     const std::size_t n = elements(slice.local);
-    if (side_ == QuantizeSide::kReceiver) {
+    if (on_arrival(slice)) {
       return {WireRange::whole(
           wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data))};
     }
@@ -375,7 +384,7 @@ class ScaledFp8Transform : public TransformBase {
   void finalize_recv(const OpSlice& slice, const LocalTensor& dst, std::span<const Buffer> wire,
                      void* stream) override {
     queue_.flush_if_full(stream);
-    if (side_ == QuantizeSide::kReceiver) {
+    if (on_arrival(slice)) {
       quantize_into(queue_, {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)}, slice,
                     dst);
       return;
@@ -420,6 +429,12 @@ class ScaledFp8Transform : public TransformBase {
 
  protected:
   const char* side_name() const { return side_ == QuantizeSide::kSender ? "sender" : "receiver"; }
+  // Whether this op's slice is quantized on arrival: the side asked for, except between two ranks
+  // on one GPU, where the sender quantizes (see RangedTransform::set_placement). Sources are
+  // checked by the side asked for, so the same input is refused or accepted everywhere.
+  bool on_arrival(const OpSlice& slice) const {
+    return side_ == QuantizeSide::kReceiver && !same_gpu(slice.op);
+  }
 
  private:
   // Refuses (naming the region) a slice that would cut the format's blocks.

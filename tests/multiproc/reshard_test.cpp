@@ -423,6 +423,23 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
   ReshardOptions options;
+  // Quantized on arrival, slices between PEs on one GPU are quantized by the sender unless told
+  // otherwise: the cases alternate, so both ways run (every PE calls run_case in the same order).
+  static int calls = 0;
+  options.quantize_colocated_on_sender = calls++ % 2 == 0;
+  // Which PEs share a GPU (device ordinals name one GPU on this one machine; -1: host memory).
+  const int device = my_device();
+  std::vector<int> device_of_pe;
+  for (const auto& part : service.all_gather(std::as_bytes(std::span(&device, 1)))) {
+    int d = -1;
+    std::memcpy(&d, part.data(), sizeof d);
+    device_of_pe.push_back(d);
+  }
+  auto sender_quantizes = [&](const TransferOp& op) {
+    if (mode == Mode::kMxSender) return true;
+    return mode == Mode::kMxReceiver && options.quantize_colocated_on_sender &&
+           device_of_pe[op.src_rank] >= 0 && device_of_pe[op.src_rank] == device_of_pe[op.dst_rank];
+  };
   CaseResult result;
   // Bounded: phases are needed exactly where some rank's refit needs more staging than the
   // budget, which a first refit without a bound says.
@@ -434,7 +451,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     const auto expected = expectations(*plan, mode, transform.get());
     RankTensors tensors =
         make_tensors(*plan, service.my_pe(), my_device(), expected, transform.get());
-    ReshardOptions unlimited;
+    ReshardOptions unlimited = options;
     unlimited.staging_budget = ReshardOptions::kUnlimited;
     const std::uint64_t staging = execute_reshard_plan(plan, tensors.src_map, tensors.dst_map,
                                                        service, transform, nullptr, unlimited)
@@ -476,12 +493,12 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
         << "refit " << refit << ": local ops of transformed parameters converted in place";
     // What crossed the wire from this rank: FP8 data and one scale per 32 elements where the
     // sender quantizes (bf16 parameters: half the bytes, and a 64th).
-    if (mode == Mode::kPlain || mode == Mode::kMxSender) {
+    if (mode == Mode::kPlain || mode == Mode::kMxSender || mode == Mode::kMxReceiver) {
       std::uint64_t wire = 0;
       for (const TransferOp& op : plan->ops()) {
         if (op.src_rank != me || op.local()) continue;
-        const bool quantized =
-            mode == Mode::kMxSender && transform->should_transform(plan->params()[op.param]);
+        const bool quantized = mode != Mode::kPlain && sender_quantizes(op) &&
+                               transform->should_transform(plan->params()[op.param]);
         wire += quantized ? op.bytes / 2 + op.bytes / 64 : op.bytes;
       }
       EXPECT_EQ(report.bytes_sent, wire) << "refit " << refit;

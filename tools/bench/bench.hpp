@@ -132,6 +132,9 @@ struct RefitBenchOptions {
   // ReshardOptions::staging_budget: a byte count ("512MiB"), "unlimited", or empty for the
   // default (RESHARD_STAGING_BUDGET, else 512 MiB).
   std::string staging_budget;
+  // ReshardOptions::quantize_colocated_on_sender (false: quantized-on-arrival slices between PEs
+  // on one GPU stay on the receiver, as between GPUs).
+  bool quantize_colocated_on_sender = true;
   int iterations = 5;
   int warmup = 2;
   std::string json_path;

@@ -283,6 +283,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
 
   ReshardReport report;
   ReshardOptions reshard_options;
+  reshard_options.quantize_colocated_on_sender = options.quantize_colocated_on_sender;
   if (options.staging_budget == "unlimited") {
     reshard_options.staging_budget = ReshardOptions::kUnlimited;
   } else if (!options.staging_budget.empty()) {
@@ -503,7 +504,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
              << ",\"packed_bytes_pe0\":" << report.packed_bytes
              << ",\"staging_bytes_pe0\":" << measured.staging_bytes
              << ",\"phases\":" << measured.phases << ",\"staging_budget\":\""
-             << (options.staging_budget.empty() ? "default" : options.staging_budget) << "\"";
+             << (options.staging_budget.empty() ? "default" : options.staging_budget) << "\""
+             << ",\"quantize_colocated_on_sender\":"
+             << (options.quantize_colocated_on_sender ? "true" : "false");
       }
       if (baseline_median > 0) {
         json << ",\"baseline\":\"" << baseline_name
