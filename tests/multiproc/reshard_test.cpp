@@ -659,6 +659,17 @@ TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
   if (n > 1) {
     const std::string differ = refusal(1 << 20, 2 << 20);
     EXPECT_NE(differ.find("the staging budget differs between ranks"), std::string::npos) << differ;
+    ReshardOptions mixed;
+    mixed.quantize_colocated_on_sender = service->my_pe() == 0;
+    try {
+      execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform, nullptr, mixed);
+      ADD_FAILURE() << "ranks disagreeing on quantize_colocated_on_sender were not refused";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(error.what()).find("quantize_colocated_on_sender differs between ranks"),
+                std::string::npos)
+          << error.what();
+    }
   }
   // Nothing moved (destinations hold what TestMemory filled them with), and the same tensors
   // refit within a budget that fits.

@@ -336,6 +336,37 @@ def test_plain_refit_needs_no_staging_and_runs_within_a_budget_of_zero(service):
         np.testing.assert_array_equal(dst[name].data, src[name].data)
 
 
+def test_where_colocated_slices_are_quantized_is_a_keyword(service):
+    # Host memory: no rank is on a GPU, so both ways quantize on arrival and write the same bits.
+    model = reshard.toy_model(1, 64)
+    layout = reshard.build_layout(model, reshard.Parallelism())
+    plan = reshard.make_reshard_plan(layout, layout)
+    transform = reshard.make_mxfp8_transform("receiver")
+    rng = np.random.default_rng(5)
+    src = {p.name: reshard.LocalTensor(rng.integers(0x3000, 0x4000, p.shape, dtype=np.uint16),
+                                       dtype="bfloat16") for p in plan.params}
+    results = []
+    for on_sender in (True, False):
+        dst = {}
+        for p in plan.params:
+            if transform.should_transform(p):
+                scale = transform.destination_scale(list(p.shape))
+                dst[p.name] = reshard.LocalTensor(np.zeros(p.shape, np.uint8),
+                                                  scale=np.zeros(scale.shape, np.uint8),
+                                                  dtype="float8_e4m3")
+            else:
+                dst[p.name] = reshard.LocalTensor(np.zeros(p.shape, np.uint16), dtype="bfloat16")
+        reshard.execute_reshard_plan(plan, src, dst, service, transform,
+                                     quantize_colocated_on_sender=on_sender)
+        results.append(dst)
+    assert any(transform.should_transform(p) for p in plan.params)
+    for name in results[0]:
+        np.testing.assert_array_equal(results[0][name].data, results[1][name].data)
+        if results[0][name].scale is not None:
+            assert results[0][name].scale.any()
+            np.testing.assert_array_equal(results[0][name].scale, results[1][name].scale)
+
+
 def test_phases_reuse_one_receive_buffer(service):
     source = np.arange(4 * 256, dtype=np.uint8).reshape(4, 256)
     scratch = np.zeros(256, np.uint8)
