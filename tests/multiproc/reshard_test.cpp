@@ -465,8 +465,14 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   // Local ops skip the wire where the transform converts them in place, beside the transfer:
   // quantized on arrival, or cast (bf16 -> fp32 here, the wire being one of the two). Quantized
   // by the sender they go through the copy service like the rest.
-  const bool in_place =
-      mode != Mode::kPlain && mode != Mode::kMxSender && mode != Mode::kBlockSender;
+  // A PE whose GPU other PEs share sends its local ops of quantized-on-arrival parameters through
+  // the wire, quantized by itself, as it does its other slices (unless told not to).
+  const bool gpu_shared =
+      device >= 0 && std::count(device_of_pe.begin(), device_of_pe.end(), device) > 1;
+  const bool scaled_receiver = mode == Mode::kMxReceiver || mode == Mode::kBlockReceiver;
+  const bool in_place = mode != Mode::kPlain && mode != Mode::kMxSender &&
+                        mode != Mode::kBlockSender &&
+                        !(scaled_receiver && gpu_shared && options.quantize_colocated_on_sender);
   std::uint64_t locally_converted = 0;
   for (const TransferOp& op : plan->ops()) {
     if (in_place && op.local() && op.src_rank == me &&
@@ -666,8 +672,9 @@ TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
       ADD_FAILURE() << "ranks disagreeing on quantize_colocated_on_sender were not refused";
     } catch (const Error& error) {
       EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-      EXPECT_NE(std::string(error.what()).find("quantize_colocated_on_sender differs between ranks"),
-                std::string::npos)
+      EXPECT_NE(
+          std::string(error.what()).find("quantize_colocated_on_sender differs between ranks"),
+          std::string::npos)
           << error.what();
     }
   }
