@@ -71,7 +71,10 @@ struct Resharder::Impl {
   exec::RangedTransform* ranged;           // the transform, where it is a built-in one
   std::optional<std::uint64_t> requested;  // the budget given (option, else environment)
   bool colocated_on_sender;                // ReshardOptions::quantize_colocated_on_sender
-  std::uint64_t budget;                    // requested, else the default
+  // Each rank's GPU (gpu_identity), where colocated_on_sender; else empty. Handed to the transform
+  // at every refit: executors with other options may share it.
+  std::vector<std::uint64_t> placement;
+  std::uint64_t budget;  // requested, else the default
   PeId me;
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
@@ -139,7 +142,7 @@ struct Resharder::Impl {
   // Collective: ranks that built different plans (from different layouts) would register task
   // ids that match nothing; say so plainly instead, naming the ranks and the first parameter
   // whose transfers differ.
-  // The same all-gather hands the transform where every rank's GPU is (set_placement).
+  // The same all-gather says where every rank's GPU is (`placement`).
   void check_same_plan_everywhere() {
     const std::uint64_t mine[] = {plan->fingerprint(), plan->ops().size(), plan->params().size(),
                                   gpu_identity(), colocated_on_sender};
@@ -158,7 +161,7 @@ struct Resharder::Impl {
                         ", rank " + std::to_string(r) + " " + (on_sender ? "true" : "false"));
       }
     }
-    if (ranged != nullptr && colocated_on_sender) ranged->set_placement(std::move(gpu_of_rank));
+    if (colocated_on_sender) placement = std::move(gpu_of_rank);
     std::size_t other = 1;
     while (other < theirs.size() && theirs[other] == theirs[0]) ++other;
     if (other == theirs.size()) return;
@@ -785,6 +788,7 @@ struct Resharder::Impl {
   }
 
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
+    if (ranged != nullptr) ranged->set_placement(placement);
     ReshardReport report;
     void* stream = stream_for(src, dst, cuda_stream);
     PhaseClock clock{.stream = stream, .issued = &report.issue_seconds};

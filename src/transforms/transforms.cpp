@@ -81,12 +81,14 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
   }
   void set_dry_run(bool on) final { queue_.set_dry_run(on); }
   void set_placement(std::vector<std::uint64_t> gpu_of_rank) final {
+    if (gpu_of_rank == gpu_of_rank_) return;  // the executor hands it over at every refit
     gpu_of_rank_ = std::move(gpu_of_rank);
+    std::unordered_map<std::uint64_t, int> ranks_on;
+    for (std::uint64_t gpu : gpu_of_rank_)
+      if (gpu != 0) ++ranks_on[gpu];
     shares_gpu_.assign(gpu_of_rank_.size(), false);
     for (std::size_t r = 0; r < gpu_of_rank_.size(); ++r)
-      for (std::size_t q = 0; q < gpu_of_rank_.size(); ++q)
-        if (q != r && gpu_of_rank_[r] != 0 && gpu_of_rank_[q] == gpu_of_rank_[r])
-          shares_gpu_[r] = true;
+      shares_gpu_[r] = gpu_of_rank_[r] != 0 && ranks_on[gpu_of_rank_[r]] > 1;
   }
 
  protected:
