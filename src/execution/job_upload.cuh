@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "execution/box_view.hpp"
-#include "transports/cuda/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace reshard::exec::cuda {
 

@@ -4,7 +4,7 @@
 
 #include "execution/job_upload.cuh"
 #include "execution/staging.hpp"
-#include "transports/cuda/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace reshard::exec::cuda {
 namespace {

@@ -5,9 +5,9 @@
 
 #include "execution/job_upload.cuh"
 #include "execution/row_walk.hpp"
+#include "gpu/cuda_check.hpp"
 #include "reshard/error.hpp"
 #include "transforms/conversions.hpp"
-#include "transports/cuda/cuda_check.hpp"
 
 namespace reshard::exec::cuda {
 namespace {

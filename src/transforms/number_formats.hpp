@@ -11,11 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define RESHARD_HD __host__ __device__ __forceinline__
-#else
-#define RESHARD_HD inline
-#endif
+#include "gpu/host_device.hpp"
 
 namespace reshard::formats {
 

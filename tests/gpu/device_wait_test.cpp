@@ -13,9 +13,9 @@
 #include <thread>
 #include <vector>
 
+#include "gpu/copy_kernels.hpp"
+#include "gpu/device_array.hpp"
 #include "support/single_gpu_main.hpp"
-#include "transports/cuda/copy_kernels.hpp"
-#include "transports/cuda/device_array.hpp"
 
 namespace reshard::cuda {
 namespace {

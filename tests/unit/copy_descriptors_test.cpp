@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "transports/cuda/device_work.hpp"
+#include "gpu/device_work.hpp"
 
 namespace reshard::cuda {
 namespace {

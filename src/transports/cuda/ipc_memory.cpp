@@ -6,9 +6,9 @@
 #include <cstring>
 #include <string>
 
+#include "gpu/cuda_check.hpp"
+#include "gpu/cuda_device.hpp"
 #include "reshard/log.hpp"
-#include "transports/cuda/cuda_check.hpp"
-#include "transports/cuda/cuda_device.hpp"
 
 namespace reshard::cuda {
 namespace {

@@ -7,10 +7,10 @@
 #include <cstdlib>
 #include <string>
 
+#include "gpu/cuda_check.hpp"
+#include "gpu/cuda_device.hpp"
+#include "gpu/device_work.hpp"
 #include "reshard/error.hpp"
-#include "transports/cuda/cuda_check.hpp"
-#include "transports/cuda/cuda_device.hpp"
-#include "transports/cuda/device_work.hpp"
 
 namespace reshard::cuda {
 namespace {

@@ -13,8 +13,8 @@
 #include "reshard/log.hpp"
 
 #ifdef RESHARD_WITH_CUDA
-#include "transports/cuda/cuda_check.hpp"
-#include "transports/cuda/cuda_device.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/cuda_device.hpp"
 #endif
 
 namespace reshard {

@@ -14,10 +14,10 @@
 #include "core/env.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/cuda_device.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
-#include "transports/cuda/cuda_check.hpp"
-#include "transports/cuda/cuda_device.hpp"
 
 namespace reshard {
 namespace {

@@ -31,12 +31,12 @@
 #include "core/nodes.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
+#include "gpu/copy_kernels.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/cuda_device.hpp"
+#include "gpu/device_array.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
-#include "transports/cuda/copy_kernels.hpp"
-#include "transports/cuda/cuda_check.hpp"
-#include "transports/cuda/cuda_device.hpp"
-#include "transports/cuda/device_array.hpp"
 
 namespace reshard {
 namespace {

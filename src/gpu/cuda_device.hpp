@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "gpu/device_work.hpp"
 #include "reshard/bootstrap.hpp"
 #include "reshard/types.hpp"
-#include "transports/cuda/device_work.hpp"
 
 namespace reshard::cuda {
 

@@ -1,7 +1,7 @@
 #include <cstdint>
 
-#include "transports/cuda/copy_kernels.hpp"
-#include "transports/cuda/cuda_check.hpp"
+#include "gpu/copy_kernels.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace reshard::cuda {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "transports/cuda/device_work.hpp"
+#include "gpu/device_work.hpp"
 
 namespace reshard::cuda {
 

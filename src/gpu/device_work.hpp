@@ -5,11 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#ifdef __CUDACC__
-#define RESHARD_HOST_DEVICE __host__ __device__
-#else
-#define RESHARD_HOST_DEVICE
-#endif
+#include "gpu/host_device.hpp"
 
 namespace reshard::cuda {
 
@@ -24,7 +20,7 @@ struct CopyDescriptor {
   std::uint64_t src_pitch = 0;
   std::uint64_t dst_pitch = 0;
 
-  RESHARD_HOST_DEVICE bool has_rows() const { return row_bytes != 0 && row_bytes < bytes; }
+  RESHARD_HD bool has_rows() const { return row_bytes != 0 && row_bytes < bytes; }
 };
 
 // Appends a copy of `bytes` to the descriptors of a group (those from `group_first` on), whose
@@ -86,44 +82,42 @@ struct PeerGroup {
 // waiting_on: 1 + the PE a wait of this PE's kernels has been stuck on for a while (0: none), read
 // by a peer whose own wait on this PE runs out, to name the PE at the end of the chain.
 struct SignalLayout {
-  RESHARD_HOST_DEVICE static std::uint64_t* ready(std::uint64_t* base, int /*n*/, int pe) {
+  RESHARD_HD static std::uint64_t* ready(std::uint64_t* base, int /*n*/, int pe) {
     return base + pe;
   }
-  RESHARD_HOST_DEVICE static std::uint64_t* done(std::uint64_t* base, int n, int pe) {
+  RESHARD_HD static std::uint64_t* done(std::uint64_t* base, int n, int pe) {
     return base + n + pe;
   }
-  RESHARD_HOST_DEVICE static std::uint64_t* run_count(std::uint64_t* base, int n) {
-    return base + 2 * n;
-  }
-  RESHARD_HOST_DEVICE static std::uint64_t* waiting_on(std::uint64_t* base, int n) {
+  RESHARD_HD static std::uint64_t* run_count(std::uint64_t* base, int n) { return base + 2 * n; }
+  RESHARD_HD static std::uint64_t* waiting_on(std::uint64_t* base, int n) {
     return base + 2 * n + 1;
   }
   // The run a copy-engine run's begin kernel found every destination ready for, as done_mark():
   // the copy engine copies it into a peer's done[me] right after that peer's data.
-  RESHARD_HOST_DEVICE static std::uint64_t* ready_epoch(std::uint64_t* base, int n) {
+  RESHARD_HD static std::uint64_t* ready_epoch(std::uint64_t* base, int n) {
     return base + 2 * n + 2;
   }
   // signalled[p]: the last run in which this PE raised p's done[me] (p's flag holds its
   // done_mark). The SM engine's CTAs add to that flag rather than store it, so a run that follows
   // runs without p adds the runs it missed (see done_share).
-  RESHARD_HOST_DEVICE static std::uint64_t* signalled(std::uint64_t* base, int n, int pe) {
+  RESHARD_HD static std::uint64_t* signalled(std::uint64_t* base, int n, int pe) {
     return base + 2 * n + 3 + pe;
   }
-  RESHARD_HOST_DEVICE static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
+  RESHARD_HD static unsigned int* grid_arrivals(std::uint64_t* base, int n) {
     return reinterpret_cast<unsigned int*>(base + 3 * n + 3);
   }
   // Set beside the pinned status when a wait of this PE's kernels fails (see KernelArgs).
-  RESHARD_HOST_DEVICE static unsigned int* failure(std::uint64_t* base, int n) {
+  RESHARD_HD static unsigned int* failure(std::uint64_t* base, int n) {
     return grid_arrivals(base, n) + 1;
   }
   // Peers on this PE's own GPU are ordered by stream memory operations, not by kernels (see
   // same_device_order.hpp); each word is 1 while raised and reset to 0 by the stream that waited.
   // same_device_ready[p]: PE p's destinations may be written by this PE.
-  RESHARD_HOST_DEVICE static std::uint64_t* same_device_ready(std::uint64_t* base, int n, int pe) {
+  RESHARD_HD static std::uint64_t* same_device_ready(std::uint64_t* base, int n, int pe) {
     return base + 3 * n + 4 + pe;
   }
   // same_device_done[p]: PE p's data for this PE has landed.
-  RESHARD_HOST_DEVICE static std::uint64_t* same_device_done(std::uint64_t* base, int n, int pe) {
+  RESHARD_HD static std::uint64_t* same_device_done(std::uint64_t* base, int n, int pe) {
     return base + 4 * n + 4 + pe;
   }
   static std::uint64_t bytes(int n) { return (5 * n + 4) * 8; }
@@ -134,11 +128,9 @@ struct SignalLayout {
 // H200, 4 KiB exchange: signalling 2.8 -> 1.8 us, the run 6.4 -> 5.5 us). The copy engine and the
 // end kernel store done_mark(e) whole.
 inline constexpr int kDoneShift = 16;
-RESHARD_HOST_DEVICE inline std::uint64_t done_mark(std::uint64_t epoch) {
-  return epoch << kDoneShift;
-}
+RESHARD_HD std::uint64_t done_mark(std::uint64_t epoch) { return epoch << kDoneShift; }
 // CTA `cta` of `ctas` (at most 2^kDoneShift) of a group: the shares of a run add up to one unit.
-RESHARD_HOST_DEVICE inline std::uint64_t done_share(std::uint32_t cta, std::uint32_t ctas) {
+RESHARD_HD std::uint64_t done_share(std::uint32_t cta, std::uint32_t ctas) {
   constexpr std::uint64_t kUnit = std::uint64_t{1} << kDoneShift;
   const std::uint64_t share = kUnit / ctas;
   return cta == 0 ? kUnit - share * (ctas - 1) : share;

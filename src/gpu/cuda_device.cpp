@@ -1,4 +1,4 @@
-#include "transports/cuda/cuda_device.hpp"
+#include "gpu/cuda_device.hpp"
 
 #include <cuda.h>
 #include <signal.h>
@@ -12,8 +12,8 @@
 #include "core/env.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
+#include "gpu/cuda_check.hpp"
 #include "reshard/error.hpp"
-#include "transports/cuda/cuda_check.hpp"
 
 namespace reshard {
 

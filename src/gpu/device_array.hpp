@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "transports/cuda/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace reshard::cuda {
 
