@@ -17,6 +17,7 @@
 #include "core/env.hpp"
 #include "core/wire.hpp"
 #include "execution/staging.hpp"
+#include "execution/task_ids.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "transforms/wire_ranges.hpp"
@@ -24,11 +25,7 @@
 namespace reshard {
 namespace {
 
-// An op's wire buffer i of n travels under op.task_id | n << 4 | i: both sides derive it, and
-// sides that disagree on n cannot match by accident.
-TaskId wire_task(TaskId op_task, std::size_t count, std::size_t index) {
-  return op_task | (static_cast<TaskId>(count) << 4) | static_cast<TaskId>(index);
-}
+using exec::wire_task;
 
 // One op as this rank takes part in it (as sender or receiver).
 struct Side {
@@ -464,13 +461,12 @@ struct Resharder::Impl {
     text << error.what() << "\nin terms of the reshard plan:";
     std::size_t shown = 0;
     for (TaskId task : error.tasks()) {
-      const TaskId op_task = (task >> kSubTaskBits) << kSubTaskBits;
+      const TaskId op_task = exec::op_task_of(task);
       auto it = std::find_if(plan->ops().begin(), plan->ops().end(),
                              [&](const TransferOp& op) { return op.task_id == op_task; });
       if (it == plan->ops().end() || ++shown > 8) continue;
-      const std::size_t count = (task >> 4) & 0xf;
-      text << "\n  - task " << task << " is wire buffer " << (task & 0xf) + 1 << " of " << count
-           << " of " << where(*plan, *it);
+      text << "\n  - task " << task << " is wire buffer " << exec::wire_index_of(task) + 1 << " of "
+           << exec::wire_count_of(task) << " of " << where(*plan, *it);
     }
     text << "\n(wire buffers without a partner mean the sender's and the receiver's transform "
             "returned different numbers or sizes of buffers for the same op)";
