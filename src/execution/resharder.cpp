@@ -147,6 +147,14 @@ struct Resharder::Impl {
     std::vector<std::array<std::uint64_t, 3>> theirs(all.size());
     std::vector<std::uint64_t> gpu_of_rank(all.size());
     for (std::size_t r = 0; r < all.size(); ++r) {
+      if (all[r].size() != sizeof mine) {
+        throw_error(ErrorCode::kInvalidState, "rank " + std::to_string(r) +
+                                                  " runs another reshard build (its executor "
+                                                  "sent " +
+                                                  std::to_string(all[r].size()) +
+                                                  " bytes where this one sends " +
+                                                  std::to_string(sizeof mine) + ")");
+      }
       std::memcpy(theirs[r].data(), all[r].data(), 24);
       std::uint64_t on_sender = 0;
       std::memcpy(&gpu_of_rank[r], all[r].data() + 24, 8);
