@@ -480,33 +480,49 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     return pe != me_ && !sends_to[pe].empty() && !(delegated && follower && same_device_[pe]);
   };
 
+  // The batches `receiver` expects from `sender`, in its plan order (which meets the sender's
+  // plan order of its sends to it): where each one's spans start, in the receiver's exported
+  // spans (in `plan.spans` for this PE's own receives), and how many there are.
+  struct BatchSpans {
+    std::size_t first;
+    std::uint32_t count;
+  };
+  auto receives_from = [&](int receiver, int sender) {
+    std::vector<BatchSpans> found;
+    if (receiver == me_) {
+      for (const PlannedBatch& batch : plan.receives)
+        if (batch.peer == sender) found.push_back({batch.first_span, batch.span_count});
+      return found;
+    }
+    std::size_t first = 0;
+    for (const WireBatch& batch : exports[receiver].batches) {
+      if (batch.peer == sender) found.push_back({first, batch.span_count});
+      first += batch.span_count;
+    }
+    return found;
+  };
+
   std::set<IpcImports::Key> needed;
   auto need_handle = [&](int owner, std::uint32_t handle) {
     if (handle < exports[owner].handles.size())
       needed.insert({owner, exports[owner].handles[handle]});
   };
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    if (!copies_to(pe)) continue;
-    std::size_t span_index = 0;
-    for (const WireBatch& batch : exports[pe].batches) {
-      for (std::uint32_t s = 0; s < batch.span_count; ++s, ++span_index) {
-        if (batch.peer == me_) need_handle(pe, exports[pe].spans.at(span_index).handle);
-      }
-    }
-  }
+  // `receiver`'s destinations of its batches from `sender`.
+  auto need_destinations = [&](int receiver, int sender) {
+    for (const BatchSpans& batch : receives_from(receiver, sender))
+      for (std::uint32_t s = 0; s < batch.count; ++s)
+        need_handle(receiver, exports[receiver].spans.at(batch.first + s).handle);
+  };
+  for (int pe = 0; pe < n_pes_; ++pe)
+    if (copies_to(pe)) need_destinations(pe, me_);
   if (leads) {
     for (int f : followers_) {
       const PeerExports& from = exports[f];
       for (const auto* list :
            {&from.delegated_spans, &from.local_sources, &from.local_destinations})
         for (const WireSpan& span : *list) need_handle(f, span.handle);
-      for (int pe : followers_) {
-        if (pe == f) continue;
-        std::size_t span_index = 0;
-        for (const WireBatch& batch : exports[pe].batches)
-          for (std::uint32_t s = 0; s < batch.span_count; ++s, ++span_index)
-            if (batch.peer == f) need_handle(pe, exports[pe].spans.at(span_index).handle);
-      }
+      for (int pe : followers_)
+        if (pe != f) need_destinations(pe, f);
     }
   }
   // Mappings this schedule does not use are closed before any new one opens: a peer that freed a
@@ -529,31 +545,27 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   };
   for (int pe = 0; pe < n_pes_; ++pe) {
     if (!copies_to(pe)) continue;
-    const auto& peer_batches = exports[pe].batches;
     const auto& peer_spans = exports[pe].spans;
+    const std::vector<BatchSpans> receives = receives_from(pe, me_);
+    if (receives.size() > sends_to[pe].size()) {
+      throw_error(ErrorCode::kSystem, "internal: PE " + std::to_string(pe) +
+                                          " expects more batches from PE " + std::to_string(me_) +
+                                          " than it plans to send");
+    }
     GroupPlan group;
     group.group.peer = pe;
-    std::size_t next_send = 0, span_index = 0;
     // The rows of a strided destination share their allocation: look it up once for them all.
     std::uint32_t mapped_handle = UINT32_MAX;
     unsigned char* mapped_base = nullptr;
-    for (const WireBatch& batch : peer_batches) {
-      const std::size_t first = span_index;
-      span_index += batch.span_count;
-      if (batch.peer != me_) continue;
-      if (next_send >= sends_to[pe].size()) {
-        throw_error(ErrorCode::kSystem, "internal: PE " + std::to_string(pe) +
-                                            " expects more batches from PE " + std::to_string(me_) +
-                                            " than it plans to send");
-      }
-      const PlannedBatch& send = *sends_to[pe][next_send++];
-      if (send.span_count != batch.span_count) {
+    for (std::size_t b = 0; b < receives.size(); ++b) {
+      const PlannedBatch& send = *sends_to[pe][b];
+      if (send.span_count != receives[b].count) {
         throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
                                             std::to_string(pe) + " split a batch differently");
       }
       for (std::uint32_t s = 0; s < send.span_count; ++s) {
         const CopySpan& source = plan.spans[send.first_span + s];
-        const WireSpan& target = peer_spans.at(first + s);
+        const WireSpan& target = peer_spans.at(receives[b].first + s);
         if (target.bytes != source.bytes) {
           throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
                                               std::to_string(pe) + " disagree on a span");
@@ -574,44 +586,22 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   auto add_delegated_copies = [&](int f) {
     const PeerExports& from = exports[f];
     std::map<int, GroupPlan> by_destination;
-    struct Cursor {
-      std::size_t batch = 0, span = 0;
-    };
-    std::map<int, Cursor> cursors;  // per destination: its next receive batch to look at
+    std::map<int, std::vector<BatchSpans>> receives;  // per destination, from f
+    std::map<int, std::size_t> next_receive;
     std::size_t source_index = 0;
     for (const WireBatch& send : from.delegated_batches) {
       const int to = send.peer;
       GroupPlan& group = by_destination[to];
       group.group.peer = to;
       group.delegated = true;
-      Cursor& cursor = cursors[to];
-      std::size_t first = 0;
-      std::uint32_t count = 0;
-      bool found = false;
-      if (to == me_) {
-        for (; !found && cursor.batch < plan.receives.size(); ++cursor.batch) {
-          const PlannedBatch& receive = plan.receives[cursor.batch];
-          if (receive.peer != f) continue;
-          found = true;
-          first = receive.first_span;
-          count = receive.span_count;
-        }
-      } else {
-        const auto& receives = exports[to].batches;
-        for (; !found && cursor.batch < receives.size(); ++cursor.batch) {
-          const WireBatch& receive = receives[cursor.batch];
-          if (receive.peer == f) {
-            found = true;
-            first = cursor.span;
-            count = receive.span_count;
-          }
-          cursor.span += receive.span_count;
-        }
-      }
-      if (!found || count != send.span_count) {
+      const auto& expected = receives.try_emplace(to, receives_from(to, f)).first->second;
+      const std::size_t b = next_receive[to]++;
+      if (b >= expected.size() || expected[b].count != send.span_count) {
         throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(f) + " and " +
                                             std::to_string(to) + " split a batch differently");
       }
+      const std::size_t first = expected[b].first;
+      const std::uint32_t count = expected[b].count;
       for (std::uint32_t s = 0; s < count; ++s) {
         const WireSpan& source = from.delegated_spans.at(source_index + s);
         unsigned char* source_base = map_handle(f, source.handle);
