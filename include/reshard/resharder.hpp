@@ -38,7 +38,9 @@ struct ReshardOptions {
 };
 
 struct ReshardReport {
-  bool rescheduled = false;  // this call registered and scheduled (first call, new buffers)
+  // This call registered and scheduled: the first call, or new buffers on any rank (the ranks
+  // agree on it, so all of them report it in the same refit).
+  bool rescheduled = false;
   // On the wire from and to this rank, local copies excluded: what travels, e.g. FP8 data and
   // scales where a transform quantizes on the sender.
   std::uint64_t bytes_sent = 0;
@@ -90,8 +92,9 @@ class Resharder {
 };
 
 // One call per refit: keeps a Resharder for (plan, transform) on the service, so the second call
-// with the same plan, buffers and options reuses the schedule. clear_requests() on the service
-// drops it.
+// with the same plan, buffers and options reuses the schedule. Where any rank passes new tensors,
+// every rank schedules again in that refit (one small all-gather per call decides).
+// clear_requests() on the service drops it.
 ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
                                    const TensorMap& src, const TensorMap& dst, CopyService& service,
                                    std::shared_ptr<ReshardTransform> transform = nullptr,

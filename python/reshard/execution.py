@@ -55,7 +55,8 @@ def execute_reshard_plan(
 
     ``src`` and ``dst`` map parameter names to this rank's local tensors (arrays, or
     :class:`LocalTensor` for scales and explicit dtypes). The first call registers and schedules;
-    later calls with the same tensors only run, so call it once per refit. With a CUDA ``stream``
+    later calls with the same tensors only run, so call it once per refit; where any rank passes
+    new tensors, every rank schedules again in that call (the ranks agree on it). With a CUDA ``stream``
     the work is queued there; otherwise the call returns when the bytes have landed.
     A service holds one schedule: alternating two plans (or two sets of tensors) on one service
     registers and schedules again at every switch; give each its own :class:`CopyService` to keep

@@ -42,9 +42,6 @@ struct LocalSide {
   OpSlice from, to;  // the op's source and destination slices on this rank
 };
 
-using RegistrationKey = std::tuple<bool, TaskId, const void*, std::size_t, std::size_t,
-                                   std::uint64_t, PeId, std::uint32_t>;
-
 std::string where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
   text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (rank " << op.src_rank
@@ -89,8 +86,7 @@ struct Resharder::Impl {
     std::vector<LocalTensor> tensors;
     ReshardReport report;  // the byte counts, the same at every refit
   } prepared;
-  std::vector<RegistrationKey> registered;
-  std::uint64_t registered_generation = UINT64_MAX;
+  std::uint64_t registered_generation = UINT64_MAX;  // the service's, after our schedule
   void* own_stream = nullptr;
   int own_stream_device = -1;
   // With local conversions on a GPU, the transfer runs on a stream of the highest priority,
@@ -419,23 +415,6 @@ struct Resharder::Impl {
   }
 #endif
 
-  std::vector<RegistrationKey> registration_keys(const std::vector<Side>& sends,
-                                                 const std::vector<Side>& receives) const {
-    std::vector<RegistrationKey> keys;
-    for (const auto* list : {&sends, &receives}) {
-      const bool sending = list == &sends;
-      for (const Side& side : *list) {
-        for (std::size_t i = 0; i < side.wire.size(); ++i) {
-          const exec::WireRange& w = side.wire[i];
-          keys.emplace_back(sending, wire_task(side.op->task_id, side.wire.size(), i),
-                            w.buffer.data, w.range.pos, w.range.bytes(), w.range.row_bytes,
-                            sending ? side.op->dst_rank : side.op->src_rank, side.phase);
-        }
-      }
-    }
-    return keys;
-  }
-
   void register_and_schedule(const std::vector<Side>& sends, const std::vector<Side>& receives) {
     service.clear_requests();
     for (const Side& side : sends) {
@@ -528,6 +507,15 @@ struct Resharder::Impl {
       }
     }
     return true;
+  }
+
+  // Collective: whether `mine` holds on every rank.
+  bool all_ranks_agree(bool mine) {
+    const std::byte flag{static_cast<unsigned char>(mine ? 1 : 0)};
+    const auto all = service.all_gather(std::span<const std::byte>(&flag, 1));
+    return std::all_of(all.begin(), all.end(), [](const std::vector<std::byte>& part) {
+      return part.size() == 1 && part[0] == std::byte{1};
+    });
   }
 
   static std::optional<std::uint64_t> requested_budget(const ReshardOptions& options) {
@@ -712,34 +700,18 @@ struct Resharder::Impl {
     }
     counts.staging_bytes = staging.reserved_bytes();
     counts.phases = phases;
-    // New tensors always mean a new schedule, even where the registrations happen to match
-    // (buffers a transform owns): whether a rank schedules must not depend on what its
-    // transform returns, since every rank that changed its tensors schedules together.
-    std::vector<RegistrationKey> keys = registration_keys(prepared.sends, prepared.receives);
-    const bool new_tensors = !prepared.tensors.empty() && !same_tensors(tensors, prepared.tensors);
-    if (new_tensors || keys != registered || service.generation() != registered_generation) {
-      if (registered.empty()) {
-        RESHARD_LOG(kDebug, "scheduling the reshard plan: " << keys.size() << " requests here");
-      } else {
-        RESHARD_LOG(kInfo, "reshard buffers changed since the last schedule: rescheduling "
-                               << keys.size() << " requests");
-      }
-      const bool first = registered.empty() && registered_generation == UINT64_MAX;
-      registered.clear();
-      try {
-        register_and_schedule(prepared.sends, prepared.receives);
-      } catch (const Error& error) {
-        if (first || error.code() != ErrorCode::kTimeout) throw;
-        throw Error(ErrorCode::kTimeout,
-                    std::string(error.what()) + "\n(rank " + std::to_string(me) +
-                        " scheduled again because its tensors or wire buffers changed since the "
-                        "last refit; scheduling is collective, so every rank must pass its new "
-                        "tensors in the same refit)");
-      }
-      registered = std::move(keys);
-      registered_generation = service.generation();
-      report.rescheduled = true;
+    // Every rank prepares in the same refit (execute agrees on it), so every rank schedules.
+    if (registered_generation == UINT64_MAX) {
+      RESHARD_LOG(kDebug, "scheduling the reshard plan: "
+                              << prepared.sends.size() + prepared.receives.size() << " sides here");
+    } else {
+      RESHARD_LOG(kInfo,
+                  "a rank's reshard buffers changed since the last schedule: scheduling "
+                  "again on every rank");
     }
+    register_and_schedule(prepared.sends, prepared.receives);
+    registered_generation = service.generation();
+    report.rescheduled = true;
     prepared.tensors = std::move(tensors);
     prepared.valid = true;
   }
@@ -799,10 +771,13 @@ struct Resharder::Impl {
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
     // the transforms' hooks run again.
     std::vector<LocalTensor> tensors = tensors_used(src, dst);
-    const bool reuse = prepared.valid && service.generation() == registered_generation &&
-                       same_tensors(tensors, prepared.tensors) &&
-                       rerun_transforms(src, dst, stream);
-    if (!reuse) {
+    const bool reusable = prepared.valid && service.generation() == registered_generation &&
+                          same_tensors(tensors, prepared.tensors) &&
+                          rerun_transforms(src, dst, stream);
+    // Scheduling is collective: a rank given new tensors alone must not schedule alone (its peers
+    // would run the old schedule and both sides time out), so the ranks agree, in one small
+    // all-gather per refit, and all prepare again where any one must.
+    if (!all_ranks_agree(reusable)) {
       prepared.valid = false;
       prepare(src, dst, std::move(tensors), stream, report);
     }
