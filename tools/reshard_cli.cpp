@@ -284,12 +284,6 @@ int main(int argc, char** argv) {
     }
     std::shared_ptr<reshard::Bootstrap> bootstrap = reshard::make_default_bootstrap();
     std::uint64_t wrong = 0;
-    if (*refit_cmd || *gpu_cmd) {
-      // The NCCL baseline is NCCL as hand-wired code runs it: blocking calls. (reshard's NCCL
-      // transport defaults to nonblocking ones, which bound a lost peer but cost host time.)
-      // The benchmarks say so where NCCL runs.
-      ::setenv("RESHARD_NCCL_NONBLOCKING", "0", /*overwrite=*/0);
-    }
     if (*refit_cmd) {
       refit.transport = reshard::parse_transport_kind(refit_transport);
       wrong = reshard::bench::run_refit_bench(bootstrap, refit);

@@ -9,20 +9,14 @@
 
 #include "reshard/bootstrap.hpp"
 #include "reshard/log.hpp"
-#include "reshard/scheduler.hpp"
+#include "reshard/options.hpp"
 #include "reshard/types.hpp"
 
 namespace reshard {
 
-// kAuto picks, at init(): inside a node (one machine, or RESHARD_NODE_SIZE consecutive ranks) the
-// CUDA transport when every PE has a GPU, else the host transport; when the PEs span several
-// nodes, one mixed schedule with NVSHMEM (NCCL where NVSHMEM is not built;
-// RESHARD_INTER_NODE_TRANSPORT chooses) between them. RESHARD_TRANSPORT forces one transport.
-enum class TransportKind { kAuto, kHost, kCuda, kNccl, kNvshmem };
-
-TransportKind parse_transport_kind(
-    const std::string& name);  // "auto", "host", "cuda", "nccl", "nvshmem"
-const char* transport_kind_name(TransportKind kind);
+namespace test_hooks {
+struct ServiceProbe;  // the tests' fault injection (not part of the API)
+}
 // The transports compiled into this build, by name ("host" always; "cuda", "nccl", "nvshmem" when
 // built).
 std::vector<std::string> available_transports();
@@ -48,16 +42,25 @@ struct ScheduleReport {
 
 class CopyService {
  public:
-  // Bootstraps from the environment (torchrun variables, MPI, or a single PE).
+  // Configured by `options` as given (start from CopyServiceOptions::from_environment() to honour
+  // the RESHARD_* variables); a value out of range is refused here, naming the field. Without a
+  // bootstrap, bootstraps from the environment (torchrun variables, MPI, or a single PE).
+  explicit CopyService(const CopyServiceOptions& options);
+  CopyService(std::shared_ptr<Bootstrap> bootstrap, const CopyServiceOptions& options);
+  // CopyServiceOptions::from_environment() with `transport`, unless RESHARD_TRANSPORT overrides
+  // it.
   explicit CopyService(TransportKind transport = TransportKind::kAuto);
   CopyService(std::shared_ptr<Bootstrap> bootstrap, TransportKind transport = TransportKind::kAuto);
   ~CopyService();
   CopyService(const CopyService&) = delete;
   CopyService& operator=(const CopyService&) = delete;
 
-  // Collective: sets up the transport. The log level may be overridden by RESHARD_LOG_LEVEL.
-  void init(LogLevel log_level = LogLevel::kInfo);
+  // Collective: sets up the transport, logging at the options' level.
+  void init();
+  // The same at `log_level`, unless RESHARD_LOG_LEVEL overrides it.
+  void init(LogLevel log_level);
   void init(const std::string& log_level) { init(parse_log_level(log_level)); }
+  const CopyServiceOptions& options() const;
 
   int my_pe() const;
   int n_pes() const;
@@ -134,6 +137,7 @@ class CopyService {
   std::shared_ptr<void>& attachment();
 
  private:
+  friend struct test_hooks::ServiceProbe;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

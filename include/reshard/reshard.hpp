@@ -1,4 +1,5 @@
-// Everything a C++ user of reshard needs.
+// Everything a C++ user of reshard needs. The scheduler (reshard/scheduler.hpp) and the refit
+// cost model (reshard/refit_model.hpp) are installed for tools that study them, not included here.
 #pragma once
 
 #include "reshard/bootstrap.hpp"
@@ -8,9 +9,8 @@
 #include "reshard/layout.hpp"
 #include "reshard/log.hpp"
 #include "reshard/model_layouts.hpp"
+#include "reshard/options.hpp"
 #include "reshard/plan.hpp"
-#include "reshard/refit_model.hpp"
 #include "reshard/resharder.hpp"
-#include "reshard/scheduler.hpp"
 #include "reshard/transform.hpp"
 #include "reshard/types.hpp"

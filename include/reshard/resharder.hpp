@@ -56,9 +56,9 @@ struct ReshardReport {
   // phases the refit ran in (see ReshardOptions::staging_budget).
   std::uint64_t staging_bytes = 0;
   std::uint32_t phases = 1;
-  // With RESHARD_PHASE_TIMING=1 only (each phase is then waited for): packing and send-side
-  // transforms, the copy service's run (with the local conversions beside it), unpacking and
-  // receive-side transforms.
+  // With DebugOptions::phase_timing (RESHARD_PHASE_TIMING=1) only (each phase is then waited for):
+  // packing and send-side transforms, the copy service's run (with the local conversions beside
+  // it), unpacking and receive-side transforms.
   double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;
   double issue_seconds = 0;  // of those, the host's own time queuing the work
 };

@@ -37,7 +37,7 @@ from ._core import (
     qwen3_30b_a3b_model,
     toy_model,
 )
-from .copy_service import CopyService, make_bootstrap
+from .copy_service import CopyService, make_bootstrap, service_options
 from .execution import LocalTensor, execute_reshard_plan
 from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
 
@@ -73,5 +73,6 @@ __all__ = [
     "make_reshard_plan",
     "moe_1t_model",
     "qwen3_30b_a3b_model",
+    "service_options",
     "toy_model",
 ]

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Union
 
 from . import _core
 
-__all__ = ["CopyService", "make_bootstrap", "stream_handle"]
+__all__ = ["CopyService", "make_bootstrap", "service_options", "stream_handle"]
 
 
 def _refusal(message: str, tasks=()) -> "_core.ReshardError":
@@ -140,6 +140,48 @@ def make_bootstrap(
     )
 
 
+_OPTION_GROUPS = ("host", "cuda", "nccl", "nvshmem", "debug")
+_BYTE_FIELDS = {"chunk_bytes", "staging_bytes", "ce_min_bytes", "bytes_per_cta"}
+
+
+def _fields(options: Any) -> list:
+    return sorted(name for name in dir(options)
+                  if not name.startswith("_") and name not in ("from_environment", "validate"))
+
+
+def _set(target: Any, name: str, value: Any, where: str) -> None:
+    if name not in _fields(target):
+        raise TypeError(f"{where}: unknown setting {name!r} (settings: "
+                        f"{', '.join(_fields(target))})")
+    if name in _BYTE_FIELDS and isinstance(value, str):
+        value = _core.parse_bytes(value)
+    try:
+        setattr(target, name, value)
+    except TypeError:
+        raise TypeError(f"{where}: {name}={value!r} is not a "
+                        f"{type(getattr(target, name)).__name__}") from None
+
+
+def service_options(**settings: Any) -> "_core.CopyServiceOptions":
+    """The environment's settings (``RESHARD_*``) with ``settings`` applied, checked: what
+    :class:`CopyService` takes as keywords, e.g. ``service_options(timeout=5, cuda={"engine":
+    "sm"})``."""
+    options = _core.CopyServiceOptions.from_environment()
+    for name, value in settings.items():
+        if name in _OPTION_GROUPS:
+            if not isinstance(value, dict):
+                raise TypeError(f"CopyService({name}=...) takes a dict of {name} settings, "
+                                f"e.g. {name}={{{_fields(getattr(options, name))[0]!r}: ...}}")
+            group = getattr(options, name)
+            for field, field_value in value.items():
+                _set(group, field, field_value, f"CopyService({name}=...)")
+            setattr(options, name, group)
+        else:
+            _set(options, name, value, "CopyService()")
+    options.validate()
+    return options
+
+
 class CopyService:
     """Moves registered byte ranges between the job's processes (PEs).
 
@@ -150,9 +192,22 @@ class CopyService:
     >>> svc.schedule(); svc.run(); svc.run()
     >>> svc.clear_requests(); svc.finalize()
 
-    ``transport`` is ``"auto"``, ``"host"``, ``"cuda"``, ``"nvshmem"`` or ``"nccl"``; ``bootstrap`` is anything
-    :func:`make_bootstrap` accepts. Registered tensors are kept alive by the service until
-    ``clear_requests()`` or ``finalize()``.
+    ``transport`` is ``"auto"``, ``"host"``, ``"cuda"``, ``"nvshmem"`` or ``"nccl"``
+    (``RESHARD_TRANSPORT`` overrides it); ``bootstrap`` is anything :func:`make_bootstrap`
+    accepts. Registered tensors are kept alive by the service until ``clear_requests()`` or
+    ``finalize()``.
+
+    Every other setting is a keyword, with the matching ``RESHARD_*`` variable as its default
+    (C++: ``CopyServiceOptions``): ``timeout`` (seconds), ``verify``, ``chunk_bytes``,
+    ``log_level``, ``node_size``, ``inter_node_transport``, and one dict per transport and for
+    diagnosis: ``host={"staging_bytes": ...}``, ``cuda={"engine": "sm", "same_device":
+    "delegate", ...}``, ``nccl={"nonblocking": False}``, ``nvshmem={"staging_bytes": "1GiB"}``,
+    ``debug={"phase_timing": True, ...}``. Byte counts take integers or strings such as
+    ``"64KiB"``. ``device`` is this PE's CUDA device (default: the local rank). Two services
+    in one process may differ in any of them; a name or value reshard does not know is refused
+    here, naming it.
+
+    >>> svc = CopyService("cuda", timeout=10, cuda={"engine": "ce"})
     """
 
     def __init__(
@@ -163,16 +218,29 @@ class CopyService:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         device: Optional[int] = None,
+        **settings: Any,
     ) -> None:
+        if device is not None:
+            settings["device"] = device
+        options = service_options(**settings) if settings else None
         self._bootstrap = make_bootstrap(bootstrap, rank=rank, world_size=world_size,
-                                         device=device)
-        self._service = _core.CopyService(transport, self._bootstrap)
+                                         device=device if bootstrap is not None else None)
+        self._service = _core.CopyService(transport, self._bootstrap, options)
         self._registered: list = []
 
-    def init(self, log_level: str = "INFO") -> "CopyService":
-        """Collective: sets up the transport. ``RESHARD_LOG_LEVEL`` overrides ``log_level``."""
-        self._service.init(log_level)
+    def init(self, log_level: Optional[str] = None) -> "CopyService":
+        """Collective: sets up the transport. Logs at ``log_level`` where given (overridden by
+        ``RESHARD_LOG_LEVEL``), else at the service's ``log_level`` setting."""
+        if log_level is None:
+            self._service.init()
+        else:
+            self._service.init(log_level)
         return self
+
+    @property
+    def options(self) -> "_core.CopyServiceOptions":
+        """The settings this service runs with (a copy)."""
+        return self._service.options
 
     @property
     def my_pe(self) -> int:

@@ -77,7 +77,9 @@ class ReshardCopyService(_MegatronCopyService):
 
     ``service``: a reshard copy service to use (else one is made with ``transport``);
     ``group``: the ``torch.distributed`` process group of the job (None: the default group);
-    ``bootstrap``: anything :func:`reshard.make_bootstrap` accepts, instead of the process group.
+    ``bootstrap``: anything :func:`reshard.make_bootstrap` accepts, instead of the process group;
+    any other keyword is a setting of the service made here (``timeout=10``, ``cuda={"engine":
+    "ce"}``: see :class:`reshard.CopyService`).
     """
 
     # What Megatron's refit loop asks of a copy service.
@@ -85,7 +87,8 @@ class ReshardCopyService(_MegatronCopyService):
     supports_multiple_runs_per_plan = True
 
     def __init__(self, service: Optional[CopyService] = None, transport: str = "auto",
-                 group: Any = None, bootstrap: Any = None, log_level: str = "WARN") -> None:
+                 group: Any = None, bootstrap: Any = None, log_level: str = "WARN",
+                 **settings: Any) -> None:
         torch = _torch()
         self._group = group
         if service is None:
@@ -93,7 +96,10 @@ class ReshardCopyService(_MegatronCopyService):
                 dist = torch.distributed
                 distributed = dist.is_available() and dist.is_initialized()
                 bootstrap = (group if group is not None else "torch") if distributed else None
-            service = CopyService(transport=transport, bootstrap=bootstrap)
+            service = CopyService(transport=transport, bootstrap=bootstrap, **settings)
+        elif settings:
+            raise TypeError(f"ReshardCopyService: settings {sorted(settings)} apply to the "
+                            "service it makes; pass them to the CopyService given instead")
         if not service.initialized:
             service.init(log_level)
         self.service = service

@@ -12,6 +12,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -22,9 +23,11 @@
 #include "reshard/error.hpp"
 #include "reshard/layout.hpp"
 #include "reshard/model_layouts.hpp"
+#include "reshard/options.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/transform.hpp"
+#include "service/test_hooks.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -227,7 +230,79 @@ void bind_bootstrap(nb::module_& m) {
   m.def("mpi_bootstrap_available", &mpi_bootstrap_available);
 }
 
+// CopyServiceOptions with Python's units: the timeout in seconds, transports and log levels by
+// name; reshard/copy_service.py turns CopyService's keywords into it.
+void bind_options(nb::module_& m) {
+  m.def("parse_bytes", &parse_bytes, "text"_a, "A byte count such as '64KiB' or '1.5GB'.");
+  nb::class_<HostTransportOptions>(m, "HostTransportOptions")
+      .def_rw("staging_bytes", &HostTransportOptions::staging_bytes);
+  nb::class_<CudaTransportOptions>(m, "CudaTransportOptions")
+      .def_rw("engine", &CudaTransportOptions::engine)
+      .def_rw("ce_min_bytes", &CudaTransportOptions::ce_min_bytes)
+      .def_rw("ctas_per_peer", &CudaTransportOptions::ctas_per_peer)
+      .def_rw("bytes_per_cta", &CudaTransportOptions::bytes_per_cta)
+      .def_rw("same_device", &CudaTransportOptions::same_device);
+  nb::class_<NcclTransportOptions>(m, "NcclTransportOptions")
+      .def_rw("nonblocking", &NcclTransportOptions::nonblocking)
+      .def_rw("group_spans", &NcclTransportOptions::group_spans);
+  nb::class_<NvshmemTransportOptions>(m, "NvshmemTransportOptions")
+      .def_rw("staging_bytes", &NvshmemTransportOptions::staging_bytes);
+  nb::class_<DebugOptions>(m, "DebugOptions")
+      .def_rw("cuda_trace", &DebugOptions::cuda_trace)
+      .def_rw("nvshmem_trace", &DebugOptions::nvshmem_trace)
+      .def_rw("phase_timing", &DebugOptions::phase_timing)
+      .def_rw("cuda_ce_streams", &DebugOptions::cuda_ce_streams)
+      .def_rw("cuda_unroll", &DebugOptions::cuda_unroll)
+      .def_rw("cuda_early_launch", &DebugOptions::cuda_early_launch)
+      .def_rw("nvshmem_direct", &DebugOptions::nvshmem_direct)
+      .def_rw("nvshmem_send_stream", &DebugOptions::nvshmem_send_stream)
+      .def_rw("nvshmem_peers_per_round", &DebugOptions::nvshmem_peers_per_round);
+  nb::class_<CopyServiceOptions>(m, "CopyServiceOptions")
+      .def(nb::init<>())
+      .def_static("from_environment", &CopyServiceOptions::from_environment)
+      .def("validate", &CopyServiceOptions::validate)
+      .def_prop_rw(
+          "transport", [](const CopyServiceOptions& o) { return transport_kind_name(o.transport); },
+          [](CopyServiceOptions& o, const std::string& name) {
+            o.transport = parse_transport_kind(name);
+          })
+      .def_prop_rw(
+          "inter_node_transport",
+          [](const CopyServiceOptions& o) -> std::optional<std::string> {
+            if (!o.inter_node_transport) return std::nullopt;
+            return transport_kind_name(*o.inter_node_transport);
+          },
+          [](CopyServiceOptions& o, std::optional<std::string> name) {
+            o.inter_node_transport.reset();
+            if (name) o.inter_node_transport = parse_transport_kind(*name);
+          })
+      .def_rw("node_size", &CopyServiceOptions::node_size)
+      .def_rw("device", &CopyServiceOptions::device)
+      .def_prop_rw(
+          "timeout", [](const CopyServiceOptions& o) { return o.timeout.count() / 1000.0; },
+          [](CopyServiceOptions& o, double seconds) {
+            o.timeout = std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
+          },
+          "seconds")
+      .def_rw("verify", &CopyServiceOptions::verify)
+      .def_rw("chunk_bytes", &CopyServiceOptions::chunk_bytes)
+      .def_prop_rw(
+          "log_level", [](const CopyServiceOptions& o) { return log_level_name(o.log_level); },
+          [](CopyServiceOptions& o, const std::string& name) {
+            o.log_level = parse_log_level(name);
+          })
+      .def_rw("host", &CopyServiceOptions::host)
+      .def_rw("cuda", &CopyServiceOptions::cuda)
+      .def_rw("nccl", &CopyServiceOptions::nccl)
+      .def_rw("nvshmem", &CopyServiceOptions::nvshmem)
+      .def_rw("debug", &CopyServiceOptions::debug);
+}
+
 void bind_copy_service(nb::module_& m) {
+  bind_options(m);
+  // reshard's own tests of verify mode (not part of the API).
+  m.def("_corrupt_receives_after_run", &test_hooks::ServiceProbe::corrupt_receives_after_run,
+        "service"_a, "task"_a.none());
   m.def("available_transports", &available_transports);
   m.def("component_versions", &component_versions,
         "What this build runs on, found at run time: reshard, CUDA runtime and driver, NCCL, "
@@ -248,19 +323,24 @@ void bind_copy_service(nb::module_& m) {
   nb::class_<CopyService>(m, "CopyService")
       .def(
           "__init__",
-          [](CopyService* self, const std::string& transport,
-             std::shared_ptr<Bootstrap> bootstrap) {
+          [](CopyService* self, const std::string& transport, std::shared_ptr<Bootstrap> bootstrap,
+             std::optional<CopyServiceOptions> options) {
             const TransportKind kind = parse_transport_kind(transport);
             nb::gil_scoped_release released;
-            if (bootstrap) {
-              new (self) CopyService(std::move(bootstrap), kind);
+            if (!bootstrap) bootstrap = make_default_bootstrap();
+            if (options) {
+              // As the constructor without options: RESHARD_TRANSPORT overrides `transport`.
+              if (!env::transport()) options->transport = kind;
+              new (self) CopyService(std::move(bootstrap), *options);
             } else {
-              new (self) CopyService(kind);
+              new (self) CopyService(std::move(bootstrap), kind);
             }
           },
-          "transport"_a = "auto", "bootstrap"_a = nb::none())
+          "transport"_a = "auto", "bootstrap"_a = nb::none(), "options"_a = nb::none())
+      .def_prop_ro("options", [](const CopyService& self) { return self.options(); })
       .def("init", nb::overload_cast<const std::string&>(&CopyService::init), "log_level"_a,
            GilFree())
+      .def("init", nb::overload_cast<>(&CopyService::init), GilFree())
       .def_prop_ro("my_pe", &CopyService::my_pe)
       .def_prop_ro("n_pes", &CopyService::n_pes)
       .def_prop_ro("device", &CopyService::device)

@@ -192,10 +192,10 @@ bool phase_timing() { return get_int("RESHARD_PHASE_TIMING", 0) != 0; }
 
 int cuda_ce_streams() {
   const int streams = get_int("RESHARD_CUDA_CE_STREAMS", 1);
-  if (streams < 1 || streams > kMaxCopyEngineStreams) {
+  if (streams < 1 || streams > DebugOptions::kMaxCudaCeStreams) {
     throw_error(ErrorCode::kInvalidArgument, "RESHARD_CUDA_CE_STREAMS=" + std::to_string(streams) +
                                                  " is outside 1.." +
-                                                 std::to_string(kMaxCopyEngineStreams));
+                                                 std::to_string(DebugOptions::kMaxCudaCeStreams));
   }
   return streams;
 }

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "reshard/log.hpp"
+#include "reshard/options.hpp"
 
 namespace reshard::env {
 
@@ -41,7 +42,6 @@ std::optional<int> device();
 std::string cuda_engine();
 // RESHARD_CUDA_CE_STREAMS: streams the copy engine's peers are spread over (default 1: one
 // copy-engine copy at a time per GPU is what NVSwitch serves best).
-inline constexpr int kMaxCopyEngineStreams = 8;
 int cuda_ce_streams();
 // RESHARD_CUDA_CE_MIN_BYTES: per-peer size from which "auto" drives a peer with the copy engine
 // (when those bytes go in at most 4 copies; default 32 MiB).

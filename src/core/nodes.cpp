@@ -6,7 +6,6 @@
 #include <string>
 #include <utility>
 
-#include "core/env.hpp"
 #include "core/wire.hpp"
 
 namespace reshard {
@@ -19,13 +18,13 @@ std::vector<int> NodeMap::members(int node) const {
   return pes;
 }
 
-NodeMap map_nodes(Bootstrap& bootstrap) {
+NodeMap map_nodes(Bootstrap& bootstrap, std::optional<int> node_size) {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   wire::Writer mine;
   mine.put_string(host);
   const auto all = bootstrap.all_gather(mine.bytes());
-  const int split = env::node_size().value_or(static_cast<int>(all.size()));
+  const int split = node_size.value_or(static_cast<int>(all.size()));
   NodeMap map;
   std::map<std::pair<std::string, int>, int> numbers;
   std::string first_host;

@@ -2,6 +2,7 @@
 // node on one transport and between nodes on another.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "reshard/bootstrap.hpp"
@@ -18,8 +19,9 @@ struct NodeMap {
   std::vector<int> members(int node) const;
 };
 
-// Collective. PEs on one host form a node; RESHARD_NODE_SIZE=N further splits the ranks into
-// groups of N consecutive ones, so a single machine runs what a cluster of N-GPU nodes runs.
-NodeMap map_nodes(Bootstrap& bootstrap);
+// Collective. PEs on one host form a node; `node_size` = N (CopyServiceOptions::node_size)
+// further splits the ranks into groups of N consecutive ones, so a single machine runs what a
+// cluster of N-GPU nodes runs.
+NodeMap map_nodes(Bootstrap& bootstrap, std::optional<int> node_size);
 
 }  // namespace reshard

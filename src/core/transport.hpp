@@ -9,6 +9,7 @@
 
 #include "core/execution_plan.hpp"
 #include "reshard/bootstrap.hpp"
+#include "reshard/options.hpp"
 #include "reshard/types.hpp"
 
 namespace reshard {
@@ -55,7 +56,9 @@ class Transport {
 
 using TransportFactory = std::function<std::unique_ptr<Transport>(Bootstrap&)>;
 
-std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap);
+// Each factory reads its own group of the options (and the common fields: timeout, device).
+std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap,
+                                               const CopyServiceOptions& options);
 struct NodeMap;
 // Collective: `intra` over a bootstrap of this PE's node, `inter` over `bootstrap`; one schedule
 // sends each batch through the one that reaches its peer.
@@ -63,10 +66,13 @@ std::unique_ptr<Transport> make_mixed_transport(Bootstrap& bootstrap, const Node
                                                 const TransportFactory& intra,
                                                 const TransportFactory& inter);
 // Defined only in builds with CUDA (RESHARD_WITH_CUDA) and NCCL (RESHARD_WITH_NCCL).
-std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap);
-std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap);
+std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap,
+                                               const CopyServiceOptions& options);
+std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap,
+                                               const CopyServiceOptions& options);
 // Defined only in builds with NVSHMEM (RESHARD_WITH_NVSHMEM).
-std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap);
+std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap,
+                                                  const CopyServiceOptions& options);
 // ", CUDA runtime R, driver D" / ", NCCL V" / ", NVSHMEM V" for component_versions(); defined
 // with their transports.
 std::string cuda_versions();

@@ -716,10 +716,10 @@ struct Resharder::Impl {
     prepared.valid = true;
   }
 
-  // With RESHARD_PHASE_TIMING, waits for the work queued so far and adds the time since the
+  // With DebugOptions::phase_timing, waits for the work queued so far and adds the time since the
   // last mark to `phase`.
   struct PhaseClock {
-    bool enabled = env::phase_timing();
+    bool enabled = false;
     void* stream = nullptr;
     double* issued = nullptr;
     std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
@@ -767,7 +767,9 @@ struct Resharder::Impl {
     if (ranged != nullptr) ranged->set_placement(placement);
     ReshardReport report;
     void* stream = stream_for(src, dst, cuda_stream);
-    PhaseClock clock{.stream = stream, .issued = &report.issue_seconds};
+    PhaseClock clock{.enabled = service.options().debug.phase_timing,
+                     .stream = stream,
+                     .issued = &report.issue_seconds};
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
     // the transforms' hooks run again.
     std::vector<LocalTensor> tensors = tensors_used(src, dst);

@@ -9,7 +9,6 @@
 #include <fstream>
 #include <thread>
 
-#include "core/env.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
 #include "gpu/cuda_check.hpp"
@@ -45,7 +44,7 @@ void copy_host_to_device(void* dst, const void* src, std::size_t bytes, int devi
 
 namespace cuda {
 
-int select_device(const Bootstrap& bootstrap) {
+int select_device(const Bootstrap& bootstrap, std::optional<int> chosen) {
   const int count = visible_cuda_devices();
   if (count == 0) {
     throw_error(ErrorCode::kUnsupported,
@@ -53,9 +52,10 @@ int select_device(const Bootstrap& bootstrap) {
                     " sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver); use the "
                     "host transport for CPU memory");
   }
-  const int device = env::device().value_or(bootstrap.local_rank() % count);
+  const int device = chosen.value_or(bootstrap.local_rank() % count);
   if (device < 0 || device >= count) {
-    throw_error(ErrorCode::kInvalidArgument, "RESHARD_DEVICE=" + std::to_string(device) +
+    throw_error(ErrorCode::kInvalidArgument, "device " + std::to_string(device) +
+                                                 " (CopyServiceOptions::device / RESHARD_DEVICE)" +
                                                  " but PE " + std::to_string(bootstrap.rank()) +
                                                  " sees devices 0.." + std::to_string(count - 1));
   }
@@ -188,12 +188,11 @@ std::string stuck_behind_clause(const volatile DeviceStatus& status) {
 }
 
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
-                       const std::string& what, int* dead,
+                       const std::string& what, int* dead, std::chrono::milliseconds limit,
                        const std::function<std::string()>& transport_problem,
-                       std::span<const int> peers, std::chrono::milliseconds grace) {
+                       std::span<const int> peers) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const auto limit = env::timeout() + grace;
   *dead = -1;
   for (;;) {
     if (finished()) return {};
@@ -218,7 +217,7 @@ std::string wait_until(const std::function<bool()>& finished, std::span<const pi
           text += (i == 0 ? " " : ", ") + std::to_string(peers[i]);
         text += " (is every PE calling run()?)";
       }
-      return text + " (RESHARD_TIMEOUT_S sets the limit)";
+      return text + " (CopyServiceOptions::timeout / RESHARD_TIMEOUT_S sets the limit)";
     }
     std::this_thread::sleep_for(std::chrono::microseconds(
         Clock::now() - start > std::chrono::milliseconds(100) ? 1000 : 20));
@@ -226,16 +225,17 @@ std::string wait_until(const std::function<bool()>& finished, std::span<const pi
 }
 
 std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
-                         int* dead, const std::function<std::string()>& transport_problem,
-                         std::span<const int> peers, std::chrono::milliseconds grace) {
+                         int* dead, std::chrono::milliseconds limit,
+                         const std::function<std::string()>& transport_problem,
+                         std::span<const int> peers) {
   const auto finished = [event] {
     const cudaError_t status = cudaEventQuery(event);
     if (status == cudaSuccess) return true;
     if (status != cudaErrorNotReady) throw_cuda_error(status, "cudaEventQuery");
     return false;
   };
-  return wait_until(finished, pids, std::string("the ") + what + " transfers", dead,
-                    transport_problem, peers, grace);
+  return wait_until(finished, pids, std::string("the ") + what + " transfers", dead, limit,
+                    transport_problem, peers);
 }
 
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {

@@ -17,8 +17,8 @@
 
 namespace reshard::cuda {
 
-// RESHARD_DEVICE, else the local rank modulo the visible devices.
-int select_device(const Bootstrap& bootstrap);
+// `chosen` (CopyServiceOptions::device), else the local rank modulo the visible devices.
+int select_device(const Bootstrap& bootstrap, std::optional<int> chosen);
 
 // A CUDA driver function by name through the runtime (reshard links no libcuda), or nullptr when
 // the driver lacks it.
@@ -57,18 +57,17 @@ int first_stopped_process(std::span<const pid_t> pids);
 std::string stuck_behind_clause(const volatile DeviceStatus& status);
 // Polls `finished` until it returns true: an empty string then, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
-// RESHARD_TIMEOUT_S (plus `grace`) passing while `what` is unfinished — naming a stopped local
-// peer, else the PEs this run exchanges with (`peers`).
+// `limit` (the service's timeout, plus any grace) passing while `what` is unfinished — naming a
+// stopped local peer, else the PEs this run exchanges with (`peers`).
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
-                       const std::string& what, int* dead,
+                       const std::string& what, int* dead, std::chrono::milliseconds limit,
                        const std::function<std::string()>& transport_problem = {},
-                       std::span<const int> peers = {},
-                       std::chrono::milliseconds grace = std::chrono::milliseconds(0));
+                       std::span<const int> peers = {});
 // wait_until for `event` (the end of a run), "the <what> transfers".
 std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const char* what,
-                         int* dead, const std::function<std::string()>& transport_problem = {},
-                         std::span<const int> peers = {},
-                         std::chrono::milliseconds grace = std::chrono::milliseconds(0));
+                         int* dead, std::chrono::milliseconds limit,
+                         const std::function<std::string()>& transport_problem = {},
+                         std::span<const int> peers = {});
 // Records `event` on `stream` after a run and returns true, unless the stream is being captured
 // into a graph (then the run only exists in the graph and there is nothing to wait for).
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);

@@ -14,6 +14,7 @@
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
+#include "service/test_hooks.hpp"
 #include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
 #include "support/phase_workload.hpp"
@@ -360,7 +361,7 @@ TEST(VerifyMode, GpuRangesAreCheckedAndCorruptionIsNamedOnEveryPe) {
   TaskId victim = 0;
   for (const bench::WorkItem& item : w.workload.items)
     if (item.bytes > 0) victim = item.task;
-  ::setenv("RESHARD_TEST_CORRUPT_TASK", std::to_string(victim).c_str(), 1);
+  test_hooks::ServiceProbe::corrupt_receives_after_run(*service, victim);
   w.stage(2, stream);
   try {
     service->run(stream);
@@ -369,7 +370,7 @@ TEST(VerifyMode, GpuRangesAreCheckedAndCorruptionIsNamedOnEveryPe) {
     EXPECT_EQ(error.code(), ErrorCode::kIntegrity) << error.what();
     EXPECT_EQ(error.tasks(), std::vector<std::uint64_t>{victim}) << error.what();
   }
-  ::unsetenv("RESHARD_TEST_CORRUPT_TASK");
+  test_hooks::ServiceProbe::corrupt_receives_after_run(*service, std::nullopt);
   w.run_checked(*service, 3, 1, stream, "after the corruption");
   CUDA_OK(cudaStreamDestroy(stream));
   EXPECT_TRUE(all_pes(!HasFailure()));

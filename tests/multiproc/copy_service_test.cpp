@@ -11,6 +11,7 @@
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
+#include "service/test_hooks.hpp"
 #include "support/pe_tests.hpp"
 #include "support/phase_workload.hpp"
 #include "support/strided_workload.hpp"
@@ -104,7 +105,7 @@ TEST(VerifyMode, CleanRunsPassAndCorruptionIsNamedOnEveryPe) {
   TaskId victim = 0;
   for (const bench::WorkItem& item : w.items)
     if (item.bytes > 0) victim = item.task;
-  ::setenv("RESHARD_TEST_CORRUPT_TASK", std::to_string(victim).c_str(), 1);
+  test_hooks::ServiceProbe::corrupt_receives_after_run(*service, victim);
   std::string message;
   std::vector<std::uint64_t> tasks;
   try {
@@ -114,7 +115,7 @@ TEST(VerifyMode, CleanRunsPassAndCorruptionIsNamedOnEveryPe) {
     message = error.what();
     tasks = error.tasks();
   }
-  ::unsetenv("RESHARD_TEST_CORRUPT_TASK");
+  test_hooks::ServiceProbe::corrupt_receives_after_run(*service, std::nullopt);
   EXPECT_NE(message.find("task " + std::to_string(victim) + " "), std::string::npos) << message;
   EXPECT_EQ(tasks, std::vector<std::uint64_t>{victim});
   EXPECT_EQ(run_and_verify(*service, w, b, 4), 0u);  // still usable, and clean again
@@ -174,6 +175,37 @@ TEST(CopyService, PesAgreeOnTheScheduleWhenOnlyOneSetsTheChunk) {
   for (int pe = 0; pe < n; ++pe)
     EXPECT_TRUE(reports[pe] == reports[0]) << "PE " << pe << " differs";
   service->finalize();
+}
+
+// Options are per service: two services of one process, one cutting batches at 4 KiB and one at
+// the transport's own size, each schedule as its options say, although the environment says
+// something else again when they are made (a service made from options does not read it).
+TEST(CopyService, TwoServicesInOneProcessKeepTheirOwnOptions) {
+  CopyServiceOptions small = CopyServiceOptions::from_environment();
+  small.transport = testing_support::transport_under_test("host");
+  small.chunk_bytes = 4096;
+  small.log_level = LogLevel::kWarn;
+  CopyServiceOptions plain = small;
+  plain.chunk_bytes.reset();
+  ::setenv("RESHARD_CHUNK_BYTES", "8KiB", 1);
+  CopyService cut(bootstrap(), small), whole(bootstrap(), plain);
+  cut.init();
+  whole.init();
+  ::unsetenv("RESHARD_CHUNK_BYTES");
+  EXPECT_EQ(cut.options().chunk_bytes, 4096u);
+  EXPECT_FALSE(whole.options().chunk_bytes.has_value());
+  const auto w = bench::make_workload("uniform", cut.n_pes(), 100000, 5);
+  Buffers cut_buffers = register_workload(cut, w), whole_buffers = register_workload(whole, w);
+  const ScheduleReport cut_report = cut.schedule(), whole_report = whole.schedule();
+  const int n = cut.n_pes();
+  const std::uint64_t pairs = static_cast<std::uint64_t>(n) * (n - 1);
+  EXPECT_EQ(cut_report.batches, pairs * 25);  // 100,000 bytes per pair, 4 KiB at a time
+  if (n > 1) EXPECT_LT(whole_report.batches, pairs * 13);  // fewer than 8 KiB batches need
+  for (std::uint32_t iteration = 1; iteration <= 2; ++iteration) {
+    EXPECT_EQ(run_and_verify(cut, w, cut_buffers, iteration), 0u) << "run " << iteration;
+    EXPECT_EQ(run_and_verify(whole, w, whole_buffers, iteration + 10), 0u) << "run " << iteration;
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
 TEST(CopyService, ReportsProperties) {

@@ -113,7 +113,7 @@ def test_strided_rows_that_disagree_or_overreach_are_refused(service):
         service.register_send(6, matrix, 0, 4, 0, rows=(-1,), pitches=(8,))
 
 
-def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service, monkeypatch):
+def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service):
     service.verify = True
     assert service.verify
     src = np.arange(64, dtype=np.uint8)
@@ -123,12 +123,58 @@ def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service, monke
     service.schedule()
     service.run()
     np.testing.assert_array_equal(dst[32:], src[:32])
-    monkeypatch.setenv("RESHARD_TEST_CORRUPT_TASK", "7")
+    reshard._core._corrupt_receives_after_run(service._service, 7)
     with pytest.raises(reshard.ReshardError, match="task 7 ") as error:
         service.run()
     assert error.value.code == "integrity"
-    monkeypatch.delenv("RESHARD_TEST_CORRUPT_TASK")
+    reshard._core._corrupt_receives_after_run(service._service, None)
     service.run()  # the service stays usable
+
+
+def test_service_settings_are_keywords_with_the_environment_as_default(monkeypatch):
+    monkeypatch.setenv("RESHARD_TIMEOUT_S", "7")
+    monkeypatch.setenv("RESHARD_CUDA_ENGINE", "ce")
+    plain = reshard.CopyService("host")
+    tuned = reshard.CopyService("host", timeout=2.5, chunk_bytes="4KiB", verify=True,
+                                log_level="WARN", host={"staging_bytes": "16MiB"},
+                                cuda={"engine": "sm", "same_device": "stream"},
+                                debug={"phase_timing": True})
+    try:
+        assert plain.options.timeout == 7.0 and plain.options.cuda.engine == "ce"
+        assert plain.options.chunk_bytes is None and not plain.options.verify
+        o = tuned.options
+        assert (o.timeout, o.chunk_bytes, o.verify, o.log_level) == (2.5, 4096, True, "WARN")
+        assert o.host.staging_bytes == 16 << 20
+        assert (o.cuda.engine, o.cuda.same_device) == ("sm", "stream")
+        assert o.debug.phase_timing and not plain.options.debug.phase_timing
+        # The keywords reach the service: verify mode is on without set_verify.
+        tuned.init()
+        assert tuned.verify and not plain.init("WARN").verify
+        src = np.arange(64, dtype=np.uint8)
+        dst = np.zeros(64, dtype=np.uint8)
+        tuned.register_send(1, src, 0, 64, 0)
+        tuned.register_receive(1, dst, 0, 64, 0)
+        tuned.schedule()
+        tuned.run()
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        plain.finalize()
+        tuned.finalize()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(timeoot=1), "unknown setting 'timeoot'"),
+    (dict(cuda={"engin": "sm"}), "unknown setting 'engin'"),
+    (dict(cuda="sm"), "takes a dict of cuda settings"),
+    (dict(verify="yes"), "verify='yes' is not a bool"),
+    (dict(cuda={"engine": "fast"}), "cuda.engine = 'fast' is not one of"),
+    (dict(debug={"cuda_unroll": 6}), "debug.cuda_unroll = 6 is not 4 or 8"),
+    (dict(chunk_bytes=0), "chunk_bytes = 0 must be positive"),
+    (dict(inter_node_transport="carrier-pigeon"), "unknown transport 'carrier-pigeon'"),
+])
+def test_unknown_or_out_of_range_settings_are_refused_naming_them(settings, message):
+    with pytest.raises((TypeError, reshard.ReshardError), match=message):
+        reshard.CopyService("host", **settings)
 
 
 def test_read_only_source_is_accepted(service):

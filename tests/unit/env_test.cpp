@@ -75,7 +75,7 @@ TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
     ScopedEnv scoped("RESHARD_CUDA_ENGINE", engine);
     EXPECT_EQ(env::cuda_engine(), engine);
   }
-  for (int streams = 1; streams <= env::kMaxCopyEngineStreams; ++streams) {
+  for (int streams = 1; streams <= DebugOptions::kMaxCudaCeStreams; ++streams) {
     ScopedEnv scoped("RESHARD_CUDA_CE_STREAMS", std::to_string(streams).c_str());
     EXPECT_EQ(env::cuda_ce_streams(), streams);
   }

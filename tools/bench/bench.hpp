@@ -119,6 +119,12 @@ double run_scheduler_bench(const SchedulerBenchOptions& options);
 // Today's date in UTC ("2026-11-21"), for the JSON records.
 std::string utc_date();
 
+// What the benchmarks' services run with: the environment's options with `transport`, except
+// that NCCL makes blocking calls unless RESHARD_NCCL_NONBLOCKING says otherwise — the NCCL
+// baseline is NCCL as hand-wired code runs it (reshard's NCCL transport defaults to nonblocking
+// calls, which bound a lost peer but cost host time); the benchmarks say so where NCCL runs.
+CopyServiceOptions bench_service_options(TransportKind transport);
+
 struct RefitBenchOptions {
   std::string model = "llama3-8b";  // or "qwen3-30b-a3b"
   int layers = 0;                   // 0: the model's own count

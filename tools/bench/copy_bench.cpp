@@ -174,7 +174,7 @@ void append_json(const std::string& path, const std::vector<Row>& rows,
 
 std::uint64_t run_copy_bench(std::shared_ptr<Bootstrap> bootstrap,
                              const CopyBenchOptions& options) {
-  CopyService service(bootstrap, options.transport);
+  CopyService service(bootstrap, bench_service_options(options.transport));
   service.init(LogLevel::kWarn);
   std::vector<Row> rows;
   std::uint64_t wrong = 0;

@@ -249,17 +249,15 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
       std::printf("(PEs share GPUs: NCCL, which needs a GPU per rank, left out)\n");
     return missing || refused;
   });
-  if (bootstrap->rank() == 0 && !env::nccl_nonblocking() &&
+  if (bootstrap->rank() == 0 && !bench_service_options(TransportKind::kNccl).nccl.nonblocking &&
       std::find(chosen.engines.begin(), chosen.engines.end(), "nccl") != chosen.engines.end())
     std::printf("(NCCL with blocking calls: RESHARD_NCCL_NONBLOCKING=0 unless set)\n");
   for (const std::string& engine : chosen.engines) {
-    TransportKind kind = TransportKind::kCuda;
-    if (engine == "nccl" || engine == "nvshmem") {
-      kind = parse_transport_kind(engine);
-    } else {
-      ::setenv("RESHARD_CUDA_ENGINE", engine.c_str(), 1);
-    }
-    services.push_back(std::make_unique<CopyService>(bootstrap, kind));
+    const bool cuda_engine = engine != "nccl" && engine != "nvshmem";
+    CopyServiceOptions service_options =
+        bench_service_options(cuda_engine ? TransportKind::kCuda : parse_transport_kind(engine));
+    if (cuda_engine) service_options.cuda.engine = engine;
+    services.push_back(std::make_unique<CopyService>(bootstrap, service_options));
     services.back()->init(LogLevel::kWarn);
   }
   const int n = bootstrap->size(), me = bootstrap->rank();
@@ -276,7 +274,8 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
   if (n > visible_gpus) {
     colocation = ",\"pes_per_gpu\":" + std::to_string((n + visible_gpus - 1) / visible_gpus) +
                  ",\"mps\":" + (cuda::SameDeviceOrder::mps_server_found() ? "true" : "false") +
-                 ",\"same_device_order\":\"" + env::cuda_same_device() + "\"";
+                 ",\"same_device_order\":\"" +
+                 CopyServiceOptions::from_environment().cuda.same_device + "\"";
   }
   std::ofstream json;
   if (me == 0 && !options.json_path.empty()) json.open(options.json_path, std::ios::app);

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "bench/bench.hpp"
+#include "core/env.hpp"
 
 namespace reshard::bench {
 
@@ -11,6 +12,13 @@ std::string utc_date() {
   char text[32];
   std::strftime(text, sizeof text, "%Y-%m-%d", std::gmtime(&now));
   return text;
+}
+
+CopyServiceOptions bench_service_options(TransportKind transport) {
+  CopyServiceOptions options = CopyServiceOptions::from_environment();
+  options.transport = transport;
+  if (!env::get("RESHARD_NCCL_NONBLOCKING")) options.nccl.nonblocking = false;
+  return options;
 }
 
 }  // namespace reshard::bench

@@ -218,7 +218,7 @@ std::pair<Parallelism, Parallelism> layouts_for(const std::string& model, int n)
 
 std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                               const RefitBenchOptions& options) {
-  CopyService service(bootstrap, options.transport);
+  CopyService service(bootstrap, bench_service_options(options.transport));
   service.init(LogLevel::kWarn);
   const PeId me = service.my_pe();
   const int n = service.n_pes();
@@ -393,9 +393,11 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     throw_error(ErrorCode::kInvalidArgument, "--baseline ipc-loop needs a CUDA build");
 #endif
   } else if (baseline_name != "none") {
-    if (baseline_name == "nccl" && me == 0 && env::nccl_nonblocking() == false)
+    const CopyServiceOptions baseline_options =
+        bench_service_options(parse_transport_kind(baseline_name));
+    if (baseline_name == "nccl" && me == 0 && !baseline_options.nccl.nonblocking)
       std::printf("(NCCL baseline with blocking calls: RESHARD_NCCL_NONBLOCKING=0 unless set)\n");
-    CopyService baseline(bootstrap, parse_transport_kind(baseline_name));
+    CopyService baseline(bootstrap, baseline_options);
     baseline.init(LogLevel::kWarn);
     baseline_name = baseline.transport_name();
     for (Tensor* t : destinations) clear(*t);
@@ -481,9 +483,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       json << "{\"bench\":\"refit\",\"date\":\"" << utc_date() << "\",\"versions\":\""
            << component_versions() << "\",\"device\":\"" << device_name() << "\",\"commit\":\""
            << options.commit << "\",\"engine\":\""
-           << (service.transport_name() == "cuda" ? env::cuda_engine() : "") << "\",\"model\":\""
-           << model.name << "\",\"layers\":" << model.layers << ",\"src\":\"" << from.str()
-           << "\",\"dst\":\"" << to.str() << "\",\"pes\":" << n << ",\"transport\":\""
+           << (service.transport_name() == "cuda" ? service.options().cuda.engine : "")
+           << "\",\"model\":\"" << model.name << "\",\"layers\":" << model.layers << ",\"src\":\""
+           << from.str() << "\",\"dst\":\"" << to.str() << "\",\"pes\":" << n << ",\"transport\":\""
            << service.transport_name() << "\",\"transform\":\""
            << (transform ? transform->name() : "none") << "\","
            << (transform && !only.empty() ? "\"transform_only\":\"" + only + "\"," : "")
@@ -494,7 +496,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
       if (shares_gpu) {
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
-             << ",\"same_device_order\":\"" << env::cuda_same_device() << "\"";
+             << ",\"same_device_order\":\"" << service.options().cuda.same_device << "\"";
       }
       if (copy_ceiling_s > 0) json << ",\"copy_ceiling_s\":" << copy_ceiling_s;
       if (gpu) {

@@ -19,7 +19,6 @@
 #include <sstream>
 #include <thread>
 
-#include "core/env.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
 #include "gpu/copy_kernels.hpp"
@@ -38,7 +37,7 @@ using namespace cuda;
 
 constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
-constexpr int kCopyEngineStreams = env::kMaxCopyEngineStreams;
+constexpr int kCopyEngineStreams = DebugOptions::kMaxCudaCeStreams;
 // Autotune: untimed then timed runs of each candidate engine at schedule().
 constexpr int kAutotuneWarmups = 2;
 constexpr int kAutotuneRuns = 5;
@@ -132,7 +131,7 @@ struct PreparedRun {
 
 class CudaTransport final : public Transport {
  public:
-  explicit CudaTransport(Bootstrap& bootstrap);
+  CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& options);
   ~CudaTransport() override { finalize(); }
 
   const char* name() const override { return "cuda"; }
@@ -196,6 +195,7 @@ class CudaTransport final : public Transport {
   int unroll_ = 8;
   bool early_launch_ = true;
   std::uint64_t* ready_epoch_ = nullptr;  // SignalLayout::ready_epoch of this PE
+  std::chrono::milliseconds timeout_{};   // CopyServiceOptions::timeout
   std::uint64_t timeout_ns_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_engine_streams_[kCopyEngineStreams] = {};
@@ -230,18 +230,19 @@ class CudaTransport final : public Transport {
   bool finalized_ = false;
 };
 
-CudaTransport::CudaTransport(Bootstrap& bootstrap)
+CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& options)
     : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
-  device_ = select_device(bootstrap);
+  device_ = select_device(bootstrap, options.device);
   DeviceScope scope(device_);
-  engine_ = env::cuda_engine();
-  copy_engine_min_bytes_ = env::cuda_ce_min_bytes();
-  copy_engine_streams_used_ = env::cuda_ce_streams();
-  ctas_per_peer_ = env::cuda_ctas_per_peer();
-  bytes_per_cta_ = env::cuda_bytes_per_cta();
-  unroll_ = env::cuda_unroll();
-  early_launch_ = env::cuda_early_launch();
-  timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000ull;
+  engine_ = options.cuda.engine;
+  copy_engine_min_bytes_ = options.cuda.ce_min_bytes;
+  copy_engine_streams_used_ = options.debug.cuda_ce_streams;
+  ctas_per_peer_ = options.cuda.ctas_per_peer;
+  bytes_per_cta_ = options.cuda.bytes_per_cta;
+  unroll_ = options.debug.cuda_unroll;
+  early_launch_ = options.debug.cuda_early_launch;
+  timeout_ = options.timeout;
+  timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (int i = 0; i < copy_engine_streams_used_; ++i) {
@@ -259,7 +260,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   RESHARD_CUDA_CHECK(cudaMalloc(&signals_, signal_bytes));
   RESHARD_CUDA_CHECK(cudaMemset(signals_, 0, signal_bytes));
   ready_epoch_ = SignalLayout::ready_epoch(signals_, n_pes_);
-  if (env::cuda_trace()) {
+  if (options.debug.cuda_trace) {
     const std::size_t bytes = sizeof(std::uint64_t) * kTraceRuns * kTracePhases;
     RESHARD_CUDA_CHECK(cudaMalloc(&trace_, bytes));
     RESHARD_CUDA_CHECK(cudaMemset(trace_, 0, bytes));
@@ -271,7 +272,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap)
   // Peers on this GPU are ordered by stream memory operations where the driver has them, unless
   // MPS runs both processes' kernels side by side (see SameDeviceOrder). Both PEs of a pair must
   // order it the same way: each says what it would do, and a pair streams only if both would.
-  const std::string same_device_mode = env::cuda_same_device();
+  const std::string& same_device_mode = options.cuda.same_device;
   const bool stream_ordered = same_device_mode != "kernel" && SameDeviceOrder::supported(device_) &&
                               (same_device_mode != "auto" || !SameDeviceOrder::mps_server_found());
   const bool delegates = stream_ordered && same_device_mode != "stream";
@@ -1041,14 +1042,15 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
   // allows them 10 s more to report it.
   const auto grace = std::chrono::seconds(10);
   int dead = -1;
-  const std::string problem = wait_for_run(event, pids_, what, &dead, {}, {}, grace);
+  const std::string problem = wait_for_run(event, pids_, what, &dead, timeout_ + grace);
   if (dead >= 0) {
     // The kernels stop waiting for a peer that cannot answer any more, and must have ended
     // before the caller frees what they touch.
     reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
     if (!same_device_order_.empty()) fail_run(kStatusCancelled, dead, kPhaseDone);
     int ignored = -1;
-    if (std::string stuck = wait_for_run(event, {}, what, &ignored, {}, {}, grace); !stuck.empty())
+    if (std::string stuck = wait_for_run(event, {}, what, &ignored, timeout_ + grace);
+        !stuck.empty())
       throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + stuck);
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
                                              std::to_string(dead) + " (pid " +
@@ -1249,8 +1251,9 @@ void CudaTransport::finalize() noexcept {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap) {
-  return std::make_unique<CudaTransport>(bootstrap);
+std::unique_ptr<Transport> make_cuda_transport(Bootstrap& bootstrap,
+                                               const CopyServiceOptions& options) {
+  return std::make_unique<CudaTransport>(bootstrap, options);
 }
 
 }  // namespace reshard

@@ -62,7 +62,7 @@ std::string make_job_id() {
 
 class HostTransport final : public Transport {
  public:
-  explicit HostTransport(Bootstrap& bootstrap);
+  HostTransport(Bootstrap& bootstrap, const CopyServiceOptions& options);
   ~HostTransport() override { finalize(); }
 
   const char* name() const override { return "host"; }
@@ -129,13 +129,13 @@ class HostTransport final : public Transport {
   std::vector<PhaseSlots> phases_;
 };
 
-HostTransport::HostTransport(Bootstrap& bootstrap)
+HostTransport::HostTransport(Bootstrap& bootstrap, const CopyServiceOptions& options)
     : bootstrap_(bootstrap),
       my_pe_(bootstrap.rank()),
       n_pes_(bootstrap.size()),
-      timeout_(env::timeout()) {
+      timeout_(options.timeout) {
   // Every PE must use the same slot size: take the smallest any PE asked for.
-  const std::uint64_t budget = env::host_staging_bytes();
+  const std::uint64_t budget = options.host.staging_bytes;
   std::uint64_t wanted = budget / (std::max(n_pes_ - 1, 1) * kSlotsPerChannel);
   wanted = std::clamp(wanted / kPage * kPage, kMinSlotBytes, kMaxSlotBytes);
   wire::Writer mine;
@@ -375,8 +375,9 @@ void HostTransport::finalize() noexcept {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap) {
-  return std::make_unique<HostTransport>(bootstrap);
+std::unique_ptr<Transport> make_host_transport(Bootstrap& bootstrap,
+                                               const CopyServiceOptions& options) {
+  return std::make_unique<HostTransport>(bootstrap, options);
 }
 
 }  // namespace reshard

@@ -11,7 +11,6 @@
 #include <thread>
 #include <vector>
 
-#include "core/env.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
 #include "gpu/cuda_check.hpp"
@@ -54,7 +53,7 @@ struct Failure {
 
 class NcclTransport final : public Transport {
  public:
-  explicit NcclTransport(Bootstrap& bootstrap);
+  NcclTransport(Bootstrap& bootstrap, const CopyServiceOptions& options);
   ~NcclTransport() override { finalize(); }
 
   const char* name() const override { return "nccl"; }
@@ -88,7 +87,8 @@ class NcclTransport final : public Transport {
   [[noreturn]] void fail_run(const Failure& failure);
 
   Bootstrap& bootstrap_;
-  std::uint32_t group_spans_ = env::nccl_group_spans();
+  std::uint32_t group_spans_;          // NcclTransportOptions::group_spans
+  std::chrono::milliseconds timeout_;  // CopyServiceOptions::timeout
   int me_ = 0;
   int n_pes_ = 0;
   int device_ = -1;
@@ -103,9 +103,13 @@ class NcclTransport final : public Transport {
   bool finalized_ = false;
 };
 
-NcclTransport::NcclTransport(Bootstrap& bootstrap)
-    : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
-  device_ = cuda::select_device(bootstrap);
+NcclTransport::NcclTransport(Bootstrap& bootstrap, const CopyServiceOptions& options)
+    : bootstrap_(bootstrap),
+      group_spans_(options.nccl.group_spans),
+      timeout_(options.timeout),
+      me_(bootstrap.rank()),
+      n_pes_(bootstrap.size()) {
+  device_ = cuda::select_device(bootstrap, options.device);
   cuda::DeviceScope scope(device_);
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
@@ -117,11 +121,11 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap)
   id = wire::Reader(bootstrap_.all_gather(mine.bytes())[0]).get<ncclUniqueId>();
   local_pids_ = cuda::local_peer_pids(bootstrap_);
   // Nonblocking: no NCCL call (setup, first connections to a peer, teardown) can then block
-  // beyond RESHARD_TIMEOUT_S on a peer that died, whatever NCCL's own timeouts are.
-  // RESHARD_NCCL_NONBLOCKING=0 trades that for NCCL's blocking calls (no helper thread per
-  // group: less host time per run).
+  // beyond the service's timeout on a peer that died, whatever NCCL's own timeouts are.
+  // NcclTransportOptions::nonblocking = false trades that for NCCL's blocking calls (no helper
+  // thread per group: less host time per run).
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = env::nccl_nonblocking() ? 0 : 1;
+  config.blocking = options.nccl.nonblocking ? 0 : 1;
   const ncclResult_t init = ncclCommInitRankConfig(&comm_, n_pes_, id, me_, &config);
   if (Failure failure = settle("ncclCommInitRankConfig", init)) {
     abort(failure.text);
@@ -197,7 +201,7 @@ Failure NcclTransport::settle(const char* call, ncclResult_t status) {
         if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
         return state != ncclInProgress;
       },
-      local_pids_, std::string("NCCL's ") + call, &dead, {}, peers_);
+      local_pids_, std::string("NCCL's ") + call, &dead, timeout_, {}, peers_);
   if (!problem.empty()) return {problem, dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout};
   return {nccl_failure(call, state)};
 }
@@ -225,7 +229,7 @@ void NcclTransport::synchronize() {
   cuda::DeviceScope scope(device_);
   int dead = -1;
   const std::string problem = cuda::wait_for_run(
-      last_run_, local_pids_, "NCCL", &dead,
+      last_run_, local_pids_, "NCCL", &dead, timeout_,
       [&] {
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(comm_, &async);
@@ -298,8 +302,9 @@ std::string nccl_version() {
   return ", NCCL " + std::to_string(version);
 }
 
-std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap) {
-  return std::make_unique<NcclTransport>(bootstrap);
+std::unique_ptr<Transport> make_nccl_transport(Bootstrap& bootstrap,
+                                               const CopyServiceOptions& options) {
+  return std::make_unique<NcclTransport>(bootstrap, options);
 }
 
 }  // namespace reshard

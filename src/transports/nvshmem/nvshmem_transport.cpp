@@ -27,7 +27,6 @@
 #include <optional>
 #include <vector>
 
-#include "core/env.hpp"
 #include "core/nodes.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
@@ -115,12 +114,29 @@ Runtime& runtime() {
   return instance;
 }
 
-void set_default_env(const char* name, const std::string& value) {
-  if (std::getenv(name) == nullptr) ::setenv(name, value.c_str(), 0);
-}
+// NVSHMEM takes some settings from the environment only, when it initialises: they are set for
+// that where the caller has not set them, and taken out again afterwards, so the process's
+// environment is left as it was found.
+class InitialisationEnv {
+ public:
+  InitialisationEnv() = default;
+  InitialisationEnv(const InitialisationEnv&) = delete;
+  InitialisationEnv& operator=(const InitialisationEnv&) = delete;
+  ~InitialisationEnv() {
+    for (const char* name : set_) ::unsetenv(name);
+  }
+  void set_default(const char* name, const std::string& value) {
+    if (std::getenv(name) != nullptr) return;
+    ::setenv(name, value.c_str(), 0);
+    set_.push_back(name);
+  }
+
+ private:
+  std::vector<const char*> set_;
+};
 
 // Collective over `bootstrap`: NVSHMEM's unique-id bootstrap, the id from PE 0.
-void initialize(Runtime& rt, Bootstrap& bootstrap, int device) {
+void initialize(Runtime& rt, Bootstrap& bootstrap, int device, std::uint64_t budget) {
   const int me = bootstrap.rank(), n = bootstrap.size();
   if (rt.initialized) {
     if (rt.rank != me || rt.size != n) {
@@ -132,16 +148,17 @@ void initialize(Runtime& rt, Bootstrap& bootstrap, int device) {
     }
     return;
   }
-  // Staging: RESHARD_NVSHMEM_STAGING_BYTES per PE (default 512 MiB) split into the slots.
-  const std::uint64_t budget = env::nvshmem_staging_bytes();
+  // Staging: NvshmemTransportOptions::staging_bytes per PE (default 512 MiB) split into the
+  // slots; the first service of the process sizes them.
   const std::uint64_t slots = (static_cast<std::uint64_t>(n) + 1) * kDepth;
   rt.chunk = std::clamp<std::uint64_t>(budget / slots / kAlign * kAlign, kMinChunk, kMaxChunk);
   rt.rank = me;
   rt.size = n;
   rt.device = device;
   // NVLink multicast stays off (shared machines), and the symmetric heap holds the staging.
-  set_default_env("NVSHMEM_DISABLE_NVLS", "1");
-  set_default_env("NVSHMEM_SYMMETRIC_SIZE", std::to_string(rt.heap_bytes() + (64 << 20)));
+  InitialisationEnv env;
+  env.set_default("NVSHMEM_DISABLE_NVLS", "1");
+  env.set_default("NVSHMEM_SYMMETRIC_SIZE", std::to_string(rt.heap_bytes() + (64 << 20)));
 
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   if (me == 0 && nvshmemx_get_uniqueid(&id) != 0) {
@@ -198,14 +215,15 @@ struct Wave {
 
 class NvshmemTransport final : public Transport {
  public:
-  explicit NvshmemTransport(Bootstrap& bootstrap);
+  NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOptions& options);
   ~NvshmemTransport() override { finalize(); }
 
   const char* name() const override { return "nvshmem"; }
-  // Every peer in one round unless RESHARD_NVSHMEM_PEERS_PER_ROUND says fewer: the waves keep
-  // every slot drained before it is filled again without waiting in a cycle (see build_waves).
+  // Every peer in one round unless DebugOptions::nvshmem_peers_per_round says fewer: the waves
+  // keep every slot drained before it is filled again without waiting in a cycle (see
+  // build_waves).
   TransportCaps caps() const override {
-    const int limit = env::nvshmem_peers_per_round();
+    const int limit = peers_per_round_;
     return {rt_.chunk, limit == 0 ? n_pes_ : std::min(limit, n_pes_), rt_.chunk};
   }
   int device() const override { return device_; }
@@ -238,7 +256,9 @@ class NvshmemTransport final : public Transport {
   // Sends go on their own stream, forked from the caller's and joined back at the end of run():
   // a round's sends then need not wait behind the previous round's receives. Receives never
   // wait on this PE's sends, so the two streams cannot wait on each other in a cycle.
-  bool send_stream_enabled_ = env::nvshmem_send_stream();
+  bool send_stream_enabled_ = true;  // DebugOptions::nvshmem_send_stream
+  int peers_per_round_ = 0;          // DebugOptions::nvshmem_peers_per_round
+  std::chrono::milliseconds timeout_{};
   bool two_streams() const { return send_stream_enabled_ && !trace_; }
   cudaStream_t send_stream_ = nullptr;
   cudaEvent_t fork_ = nullptr;
@@ -284,11 +304,11 @@ class NvshmemTransport final : public Transport {
   // NVSHMEM signal op, which costs a proxy round trip.
   std::vector<std::array<std::uint64_t*, kDepth>> remote_data_;
   std::vector<std::uint64_t*> remote_ack_;
-  bool direct_ = env::nvshmem_direct();
-  NodeMap nodes_;  // peers of other nodes take the put path even where NVLink reaches them
-  // RESHARD_NVSHMEM_TRACE=1 (diagnosis): waits after every step of a run and adds its time to
-  // trace_[step], printed at finalize. The waits serialise everything.
-  bool trace_ = env::nvshmem_trace();
+  bool direct_ = true;  // DebugOptions::nvshmem_direct
+  NodeMap nodes_;       // peers of other nodes take the put path even where NVLink reaches them
+  // DebugOptions::nvshmem_trace (diagnosis): waits after every step of a run and adds its time
+  // to trace_[step], printed at finalize. The waits serialise everything.
+  bool trace_ = false;
   std::array<double, 4> trace_seconds_{};
   std::array<std::uint64_t, 4> trace_count_{};
   template <typename Step>
@@ -306,9 +326,14 @@ class NvshmemTransport final : public Transport {
   bool finalized_ = false;
 };
 
-NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
+NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOptions& options)
     : me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
-  device_ = cuda::select_device(bootstrap);
+  send_stream_enabled_ = options.debug.nvshmem_send_stream;
+  peers_per_round_ = options.debug.nvshmem_peers_per_round;
+  direct_ = options.debug.nvshmem_direct;
+  trace_ = options.debug.nvshmem_trace;
+  timeout_ = options.timeout;
+  device_ = cuda::select_device(bootstrap, options.device);
   cuda::DeviceScope scope(device_);
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   ctas_per_sm_ = cuda::flagged_copy_ctas_per_sm();
@@ -324,7 +349,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
       throw_error(ErrorCode::kUnsupported,
                   "one nvshmem copy service per process at a time: finalize() the other first");
     }
-    initialize(rt_, bootstrap, device_);
+    initialize(rt_, bootstrap, device_, options.nvshmem.staging_bytes);
     if (rt_.device != device_) {
       throw_error(ErrorCode::kUnsupported, "NVSHMEM runs on device " + std::to_string(rt_.device) +
                                                " in this process, not device " +
@@ -352,8 +377,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap)
   max_ctas_ = std::max(1, std::min(sm_count_, two_streams() ? resident / 2 : resident));
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
-  nodes_ = map_nodes(bootstrap);
-  timeout_ns_ = static_cast<std::uint64_t>(env::timeout().count()) * 1000000;
+  nodes_ = map_nodes(bootstrap, options.node_size);
+  timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000;
   std::vector<const std::uint64_t*> waiting_on(n_pes_, nullptr);
   for (int pe = 0; pe < n_pes_; ++pe) {
     if (nodes_.same_node(me_, pe))
@@ -683,7 +708,8 @@ void NvshmemTransport::synchronize() {
   if (!run_pending_) return;
   cuda::DeviceScope scope(device_);
   int dead = -1;
-  const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead);
+  const std::string problem =
+      cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead, timeout_);
   run_pending_ = false;
   if (!problem.empty()) {
     abort(problem);
@@ -777,8 +803,9 @@ std::string nvshmem_version() {
          std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);
 }
 
-std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap) {
-  return std::make_unique<NvshmemTransport>(bootstrap);
+std::unique_ptr<Transport> make_nvshmem_transport(Bootstrap& bootstrap,
+                                                  const CopyServiceOptions& options) {
+  return std::make_unique<NvshmemTransport>(bootstrap, options);
 }
 
 }  // namespace reshard

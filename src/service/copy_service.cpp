@@ -1,6 +1,7 @@
 #include "reshard/copy_service.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -9,10 +10,12 @@
 #include "core/checksum.hpp"
 #include "core/env.hpp"
 #include "core/execution_plan.hpp"
-#include "core/nodes.hpp"
 #include "core/transport.hpp"
 #include "core/wire.hpp"
 #include "reshard/error.hpp"
+#include "reshard/scheduler.hpp"
+#include "service/test_hooks.hpp"
+#include "service/transport_table.hpp"
 
 namespace reshard {
 namespace {
@@ -124,141 +127,6 @@ std::vector<LocalProblem> find_overlapping_receives(const std::vector<Registrati
 
 }  // namespace
 
-std::vector<std::string> available_transports() {
-  std::vector<std::string> names{"host"};
-#ifdef RESHARD_WITH_CUDA
-  names.push_back("cuda");
-#endif
-#ifdef RESHARD_WITH_NCCL
-  names.push_back("nccl");
-#endif
-#ifdef RESHARD_WITH_NVSHMEM
-  names.push_back("nvshmem");
-#endif
-  return names;
-}
-
-std::string component_versions() {
-  std::string text = "reshard " RESHARD_VERSION;
-#ifdef RESHARD_WITH_CUDA
-  text += cuda_versions();
-#endif
-#ifdef RESHARD_WITH_NCCL
-  text += nccl_version();
-#endif
-#ifdef RESHARD_WITH_NVSHMEM
-  text += nvshmem_version();
-#endif
-  return text;
-}
-
-namespace {
-
-// "host, cuda, nccl": the transports of this build, for error messages.
-std::string built_transports() {
-  std::string names;
-  for (const std::string& n : available_transports()) names += (names.empty() ? "" : ", ") + n;
-  return names;
-}
-
-}  // namespace
-
-TransportKind parse_transport_kind(const std::string& name) {
-  for (TransportKind kind : {TransportKind::kAuto, TransportKind::kHost, TransportKind::kCuda,
-                             TransportKind::kNccl, TransportKind::kNvshmem}) {
-    if (name == transport_kind_name(kind)) return kind;
-  }
-  throw_error(
-      ErrorCode::kInvalidArgument,
-      "unknown transport '" + name + "' (this build offers: auto, " + built_transports() + ")");
-}
-
-const char* transport_kind_name(TransportKind kind) {
-  switch (kind) {
-    case TransportKind::kAuto:
-      return "auto";
-    case TransportKind::kHost:
-      return "host";
-    case TransportKind::kCuda:
-      return "cuda";
-    case TransportKind::kNccl:
-      return "nccl";
-    case TransportKind::kNvshmem:
-      return "nvshmem";
-  }
-  return "?";
-}
-
-namespace {
-
-bool is_available(TransportKind kind) {
-  const auto names = available_transports();
-  return std::find(names.begin(), names.end(), transport_kind_name(kind)) != names.end();
-}
-
-std::unique_ptr<Transport> make_transport(TransportKind kind, Bootstrap& bootstrap) {
-  if (!is_available(kind)) {
-    throw_error(ErrorCode::kUnsupported,
-                std::string("the ") + transport_kind_name(kind) +
-                    " transport is not part of this build (it has: " + built_transports() + ")");
-  }
-  switch (kind) {
-#ifdef RESHARD_WITH_CUDA
-    case TransportKind::kCuda:
-      return make_cuda_transport(bootstrap);
-#endif
-#ifdef RESHARD_WITH_NCCL
-    case TransportKind::kNccl:
-      return make_nccl_transport(bootstrap);
-#endif
-#ifdef RESHARD_WITH_NVSHMEM
-    case TransportKind::kNvshmem:
-      return make_nvshmem_transport(bootstrap);
-#endif
-    default:
-      return make_host_transport(bootstrap);
-  }
-}
-
-// Collective: what kAuto stands for, the same on every PE. Inside a node: the CUDA transport
-// where every PE has a GPU, else host shared memory; between nodes: NVSHMEM (or NCCL where
-// NVSHMEM is not built, or RESHARD_INTER_NODE_TRANSPORT), in one mixed schedule.
-std::unique_ptr<Transport> make_auto_transport(Bootstrap& bootstrap) {
-  wire::Writer mine;
-  mine.put<std::int32_t>(visible_cuda_devices());
-  bool all_gpus = true;
-  for (const auto& part : bootstrap.all_gather(mine.bytes()))
-    all_gpus = all_gpus && wire::Reader(part).get<std::int32_t>() > 0;
-  const NodeMap nodes = map_nodes(bootstrap);
-  const TransportKind intra =
-      all_gpus && is_available(TransportKind::kCuda) ? TransportKind::kCuda : TransportKind::kHost;
-  if (nodes.nodes == 1) {
-    if (intra == TransportKind::kHost && all_gpus && is_available(TransportKind::kNccl))
-      return make_transport(TransportKind::kNccl, bootstrap);
-    return make_transport(intra, bootstrap);
-  }
-  TransportKind inter = TransportKind::kHost;
-  if (auto chosen = env::inter_node_transport()) {
-    inter = parse_transport_kind(*chosen);
-  } else if (all_gpus) {
-    inter = is_available(TransportKind::kNvshmem) ? TransportKind::kNvshmem : TransportKind::kNccl;
-  }
-  const auto host_across_machines = [&](TransportKind kind) {
-    return kind == TransportKind::kHost && !nodes.one_machine;
-  };
-  if (host_across_machines(intra) || host_across_machines(inter)) {
-    throw_error(ErrorCode::kUnsupported,
-                "the PEs run on " + std::to_string(nodes.nodes) +
-                    " machines and not every PE has a GPU: reshard moves CPU memory between "
-                    "processes of one machine only (host transport)");
-  }
-  return make_mixed_transport(
-      bootstrap, nodes, [intra](Bootstrap& b) { return make_transport(intra, b); },
-      [inter](Bootstrap& b) { return make_transport(inter, b); });
-}
-
-}  // namespace
-
 #ifndef RESHARD_WITH_CUDA
 int visible_cuda_devices() noexcept { return 0; }
 void copy_device_to_host(void*, const void*, std::size_t, int) {
@@ -271,7 +139,7 @@ void copy_host_to_device(void*, const void*, std::size_t, int) {
 
 struct CopyService::Impl {
   std::shared_ptr<Bootstrap> bootstrap;
-  TransportKind kind;
+  CopyServiceOptions options;
   std::unique_ptr<Transport> transport;
   State state = State::kCreated;
   std::vector<Registration> sends;
@@ -282,6 +150,8 @@ struct CopyService::Impl {
   bool scheduled_since_clear = false;  // schedule() succeeded since the last clear_requests()
   std::shared_ptr<void> attachment;
   bool verify = false;
+  // test_hooks::ServiceProbe: called after each phase's transfer, before verify mode's check.
+  std::function<void(std::uint32_t phase)> after_transfer;
 
   void require(bool ok, const char* call) const {
     if (!ok) {
@@ -416,27 +286,48 @@ void CopyService::Impl::fail(const Error& error) {
   throw error;
 }
 
-CopyService::CopyService(TransportKind transport)
-    : CopyService(std::shared_ptr<Bootstrap>(make_default_bootstrap()), transport) {}
+namespace {
 
-CopyService::CopyService(std::shared_ptr<Bootstrap> bootstrap, TransportKind transport)
+CopyServiceOptions environment_with(TransportKind transport) {
+  CopyServiceOptions options = CopyServiceOptions::from_environment();
+  if (!env::transport()) options.transport = transport;
+  return options;
+}
+
+}  // namespace
+
+CopyService::CopyService(const CopyServiceOptions& options)
+    : CopyService(std::shared_ptr<Bootstrap>(make_default_bootstrap()), options) {}
+
+CopyService::CopyService(std::shared_ptr<Bootstrap> bootstrap, const CopyServiceOptions& options)
     : impl_(std::make_unique<Impl>()) {
   if (!bootstrap) throw_error(ErrorCode::kInvalidArgument, "CopyService needs a bootstrap");
+  options.validate();
   impl_->bootstrap = std::move(bootstrap);
-  impl_->kind = transport;
+  impl_->options = options;
 }
+
+CopyService::CopyService(TransportKind transport) : CopyService(environment_with(transport)) {}
+
+CopyService::CopyService(std::shared_ptr<Bootstrap> bootstrap, TransportKind transport)
+    : CopyService(std::move(bootstrap), environment_with(transport)) {}
 
 CopyService::~CopyService() { finalize(); }
 
+const CopyServiceOptions& CopyService::options() const { return impl_->options; }
+
 void CopyService::init(LogLevel log_level) {
   impl_->require(impl_->state == State::kCreated, "init()");
-  set_log_level(env::log_level().value_or(log_level));
+  impl_->options.log_level = env::log_level().value_or(log_level);
+  init();
+}
+
+void CopyService::init() {
+  impl_->require(impl_->state == State::kCreated, "init()");
+  set_log_level(impl_->options.log_level);
   set_log_pe(impl_->bootstrap->rank());
-  TransportKind kind = impl_->kind;
-  if (auto forced = env::transport()) kind = parse_transport_kind(*forced);
-  impl_->transport = kind == TransportKind::kAuto ? make_auto_transport(*impl_->bootstrap)
-                                                  : make_transport(kind, *impl_->bootstrap);
-  impl_->verify = impl_->verify || env::verify();
+  impl_->transport = make_transport(*impl_->bootstrap, impl_->options);
+  impl_->verify = impl_->verify || impl_->options.verify;
   impl_->state = State::kInitialized;
   RESHARD_LOG(kInfo, "copy service ready: PE " << my_pe() << " of " << n_pes() << ", transport "
                                                << impl_->transport->name());
@@ -448,7 +339,7 @@ int CopyService::device() const { return impl_->transport ? impl_->transport->de
 bool CopyService::initialized() const {
   return impl_->state == State::kInitialized || impl_->state == State::kScheduled;
 }
-TransportKind CopyService::transport() const { return impl_->kind; }
+TransportKind CopyService::transport() const { return impl_->options.transport; }
 std::string CopyService::transport_name() const {
   return impl_->transport ? impl_->transport->name() : "none";
 }
@@ -535,7 +426,8 @@ ScheduleReport CopyService::schedule() {
     // Every PE must build the same schedule: the batch sizes and peers per round are the
     // smallest any PE allows (its transport, or RESHARD_CHUNK_BYTES set on that PE alone).
     const TransportCaps caps = self.transport->caps();
-    summary.put<std::uint64_t>(std::min(caps.chunk_bytes, env::chunk_bytes().value_or(UINT64_MAX)));
+    summary.put<std::uint64_t>(
+        std::min(caps.chunk_bytes, self.options.chunk_bytes.value_or(UINT64_MAX)));
     summary.put<std::uint64_t>(caps.min_chunk_bytes);
     summary.put<std::int64_t>(caps.max_peers_per_round);
     const auto gathered = self.bootstrap->all_gather(summary.bytes());
@@ -728,21 +620,7 @@ void CopyService::run_phase(std::uint32_t phase, void* cuda_stream) {
     if (self.verify) {
       // Verify mode waits for a run queued on a stream: the checksums need its bytes.
       if (cuda_stream != nullptr) self.transport->synchronize();
-      if (const auto corrupt = env::test_corrupt_task()) {
-        // Fault injection for the tests of verify mode: one byte of this receive flips after
-        // the transfer, as a faulty link or a stray write would.
-        for (const Registration& r : self.receives) {
-          if (r.task != *corrupt || r.size == 0 || r.phase != phase) continue;
-          if (r.buffer.kind == MemoryKind::kHost) {
-            *r.start() ^= std::byte{1};
-          } else {
-            std::byte value;
-            copy_device_to_host(&value, r.start(), 1, r.buffer.device);
-            value ^= std::byte{1};
-            copy_host_to_device(r.start(), &value, 1, r.buffer.device);
-          }
-        }
-      }
+      if (self.after_transfer) self.after_transfer(phase);
       self.verify_run(phase);
     }
   } catch (const Error& error) {
@@ -787,3 +665,26 @@ void CopyService::finalize() {
 }
 
 }  // namespace reshard
+
+namespace reshard::test_hooks {
+
+void ServiceProbe::corrupt_receives_after_run(CopyService& service, std::optional<TaskId> victim) {
+  CopyService::Impl& self = *service.impl_;
+  self.after_transfer = nullptr;
+  if (!victim) return;
+  self.after_transfer = [&self, task = *victim](std::uint32_t phase) {
+    for (const Registration& r : self.receives) {
+      if (r.task != task || r.size == 0 || r.phase != phase) continue;
+      if (r.buffer.kind == MemoryKind::kHost) {
+        *r.start() ^= std::byte{1};
+      } else {
+        std::byte value;
+        copy_device_to_host(&value, r.start(), 1, r.buffer.device);
+        value ^= std::byte{1};
+        copy_host_to_device(r.start(), &value, 1, r.buffer.device);
+      }
+    }
+  };
+}
+
+}  // namespace reshard::test_hooks

@@ -1,0 +1,135 @@
+// How a copy service is configured, in code. Every field has the default the matching RESHARD_*
+// environment variable gives (CopyServiceOptions::from_environment() reads them all), so a
+// program can start from the environment and change what it needs, or set everything itself and
+// run two services with different settings in one process.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "reshard/log.hpp"
+
+namespace reshard {
+
+// kAuto picks, at init(): inside a node (one machine, or `node_size` consecutive ranks) the CUDA
+// transport when every PE has a GPU, else the host transport; when the PEs span several nodes,
+// one mixed schedule with `inter_node_transport` between them.
+enum class TransportKind { kAuto, kHost, kCuda, kNccl, kNvshmem };
+
+TransportKind parse_transport_kind(
+    const std::string& name);  // "auto", "host", "cuda", "nccl", "nvshmem"
+const char* transport_kind_name(TransportKind kind);
+
+// Host shared memory (CPU buffers; the transport CI runs).
+struct HostTransportOptions {
+  // Shared memory each PE offers its peers to stage sends. RESHARD_HOST_STAGING_BYTES.
+  std::uint64_t staging_bytes = 8ull << 20;
+};
+
+// CUDA IPC between the GPUs of one machine, and between processes sharing a GPU.
+struct CudaTransportOptions {
+  // "auto" (by per-peer size), "sm" (copy kernels), "ce" (copy engines), or "autotune" (times
+  // sm, ce and auto at schedule() and all PEs take the fastest). RESHARD_CUDA_ENGINE.
+  std::string engine = "auto";
+  // Per-peer size from which "auto" drives a peer with the copy engine (when those bytes go in at
+  // most 4 copies). RESHARD_CUDA_CE_MIN_BYTES.
+  std::uint64_t ce_min_bytes = 32ull << 20;
+  // Most CTAs the SM engine gives one peer, 1..1024 (the total stays within one wave).
+  // RESHARD_CUDA_CTAS_PER_PEER.
+  int ctas_per_peer = 64;
+  // Bytes of a peer's share that earn it another SM-engine CTA, at least 4 KiB.
+  // RESHARD_CUDA_BYTES_PER_CTA.
+  std::uint64_t bytes_per_cta = 64ull << 10;
+  // How runs are ordered with peers on this PE's own GPU (colocated processes): "delegate" (one
+  // process per GPU makes the copies among its PEs), "stream" (each PE copies its own bytes, the
+  // streams wait on each other's flags), "kernel" (copy kernels spin on flags: fast only under
+  // MPS) or "auto" (kernel where an MPS server is found, else delegate).
+  // RESHARD_CUDA_SAME_DEVICE.
+  std::string same_device = "auto";
+};
+
+// NCCL point-to-point (GPUs across nodes, or where CUDA IPC is not available).
+struct NcclTransportOptions {
+  // Nonblocking communicator, every NCCL call awaited with the timeout and dead-peer checks;
+  // false: NCCL's blocking calls (less host time per run). RESHARD_NCCL_NONBLOCKING.
+  bool nonblocking = true;
+  // Most spans per (peer, direction) in one NCCL group, at least 1. RESHARD_NCCL_GROUP_SPANS.
+  std::uint32_t group_spans = 64;
+};
+
+// NVSHMEM (GPUs across nodes, one mixed schedule with CUDA IPC inside them).
+struct NvshmemTransportOptions {
+  // Symmetric staging each PE allocates: two inbox slots per peer and two outbox slots.
+  // RESHARD_NVSHMEM_STAGING_BYTES.
+  std::uint64_t staging_bytes = 512ull << 20;
+};
+
+// Switches for diagnosis and A/B measurements. The defaults are what the measurements chose;
+// docs/performance.md says what each switch measured.
+struct DebugOptions {
+  // The CUDA transport's kernel stamps each run's phases on the GPU clock and logs their medians
+  // at finalize. RESHARD_CUDA_TRACE.
+  bool cuda_trace = false;
+  // The NVSHMEM transport times every step of a run (serialising it) and logs the means at
+  // finalize. RESHARD_NVSHMEM_TRACE.
+  bool nvshmem_trace = false;
+  // execute_reshard_plan waits for each of its phases (prepare, transfer, finalize) and reports
+  // their times; the waits slow the refit. RESHARD_PHASE_TIMING.
+  bool phase_timing = false;
+  // Streams the CUDA copy engine's peers are spread over, 1..kMaxCudaCeStreams (one copy at a
+  // time per GPU is what NVSwitch serves best). RESHARD_CUDA_CE_STREAMS.
+  static constexpr int kMaxCudaCeStreams = 8;
+  int cuda_ce_streams = 1;
+  // 16-byte loads in flight per thread in the SM engine: 4 or 8. RESHARD_CUDA_UNROLL.
+  int cuda_unroll = 8;
+  // The SM engine's kernel is launched with programmatic dependent launch (on the GPU when the
+  // stream's previous kernel ends); false: launched plainly. RESHARD_CUDA_EARLY_LAUNCH.
+  bool cuda_early_launch = true;
+  // false: the NVSHMEM transport puts through its outbox even to peers it could write directly,
+  // the path a peer on another node takes. RESHARD_NVSHMEM_DIRECT.
+  bool nvshmem_direct = true;
+  // false: the NVSHMEM transport queues its sends on the caller's stream, between the receives.
+  // RESHARD_NVSHMEM_SEND_STREAM.
+  bool nvshmem_send_stream = true;
+  // Most peers each way in one round of the NVSHMEM transport (0: every peer at once).
+  // RESHARD_NVSHMEM_PEERS_PER_ROUND.
+  int nvshmem_peers_per_round = 0;
+};
+
+struct CopyServiceOptions {
+  // Which transport; RESHARD_TRANSPORT.
+  TransportKind transport = TransportKind::kAuto;
+  // What kAuto uses between nodes: kNvshmem (default where built), kNccl, or kHost (nodes declared
+  // on one machine only); nullopt: the default. RESHARD_INTER_NODE_TRANSPORT.
+  std::optional<TransportKind> inter_node_transport;
+  // Splits the PEs into nodes of this many consecutive ranks (each host is a node already), so
+  // one machine runs the schedule a cluster runs. RESHARD_NODE_SIZE.
+  std::optional<int> node_size;
+  // CUDA device of this PE; nullopt: local rank modulo the visible devices. RESHARD_DEVICE.
+  std::optional<int> device;
+  // How long any wait on a peer may last before it fails naming the peer. RESHARD_TIMEOUT_S.
+  std::chrono::milliseconds timeout{30000};
+  // Verify mode (see CopyService::set_verify). RESHARD_VERIFY.
+  bool verify = false;
+  // Caps the scheduler's chunk size (nullopt: the transport's). RESHARD_CHUNK_BYTES.
+  std::optional<std::uint64_t> chunk_bytes;
+  // Log level from init() on. RESHARD_LOG_LEVEL.
+  LogLevel log_level = LogLevel::kInfo;
+
+  HostTransportOptions host;
+  CudaTransportOptions cuda;
+  NcclTransportOptions nccl;
+  NvshmemTransportOptions nvshmem;
+  DebugOptions debug;
+
+  // The defaults, each overridden by its RESHARD_* variable where set (a malformed value is
+  // refused naming the variable).
+  static CopyServiceOptions from_environment();
+  // Refuses a value outside its range, naming the field (e.g. "cuda.engine"). The service checks
+  // its options at init().
+  void validate() const;
+};
+
+}  // namespace reshard

@@ -1,0 +1,170 @@
+// CopyServiceOptions: the environment gives the defaults, each variable lands in its field, and a
+// value out of range is refused naming the field before a service starts.
+#include "reshard/options.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "reshard/copy_service.hpp"
+#include "reshard/error.hpp"
+
+namespace reshard {
+namespace {
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+
+ private:
+  const char* name_;
+};
+
+TEST(Options, WithoutVariablesTheEnvironmentGivesTheDefaults) {
+  const CopyServiceOptions defaults;
+  const CopyServiceOptions read = CopyServiceOptions::from_environment();
+  EXPECT_EQ(read.transport, defaults.transport);
+  EXPECT_EQ(read.inter_node_transport, defaults.inter_node_transport);
+  EXPECT_EQ(read.node_size, defaults.node_size);
+  EXPECT_EQ(read.device, defaults.device);
+  EXPECT_EQ(read.timeout, defaults.timeout);
+  EXPECT_EQ(read.verify, defaults.verify);
+  EXPECT_EQ(read.chunk_bytes, defaults.chunk_bytes);
+  EXPECT_EQ(read.log_level, defaults.log_level);
+  EXPECT_EQ(read.host.staging_bytes, defaults.host.staging_bytes);
+  EXPECT_EQ(read.cuda.engine, defaults.cuda.engine);
+  EXPECT_EQ(read.cuda.ce_min_bytes, defaults.cuda.ce_min_bytes);
+  EXPECT_EQ(read.cuda.ctas_per_peer, defaults.cuda.ctas_per_peer);
+  EXPECT_EQ(read.cuda.bytes_per_cta, defaults.cuda.bytes_per_cta);
+  EXPECT_EQ(read.cuda.same_device, defaults.cuda.same_device);
+  EXPECT_EQ(read.nccl.nonblocking, defaults.nccl.nonblocking);
+  EXPECT_EQ(read.nccl.group_spans, defaults.nccl.group_spans);
+  EXPECT_EQ(read.nvshmem.staging_bytes, defaults.nvshmem.staging_bytes);
+  EXPECT_EQ(read.debug.cuda_trace, defaults.debug.cuda_trace);
+  EXPECT_EQ(read.debug.nvshmem_trace, defaults.debug.nvshmem_trace);
+  EXPECT_EQ(read.debug.phase_timing, defaults.debug.phase_timing);
+  EXPECT_EQ(read.debug.cuda_ce_streams, defaults.debug.cuda_ce_streams);
+  EXPECT_EQ(read.debug.cuda_unroll, defaults.debug.cuda_unroll);
+  EXPECT_EQ(read.debug.cuda_early_launch, defaults.debug.cuda_early_launch);
+  EXPECT_EQ(read.debug.nvshmem_direct, defaults.debug.nvshmem_direct);
+  EXPECT_EQ(read.debug.nvshmem_send_stream, defaults.debug.nvshmem_send_stream);
+  EXPECT_EQ(read.debug.nvshmem_peers_per_round, defaults.debug.nvshmem_peers_per_round);
+  EXPECT_NO_THROW(defaults.validate());
+}
+
+// Every documented variable, set to a value other than the default, shows in its field.
+TEST(Options, EveryVariableLandsInItsField) {
+  struct Case {
+    const char* name;
+    const char* value;
+    std::function<bool(const CopyServiceOptions&)> holds;
+  };
+  const std::vector<Case> cases = {
+      {"RESHARD_TRANSPORT", "host", [](auto& o) { return o.transport == TransportKind::kHost; }},
+      {"RESHARD_INTER_NODE_TRANSPORT", "nccl",
+       [](auto& o) { return o.inter_node_transport == TransportKind::kNccl; }},
+      {"RESHARD_NODE_SIZE", "4", [](auto& o) { return o.node_size == 4; }},
+      {"RESHARD_DEVICE", "3", [](auto& o) { return o.device == 3; }},
+      {"RESHARD_TIMEOUT_S", "2.5", [](auto& o) { return o.timeout.count() == 2500; }},
+      {"RESHARD_VERIFY", "1", [](auto& o) { return o.verify; }},
+      {"RESHARD_CHUNK_BYTES", "64KiB", [](auto& o) { return o.chunk_bytes == 65536u; }},
+      {"RESHARD_LOG_LEVEL", "debug", [](auto& o) { return o.log_level == LogLevel::kDebug; }},
+      {"RESHARD_HOST_STAGING_BYTES", "16MiB",
+       [](auto& o) { return o.host.staging_bytes == (16u << 20); }},
+      {"RESHARD_CUDA_ENGINE", "ce", [](auto& o) { return o.cuda.engine == "ce"; }},
+      {"RESHARD_CUDA_CE_MIN_BYTES", "1MiB",
+       [](auto& o) { return o.cuda.ce_min_bytes == (1u << 20); }},
+      {"RESHARD_CUDA_CTAS_PER_PEER", "7", [](auto& o) { return o.cuda.ctas_per_peer == 7; }},
+      {"RESHARD_CUDA_BYTES_PER_CTA", "8KiB", [](auto& o) { return o.cuda.bytes_per_cta == 8192u; }},
+      {"RESHARD_CUDA_SAME_DEVICE", "stream",
+       [](auto& o) { return o.cuda.same_device == "stream"; }},
+      {"RESHARD_NCCL_NONBLOCKING", "0", [](auto& o) { return !o.nccl.nonblocking; }},
+      {"RESHARD_NCCL_GROUP_SPANS", "9", [](auto& o) { return o.nccl.group_spans == 9u; }},
+      {"RESHARD_NVSHMEM_STAGING_BYTES", "32MiB",
+       [](auto& o) { return o.nvshmem.staging_bytes == (32u << 20); }},
+      {"RESHARD_CUDA_TRACE", "1", [](auto& o) { return o.debug.cuda_trace; }},
+      {"RESHARD_NVSHMEM_TRACE", "1", [](auto& o) { return o.debug.nvshmem_trace; }},
+      {"RESHARD_PHASE_TIMING", "1", [](auto& o) { return o.debug.phase_timing; }},
+      {"RESHARD_CUDA_CE_STREAMS", "3", [](auto& o) { return o.debug.cuda_ce_streams == 3; }},
+      {"RESHARD_CUDA_UNROLL", "4", [](auto& o) { return o.debug.cuda_unroll == 4; }},
+      {"RESHARD_CUDA_EARLY_LAUNCH", "0", [](auto& o) { return !o.debug.cuda_early_launch; }},
+      {"RESHARD_NVSHMEM_DIRECT", "0", [](auto& o) { return !o.debug.nvshmem_direct; }},
+      {"RESHARD_NVSHMEM_SEND_STREAM", "0", [](auto& o) { return !o.debug.nvshmem_send_stream; }},
+      {"RESHARD_NVSHMEM_PEERS_PER_ROUND", "2",
+       [](auto& o) { return o.debug.nvshmem_peers_per_round == 2; }},
+  };
+  for (const Case& c : cases) {
+    ScopedEnv scoped(c.name, c.value);
+    const CopyServiceOptions read = CopyServiceOptions::from_environment();
+    EXPECT_TRUE(c.holds(read)) << c.name << "=" << c.value << " did not reach its field";
+    EXPECT_NO_THROW(read.validate()) << c.name << "=" << c.value;
+  }
+}
+
+// Values set in code are checked as the environment's are, and the error names the field.
+TEST(Options, OutOfRangeValuesAreRefusedNamingTheField) {
+  const std::vector<std::pair<std::string, std::function<void(CopyServiceOptions&)>>> cases = {
+      {"cuda.engine", [](auto& o) { o.cuda.engine = "fast"; }},
+      {"cuda.same_device", [](auto& o) { o.cuda.same_device = "leader"; }},
+      {"cuda.ctas_per_peer", [](auto& o) { o.cuda.ctas_per_peer = 0; }},
+      {"cuda.ctas_per_peer", [](auto& o) { o.cuda.ctas_per_peer = 1025; }},
+      {"cuda.bytes_per_cta", [](auto& o) { o.cuda.bytes_per_cta = 1024; }},
+      {"timeout", [](auto& o) { o.timeout = std::chrono::milliseconds(0); }},
+      {"node_size", [](auto& o) { o.node_size = 0; }},
+      {"device", [](auto& o) { o.device = -1; }},
+      {"chunk_bytes", [](auto& o) { o.chunk_bytes = 0; }},
+      {"inter_node_transport", [](auto& o) { o.inter_node_transport = TransportKind::kCuda; }},
+      {"nccl.group_spans", [](auto& o) { o.nccl.group_spans = 0; }},
+      {"host.staging_bytes", [](auto& o) { o.host.staging_bytes = 0; }},
+      {"nvshmem.staging_bytes", [](auto& o) { o.nvshmem.staging_bytes = 0; }},
+      {"debug.cuda_ce_streams", [](auto& o) { o.debug.cuda_ce_streams = 9; }},
+      {"debug.cuda_unroll", [](auto& o) { o.debug.cuda_unroll = 6; }},
+      {"debug.nvshmem_peers_per_round", [](auto& o) { o.debug.nvshmem_peers_per_round = -1; }},
+  };
+  for (const auto& [field, spoil] : cases) {
+    CopyServiceOptions options;
+    spoil(options);
+    try {
+      options.validate();
+      ADD_FAILURE() << field << ": accepted";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(error.what()).find("CopyServiceOptions::" + field + " "),
+                std::string::npos)
+          << error.what();
+    }
+  }
+}
+
+// A service refuses bad options when it is made, before any peer is contacted.
+TEST(Options, AServiceRefusesBadOptionsWhenMade) {
+  CopyServiceOptions options;
+  options.transport = TransportKind::kHost;
+  options.cuda.engine = "fast";
+  try {
+    CopyService service(options);
+    ADD_FAILURE() << "a service was made with cuda.engine = fast";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("cuda.engine"), std::string::npos) << error.what();
+  }
+}
+
+// The legacy constructor keeps its rule: RESHARD_TRANSPORT overrides the transport named in
+// code; the options constructor takes the options as given.
+TEST(Options, TheEnvironmentOverridesOnlyTheLegacyConstructor) {
+  ScopedEnv scoped("RESHARD_TRANSPORT", "host");
+  CopyService legacy(TransportKind::kCuda);
+  EXPECT_EQ(legacy.transport(), TransportKind::kHost);
+  CopyServiceOptions options;
+  options.transport = TransportKind::kCuda;
+  CopyService given(options);
+  EXPECT_EQ(given.transport(), TransportKind::kCuda);
+  EXPECT_EQ(given.options().transport, TransportKind::kCuda);
+}
+
+}  // namespace
+}  // namespace reshard
