@@ -609,6 +609,13 @@ void launch_flagged_copies(const KernelArgs& args, const FlaggedLaunch& launch,
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 
+int fused_copy_ctas_per_sm() {
+  int ctas = 0;
+  RESHARD_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fused_copy_kernel, kCopyThreads, 0));
+  return ctas;
+}
+
 int flagged_copy_ctas_per_sm() {
   int ctas = 0;
   RESHARD_CUDA_CHECK(

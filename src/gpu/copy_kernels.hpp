@@ -58,6 +58,8 @@ void launch_flagged_copies(const KernelArgs& args, const FlaggedLaunch& launch,
                            cudaStream_t stream);
 // How many CTAs of the flagged copy one SM of the current device holds at once.
 int flagged_copy_ctas_per_sm();
+// How many CTAs of launch_fused_copy's kernel one SM of the current device holds at once.
+int fused_copy_ctas_per_sm();
 // Copy-engine runs are framed by these single-CTA kernels: begin raises ready, waits until every
 // destination group's peer is ready and then sets SignalLayout::ready_epoch, which the copy engine
 // copies into each peer's done flag after its data; end raises done for the groups it is given

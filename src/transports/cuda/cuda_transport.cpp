@@ -215,6 +215,10 @@ class CudaTransport final : public Transport {
   std::vector<std::unique_ptr<PreparedRun>> prepared_;  // per phase
   // Same-GPU peers (colocated processes) are ordered by the stream, not by the kernels.
   std::vector<bool> same_device_;
+  // Where peers on this GPU are ordered by the kernels (MPS: the processes' kernels run side by
+  // side and wait on each other's flags), every one of those kernels must be resident at once:
+  // the CTAs of one resident wave each may take, shared among them (assign_ctas).
+  std::uint64_t resident_cta_share_ = 0;
   // Where every PE on this GPU delegates (see exchange_destinations): the lowest of them leads.
   bool delegate_ = false;
   int leader_ = -1;
@@ -285,6 +289,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   mine.put<std::uint8_t>(delegates);
   const auto all = bootstrap_.all_gather(mine.bytes());
   bool every_one_delegates = delegates;
+  int kernel_ordered_on_device = 0;
   peer_signals_.assign(n_pes_, nullptr);
   pids_.assign(n_pes_, 0);
   same_device_.assign(n_pes_, false);
@@ -310,6 +315,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     }
     if (peer_device == device_) {
       same_device_[pe] = stream_ordered && peer_stream_ordered;
+      if (!same_device_[pe]) ++kernel_ordered_on_device;
       if (same_device_[pe]) every_one_delegates = every_one_delegates && peer_delegates;
       RESHARD_LOG(kDebug, "PE " << pe << " shares CUDA device " << device_ << " with this PE"
                                 << (same_device_[pe] ? ": runs ordered by the streams" : ""));
@@ -317,6 +323,14 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     HandleBytes bytes;
     std::memcpy(bytes.data(), &peer_handle, sizeof peer_handle);
     peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
+  }
+  if (kernel_ordered_on_device > 0) {
+    resident_cta_share_ = std::max<std::uint64_t>(1, static_cast<std::uint64_t>(sm_count_) *
+                                                         std::max(1, fused_copy_ctas_per_sm()) /
+                                                         (kernel_ordered_on_device + 1));
+    RESHARD_LOG(kDebug, kernel_ordered_on_device << " PE(s) share CUDA device " << device_
+                                                 << " with kernels that wait on this PE's: at most "
+                                                 << resident_cta_share_ << " CTAs per launch");
   }
   std::vector<const std::uint64_t*> waiting_on;
   for (std::uint64_t* signals : peer_signals_)
@@ -680,8 +694,12 @@ void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& t
     want[g] = std::clamp<std::uint64_t>(std::max(by_bytes, by_pieces), 1, ctas_per_peer_);
     wanted += want[g];
   }
-  // One resident wave at most, leaving the rest of the GPU to the caller's kernels.
-  const std::uint64_t cap = std::max(1, sm_count_);
+  // One resident wave at most, leaving the rest of the GPU to the caller's kernels; with peers on
+  // this GPU whose kernels wait on ours, a share of what it holds at once, so that all of them
+  // are resident together (else spinning CTAs could keep a peer's kernel off the GPU).
+  const std::uint64_t cap = resident_cta_share_ > 0
+                                ? std::min<std::uint64_t>(sm_count_, resident_cta_share_)
+                                : std::max(1, sm_count_);
   total = 0;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const std::uint64_t ctas =
