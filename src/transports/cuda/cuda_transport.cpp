@@ -328,6 +328,9 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     resident_cta_share_ = std::max<std::uint64_t>(1, static_cast<std::uint64_t>(sm_count_) *
                                                          std::max(1, fused_copy_ctas_per_sm()) /
                                                          (kernel_ordered_on_device + 1));
+    // An early-launched kernel takes free slots while this PE's previous run still waits, slots
+    // a peer's kernel may need to become resident: launched plainly, a PE holds one launch's CTAs.
+    early_launch_ = false;
     RESHARD_LOG(kDebug, kernel_ordered_on_device << " PE(s) share CUDA device " << device_
                                                  << " with kernels that wait on this PE's: at most "
                                                  << resident_cta_share_ << " CTAs per launch");
