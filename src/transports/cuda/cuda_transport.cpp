@@ -325,12 +325,13 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
   }
   if (kernel_ordered_on_device > 0) {
-    resident_cta_share_ = std::max<std::uint64_t>(1, static_cast<std::uint64_t>(sm_count_) *
-                                                         std::max(1, fused_copy_ctas_per_sm()) /
-                                                         (kernel_ordered_on_device + 1));
-    // An early-launched kernel takes free slots while this PE's previous run still waits, slots
-    // a peer's kernel may need to become resident: launched plainly, a PE holds one launch's CTAs.
-    early_launch_ = false;
+    // With early launch a PE's next run has its CTAs resident while the current one still waits
+    // (the kernel lets the next launch once the previous one ended, so never more than two):
+    // half a share each.
+    const std::uint64_t launches_resident = early_launch_ ? 2 : 1;
+    resident_cta_share_ = std::max<std::uint64_t>(
+        1, static_cast<std::uint64_t>(sm_count_) * std::max(1, fused_copy_ctas_per_sm()) /
+               ((kernel_ordered_on_device + 1) * launches_resident));
     RESHARD_LOG(kDebug, kernel_ordered_on_device << " PE(s) share CUDA device " << device_
                                                  << " with kernels that wait on this PE's: at most "
                                                  << resident_cta_share_ << " CTAs per launch");
