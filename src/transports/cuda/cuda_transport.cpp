@@ -171,6 +171,8 @@ class CudaTransport final : public Transport {
   // One descriptor with rows as a 2-D copy-engine copy.
   void queue_rows(const CopyDescriptor& box, cudaStream_t stream);
   void wait_for(cudaEvent_t event, const char* what);
+  // Whether a launch of `ctas` CTAs may be early (programmatic dependent launch).
+  bool early_launch_for(std::uint32_t ctas);
   // A run is stuck: records why (as a kernel's failed wait would), stops the copies that follow
   // and lets this PE's stream past its waits on same-GPU peers.
   void fail_run(unsigned int code, int peer, unsigned int phase) noexcept;
@@ -219,6 +221,7 @@ class CudaTransport final : public Transport {
   // side and wait on each other's flags), every one of those kernels must be resident at once:
   // the CTAs of one resident wave each may take, shared among them (assign_ctas).
   std::uint64_t resident_cta_share_ = 0;
+  bool previous_launch_large_ = false;  // more than half the share (early_launch_for)
   // Where every PE on this GPU delegates (see exchange_destinations): the lowest of them leads.
   bool delegate_ = false;
   int leader_ = -1;
@@ -325,13 +328,9 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
   }
   if (kernel_ordered_on_device > 0) {
-    // With early launch a PE's next run has its CTAs resident while the current one still waits
-    // (the kernel lets the next launch once the previous one ended, so never more than two):
-    // half a share each.
-    const std::uint64_t launches_resident = early_launch_ ? 2 : 1;
-    resident_cta_share_ = std::max<std::uint64_t>(
-        1, static_cast<std::uint64_t>(sm_count_) * std::max(1, fused_copy_ctas_per_sm()) /
-               ((kernel_ordered_on_device + 1) * launches_resident));
+    resident_cta_share_ = std::max<std::uint64_t>(1, static_cast<std::uint64_t>(sm_count_) *
+                                                         std::max(1, fused_copy_ctas_per_sm()) /
+                                                         (kernel_ordered_on_device + 1));
     RESHARD_LOG(kDebug, kernel_ordered_on_device << " PE(s) share CUDA device " << device_
                                                  << " with kernels that wait on this PE's: at most "
                                                  << resident_cta_share_ << " CTAs per launch");
@@ -963,15 +962,28 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
   }
 }
 
+bool CudaTransport::early_launch_for(std::uint32_t ctas) {
+  if (!early_launch_) return false;
+  if (resident_cta_share_ == 0) return true;
+  // An early launch is resident beside the previous one (the kernel lets the next launch in once
+  // the previous ended, so never more than two): where peers' kernels on this GPU must be
+  // resident too, only two launches of at most half a share each may overlap; a larger one
+  // neither launches early nor lets the next one in early.
+  const bool large = 2ull * ctas > resident_cta_share_;
+  const bool early = !large && !previous_launch_large_;
+  previous_launch_large_ = large;
+  return early;
+}
+
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
   p.same_device.begin(stream);
   if (p.kernel_idle) {
     // A follower with no peer on another GPU: its GPU's leader makes its copies and counts its run
     // (KernelArgs::follower_runs); a kernel here would hand the GPU over twice.
   } else if (p.fused) {
-    launch_fused_copy(p.copy_args, stream, early_launch_);
+    launch_fused_copy(p.copy_args, stream, early_launch_for(p.copy_args.cta_count));
   } else {
-    launch_begin(p.signal_args, stream, early_launch_);
+    launch_begin(p.signal_args, stream, early_launch_for(1));
     const int used = static_cast<int>(p.copy_engine_batches.size());
     // With one copy-engine batch and no SM share nothing runs beside the copies: they go on the
     // caller's stream itself, without the fork and join (two cross-stream waits per run).
