@@ -495,13 +495,45 @@ __device__ __noinline__ uint2 encode_unplainly(Raw<S> raw, float s, float recipr
   return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
 }
 
-// Two passes over a tile: the maximum, then (once the CTA has it) the encoding, which reads the
-// tile again, from L2 (it was read microseconds before): nothing is held in registers across the
-// CTA's barrier, so more CTAs stay resident. (Holding the tile in registers, 2-3 CTAs per SM,
-// prefetching the next tile or not, ran the same or slower; one H100, 2026-11-24.)
+// Two passes over a tile: the maximum, then (once the CTA has it) the encoding. Each thread keeps
+// what it loaded in the first pass in shared memory, in slots only it uses, and encodes from there:
+// the tile is read from HBM once, and registers stay few, so several CTAs per SM cover HBM's
+// latency. (Reading the tile again from L2 held the kernel at 0.6 of the copy rate, what reading it
+// twice from HBM would give; holding it in registers left 2-3 CTAs per SM and ran no faster; one
+// H100, 2026-11-24.)
+template <DType S>
+constexpr int kTileVectorsPerLane = sizeof(Raw<S>) / sizeof(uint4);
+template <DType S>
+constexpr std::size_t kTileSharedBytes =
+    sizeof(uint4) * kTilePasses * kTileVectorsPerLane<S> * kTileThreads;
+
+template <DType S>
+__device__ __forceinline__ void keep_raw(uint4* kept, int p, const Raw<S>& raw) {
+#pragma unroll
+  for (int q = 0; q < kTileVectorsPerLane<S>; ++q) {
+    kept[(p * kTileVectorsPerLane<S> + q) * kTileThreads + threadIdx.x] =
+        make_uint4(raw.word[4 * q], raw.word[4 * q + 1], raw.word[4 * q + 2], raw.word[4 * q + 3]);
+  }
+}
+
+template <DType S>
+__device__ __forceinline__ Raw<S> kept_raw(const uint4* kept, int p) {
+  Raw<S> raw;
+#pragma unroll
+  for (int q = 0; q < kTileVectorsPerLane<S>; ++q) {
+    const uint4 v = kept[(p * kTileVectorsPerLane<S> + q) * kTileThreads + threadIdx.x];
+    raw.word[4 * q] = v.x;
+    raw.word[4 * q + 1] = v.y;
+    raw.word[4 * q + 2] = v.z;
+    raw.word[4 * q + 3] = v.w;
+  }
+  return raw;
+}
+
 template <DType S>
 __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockTask> list) {
   __shared__ std::uint32_t warp_max[2][kTileThreads / 32];  // by the tile's parity: one sync each
+  extern __shared__ uint4 kept[];  // kTileSharedBytes<S>: this thread's loads, see keep_raw
   const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerLane;
   const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
   int parity = 0;
@@ -518,6 +550,7 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
       const int r = row_of(p);
       const Raw<S> raw = load_raw<S>(task->src, r >= 0 ? at.src_first + r * at.src_stride : 0,
                                      r >= 0 ? at.count : 0);
+      keep_raw<S>(kept, p, raw);
       magnitude = max(magnitude, magnitude_max<S>(raw));
     }
 #pragma unroll
@@ -539,7 +572,7 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = row_of(p);
       if (r < 0) continue;
-      const Raw<S> raw = load_raw<S>(task->src, at.src_first + r * at.src_stride, at.count);
+      const Raw<S> raw = kept_raw<S>(kept, p);
       uint2 encoded;
       float q[kPerLane];
       bool decisive = plain;
@@ -778,7 +811,15 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
         tasks, uneven, uploads.block, cuda_stream,
         [](const BlockTask& task) { return std::uint64_t{task.tiles}; },
         [](const JobList<BlockTask>& list, cudaStream_t s) {
-          block_quantize_kernel<S><<<grid_for(list.items), kTileThreads, 0, s>>>(list);
+          // Above 48 KiB (float32 sources) the kernel must be allowed the shared memory, on the
+          // current device (each launch: a process may convert on several).
+          if constexpr (kTileSharedBytes<S> > (48u << 10)) {
+            RESHARD_CUDA_CHECK(cudaFuncSetAttribute(block_quantize_kernel<S>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(kTileSharedBytes<S>)));
+          }
+          block_quantize_kernel<S>
+              <<<grid_for(list.items), kTileThreads, kTileSharedBytes<S>, s>>>(list);
         });
   };
   launch_source.template operator()<DType::kBFloat16>();
