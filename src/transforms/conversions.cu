@@ -495,17 +495,19 @@ __device__ __noinline__ uint2 encode_unplainly(Raw<S> raw, float s, float recipr
   return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
 }
 
-// Two passes over a tile: the maximum, then (once the CTA has it) the encoding. Each thread keeps
-// what it loaded in the first pass in shared memory, in slots only it uses, and encodes from there:
-// the tile is read from HBM once, and registers stay few, so several CTAs per SM cover HBM's
-// latency. (Reading the tile again from L2 held the kernel at 0.6 of the copy rate, what reading it
-// twice from HBM would give; holding it in registers left 2-3 CTAs per SM and ran no faster; one
-// H100, 2026-11-24.)
+// Two passes over a tile: the maximum, then (once the CTA has it) the encoding, both from shared
+// memory, where each thread's loads land in slots only it uses. The loads are asynchronous
+// (cp.async) into one of two buffers: a CTA's next tile is on its way while it encodes this one,
+// so HBM always has each CTA's next 32 KiB in flight, and the tile is read from HBM once.
+// (Reading the tile again from L2 held the kernel at 0.6 of the copy rate, what reading it twice
+// from HBM would give; keeping the first pass's loads in shared memory, 0.66-0.71; holding them in
+// registers left 2-3 CTAs per SM and ran no faster; one H100, 2026-11-24.)
 template <DType S>
 constexpr int kTileVectorsPerLane = sizeof(Raw<S>) / sizeof(uint4);
 template <DType S>
-constexpr std::size_t kTileSharedBytes =
-    sizeof(uint4) * kTilePasses * kTileVectorsPerLane<S> * kTileThreads;
+constexpr std::size_t kTileBufferVectors = kTilePasses * kTileVectorsPerLane<S> * kTileThreads;
+template <DType S>
+constexpr std::size_t kTileSharedBytes = 2 * sizeof(uint4) * kTileBufferVectors<S>;
 
 template <DType S>
 __device__ __forceinline__ void keep_raw(uint4* kept, int p, const Raw<S>& raw) {
@@ -530,28 +532,80 @@ __device__ __forceinline__ Raw<S> kept_raw(const uint4* kept, int p) {
   return raw;
 }
 
+__device__ __forceinline__ void copy_16_bytes_async(uint4* shared, const void* global) {
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
+}
+__device__ __forceinline__ void commit_async_copies() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void wait_async_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
+__device__ __forceinline__ int tile_row(const TilePlace& at, int first_row, int p) {
+  const int r = p * kTileRowsPerPass + first_row;
+  return r < at.rows && at.count > 0 ? r : -1;
+}
+
+// This thread's share of a tile into `buffer`: whole aligned vectors asynchronously, the rest
+// (a tile's ragged edge, rows past its end as zeros) loaded and stored here.
+template <DType S>
+__device__ __forceinline__ void stage_tile(uint4* buffer, const BlockTask& task,
+                                           const TilePlace& at, int first_row) {
+  constexpr int size = S == DType::kFloat32 ? 4 : 2;
+#pragma unroll
+  for (int p = 0; p < kTilePasses; ++p) {
+    const int r = tile_row(at, first_row, p);
+    const std::int64_t index = r >= 0 ? at.src_first + r * at.src_stride : 0;
+    const auto* from = static_cast<const std::uint8_t*>(task.src) + index * size;
+    if (r >= 0 && at.count == kPerLane && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
+#pragma unroll
+      for (int q = 0; q < kTileVectorsPerLane<S>; ++q) {
+        copy_16_bytes_async(&buffer[(p * kTileVectorsPerLane<S> + q) * kTileThreads + threadIdx.x],
+                            from + 16 * q);
+      }
+    } else {
+      keep_raw<S>(buffer, p, load_raw<S>(task.src, index, r >= 0 ? at.count : 0));
+    }
+  }
+}
+
 template <DType S>
 __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockTask> list) {
   __shared__ std::uint32_t warp_max[2][kTileThreads / 32];  // by the tile's parity: one sync each
-  extern __shared__ uint4 kept[];  // kTileSharedBytes<S>: this thread's loads, see keep_raw
+  extern __shared__ uint4 kept[];  // kTileSharedBytes<S>: two buffers of this thread's loads
   const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerLane;
   const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
+  std::uint64_t item = blockIdx.x;
+  const BlockTask* task = nullptr;
+  TilePlace at{};
+  if (item < list.items) {
+    at = place_tile(list, item, col, task);
+    stage_tile<S>(kept, *task, at, first_row);
+  }
+  commit_async_copies();
   int parity = 0;
-  for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x, parity ^= 1) {
-    const BlockTask* task = nullptr;
-    const TilePlace at = place_tile(list, item, col, task);
-    const auto row_of = [&](int p) {
-      const int r = p * kTileRowsPerPass + first_row;
-      return r < at.rows && at.count > 0 ? r : -1;
-    };
+  for (; item < list.items; item += gridDim.x, parity ^= 1) {
+    uint4* const buffer = kept + parity * kTileBufferVectors<S>;
+    // The next tile's loads go out before this one is encoded. A thread refills only its own
+    // slots, which it finished reading a tile ago: no barrier guards the buffers.
+    const std::uint64_t next = item + gridDim.x;
+    const BlockTask* next_task = nullptr;
+    TilePlace next_at{};
+    if (next < list.items) {
+      next_at = place_tile(list, next, col, next_task);
+      stage_tile<S>(kept + (parity ^ 1) * kTileBufferVectors<S>, *next_task, next_at, first_row);
+    }
+    commit_async_copies();
+    wait_async_copies<1>();  // this tile's
+    const auto row_of = [&](int p) { return tile_row(at, first_row, p); };
     std::uint32_t magnitude = 0;
 #pragma unroll
     for (int p = 0; p < kTilePasses; ++p) {
-      const int r = row_of(p);
-      const Raw<S> raw = load_raw<S>(task->src, r >= 0 ? at.src_first + r * at.src_stride : 0,
-                                     r >= 0 ? at.count : 0);
-      keep_raw<S>(kept, p, raw);
-      magnitude = max(magnitude, magnitude_max<S>(raw));
+      magnitude = max(magnitude, magnitude_max<S>(kept_raw<S>(buffer, p)));
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
@@ -572,7 +626,7 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
     for (int p = 0; p < kTilePasses; ++p) {
       const int r = row_of(p);
       if (r < 0) continue;
-      const Raw<S> raw = kept_raw<S>(kept, p);
+      const Raw<S> raw = kept_raw<S>(buffer, p);
       uint2 encoded;
       float q[kPerLane];
       bool decisive = plain;
@@ -606,7 +660,10 @@ __global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<Bl
         }
       }
     }
+    at = next_at;
+    task = next_task;
   }
+  wait_async_copies<0>();
 }
 
 // CTAs for `units` of work: at most what the GPU holds at once several times over (the kernels
