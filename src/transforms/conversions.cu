@@ -875,16 +875,8 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     static_cast<int>(kTileSharedBytes<S>)));
           }
-          // One CTA per slot the GPU holds at once, each walking its tiles with the next one's
-          // loads in flight (more CTAs would only queue, each with a tile or two and no overlap).
-          int device = 0, sms = 0, per_sm = 0;
-          RESHARD_CUDA_CHECK(cudaGetDevice(&device));
-          RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-          RESHARD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-              &per_sm, block_quantize_kernel<S>, kTileThreads, kTileSharedBytes<S>));
-          const std::uint64_t resident = static_cast<std::uint64_t>(sms) * std::max(per_sm, 1);
-          const auto grid = static_cast<unsigned>(std::min<std::uint64_t>(list.items, resident));
-          block_quantize_kernel<S><<<grid, kTileThreads, kTileSharedBytes<S>, s>>>(list);
+          block_quantize_kernel<S>
+              <<<grid_for(list.items), kTileThreads, kTileSharedBytes<S>, s>>>(list);
         });
   };
   launch_source.template operator()<DType::kBFloat16>();
