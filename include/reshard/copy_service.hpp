@@ -17,6 +17,9 @@ namespace reshard {
 namespace test_hooks {
 struct ServiceProbe;  // the tests' fault injection (not part of the API)
 }
+namespace exec {
+struct ServiceSlot;  // execute_reshard_plan's state kept with a service (not part of the API)
+}
 // The transports compiled into this build, by name ("host" always; "cuda", "nccl", "nvshmem" when
 // built).
 std::vector<std::string> available_transports();
@@ -129,15 +132,9 @@ class CopyService {
   // between PEs, e.g. that they all hold the same reshard plan).
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine);
 
-  // Changes whenever a request is registered or the requests are cleared: lets a helper that
-  // registered a set of requests know whether its schedule is still the service's.
-  std::uint64_t generation() const;
-  // A slot for helpers built on the service (execute_reshard_plan keeps its executors there);
-  // emptied by finalize().
-  std::shared_ptr<void>& attachment();
-
  private:
   friend struct test_hooks::ServiceProbe;
+  friend struct exec::ServiceSlot;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

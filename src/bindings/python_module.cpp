@@ -27,6 +27,7 @@
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/transform.hpp"
+#include "service/service_slot.hpp"
 #include "service/test_hooks.hpp"
 
 namespace nb = nanobind;
@@ -346,7 +347,8 @@ void bind_copy_service(nb::module_& m) {
       .def_prop_ro("device", &CopyService::device)
       .def_prop_ro("initialized", &CopyService::initialized)
       .def_prop_ro("transport_name", &CopyService::transport_name)
-      .def_prop_ro("generation", &CopyService::generation)
+      .def_prop_ro("generation",
+                   [](const CopyService& self) { return exec::ServiceSlot::generation(self); })
       .def(
           "register_send",
           [](CopyService& self, TaskId task, const ReadOnlyArray& src, std::size_t pos,

@@ -20,6 +20,7 @@
 #include "execution/task_ids.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
+#include "service/service_slot.hpp"
 #include "transforms/wire_ranges.hpp"
 
 namespace reshard {
@@ -710,7 +711,7 @@ struct Resharder::Impl {
                   "again on every rank");
     }
     register_and_schedule(prepared.sends, prepared.receives);
-    registered_generation = service.generation();
+    registered_generation = exec::ServiceSlot::generation(service);
     report.rescheduled = true;
     prepared.tensors = std::move(tensors);
     prepared.valid = true;
@@ -773,9 +774,9 @@ struct Resharder::Impl {
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
     // the transforms' hooks run again.
     std::vector<LocalTensor> tensors = tensors_used(src, dst);
-    const bool reusable = prepared.valid && service.generation() == registered_generation &&
-                          same_tensors(tensors, prepared.tensors) &&
-                          rerun_transforms(src, dst, stream);
+    const bool reusable =
+        prepared.valid && exec::ServiceSlot::generation(service) == registered_generation &&
+        same_tensors(tensors, prepared.tensors) && rerun_transforms(src, dst, stream);
     // Scheduling is collective: a rank given new tensors alone must not schedule alone (its peers
     // would run the old schedule and both sides time out), so the ranks agree, in one small
     // all-gather per refit, and all prepare again where any one must.
@@ -847,7 +848,7 @@ ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& pla
                                    const TensorMap& src, const TensorMap& dst, CopyService& service,
                                    std::shared_ptr<ReshardTransform> transform, void* cuda_stream,
                                    const ReshardOptions& options) {
-  std::shared_ptr<void>& slot = service.attachment();
+  std::shared_ptr<void>& slot = exec::ServiceSlot::executors(service);
   if (!slot) slot = std::make_shared<ExecutorCache>();
   auto& cache = static_cast<ExecutorCache*>(slot.get())->executors;
   auto key = std::make_pair(plan.get(), transform.get());

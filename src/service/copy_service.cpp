@@ -14,6 +14,7 @@
 #include "core/wire.hpp"
 #include "reshard/error.hpp"
 #include "reshard/scheduler.hpp"
+#include "service/service_slot.hpp"
 #include "service/test_hooks.hpp"
 #include "service/transport_table.hpp"
 
@@ -148,7 +149,7 @@ struct CopyService::Impl {
   std::uint32_t phase = 0;           // of the requests registered next
   std::uint64_t generation = 0;
   bool scheduled_since_clear = false;  // schedule() succeeded since the last clear_requests()
-  std::shared_ptr<void> attachment;
+  std::shared_ptr<void> attachment;    // exec::ServiceSlot::executors
   bool verify = false;
   // test_hooks::ServiceProbe: called after each phase's transfer, before verify mode's check.
   std::function<void(std::uint32_t phase)> after_transfer;
@@ -646,12 +647,9 @@ void CopyService::clear_requests() {
   ++impl_->generation;
 }
 
-std::uint64_t CopyService::generation() const { return impl_->generation; }
-
 std::vector<std::vector<std::byte>> CopyService::all_gather(std::span<const std::byte> mine) {
   return impl_->bootstrap->all_gather(mine);
 }
-std::shared_ptr<void>& CopyService::attachment() { return impl_->attachment; }
 
 void CopyService::finalize() {
   if (!impl_ || impl_->state == State::kFinalized) return;
@@ -688,3 +686,15 @@ void ServiceProbe::corrupt_receives_after_run(CopyService& service, std::optiona
 }
 
 }  // namespace reshard::test_hooks
+
+namespace reshard::exec {
+
+std::uint64_t ServiceSlot::generation(const CopyService& service) {
+  return service.impl_->generation;
+}
+
+std::shared_ptr<void>& ServiceSlot::executors(CopyService& service) {
+  return service.impl_->attachment;
+}
+
+}  // namespace reshard::exec

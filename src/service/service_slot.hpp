@@ -1,0 +1,21 @@
+// What execute_reshard_plan keeps with a copy service (not installed, not part of the API): its
+// executors live as long as the service's transport, which finalize() releases after them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "reshard/copy_service.hpp"
+
+namespace reshard::exec {
+
+struct ServiceSlot {
+  // Changes whenever a request is registered on `service` or its requests are cleared: an
+  // executor that registered a set of requests knows whether its schedule is still the service's.
+  static std::uint64_t generation(const CopyService& service);
+  // The executors of the plans run on `service` (execute_reshard_plan's cache); emptied by
+  // finalize() before the transport goes, since they may hold staging on its device.
+  static std::shared_ptr<void>& executors(CopyService& service);
+};
+
+}  // namespace reshard::exec
