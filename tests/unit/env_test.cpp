@@ -9,19 +9,12 @@
 #include <string>
 
 #include "reshard/error.hpp"
+#include "support/scoped_env.hpp"
 
 namespace reshard {
 namespace {
 
-// Sets one variable for the test's scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
-  ~ScopedEnv() { ::unsetenv(name_); }
-
- private:
-  const char* name_;
-};
+using testing_support::ScopedEnv;
 
 void expect_refused(const char* name, const char* value, const std::function<void()>& read) {
   ScopedEnv scoped(name, value);

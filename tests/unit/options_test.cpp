@@ -11,18 +11,12 @@
 
 #include "reshard/copy_service.hpp"
 #include "reshard/error.hpp"
+#include "support/scoped_env.hpp"
 
 namespace reshard {
 namespace {
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
-  ~ScopedEnv() { ::unsetenv(name_); }
-
- private:
-  const char* name_;
-};
+using testing_support::ScopedEnv;
 
 TEST(Options, WithoutVariablesTheEnvironmentGivesTheDefaults) {
   const CopyServiceOptions defaults;
