@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <string>
 
-#include "core/wire.hpp"
+#include "core/message.hpp"
 #include "reshard/error.hpp"
 
 namespace reshard {
@@ -26,14 +26,14 @@ std::vector<std::vector<std::byte>> GroupBootstrap::all_gather(std::span<const s
   if (rank_ == 0) {
     all[0].assign(mine.begin(), mine.end());
     for (int r = 1; r < n; ++r) all[r] = parent_.recv(members_[r]);
-    wire::Writer packed;
+    message::Writer packed;
     for (const auto& part : all) packed.put_array(std::span<const std::byte>(part));
     for (int r = 1; r < n; ++r) parent_.send(members_[r], packed.bytes());
     return all;
   }
   parent_.send(members_[0], mine);
   const std::vector<std::byte> packed = parent_.recv(members_[0]);
-  wire::Reader reader(packed);
+  message::Reader reader(packed);
   for (int r = 0; r < n; ++r) all[r] = reader.get_array<std::byte>();
   return all;
 }

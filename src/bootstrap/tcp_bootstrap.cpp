@@ -8,7 +8,7 @@
 
 #include "bootstrap/socket.hpp"
 #include "core/env.hpp"
-#include "core/wire.hpp"
+#include "core/message.hpp"
 #include "reshard/bootstrap.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
@@ -81,7 +81,7 @@ void TcpBootstrap::Impl::connect_all() {
         net::Socket link =
             net::accept_one(root_listener, deadline, "rank(s) " + missing + " to join the job");
         net::Frame hello = net::recv_frame(link, deadline, "a joining rank");
-        wire::Reader reader(hello.payload);
+        message::Reader reader(hello.payload);
         const int rank = reader.get<int>();
         const int port = reader.get<int>();
         const int size = reader.get<int>();
@@ -100,7 +100,7 @@ void TcpBootstrap::Impl::connect_all() {
       throw;
     }
     root_listener = net::Socket();
-    wire::Writer table;
+    message::Writer table;
     for (const Endpoint& e : endpoints) {
       table.put_string(e.host);
       table.put<int>(e.port);
@@ -112,7 +112,7 @@ void TcpBootstrap::Impl::connect_all() {
   } else {
     const auto deadline = member_deadline();
     to_root = net::connect_to(options.address, options.port, deadline, "rank 0");
-    wire::Writer hello;
+    message::Writer hello;
     hello.put<int>(options.rank);
     hello.put<int>(my_p2p_port);
     hello.put<int>(options.size);
@@ -123,7 +123,7 @@ void TcpBootstrap::Impl::connect_all() {
           ErrorCode::kPeerFailure,
           std::string(reinterpret_cast<const char*>(table.payload.data()), table.payload.size()));
     }
-    wire::Reader reader(table.payload);
+    message::Reader reader(table.payload);
     for (int r = 0; r < options.size; ++r) {
       Endpoint e;
       e.host = reader.get_string();
@@ -151,7 +151,7 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
                       std::string(reinterpret_cast<const char*>(reply.payload.data()),
                                   reply.payload.size()));
     }
-    wire::Reader reader(reply.payload);
+    message::Reader reader(reply.payload);
     std::vector<std::vector<std::byte>> all(n);
     for (int r = 0; r < n; ++r) all[r] = reader.get_array<std::byte>();
     return all;
@@ -205,7 +205,7 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
     abort_members(error.what(), -1);
     throw;
   }
-  wire::Writer reply;
+  message::Writer reply;
   for (const auto& part : all) reply.put_array(std::span<const std::byte>(part));
   for (int r = 1; r < n; ++r) {
     send_frame(to_ranks[r], net::FrameKind::kData, reply.bytes(), deadline, rank_name(r));
@@ -219,7 +219,7 @@ const net::Socket& TcpBootstrap::Impl::outgoing(int peer) {
   const auto deadline = member_deadline();
   net::Socket link = net::connect_to(p2p_endpoints[peer].host, p2p_endpoints[peer].port, deadline,
                                      rank_name(peer));
-  wire::Writer hello;
+  message::Writer hello;
   hello.put<int>(options.rank);
   send_frame(link, net::FrameKind::kHello, hello.bytes(), deadline, rank_name(peer));
   return p2p_out.emplace(peer, std::move(link)).first->second;
@@ -230,7 +230,7 @@ const net::Socket& TcpBootstrap::Impl::incoming(int peer) {
   while (p2p_in.find(peer) == p2p_in.end()) {
     net::Socket link = net::accept_one(p2p_listener, deadline, rank_name(peer) + " to connect");
     net::Frame hello = net::recv_frame(link, deadline, "a connecting rank");
-    wire::Reader reader(hello.payload);
+    message::Reader reader(hello.payload);
     const int from = reader.get<int>();
     p2p_in.emplace(from, std::move(link));
   }

@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "core/wire.hpp"
+#include "core/message.hpp"
 
 namespace reshard {
 
@@ -21,7 +21,7 @@ std::vector<int> NodeMap::members(int node) const {
 NodeMap map_nodes(Bootstrap& bootstrap, std::optional<int> node_size) {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
-  wire::Writer mine;
+  message::Writer mine;
   mine.put_string(host);
   const auto all = bootstrap.all_gather(mine.bytes());
   const int split = node_size.value_or(static_cast<int>(all.size()));
@@ -29,7 +29,7 @@ NodeMap map_nodes(Bootstrap& bootstrap, std::optional<int> node_size) {
   std::map<std::pair<std::string, int>, int> numbers;
   std::string first_host;
   for (int pe = 0; pe < static_cast<int>(all.size()); ++pe) {
-    const std::string name = wire::Reader(all[pe]).get_string();
+    const std::string name = message::Reader(all[pe]).get_string();
     if (pe == 0) first_host = name;
     map.one_machine = map.one_machine && name == first_host;
     const auto [it, added] = numbers.try_emplace({name, pe / split}, map.nodes);

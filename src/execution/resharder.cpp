@@ -15,7 +15,7 @@
 #include <tuple>
 
 #include "core/env.hpp"
-#include "core/wire.hpp"
+#include "core/message.hpp"
 #include "execution/staging.hpp"
 #include "execution/task_ids.hpp"
 #include "reshard/error.hpp"
@@ -534,7 +534,7 @@ struct Resharder::Impl {
       const std::map<std::uint32_t, std::uint32_t>& leaders) {
     std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
     for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
-    wire::Writer out;
+    message::Writer out;
     out.put<std::uint64_t>(budget);
     std::vector<std::uint64_t> flat;
     for (const auto& [op, bytes] : mine) flat.insert(flat.end(), {op, bytes});
@@ -548,7 +548,7 @@ struct Resharder::Impl {
     for (std::uint32_t i = 0; i < ops; ++i) unit[i] = i;
     std::vector<std::vector<std::pair<PeId, std::uint64_t>>> needs(ops);
     for (std::size_t rank = 0; rank < all.size(); ++rank) {
-      wire::Reader in(all[rank]);
+      message::Reader in(all[rank]);
       const auto theirs = in.get<std::uint64_t>();
       if (theirs != budget) {
         throw_error(ErrorCode::kInvalidArgument,

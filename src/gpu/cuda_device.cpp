@@ -9,8 +9,8 @@
 #include <fstream>
 #include <thread>
 
+#include "core/message.hpp"
 #include "core/transport.hpp"
-#include "core/wire.hpp"
 #include "gpu/cuda_check.hpp"
 #include "reshard/error.hpp"
 
@@ -168,13 +168,13 @@ int first_stopped_process(std::span<const pid_t> pids) {
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
-  wire::Writer mine;
+  message::Writer mine;
   mine.put<std::int32_t>(::getpid());
   mine.put_string(host);
   const auto all = bootstrap.all_gather(mine.bytes());
   std::vector<pid_t> pids(all.size(), 0);
   for (std::size_t pe = 0; pe < all.size(); ++pe) {
-    wire::Reader reader(all[pe]);
+    message::Reader reader(all[pe]);
     const auto pid = reader.get<std::int32_t>();
     if (reader.get_string() == host && static_cast<int>(pe) != bootstrap.rank()) pids[pe] = pid;
   }

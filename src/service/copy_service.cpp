@@ -10,8 +10,8 @@
 #include "core/checksum.hpp"
 #include "core/env.hpp"
 #include "core/execution_plan.hpp"
+#include "core/message.hpp"
 #include "core/transport.hpp"
-#include "core/wire.hpp"
 #include "reshard/error.hpp"
 #include "reshard/scheduler.hpp"
 #include "service/service_slot.hpp"
@@ -415,7 +415,7 @@ ScheduleReport CopyService::schedule() {
         local_problems.push_back(std::move(problem));
     }
 
-    wire::Writer summary;
+    message::Writer summary;
     summary.put_array(std::span<const RequestClaim>(my_sends));
     summary.put_array(std::span<const RequestClaim>(my_receives));
     summary.put<std::uint64_t>(local_problems.size());
@@ -440,7 +440,7 @@ ScheduleReport CopyService::schedule() {
     std::uint64_t chunk_bytes = UINT64_MAX, min_chunk_bytes = UINT64_MAX;
     std::int64_t peers_per_round = INT64_MAX;
     for (int pe = 0; pe < n; ++pe) {
-      wire::Reader reader(gathered[pe]);
+      message::Reader reader(gathered[pe]);
       for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_sends.push_back(c);
       for (const RequestClaim& c : reader.get_array<RequestClaim>()) all_receives.push_back(c);
       const auto count = reader.get<std::uint64_t>();
@@ -550,13 +550,13 @@ void CopyService::Impl::verify_run(std::uint32_t phase) {
   for (const Registration& r : receives) {
     if (r.phase == phase) received.push_back({r.task, checksum_of(r), r.size, r.peer, me});
   }
-  wire::Writer mine;
+  message::Writer mine;
   mine.put_array(std::span<const Sum>(sent));
   mine.put_array(std::span<const Sum>(received));
   std::unordered_map<TaskId, Sum> sent_by_task;
   std::vector<Sum> all_received;
   for (const auto& part : bootstrap->all_gather(mine.bytes())) {
-    wire::Reader reader(part);
+    message::Reader reader(part);
     for (const Sum& s : reader.get_array<Sum>()) sent_by_task.emplace(s.task, s);
     for (const Sum& s : reader.get_array<Sum>()) all_received.push_back(s);
   }

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "core/message.hpp"
 #include "core/nodes.hpp"
-#include "core/wire.hpp"
 #include "reshard/copy_service.hpp"
 #include "reshard/error.hpp"
 
@@ -67,11 +67,11 @@ std::unique_ptr<Transport> make_named(TransportKind kind, Bootstrap& bootstrap,
 // NVSHMEM is not built, or options.inter_node_transport), in one mixed schedule.
 std::unique_ptr<Transport> make_auto_transport(Bootstrap& bootstrap,
                                                const CopyServiceOptions& options) {
-  wire::Writer mine;
+  message::Writer mine;
   mine.put<std::int32_t>(visible_cuda_devices());
   bool all_gpus = true;
   for (const auto& part : bootstrap.all_gather(mine.bytes()))
-    all_gpus = all_gpus && wire::Reader(part).get<std::int32_t>() > 0;
+    all_gpus = all_gpus && message::Reader(part).get<std::int32_t>() > 0;
   const NodeMap nodes = map_nodes(bootstrap, options.node_size);
   const TransportKind intra =
       all_gpus && is_available(TransportKind::kCuda) ? TransportKind::kCuda : TransportKind::kHost;

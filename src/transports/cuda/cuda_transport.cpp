@@ -19,8 +19,8 @@
 #include <sstream>
 #include <thread>
 
+#include "core/message.hpp"
 #include "core/transport.hpp"
-#include "core/wire.hpp"
 #include "gpu/copy_kernels.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
@@ -46,7 +46,9 @@ constexpr std::size_t kCopyEngineMaxCopies = 4;
 // Pieces (descriptors) one SM-engine CTA takes on: 4 for each of its 16 warps.
 constexpr std::uint64_t kPiecesPerCta = 64;
 
-struct WireSpan {
+// A span of memory shared through CUDA IPC, as the exchange carries it: which of the sender's
+// exported allocations, and where in it.
+struct SharedSpan {
   std::uint32_t handle;  // kBounceHandle: into the receiver's bounce buffer
   std::uint32_t reserved;
   std::uint64_t offset;
@@ -283,7 +285,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   const bool stream_ordered = same_device_mode != "kernel" && SameDeviceOrder::supported(device_) &&
                               (same_device_mode != "auto" || !SameDeviceOrder::mps_server_found());
   const bool delegates = stream_ordered && same_device_mode != "stream";
-  wire::Writer mine;
+  message::Writer mine;
   mine.put<std::int32_t>(::getpid());
   mine.put<std::int32_t>(device_);
   mine.put(handle);
@@ -297,7 +299,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   pids_.assign(n_pes_, 0);
   same_device_.assign(n_pes_, false);
   for (int pe = 0; pe < n_pes_; ++pe) {
-    wire::Reader reader(all[pe]);
+    message::Reader reader(all[pe]);
     const auto pid = reader.get<std::int32_t>();
     pids_[pe] = pe == me_ ? 0 : pid;  // only peers are watched
     const int peer_device = reader.get<std::int32_t>();
@@ -368,9 +370,9 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   IpcExporter exporter;
   for (std::uintptr_t base : refused) exporter.refuse(base);
   std::vector<WireBatch> batches;
-  std::vector<WireSpan> spans;
+  std::vector<SharedSpan> spans;
   struct Staged {
-    std::size_t wire_span;
+    std::size_t shared_span;
     const CopySpan* destination;
   };
   std::vector<Staged> staged;
@@ -396,7 +398,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     if (!bounce)
       throw_error(ErrorCode::kSystem, "cannot export the CUDA transport's bounce buffer");
     for (const Staged& s : staged) {
-      WireSpan& span = spans[s.wire_span];
+      SharedSpan& span = spans[s.shared_span];
       span.handle = bounce->handle;
       span.offset += bounce->offset;
       unstage.push_back(
@@ -421,8 +423,8 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     for (const PlannedBatch& batch : *batches_of)
       if (!same_device_[batch.peer]) other_device_work = 1;
   std::vector<WireBatch> delegated_batches;
-  std::vector<WireSpan> delegated_spans, local_sources, local_destinations;
-  auto export_span = [&](const void* pointer, std::uint64_t bytes, std::vector<WireSpan>& into) {
+  std::vector<SharedSpan> delegated_spans, local_sources, local_destinations;
+  auto export_span = [&](const void* pointer, std::uint64_t bytes, std::vector<SharedSpan>& into) {
     const auto exported = delegable ? exporter.export_pointer(pointer) : std::nullopt;
     if (!exported) {
       delegable = 0;
@@ -451,16 +453,16 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     }
   }
 
-  wire::Writer mine;
+  message::Writer mine;
   mine.put_array(std::span<const HandleBytes>(exporter.handles()));
   mine.put_array(std::span<const WireBatch>(batches));
-  mine.put_array(std::span<const WireSpan>(spans));
+  mine.put_array(std::span<const SharedSpan>(spans));
   mine.put<std::uint8_t>(delegable);
   mine.put<std::uint8_t>(other_device_work);
   mine.put_array(std::span<const WireBatch>(delegated_batches));
-  mine.put_array(std::span<const WireSpan>(delegated_spans));
-  mine.put_array(std::span<const WireSpan>(local_sources));
-  mine.put_array(std::span<const WireSpan>(local_destinations));
+  mine.put_array(std::span<const SharedSpan>(delegated_spans));
+  mine.put_array(std::span<const SharedSpan>(local_sources));
+  mine.put_array(std::span<const SharedSpan>(local_destinations));
   const auto all = bootstrap_.all_gather(mine.bytes());
 
   // My sends to each peer, in plan order, meet that peer's receives from me in its plan order.
@@ -470,25 +472,25 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   struct PeerExports {
     std::vector<HandleBytes> handles;
     std::vector<WireBatch> batches;
-    std::vector<WireSpan> spans;
+    std::vector<SharedSpan> spans;
     bool delegable = false;
     bool other_device_work = false;
     std::vector<WireBatch> delegated_batches;
-    std::vector<WireSpan> delegated_spans, local_sources, local_destinations;
+    std::vector<SharedSpan> delegated_spans, local_sources, local_destinations;
   };
   std::vector<PeerExports> exports(n_pes_);
   for (int pe = 0; pe < n_pes_; ++pe) {
-    wire::Reader reader(all[pe]);
+    message::Reader reader(all[pe]);
     PeerExports& e = exports[pe];
     e.handles = reader.get_array<HandleBytes>();
     e.batches = reader.get_array<WireBatch>();
-    e.spans = reader.get_array<WireSpan>();
+    e.spans = reader.get_array<SharedSpan>();
     e.delegable = reader.get<std::uint8_t>() != 0;
     e.other_device_work = reader.get<std::uint8_t>() != 0;
     e.delegated_batches = reader.get_array<WireBatch>();
-    e.delegated_spans = reader.get_array<WireSpan>();
-    e.local_sources = reader.get_array<WireSpan>();
-    e.local_destinations = reader.get_array<WireSpan>();
+    e.delegated_spans = reader.get_array<SharedSpan>();
+    e.local_sources = reader.get_array<SharedSpan>();
+    e.local_destinations = reader.get_array<SharedSpan>();
   }
   bool delegated = delegate_;
   for (int pe : followers_) delegated = delegated && exports[pe].delegable;
@@ -538,7 +540,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       const PeerExports& from = exports[f];
       for (const auto* list :
            {&from.delegated_spans, &from.local_sources, &from.local_destinations})
-        for (const WireSpan& span : *list) need_handle(f, span.handle);
+        for (const SharedSpan& span : *list) need_handle(f, span.handle);
       for (int pe : followers_)
         if (pe != f) need_destinations(pe, f);
     }
@@ -583,7 +585,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       }
       for (std::uint32_t s = 0; s < send.span_count; ++s) {
         const CopySpan& source = plan.spans[send.first_span + s];
-        const WireSpan& target = peer_spans.at(receives[b].first + s);
+        const SharedSpan& target = peer_spans.at(receives[b].first + s);
         if (target.bytes != source.bytes) {
           throw_error(ErrorCode::kSystem, "internal: PEs " + std::to_string(me_) + " and " +
                                               std::to_string(pe) + " disagree on a span");
@@ -621,7 +623,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       const std::size_t first = expected[b].first;
       const std::uint32_t count = expected[b].count;
       for (std::uint32_t s = 0; s < count; ++s) {
-        const WireSpan& source = from.delegated_spans.at(source_index + s);
+        const SharedSpan& source = from.delegated_spans.at(source_index + s);
         unsigned char* source_base = map_handle(f, source.handle);
         unsigned char* destination = nullptr;
         std::uint64_t bytes = 0;
@@ -630,7 +632,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
           destination = reinterpret_cast<unsigned char*>(target.data);
           bytes = target.bytes;
         } else {
-          const WireSpan& target = exports[to].spans.at(first + s);
+          const SharedSpan& target = exports[to].spans.at(first + s);
           unsigned char* base = map_handle(to, target.handle);
           destination = base == nullptr ? nullptr : base + target.offset;
           bytes = target.bytes;
@@ -649,8 +651,8 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     local.group.peer = f;
     local.delegated = true;
     for (std::size_t i = 0; i < from.local_sources.size(); ++i) {
-      const WireSpan& source = from.local_sources[i];
-      const WireSpan& target = from.local_destinations.at(i);
+      const SharedSpan& source = from.local_sources[i];
+      const SharedSpan& target = from.local_destinations.at(i);
       unsigned char* source_base = map_handle(f, source.handle);
       unsigned char* target_base = map_handle(f, target.handle);
       if (source_base != nullptr && target_base != nullptr)
@@ -672,11 +674,11 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   prepared.follower_run_count = static_cast<std::uint32_t>(idle_followers.size());
   prepared.follower_runs.upload(idle_followers);
   // Every PE learns which of its allocations a peer could not map, and all retry together.
-  wire::Writer failures;
+  message::Writer failures;
   failures.put_array(std::span<const PeerHandle>(unmappable));
   bool any = false;
   for (const auto& part : bootstrap_.all_gather(failures.bytes())) {
-    wire::Reader reader(part);
+    message::Reader reader(part);
     for (const PeerHandle& failed : reader.get_array<PeerHandle>()) {
       any = true;
       if (failed.owner == me_) refused.push_back(exporter.base_of(failed.handle));
@@ -920,11 +922,11 @@ void CudaTransport::autotune(PreparedRun& prepared) {
     seconds.push_back(ms / 1e3 / kAutotuneRuns);
   }
   // Every PE takes the engine whose slowest PE was fastest: the same data, the same choice.
-  wire::Writer mine;
+  message::Writer mine;
   mine.put_array(std::span<const double>(seconds));
   std::vector<double> slowest(candidates.size(), 0.0);
   for (const auto& part : bootstrap_.all_gather(mine.bytes())) {
-    wire::Reader reader(part);
+    message::Reader reader(part);
     const auto theirs = reader.get_array<double>();
     for (std::size_t c = 0; c < candidates.size() && c < theirs.size(); ++c)
       slowest[c] = std::max(slowest[c], theirs[c]);

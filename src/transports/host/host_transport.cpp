@@ -16,8 +16,8 @@
 #include <thread>
 
 #include "core/env.hpp"
+#include "core/message.hpp"
 #include "core/transport.hpp"
-#include "core/wire.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "transports/host/shm_segment.hpp"
@@ -138,7 +138,7 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   const std::uint64_t budget = options.host.staging_bytes;
   std::uint64_t wanted = budget / (std::max(n_pes_ - 1, 1) * kSlotsPerChannel);
   wanted = std::clamp(wanted / kPage * kPage, kMinSlotBytes, kMaxSlotBytes);
-  wire::Writer mine;
+  message::Writer mine;
   mine.put(wanted);
   // The creator's pid too: a mixed schedule runs one host transport per node, each with its own
   // PE 0, under one job id.
@@ -148,7 +148,7 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   const auto all = bootstrap.all_gather(mine.bytes());
   slot_bytes_ = wanted;
   for (std::size_t pe = 0; pe < all.size(); ++pe) {
-    wire::Reader reader(all[pe]);
+    message::Reader reader(all[pe]);
     slot_bytes_ = std::min(slot_bytes_, reader.get<std::uint64_t>());
     std::string id = reader.get_string();
     if (pe == 0) job_id = std::move(id);

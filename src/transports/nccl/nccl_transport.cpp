@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/message.hpp"
 #include "core/transport.hpp"
-#include "core/wire.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
 #include "reshard/error.hpp"
@@ -116,9 +116,9 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
 
   ncclUniqueId id{};
   if (me_ == 0) RESHARD_NCCL_CHECK(ncclGetUniqueId(&id));
-  wire::Writer mine;
+  message::Writer mine;
   mine.put(id);
-  id = wire::Reader(bootstrap_.all_gather(mine.bytes())[0]).get<ncclUniqueId>();
+  id = message::Reader(bootstrap_.all_gather(mine.bytes())[0]).get<ncclUniqueId>();
   local_pids_ = cuda::local_peer_pids(bootstrap_);
   // Nonblocking: no NCCL call (setup, first connections to a peer, teardown) can then block
   // beyond the service's timeout on a peer that died, whatever NCCL's own timeouts are.

@@ -27,9 +27,9 @@
 #include <optional>
 #include <vector>
 
+#include "core/message.hpp"
 #include "core/nodes.hpp"
 #include "core/transport.hpp"
-#include "core/wire.hpp"
 #include "gpu/copy_kernels.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
@@ -164,9 +164,9 @@ void initialize(Runtime& rt, Bootstrap& bootstrap, int device, std::uint64_t bud
   if (me == 0 && nvshmemx_get_uniqueid(&id) != 0) {
     throw_error(ErrorCode::kSystem, "nvshmemx_get_uniqueid failed on PE 0");
   }
-  wire::Writer mine;
+  message::Writer mine;
   mine.put(id);
-  id = wire::Reader(bootstrap.all_gather(mine.bytes())[0]).get<nvshmemx_uniqueid_t>();
+  id = message::Reader(bootstrap.all_gather(mine.bytes())[0]).get<nvshmemx_uniqueid_t>();
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   if (nvshmemx_set_attr_uniqueid_args(me, n, &id, &attr) != 0 ||
       nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {

@@ -1,5 +1,5 @@
-// Packing plain values into byte vectors for bootstrap messages. Every PE runs the same binary on
-// the same architecture, so values travel in native byte order.
+// Messages between PEs over the bootstrap: plain values packed into byte vectors. Every PE runs
+// the same binary on the same architecture, so values travel in native byte order.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +11,7 @@
 
 #include "reshard/error.hpp"
 
-namespace reshard::wire {
+namespace reshard::message {
 
 class Writer {
  public:
@@ -76,4 +76,4 @@ class Reader {
   std::size_t offset_ = 0;
 };
 
-}  // namespace reshard::wire
+}  // namespace reshard::message
