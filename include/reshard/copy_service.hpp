@@ -17,7 +17,7 @@ namespace reshard {
 namespace test_hooks {
 struct ServiceProbe;  // the tests' fault injection (not part of the API)
 }
-namespace exec {
+namespace execution {
 struct ServiceSlot;  // execute_reshard_plan's state kept with a service (not part of the API)
 }
 // The transports compiled into this build, by name ("host" always; "cuda", "nccl", "nvshmem" when
@@ -134,7 +134,7 @@ class CopyService {
 
  private:
   friend struct test_hooks::ServiceProbe;
-  friend struct exec::ServiceSlot;
+  friend struct execution::ServiceSlot;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -348,7 +348,7 @@ void bind_copy_service(nb::module_& m) {
       .def_prop_ro("initialized", &CopyService::initialized)
       .def_prop_ro("transport_name", &CopyService::transport_name)
       .def_prop_ro("generation",
-                   [](const CopyService& self) { return exec::ServiceSlot::generation(self); })
+                   [](const CopyService& self) { return execution::ServiceSlot::generation(self); })
       .def(
           "register_send",
           [](CopyService& self, TaskId task, const ReadOnlyArray& src, std::size_t pos,

@@ -8,7 +8,7 @@
 #include "reshard/layout.hpp"
 #include "transforms/number_formats.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 struct BoxView {
   int outer_dims = 0;  // dimensions before the row dimension
@@ -106,4 +106,4 @@ inline BoxView dense_view(const Box& box) {
   return view_of(at_origin, shape, false);
 }
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

@@ -13,7 +13,7 @@
 #include "execution/box_view.hpp"
 #include "gpu/cuda_check.hpp"
 
-namespace reshard::exec::cuda {
+namespace reshard::execution::cuda {
 
 // Jobs of one kind in device memory: the jobs, then each job's first work item (ascending), so a
 // warp or CTA finds its job by binary search.
@@ -156,4 +156,4 @@ inline void job_bytes(const std::vector<Job>& jobs, ItemsOf items_of, std::uint6
   }
 }
 
-}  // namespace reshard::exec::cuda
+}  // namespace reshard::execution::cuda

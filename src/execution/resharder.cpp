@@ -26,7 +26,7 @@
 namespace reshard {
 namespace {
 
-using exec::wire_task;
+using execution::wire_task;
 
 // One op as this rank takes part in it (as sender or receiver).
 struct Side {
@@ -34,8 +34,8 @@ struct Side {
   const Shard* shard = nullptr;  // this rank's shard of the parameter
   bool transformed = false;
   std::uint32_t phase = 0;  // of the refit (Phase)
-  std::vector<exec::WireRange> wire;
-  exec::BoxView view;  // the slice in the local tensor (rows merged)
+  std::vector<execution::WireRange> wire;
+  execution::BoxView view;  // the slice in the local tensor (rows merged)
 };
 
 // A local op whose transform converts it in place (converts_locally): no wire, no request.
@@ -56,14 +56,14 @@ std::string where(const ReshardPlan& plan, const TransferOp& op) {
 // packs and unpacks of their non-contiguous slices.
 struct Phase {
   std::vector<std::size_t> sends, receives;  // indices into Prepared::sends / receives
-  exec::BlockCopyBatch packs, unpacks;
+  execution::BlockCopyBatch packs, unpacks;
 };
 
 struct Resharder::Impl {
   std::shared_ptr<const ReshardPlan> plan;
   CopyService& service;
   std::shared_ptr<ReshardTransform> transform;
-  exec::RangedTransform* ranged;           // the transform, where it is a built-in one
+  execution::RangedTransform* ranged;      // the transform, where it is a built-in one
   std::optional<std::uint64_t> requested;  // the budget given (option, else environment)
   bool colocated_on_sender;                // ReshardOptions::quantize_colocated_on_sender
   // Each rank's GPU (gpu_identity), where colocated_on_sender; else empty. Handed to the transform
@@ -75,7 +75,7 @@ struct Resharder::Impl {
   std::vector<const TransferOp*> send_ops, recv_ops;
   std::vector<const std::string*> send_params, recv_params;  // each once, in op order
   std::unordered_map<TaskId, std::uint32_t> op_index;        // by task id
-  exec::StagingPool staging;
+  execution::StagingPool staging;
   // This rank's sides of the ops, as registered and scheduled for `tensors`.
   struct Prepared {
     bool valid = false;
@@ -104,7 +104,7 @@ struct Resharder::Impl {
       : plan(std::move(p)),
         service(s),
         transform(std::move(t)),
-        ranged(dynamic_cast<exec::RangedTransform*>(transform.get())),
+        ranged(dynamic_cast<execution::RangedTransform*>(transform.get())),
         requested(requested_budget(o)),
         colocated_on_sender(o.quantize_colocated_on_sender),
         budget(requested.value_or(ReshardOptions::kDefaultStagingBudget)),
@@ -203,7 +203,7 @@ struct Resharder::Impl {
     char host[256] = {};
     ::gethostname(host, sizeof host - 1);
     const std::uint64_t id =
-        std::hash<std::string>{}(std::string(host) + "/" + exec::cuda::pci_bus_id(device));
+        std::hash<std::string>{}(std::string(host) + "/" + execution::cuda::pci_bus_id(device));
     return id == 0 ? 1 : id;
 #else
     return 0;
@@ -212,7 +212,7 @@ struct Resharder::Impl {
 
   ~Impl() {
 #ifdef RESHARD_WITH_CUDA
-    if (own_stream != nullptr) exec::cuda::destroy_stream(own_stream_device, own_stream);
+    if (own_stream != nullptr) execution::cuda::destroy_stream(own_stream_device, own_stream);
     if (transfer_stream != nullptr) destroy_transfer_stream();
 #endif
   }
@@ -275,7 +275,7 @@ struct Resharder::Impl {
     if (device < 0) return nullptr;
 #ifdef RESHARD_WITH_CUDA
     if (own_stream == nullptr) {
-      own_stream = exec::cuda::create_stream(device);
+      own_stream = execution::cuda::create_stream(device);
       own_stream_device = device;
     }
     return own_stream;
@@ -286,12 +286,12 @@ struct Resharder::Impl {
 
   // The wire buffers the transform returns for a transformed side (its hooks run at every refit:
   // the sender's converts the data now).
-  std::vector<exec::WireRange> transform_wire(const Side& side, const LocalTensor& tensor,
-                                              bool sending, void* stream) {
+  std::vector<execution::WireRange> transform_wire(const Side& side, const LocalTensor& tensor,
+                                                   bool sending, void* stream) {
     const TransferOp& op = *side.op;
     const Box local = sending ? op.src_box() : op.dst_box();
     const OpSlice slice{plan->params()[op.param], op, local, side.shard->local_shape};
-    std::vector<exec::WireRange> wire;
+    std::vector<execution::WireRange> wire;
     if (ranged != nullptr) {
       // The built-in transforms: wire buffers from the executor's pool (bounded by the budget);
       // strided slices go from and land in the tensors in place where rows move in place.
@@ -300,7 +300,7 @@ struct Resharder::Impl {
     } else {
       for (const Buffer& buffer : sending ? transform->prepare_send(slice, tensor, stream)
                                           : transform->prepare_recv(slice, tensor))
-        wire.push_back(exec::WireRange::whole(buffer));
+        wire.push_back(execution::WireRange::whole(buffer));
     }
     if (wire.empty() || wire.size() > static_cast<std::size_t>(kMaxWireBuffers)) {
       throw_error(ErrorCode::kInvalidArgument,
@@ -315,7 +315,7 @@ struct Resharder::Impl {
   // (receiving) a non-contiguous slice needs, added to `copies`. While the pool is sizing, a
   // custom transform's hooks are not called (its wire buffers are its own, outside the budget).
   Side prepare_side(const TransferOp& op, const TensorMap& tensors, bool sending, void* stream,
-                    exec::BlockCopyBatch& copies, ReshardReport& report) {
+                    execution::BlockCopyBatch& copies, ReshardReport& report) {
     const Layout& layout = sending ? plan->src_layout() : plan->dst_layout();
     Side side;
     side.op = &op;
@@ -326,12 +326,13 @@ struct Resharder::Impl {
       side.wire = transform_wire(side, tensor, sending, stream);
       return side;
     }
-    side.view = exec::view_of(sending ? op.src_box() : op.dst_box(), side.shard->local_shape, true);
+    side.view =
+        execution::view_of(sending ? op.src_box() : op.dst_box(), side.shard->local_shape, true);
     const std::size_t element = dtype_size(tensor.dtype);
     // A strided slice travels in place where the transport copies rows at full speed: no
     // staging, no pack, no unpack.
     if (side.view.contiguous() || rows_in_place) {
-      side.wire.push_back({tensor.data, exec::strided_range_of(side.view, element)});
+      side.wire.push_back({tensor.data, execution::strided_range_of(side.view, element)});
       if (!side.view.contiguous()) report.strided_bytes += op.bytes;
       return side;
     }
@@ -350,7 +351,7 @@ struct Resharder::Impl {
   // data and scales by the sender, say), the op's own bytes without one.
   static std::uint64_t wire_bytes(const Side& side) {
     std::uint64_t bytes = 0;
-    for (const exec::WireRange& w : side.wire) bytes += w.range.bytes();
+    for (const execution::WireRange& w : side.wire) bytes += w.range.bytes();
     return bytes;
   }
 
@@ -391,15 +392,15 @@ struct Resharder::Impl {
         destroy_transfer_stream();
       }
       if (transfer_stream == nullptr) {
-        transfer_stream = exec::cuda::create_stream(prepared.device, /*high_priority=*/true);
-        transfer_fork = exec::cuda::create_event(prepared.device);
-        transfer_join = exec::cuda::create_event(prepared.device);
+        transfer_stream = execution::cuda::create_stream(prepared.device, /*high_priority=*/true);
+        transfer_fork = execution::cuda::create_event(prepared.device);
+        transfer_join = execution::cuda::create_event(prepared.device);
         transfer_stream_device = prepared.device;
       }
-      exec::cuda::order_after(transfer_stream, stream, transfer_fork);
+      execution::cuda::order_after(transfer_stream, stream, transfer_fork);
       service.run_phase(0, transfer_stream);
       convert_locals(src, dst, stream);
-      exec::cuda::order_after(stream, transfer_stream, transfer_join);
+      execution::cuda::order_after(stream, transfer_stream, transfer_join);
       return;
     }
 #endif
@@ -409,9 +410,9 @@ struct Resharder::Impl {
 
 #ifdef RESHARD_WITH_CUDA
   void destroy_transfer_stream() {
-    exec::cuda::destroy_stream(transfer_stream_device, transfer_stream);
-    exec::cuda::destroy_event(transfer_stream_device, transfer_fork);
-    exec::cuda::destroy_event(transfer_stream_device, transfer_join);
+    execution::cuda::destroy_stream(transfer_stream_device, transfer_stream);
+    execution::cuda::destroy_event(transfer_stream_device, transfer_fork);
+    execution::cuda::destroy_event(transfer_stream_device, transfer_join);
     transfer_stream = nullptr;
   }
 #endif
@@ -421,7 +422,7 @@ struct Resharder::Impl {
     for (const Side& side : sends) {
       service.set_phase(side.phase);
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
-        const exec::WireRange& w = side.wire[i];
+        const execution::WireRange& w = side.wire[i];
         service.register_send(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.range,
                               side.op->dst_rank);
       }
@@ -429,7 +430,7 @@ struct Resharder::Impl {
     for (const Side& side : receives) {
       service.set_phase(side.phase);
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
-        const exec::WireRange& w = side.wire[i];
+        const execution::WireRange& w = side.wire[i];
         service.register_receive(wire_task(side.op->task_id, side.wire.size(), i), w.buffer,
                                  w.range, side.op->src_rank);
       }
@@ -449,12 +450,12 @@ struct Resharder::Impl {
     text << error.what() << "\nin terms of the reshard plan:";
     std::size_t shown = 0;
     for (TaskId task : error.tasks()) {
-      const TaskId op_task = exec::op_task_of(task);
+      const TaskId op_task = execution::op_task_of(task);
       auto it = std::find_if(plan->ops().begin(), plan->ops().end(),
                              [&](const TransferOp& op) { return op.task_id == op_task; });
       if (it == plan->ops().end() || ++shown > 8) continue;
-      text << "\n  - task " << task << " is wire buffer " << exec::wire_index_of(task) + 1 << " of "
-           << exec::wire_count_of(task) << " of " << where(*plan, *it);
+      text << "\n  - task " << task << " is wire buffer " << execution::wire_index_of(task) + 1
+           << " of " << execution::wire_count_of(task) << " of " << where(*plan, *it);
     }
     text << "\n(wire buffers without a partner mean the sender's and the receiver's transform "
             "returned different numbers or sizes of buffers for the same op)";
@@ -486,10 +487,10 @@ struct Resharder::Impl {
   }
 
   // Whether a transform's hooks returned the wire buffers a side was scheduled with.
-  static bool same_wire(const std::vector<exec::WireRange>& a,
-                        const std::vector<exec::WireRange>& b) {
+  static bool same_wire(const std::vector<execution::WireRange>& a,
+                        const std::vector<execution::WireRange>& b) {
     return std::equal(a.begin(), a.end(), b.begin(), b.end(),
-                      [](const exec::WireRange& x, const exec::WireRange& y) {
+                      [](const execution::WireRange& x, const execution::WireRange& y) {
                         return x.buffer.data == y.buffer.data && x.range.bytes() == y.range.bytes();
                       });
   }
@@ -530,7 +531,7 @@ struct Resharder::Impl {
   // where one more would take some rank past the budget. A unit that alone needs more than a
   // budget the caller gave is refused, on every rank alike; the default budget grows to it.
   std::vector<std::uint32_t> assign_phases(
-      const std::map<exec::StagingPool::OpKey, std::size_t>& sized,
+      const std::map<execution::StagingPool::OpKey, std::size_t>& sized,
       const std::map<std::uint32_t, std::uint32_t>& leaders) {
     std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
     for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
@@ -626,7 +627,8 @@ struct Resharder::Impl {
                void* stream, ReshardReport& report) {
 #ifdef RESHARD_WITH_CUDA
     // The last refit's work may still read the staging that is placed anew here.
-    if (stream != nullptr && staging.reserved_bytes() > 0) exec::cuda::synchronize_stream(stream);
+    if (stream != nullptr && staging.reserved_bytes() > 0)
+      execution::cuda::synchronize_stream(stream);
 #endif
     prepared.sends.clear();
     prepared.receives.clear();
@@ -646,8 +648,8 @@ struct Resharder::Impl {
     }
     // The built-in transforms convert nothing here: the refits convert phase by phase.
     struct DryRun {
-      exec::RangedTransform* ranged;
-      explicit DryRun(exec::RangedTransform* r) : ranged(r) {
+      execution::RangedTransform* ranged;
+      explicit DryRun(execution::RangedTransform* r) : ranged(r) {
         if (ranged != nullptr) ranged->set_dry_run(true);
       }
       ~DryRun() {
@@ -660,7 +662,7 @@ struct Resharder::Impl {
     staging.start_sizing();
     std::map<std::uint32_t, std::uint32_t> leaders;
     {
-      exec::BlockCopyBatch scratch;
+      execution::BlockCopyBatch scratch;
       ReshardReport ignored;
       for (const auto& [ops, map, is_send] :
            {std::tuple{&sending, &src, true}, std::tuple{&receiving, &dst, false}}) {
@@ -676,8 +678,9 @@ struct Resharder::Impl {
     }
     const std::vector<std::uint32_t> phase_of = assign_phases(staging.sized_bytes(), leaders);
     auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
-    staging.arrange(
-        [&](const exec::StagingPool::OpKey& key) { return phase_of[op_index.at(key.second)]; });
+    staging.arrange([&](const execution::StagingPool::OpKey& key) {
+      return phase_of[op_index.at(key.second)];
+    });
     const std::uint32_t phases =
         phase_of.empty() ? 1 : *std::max_element(phase_of.begin(), phase_of.end()) + 1;
     for (std::uint32_t p = 0; p < phases; ++p) prepared.phases.push_back(std::make_unique<Phase>());
@@ -711,7 +714,7 @@ struct Resharder::Impl {
                   "again on every rank");
     }
     register_and_schedule(prepared.sends, prepared.receives);
-    registered_generation = exec::ServiceSlot::generation(service);
+    registered_generation = execution::ServiceSlot::generation(service);
     report.rescheduled = true;
     prepared.tensors = std::move(tensors);
     prepared.valid = true;
@@ -728,7 +731,7 @@ struct Resharder::Impl {
       if (!enabled) return;
       *issued += std::chrono::duration<double>(std::chrono::steady_clock::now() - last).count();
 #ifdef RESHARD_WITH_CUDA
-      if (stream != nullptr) exec::cuda::synchronize_stream(stream);
+      if (stream != nullptr) execution::cuda::synchronize_stream(stream);
 #endif
       const auto now = std::chrono::steady_clock::now();
       phase += std::chrono::duration<double>(now - last).count();
@@ -758,7 +761,7 @@ struct Resharder::Impl {
       const TransferOp& op = *side.op;
       const LocalTensor& tensor = dst.at(plan->params()[op.param].name);
       std::vector<Buffer> buffers;
-      for (const exec::WireRange& w : side.wire) buffers.push_back(w.buffer);
+      for (const execution::WireRange& w : side.wire) buffers.push_back(w.buffer);
       const OpSlice slice{plan->params()[op.param], op, op.dst_box(), side.shard->local_shape};
       transform->finalize_recv(slice, tensor, buffers, stream);
     }
@@ -775,7 +778,7 @@ struct Resharder::Impl {
     // the transforms' hooks run again.
     std::vector<LocalTensor> tensors = tensors_used(src, dst);
     const bool reusable =
-        prepared.valid && exec::ServiceSlot::generation(service) == registered_generation &&
+        prepared.valid && execution::ServiceSlot::generation(service) == registered_generation &&
         same_tensors(tensors, prepared.tensors) && rerun_transforms(src, dst, stream);
     // Scheduling is collective: a rank given new tensors alone must not schedule alone (its peers
     // would run the old schedule and both sides time out), so the ranks agree, in one small
@@ -805,7 +808,7 @@ struct Resharder::Impl {
       clock.mark(report.finalize_seconds);
     }
 #ifdef RESHARD_WITH_CUDA
-    if (cuda_stream == nullptr && stream != nullptr) exec::cuda::synchronize_stream(stream);
+    if (cuda_stream == nullptr && stream != nullptr) execution::cuda::synchronize_stream(stream);
 #endif
     report.bytes_sent = prepared.report.bytes_sent;
     report.bytes_received = prepared.report.bytes_received;
@@ -848,7 +851,7 @@ ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& pla
                                    const TensorMap& src, const TensorMap& dst, CopyService& service,
                                    std::shared_ptr<ReshardTransform> transform, void* cuda_stream,
                                    const ReshardOptions& options) {
-  std::shared_ptr<void>& slot = exec::ServiceSlot::executors(service);
+  std::shared_ptr<void>& slot = execution::ServiceSlot::executors(service);
   if (!slot) slot = std::make_shared<ExecutorCache>();
   auto& cache = static_cast<ExecutorCache*>(slot.get())->executors;
   auto key = std::make_pair(plan.get(), transform.get());

@@ -9,7 +9,7 @@
 
 #include "execution/box_view.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 // n / divisor for every 32-bit n (Granlund and Montgomery, "Division by invariant integers using
 // multiplication", 1994, section 4: a multiplier of 33 bits, its top bit implicit).
@@ -73,4 +73,4 @@ struct RowWalk {
   }
 };
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

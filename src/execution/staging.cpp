@@ -9,7 +9,7 @@
 #include "execution/row_walk.hpp"
 #include "reshard/error.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 namespace {
 
 // Host loop shared by pack and unpack: rows of the source view to rows of the destination view.
@@ -290,4 +290,4 @@ void BlockCopyBatch::run(void* stream) {
 #endif
 }
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

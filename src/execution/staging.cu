@@ -6,7 +6,7 @@
 #include "execution/staging.hpp"
 #include "gpu/cuda_check.hpp"
 
-namespace reshard::exec::cuda {
+namespace reshard::execution::cuda {
 namespace {
 
 class DeviceScope {
@@ -224,4 +224,4 @@ void order_after(void* later, void* earlier, void* event) {
   RESHARD_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(later), point, 0));
 }
 
-}  // namespace reshard::exec::cuda
+}  // namespace reshard::execution::cuda

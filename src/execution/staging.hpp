@@ -15,7 +15,7 @@
 #include "execution/box_view.hpp"
 #include "reshard/types.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 // Owned memory of the same kind and device as some tensor; freed on destruction.
 class Staging {
@@ -172,4 +172,4 @@ void order_after(void* later, void* earlier, void* event);
 }  // namespace cuda
 #endif
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

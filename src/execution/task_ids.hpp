@@ -9,7 +9,7 @@
 #include "reshard/transform.hpp"
 #include "reshard/types.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 inline constexpr int kWireIndexBits = 4;
 inline constexpr TaskId kWireIndexMask = (TaskId{1} << kWireIndexBits) - 1;
@@ -27,4 +27,4 @@ inline std::size_t wire_index_of(TaskId task) {
   return static_cast<std::size_t>(task & kWireIndexMask);
 }
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

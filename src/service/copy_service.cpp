@@ -149,7 +149,7 @@ struct CopyService::Impl {
   std::uint32_t phase = 0;           // of the requests registered next
   std::uint64_t generation = 0;
   bool scheduled_since_clear = false;  // schedule() succeeded since the last clear_requests()
-  std::shared_ptr<void> attachment;    // exec::ServiceSlot::executors
+  std::shared_ptr<void> attachment;    // execution::ServiceSlot::executors
   bool verify = false;
   // test_hooks::ServiceProbe: called after each phase's transfer, before verify mode's check.
   std::function<void(std::uint32_t phase)> after_transfer;
@@ -687,7 +687,7 @@ void ServiceProbe::corrupt_receives_after_run(CopyService& service, std::optiona
 
 }  // namespace reshard::test_hooks
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 std::uint64_t ServiceSlot::generation(const CopyService& service) {
   return service.impl_->generation;
@@ -697,4 +697,4 @@ std::shared_ptr<void>& ServiceSlot::executors(CopyService& service) {
   return service.impl_->attachment;
 }
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

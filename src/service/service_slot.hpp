@@ -7,7 +7,7 @@
 
 #include "reshard/copy_service.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 struct ServiceSlot {
   // Changes whenever a request is registered on `service` or its requests are cleared: an
@@ -18,4 +18,4 @@ struct ServiceSlot {
   static std::shared_ptr<void>& executors(CopyService& service);
 };
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

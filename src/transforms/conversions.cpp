@@ -3,7 +3,7 @@
 #include "reshard/error.hpp"
 #include "transforms/element_access.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 namespace {
 
 using namespace formats;
@@ -237,4 +237,4 @@ void ConversionQueue::flush(void* stream) {
   swizzles_.clear();
 }
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

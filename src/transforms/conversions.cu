@@ -9,7 +9,7 @@
 #include "reshard/error.hpp"
 #include "transforms/conversions.hpp"
 
-namespace reshard::exec::cuda {
+namespace reshard::execution::cuda {
 namespace {
 
 using namespace formats;
@@ -884,4 +884,4 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
   launch_source.template operator()<DType::kFloat16>();
 }
 
-}  // namespace reshard::exec::cuda
+}  // namespace reshard::execution::cuda

@@ -10,7 +10,7 @@
 #include "reshard/transform.hpp"
 #include "reshard/types.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 struct BlockRef {
   void* data;
@@ -122,4 +122,4 @@ void swizzle_scales(const std::vector<SwizzleJob>& jobs, ConversionUploads& uplo
 }  // namespace cuda
 #endif
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

@@ -5,7 +5,7 @@
 #include "reshard/layout.hpp"
 #include "transforms/number_formats.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 RESHARD_HD float load_float(const void* data, DType dtype, std::int64_t index) {
   switch (dtype) {
@@ -32,4 +32,4 @@ RESHARD_HD void store_float(void* data, DType dtype, std::int64_t index, float v
   }
 }
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

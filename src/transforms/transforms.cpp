@@ -16,9 +16,9 @@
 namespace reshard {
 namespace {
 
-using exec::BlockRef;
-using exec::BoxView;
-using exec::WireRange;
+using execution::BlockRef;
+using execution::BoxView;
+using execution::WireRange;
 
 bool is_float(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
@@ -44,7 +44,7 @@ class WireBuffers {
   // Takes wire buffers from `pool` until the scope ends.
   class Borrow {
    public:
-    Borrow(WireBuffers& wire, exec::StagingPool& pool) : wire_(wire) { wire_.pool_ = &pool; }
+    Borrow(WireBuffers& wire, execution::StagingPool& pool) : wire_(wire) { wire_.pool_ = &pool; }
     ~Borrow() { wire_.pool_ = &wire_.own_; }
     Borrow(const Borrow&) = delete;
     Borrow& operator=(const Borrow&) = delete;
@@ -54,11 +54,11 @@ class WireBuffers {
   };
 
  private:
-  exec::StagingPool own_;
-  exec::StagingPool* pool_ = &own_;
+  execution::StagingPool own_;
+  execution::StagingPool* pool_ = &own_;
 };
 
-class TransformBase : public ReshardTransform, public exec::RangedTransform {
+class TransformBase : public ReshardTransform, public execution::RangedTransform {
  public:
   explicit TransformBase(std::string filter) : filter_(std::move(filter)) {}
 
@@ -70,12 +70,12 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
     return buffers_of(recv_wire(slice, dst, false));
   }
   std::vector<WireRange> send_ranges(const OpSlice& slice, const LocalTensor& src, void* stream,
-                                     exec::StagingPool& pool, bool in_place) final {
+                                     execution::StagingPool& pool, bool in_place) final {
     const WireBuffers::Borrow borrow(wire_, pool);
     return send_wire(slice, src, stream, in_place);
   }
   std::vector<WireRange> recv_ranges(const OpSlice& slice, const LocalTensor& dst,
-                                     exec::StagingPool& pool, bool in_place) final {
+                                     execution::StagingPool& pool, bool in_place) final {
     const WireBuffers::Borrow borrow(wire_, pool);
     return recv_wire(slice, dst, in_place);
   }
@@ -129,10 +129,10 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
   // The source slice as a block of its tensor (a view; where the slice is not contiguous, its
   // rows in place, or packed into a wire buffer that carries the region densely).
   WireRange source_slice(const OpSlice& slice, const LocalTensor& src, int index, bool in_place) {
-    const BoxView view = exec::view_of(slice.local, slice.local_shape, true);
+    const BoxView view = execution::view_of(slice.local, slice.local_shape, true);
     const std::size_t element = dtype_size(src.dtype);
     if (view.contiguous()) return WireRange::whole(contiguous_part(src.data, view, element));
-    if (in_place) return {src.data, exec::strided_range_of(view, element)};
+    if (in_place) return {src.data, execution::strided_range_of(view, element)};
     const std::size_t bytes = static_cast<std::size_t>(slice.local.elements()) * element;
     Buffer wire = wire_.get(true, slice.op, index, bytes, src.data);
     queue_.pack(src.data, view, element, wire);
@@ -144,7 +144,7 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
   WireRange landing(const OpSlice& slice, const Buffer& tensor, int index, const BoxView& view,
                     std::size_t element, bool in_place) {
     if (view.contiguous()) return WireRange::whole(contiguous_part(tensor, view, element));
-    if (in_place) return {tensor, exec::strided_range_of(view, element)};
+    if (in_place) return {tensor, execution::strided_range_of(view, element)};
     const auto bytes = static_cast<std::size_t>(view.elements()) * element;
     return WireRange::whole(wire_.get(false, slice.op, index, bytes, tensor));
   }
@@ -222,11 +222,11 @@ class TransformBase : public ReshardTransform, public exec::RangedTransform {
 
   WireBuffers wire_;
   // This refit's GPU work, launched by flush() or by the hooks in batches as it grows.
-  exec::ConversionQueue queue_;
+  execution::ConversionQueue queue_;
   // The local ops' conversions (convert_local), which run beside the transfer: their job lists
   // stay the same from refit to refit (uploaded once) and are not replaced under a kernel of the
   // transfer's stream.
-  exec::ConversionQueue local_queue_;
+  execution::ConversionQueue local_queue_;
 
  private:
   std::string filter_;
@@ -259,8 +259,8 @@ class CastTransform final : public TransformBase {
     if (src.dtype == wire_dtype_) return {source_slice(slice, src, 0, in_place)};
     Buffer wire = wire_.get(true, slice.op, 0, wire_bytes(slice), src.data);
     queue_.convert(
-        {{src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
-         {wire.data, wire_dtype_, exec::dense_view(slice.local)}},
+        {{src.data.data, src.dtype, execution::view_of(slice.local, slice.local_shape, false)},
+         {wire.data, wire_dtype_, execution::dense_view(slice.local)}},
         src.data);
     return {WireRange::whole(wire)};
   }
@@ -268,7 +268,7 @@ class CastTransform final : public TransformBase {
                                    bool in_place) override {
     check_dtype(slice, dst.dtype, "destination");
     if (dst.dtype == wire_dtype_) {
-      return {landing(slice, dst.data, 0, exec::view_of(slice.local, slice.local_shape, true),
+      return {landing(slice, dst.data, 0, execution::view_of(slice.local, slice.local_shape, true),
                       dtype_size(dst.dtype), in_place)};
     }
     return {WireRange::whole(wire_.get(false, slice.op, 0, wire_bytes(slice), dst.data))};
@@ -277,13 +277,13 @@ class CastTransform final : public TransformBase {
                      void* stream) override {
     queue_.flush_if_full(stream);
     if (dst.dtype == wire_dtype_ &&
-        (exec::view_of(slice.local, slice.local_shape, true).contiguous() ||
+        (execution::view_of(slice.local, slice.local_shape, true).contiguous() ||
          landed_in_place(wire[0], dst.data))) {
       return;  // it landed in place
     }
     queue_.convert(
-        {{wire[0].data, wire_dtype_, exec::dense_view(slice.local)},
-         {dst.data.data, dst.dtype, exec::view_of(slice.local, slice.local_shape, false)}},
+        {{wire[0].data, wire_dtype_, execution::dense_view(slice.local)},
+         {dst.data.data, dst.dtype, execution::view_of(slice.local, slice.local_shape, false)}},
         dst.data);
   }
 
@@ -303,8 +303,8 @@ class CastTransform final : public TransformBase {
                      const LocalTensor& dst, void* stream) override {
     local_queue_.flush_if_full(stream);
     local_queue_.convert(
-        {{src.data.data, src.dtype, exec::view_of(from.local, from.local_shape, false)},
-         {dst.data.data, dst.dtype, exec::view_of(to.local, to.local_shape, false)}},
+        {{src.data.data, src.dtype, execution::view_of(from.local, from.local_shape, false)},
+         {dst.data.data, dst.dtype, execution::view_of(to.local, to.local_shape, false)}},
         dst.data);
   }
 
@@ -367,9 +367,9 @@ class ScaledFp8Transform : public TransformBase {
     Buffer data = wire_.get(true, slice.op, 0, elements(slice.local), src.data);
     Buffer scale = wire_.get(true, slice.op, 1, scale_bytes(scales), src.data);
     quantize(queue_,
-             {src.data.data, src.dtype, exec::view_of(slice.local, slice.local_shape, false)},
-             {data.data, DType::kFloat8E4M3, exec::dense_view(slice.local)},
-             {scale.data, scale_dtype(), exec::dense_view(scales)}, slice.local, src.data, {});
+             {src.data.data, src.dtype, execution::view_of(slice.local, slice.local_shape, false)},
+             {data.data, DType::kFloat8E4M3, execution::dense_view(slice.local)},
+             {scale.data, scale_dtype(), execution::dense_view(scales)}, slice.local, src.data, {});
     return remember(key, {WireRange::whole(data), WireRange::whole(scale)});
   }
 
@@ -382,7 +382,7 @@ class ScaledFp8Transform : public TransformBase {
           wire_.get(false, slice.op, 0, n * dtype_size(slice.param.dtype), dst.data))};
     }
     WireRange data = landing(slice, dst.data, 0,
-                             exec::view_of(slice.local, slice.local_shape, true), 1, in_place);
+                             execution::view_of(slice.local, slice.local_shape, true), 1, in_place);
     if (swizzled_scales(slice).col_tiles > 0) {  // scattered over the tiles at the end
       return {data, WireRange::whole(wire_.get(false, slice.op, 1,
                                                scale_bytes(scale_box(slice.local)), dst.scale))};
@@ -395,15 +395,15 @@ class ScaledFp8Transform : public TransformBase {
                      void* stream) override {
     queue_.flush_if_full(stream);
     if (on_arrival(slice)) {
-      quantize_into(queue_, {wire[0].data, slice.param.dtype, exec::dense_view(slice.local)}, slice,
-                    dst);
+      quantize_into(queue_, {wire[0].data, slice.param.dtype, execution::dense_view(slice.local)},
+                    slice, dst);
       return;
     }
     // Blocks contiguous in the destination landed there (prepare_recv).
-    const BoxView data_view = exec::view_of(slice.local, slice.local_shape, true);
+    const BoxView data_view = execution::view_of(slice.local, slice.local_shape, true);
     if (!data_view.contiguous() && !landed_in_place(wire[0], dst.data))
       queue_.unpack(wire[0], dst.data, data_view, 1);
-    if (const exec::SwizzledScales at = swizzled_scales(slice); at.col_tiles > 0) {
+    if (const execution::SwizzledScales at = swizzled_scales(slice); at.col_tiles > 0) {
       const Box scales = scale_box(slice.local);
       queue_.swizzle_scales(
           {static_cast<const std::uint8_t*>(wire[1].data),
@@ -436,9 +436,10 @@ class ScaledFp8Transform : public TransformBase {
   void convert_local(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
                      const LocalTensor& dst, void* stream) override {
     local_queue_.flush_if_full(stream);
-    quantize_into(local_queue_,
-                  {src.data.data, src.dtype, exec::view_of(from.local, from.local_shape, false)},
-                  to, dst);
+    quantize_into(
+        local_queue_,
+        {src.data.data, src.dtype, execution::view_of(from.local, from.local_shape, false)}, to,
+        dst);
   }
 
  protected:
@@ -461,30 +462,32 @@ class ScaledFp8Transform : public TransformBase {
   virtual std::vector<std::int64_t> scale_shape(const std::vector<std::int64_t>& shape) const = 0;
   // Where a destination keeps the slice's scales in cuBLAS's swizzled layout; col_tiles 0 where
   // it keeps them as scale_shape says.
-  virtual exec::SwizzledScales swizzled_scales(const OpSlice& slice) const {
+  virtual execution::SwizzledScales swizzled_scales(const OpSlice& slice) const {
     (void)slice;
     return {};
   }
   // Queues the conversion on `queue`; `block` is the slice in local coordinates, for formats
   // whose blocks span rows, `memory` says where the buffers are, and `swizzled` where the scales
   // go if not where `scale` says.
-  virtual void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src,
-                        const exec::BlockRef& data, const exec::BlockRef& scale, const Box& block,
-                        const Buffer& memory, const exec::SwizzledScales& swizzled) = 0;
+  virtual void quantize(execution::ConversionQueue& queue, const execution::BlockRef& src,
+                        const execution::BlockRef& data, const execution::BlockRef& scale,
+                        const Box& block, const Buffer& memory,
+                        const execution::SwizzledScales& swizzled) = 0;
 
   // Queues the quantization of `src` (the slice's elements) into the slice of `dst` and its
   // scales.
-  void quantize_into(exec::ConversionQueue& queue, const exec::BlockRef& src, const OpSlice& slice,
-                     const LocalTensor& dst) {
+  void quantize_into(execution::ConversionQueue& queue, const execution::BlockRef& src,
+                     const OpSlice& slice, const LocalTensor& dst) {
     const Box scales = scale_box(slice.local);
-    const exec::SwizzledScales swizzled = swizzled_scales(slice);
-    quantize(
-        queue, src,
-        {dst.data.data, DType::kFloat8E4M3, exec::view_of(slice.local, slice.local_shape, false)},
-        {dst.scale.data, scale_dtype(),
-         swizzled.col_tiles > 0 ? exec::dense_view(scales)  // unused
-                                : exec::view_of(scales, scale_shape(slice.local_shape), false)},
-        slice.local, dst.data, swizzled);
+    const execution::SwizzledScales swizzled = swizzled_scales(slice);
+    quantize(queue, src,
+             {dst.data.data, DType::kFloat8E4M3,
+              execution::view_of(slice.local, slice.local_shape, false)},
+             {dst.scale.data, scale_dtype(),
+              swizzled.col_tiles > 0
+                  ? execution::dense_view(scales)  // unused
+                  : execution::view_of(scales, scale_shape(slice.local_shape), false)},
+             slice.local, dst.data, swizzled);
   }
   // What prepare_send checks of a source slice (and converts_locally of a local op's).
   void check_source(const OpSlice& slice, const LocalTensor& src) const {
@@ -507,7 +510,7 @@ class ScaledFp8Transform : public TransformBase {
   static std::size_t elements(const Box& box) { return static_cast<std::size_t>(box.elements()); }
   // The slice's scales in the destination's scale tensor, rows merged.
   BoxView scale_view(const OpSlice& slice) const {
-    return exec::view_of(scale_box(slice.local), scale_shape(slice.local_shape), true);
+    return execution::view_of(scale_box(slice.local), scale_shape(slice.local_shape), true);
   }
   std::size_t scale_bytes(const Box& scales) const {
     return elements(scales) * dtype_size(scale_dtype());
@@ -546,14 +549,14 @@ class Mxfp8Transform final : public ScaledFp8Transform {
     }
     return scales;
   }
-  exec::SwizzledScales swizzled_scales(const OpSlice& slice) const override {
+  execution::SwizzledScales swizzled_scales(const OpSlice& slice) const override {
     if (layout_ != MxScaleLayout::kSwizzled) return {};
     const std::int64_t scale_cols = slice.local_shape[1] / formats::kMxBlock;
     return {slice.local.offset[0], slice.local.offset[1] / formats::kMxBlock, (scale_cols + 3) / 4};
   }
-  void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src, const exec::BlockRef& data,
-                const exec::BlockRef& scale, const Box&, const Buffer& memory,
-                const exec::SwizzledScales& swizzled) override {
+  void quantize(execution::ConversionQueue& queue, const execution::BlockRef& src,
+                const execution::BlockRef& data, const execution::BlockRef& scale, const Box&,
+                const Buffer& memory, const execution::SwizzledScales& swizzled) override {
     queue.mx_quantize({src, data, scale, rounding_, swizzled}, memory);
   }
   void check_shape(const std::vector<std::int64_t>& shape) const override {
@@ -616,9 +619,9 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
     for (std::size_t d = shape.size() - 2; d < shape.size(); ++d) tiles[d] = tiles_of(shape[d]);
     return tiles;
   }
-  void quantize(exec::ConversionQueue& queue, const exec::BlockRef& src, const exec::BlockRef& data,
-                const exec::BlockRef& scale, const Box& block, const Buffer& memory,
-                const exec::SwizzledScales&) override {
+  void quantize(execution::ConversionQueue& queue, const execution::BlockRef& src,
+                const execution::BlockRef& data, const execution::BlockRef& scale, const Box& block,
+                const Buffer& memory, const execution::SwizzledScales&) override {
     queue.block_quantize({src, data, scale, block.extent[block.ndim - 2]}, memory);
   }
   // Tiles must stay whole: slices start on a tile boundary and end on one or at the dimension's
@@ -683,24 +686,25 @@ void reference_mxfp8_quantize(const std::uint16_t* bf16, std::int64_t rows, std:
   const Box box = Box::whole({rows, cols});
   const std::int64_t scale_cols = cols / formats::kMxBlock;
   const Box scale_box = Box::whole({rows, scale_cols});
-  exec::SwizzledScales swizzled{};
+  execution::SwizzledScales swizzled{};
   if (scale_layout == MxScaleLayout::kSwizzled) swizzled.col_tiles = (scale_cols + 3) / 4;
-  exec::mx_quantize({{const_cast<std::uint16_t*>(bf16), DType::kBFloat16, exec::dense_view(box)},
-                     {data, DType::kFloat8E4M3, exec::dense_view(box)},
-                     {scales, DType::kFloat8E8M0, exec::dense_view(scale_box)},
-                     rounding,
-                     swizzled},
-                    MemoryKind::kHost, nullptr);
+  execution::mx_quantize(
+      {{const_cast<std::uint16_t*>(bf16), DType::kBFloat16, execution::dense_view(box)},
+       {data, DType::kFloat8E4M3, execution::dense_view(box)},
+       {scales, DType::kFloat8E8M0, execution::dense_view(scale_box)},
+       rounding,
+       swizzled},
+      MemoryKind::kHost, nullptr);
 }
 
 void reference_fp8_block_quantize(const std::uint16_t* bf16, std::int64_t rows, std::int64_t cols,
                                   std::uint8_t* data, float* scales) {
   const Box box = Box::whole({rows, cols});
   const Box tiles = Box::whole({(rows + 127) / 128, (cols + 127) / 128});
-  exec::block_quantize({const_cast<std::uint16_t*>(bf16), DType::kBFloat16, exec::dense_view(box)},
-                       rows, {data, DType::kFloat8E4M3, exec::dense_view(box)},
-                       {scales, DType::kFloat32, exec::dense_view(tiles)}, MemoryKind::kHost,
-                       nullptr);
+  execution::block_quantize(
+      {const_cast<std::uint16_t*>(bf16), DType::kBFloat16, execution::dense_view(box)}, rows,
+      {data, DType::kFloat8E4M3, execution::dense_view(box)},
+      {scales, DType::kFloat32, execution::dense_view(tiles)}, MemoryKind::kHost, nullptr);
 }
 
 }  // namespace reshard

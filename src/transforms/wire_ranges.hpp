@@ -10,7 +10,7 @@
 #include "reshard/transform.hpp"
 #include "reshard/types.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 
 class StagingPool;
 
@@ -43,4 +43,4 @@ class RangedTransform {
   virtual void set_placement(std::vector<std::uint64_t> gpu_of_rank) = 0;
 };
 
-}  // namespace reshard::exec
+}  // namespace reshard::execution

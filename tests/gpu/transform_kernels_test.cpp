@@ -15,7 +15,7 @@
 #include "transforms/conversions.hpp"
 #include "transforms/number_formats.hpp"
 
-namespace reshard::exec {
+namespace reshard::execution {
 namespace {
 
 std::vector<std::uint16_t> salted_bf16(std::size_t n, std::uint32_t seed) {
@@ -636,7 +636,7 @@ TEST(TransformKernels, PacksAndUnpacksMatchTheHostByteForByte) {
 }
 
 }  // namespace
-}  // namespace reshard::exec
+}  // namespace reshard::execution
 
 int main(int argc, char** argv) {
   return reshard::testing_support::run_single_gpu_tests(argc, argv);

@@ -6,7 +6,7 @@
 
 #include <random>
 
-namespace reshard::exec {
+namespace reshard::execution {
 namespace {
 
 TEST(FastDivisor, DividesEvery32BitNumberLikeTheDivision) {
@@ -71,4 +71,4 @@ TEST(RowWalk, FindsEveryRowOfRandomBlocksLikeTheView) {
 }
 
 }  // namespace
-}  // namespace reshard::exec
+}  // namespace reshard::execution

@@ -7,7 +7,7 @@
 #include <random>
 #include <set>
 
-namespace reshard::exec {
+namespace reshard::execution {
 namespace {
 
 TEST(TaskIds, EveryWireBufferOfAnOpHasItsOwnIdThatReadsBack) {
@@ -29,4 +29,4 @@ TEST(TaskIds, EveryWireBufferOfAnOpHasItsOwnIdThatReadsBack) {
 }
 
 }  // namespace
-}  // namespace reshard::exec
+}  // namespace reshard::execution

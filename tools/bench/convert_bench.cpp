@@ -1,9 +1,9 @@
 // `reshard bench-convert`: the executor's conversion kernels (MXFP8, 128 x 128 block FP8, casts,
 // packing strided slices into wire buffers and unpacking them) on one GPU, each queued through
-// exec::ConversionQueue as a refit queues them, timed against a device-to-device copy of the same
-// bytes in the same run (both cycling through copies of their buffers, so small cases come from
-// memory, not the L2 cache). Rates count bytes read plus bytes written; every result is checked
-// against the host reference (all rows of small tensors, the first tile row of large ones).
+// execution::ConversionQueue as a refit queues them, timed against a device-to-device copy of the
+// same bytes in the same run (both cycling through copies of their buffers, so small cases come
+// from memory, not the L2 cache). Rates count bytes read plus bytes written; every result is
+// checked against the host reference (all rows of small tensors, the first tile row of large ones).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -25,8 +25,8 @@
 namespace reshard::bench {
 namespace {
 
-using exec::BlockRef;
-using exec::BoxView;
+using execution::BlockRef;
+using execution::BoxView;
 
 struct DeviceBuffer {
   explicit DeviceBuffer(std::size_t n) : bytes(std::max<std::size_t>(n, 1)) {
@@ -198,27 +198,27 @@ Views views_of(const Conversion& c, const Matrix& m, bool column_block, std::int
   const Box box = box_of(part, column_block);
   const std::vector<std::int64_t> shape = {part.rows, part.cols};
   Views v;
-  v.src = exec::view_of(box, shape,
-                        c.kind == Conversion::Kind::kPack || c.kind == Conversion::Kind::kUnpack);
+  v.src = execution::view_of(
+      box, shape, c.kind == Conversion::Kind::kPack || c.kind == Conversion::Kind::kUnpack);
   v.out = v.src;
   if (c.kind == Conversion::Kind::kPack || c.kind == Conversion::Kind::kUnpack) {
     // The wire side is dense: the box's elements one after the other.
     const Box dense{1, {0}, {box.extent[0] * box.extent[1]}};
-    v.out = exec::view_of(dense, {dense.extent[0]}, true);
+    v.out = execution::view_of(dense, {dense.extent[0]}, true);
   }
   if (c.kind == Conversion::Kind::kMx || c.kind == Conversion::Kind::kMxRoundUp) {
     const Box scale_box{2, {0, 0}, {box.extent[0], box.extent[1] / 32}};
-    v.scale = exec::view_of(scale_box, {part.rows, part.cols / 32}, false);
+    v.scale = execution::view_of(scale_box, {part.rows, part.cols / 32}, false);
   }
   if (c.kind == Conversion::Kind::kBlock) {
     const Box scale_box{2, {0, 0}, {tiles(box.extent[0]), tiles(box.extent[1])}};
-    v.scale = exec::view_of(scale_box, {tiles(part.rows), tiles(part.cols)}, false);
+    v.scale = execution::view_of(scale_box, {tiles(part.rows), tiles(part.cols)}, false);
   }
   return v;
 }
 
 // Queues one matrix's conversion (device pointers) or runs it on the host (host pointers).
-void queue_one(exec::ConversionQueue& queue, const Conversion& c, const Views& v, void* src,
+void queue_one(execution::ConversionQueue& queue, const Conversion& c, const Views& v, void* src,
                void* out, void* scale, std::int64_t rows, const Buffer& memory) {
   using K = Conversion::Kind;
   switch (c.kind) {
@@ -320,7 +320,7 @@ Result run_case(const Case& c, const Conversion& conv, bool column_block, cudaSt
   BENCH_CUDA(cudaMemset(out.data, 0xab, out.bytes));
   BENCH_CUDA(cudaMemset(scale.data, 0xab, scale.bytes));
 
-  exec::ConversionQueue queue;
+  execution::ConversionQueue queue;
   const Buffer memory = Buffer::cuda(src.data, src.bytes, 0);
   std::vector<Views> views;
   for (const Matrix& m : c.matrices) views.push_back(views_of(conv, m, column_block, m.rows));
@@ -361,7 +361,7 @@ Result run_case(const Case& c, const Conversion& conv, bool column_block, cudaSt
 
   // Every matrix's checked rows against the host reference, byte for byte.
   BENCH_CUDA(cudaStreamSynchronize(stream));
-  exec::ConversionQueue host_queue;
+  execution::ConversionQueue host_queue;
   for (std::size_t i = 0; i < c.matrices.size(); ++i) {
     const Matrix& m = c.matrices[i];
     const std::int64_t rows = checked_rows(m);
