@@ -16,7 +16,7 @@ fi
 cmake --build "$tmp/examples" >"$tmp/build.log" 2>&1 || { cat "$tmp/build.log"; exit 1; }
 "$tmp/prefix/bin/reshard-run" -n 3 "$tmp/examples/ring_exchange"
 # The installed CLI finds its plotting script (it draws where python3 has matplotlib).
-if ! "$tmp/prefix/bin/reshard" bench plot "$source/bench/results/host-cpu-2cores.jsonl" \
+if ! "$tmp/prefix/bin/reshard" bench plot "$source/results/host-cpu-2cores.jsonl" \
   --out "$tmp/plots" >"$tmp/plot.log" 2>&1 && ! grep -q "plotting needs matplotlib" "$tmp/plot.log"; then
   cat "$tmp/plot.log"
   exit 1

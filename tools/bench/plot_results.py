@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Charts of reshard's benchmark results (the JSON lines under bench/results/).
+"""Charts of reshard's benchmark results (the JSON lines under results/).
 
-    python3 tools/bench/plot_results.py bench/results/*.jsonl --out docs/img
-    reshard bench plot bench/results/*.jsonl --out docs/img      (the same, from the CLI)
+    python3 tools/bench/plot_results.py results/*.jsonl --out docs/img
+    reshard bench plot results/*.jsonl --out docs/img      (the same, from the CLI)
 
 Draws, from the newest run of each engine (files are appended to, so later lines are newer):
 
