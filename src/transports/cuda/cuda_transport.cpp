@@ -307,8 +307,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     // Autotune runs the schedule at schedule() time: a PE that does not would leave it waiting.
     if ((reader.get<std::uint8_t>() != 0) != (engine_ == "autotune")) {
       throw_error(ErrorCode::kInvalidArgument,
-                  "RESHARD_CUDA_ENGINE: PE " + std::to_string(me_) + " has '" + engine_ +
-                      "' but PE " + std::to_string(pe) +
+                  "cuda.engine (RESHARD_CUDA_ENGINE): PE " + std::to_string(me_) + " has '" +
+                      engine_ + "' but PE " + std::to_string(pe) +
                       (engine_ == "autotune" ? " has not" : " has 'autotune'") +
                       "; autotune must be set on every PE or none");
     }
