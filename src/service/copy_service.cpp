@@ -297,8 +297,10 @@ CopyServiceOptions environment_with(TransportKind transport) {
 
 }  // namespace
 
+// The options are checked before the bootstrap connects to the other PEs.
 CopyService::CopyService(const CopyServiceOptions& options)
-    : CopyService(std::shared_ptr<Bootstrap>(make_default_bootstrap()), options) {}
+    : CopyService((options.validate(), std::shared_ptr<Bootstrap>(make_default_bootstrap())),
+                  options) {}
 
 CopyService::CopyService(std::shared_ptr<Bootstrap> bootstrap, const CopyServiceOptions& options)
     : impl_(std::make_unique<Impl>()) {
