@@ -515,7 +515,7 @@ def test_bench_plot_draws_the_records_it_is_given(tmp_path):
         import plot_results
     finally:
         sys.path.pop(0)
-    results = root / "bench" / "results"
+    results = root / "results"
     records = plot_results.load([results / "host-cpu-2cores.jsonl",
                                  results / "h100x1-convert.jsonl"])
     written = plot_results.plot_all(records, tmp_path)
