@@ -231,8 +231,10 @@ Timing time_copy_engine_ceiling(Bootstrap& bootstrap, std::uint64_t size,
 }  // namespace
 
 std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBenchOptions& options) {
-  // One service per engine for the whole sweep; the CUDA engine is read when its transport starts.
+  // One service per engine for the whole sweep, each with the environment's options (read once)
+  // and its own transport and CUDA engine.
   std::vector<std::unique_ptr<CopyService>> services;
+  const CopyServiceOptions base = bench_service_options(TransportKind::kCuda);
   GpuBenchOptions chosen = options;
   const auto built = available_transports();
   int devices = 0;
@@ -249,14 +251,17 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
       std::printf("(PEs share GPUs: NCCL, which needs a GPU per rank, left out)\n");
     return missing || refused;
   });
-  if (bootstrap->rank() == 0 && !bench_service_options(TransportKind::kNccl).nccl.nonblocking &&
+  if (bootstrap->rank() == 0 && !base.nccl.nonblocking &&
       std::find(chosen.engines.begin(), chosen.engines.end(), "nccl") != chosen.engines.end())
     std::printf("(NCCL with blocking calls: RESHARD_NCCL_NONBLOCKING=0 unless set)\n");
   for (const std::string& engine : chosen.engines) {
     const bool cuda_engine = engine != "nccl" && engine != "nvshmem";
-    CopyServiceOptions service_options =
-        bench_service_options(cuda_engine ? TransportKind::kCuda : parse_transport_kind(engine));
-    if (cuda_engine) service_options.cuda.engine = engine;
+    CopyServiceOptions service_options = base;
+    if (cuda_engine) {
+      service_options.cuda.engine = engine;
+    } else {
+      service_options.transport = parse_transport_kind(engine);
+    }
     services.push_back(std::make_unique<CopyService>(bootstrap, service_options));
     services.back()->init(LogLevel::kWarn);
   }
@@ -274,8 +279,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
   if (n > visible_gpus) {
     colocation = ",\"pes_per_gpu\":" + std::to_string((n + visible_gpus - 1) / visible_gpus) +
                  ",\"mps\":" + (cuda::SameDeviceOrder::mps_server_found() ? "true" : "false") +
-                 ",\"same_device_order\":\"" +
-                 CopyServiceOptions::from_environment().cuda.same_device + "\"";
+                 ",\"same_device_order\":\"" + base.cuda.same_device + "\"";
   }
   std::ofstream json;
   if (me == 0 && !options.json_path.empty()) json.open(options.json_path, std::ios::app);
