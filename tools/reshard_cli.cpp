@@ -275,6 +275,7 @@ int main(int argc, char** argv) {
     if (!under_launcher && nprocs > 1) {
       reshard::LaunchOptions launch;
       launch.n_procs = nprocs;
+      launch.name = "reshard";
       launch.command.push_back(self_executable(argv[0]));
       for (int i = 1; i < argc; ++i) launch.command.push_back(argv[i]);
       const reshard::LaunchResult result = reshard::launch_local(launch);

@@ -17,6 +17,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 4096));
   app.add_option("--master-port", options.master_port, "rank 0's port (default: a free one)")
       ->check(CLI::Range(0, 65535));
+  double timeout_s = 0;
+  app.add_option("--timeout", timeout_s,
+                 "stop the job after this many seconds (exit code 124; default: no limit)")
+      ->check(CLI::NonNegativeNumber);
   // The program is the first positional; everything after it is its own, options included, in
   // the order given (prefix_command hands it over untouched).
   std::string program;
@@ -36,6 +40,7 @@ int main(int argc, char** argv) {
   }
   command.insert(command.end(), rest.begin(), rest.end());
   options.command = command;
+  options.time_limit = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
   try {
     const reshard::LaunchResult result = reshard::launch_local(options);
     if (result.exit_code != 0) {

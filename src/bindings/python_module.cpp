@@ -18,6 +18,7 @@
 #include <string>
 
 #include "core/env.hpp"
+#include "launch/local_launcher.hpp"
 #include "reshard/bootstrap.hpp"
 #include "reshard/copy_service.hpp"
 #include "reshard/error.hpp"
@@ -229,6 +230,30 @@ void bind_bootstrap(nb::module_& m) {
       "mpi_bootstrap", [] { return std::shared_ptr<Bootstrap>(make_mpi_bootstrap()); },
       nb::call_guard<nb::gil_scoped_release>());
   m.def("mpi_bootstrap_available", &mpi_bootstrap_available);
+}
+
+// The local launcher (tools/launch) behind `python -m reshard.launch`: the same one reshard-run
+// uses. The job's output goes to this process's stdout and stderr; the GIL is released while it
+// runs.
+void bind_launcher(nb::module_& m) {
+  m.def(
+      "launch_local",
+      [](std::vector<std::string> command, int nprocs, double timeout_s, double grace_s,
+         std::optional<std::vector<std::string>> environment) {
+        LaunchOptions options;
+        options.n_procs = nprocs;
+        options.command = std::move(command);
+        options.time_limit = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1e3));
+        options.kill_grace = std::chrono::milliseconds(static_cast<long long>(grace_s * 1e3));
+        options.environment = std::move(environment);
+        options.name = "reshard.launch";
+        const LaunchResult result = launch_local(options);
+        return std::make_tuple(result.exit_code, result.first_failed_rank, result.summary);
+      },
+      "command"_a, "nprocs"_a, "timeout_s"_a = 0.0, "grace_s"_a = 5.0, "environment"_a = nb::none(),
+      nb::call_guard<nb::gil_scoped_release>(),
+      "Runs command as nprocs local processes with torchrun's variables; returns (exit code, "
+      "first failed rank or -1, summary).");
 }
 
 // CopyServiceOptions with Python's units: the timeout in seconds, transports and log levels by
@@ -800,6 +825,7 @@ NB_MODULE(_core, m) {
 #endif
   reshard::python::bind_errors(m);
   reshard::python::bind_bootstrap(m);
+  reshard::python::bind_launcher(m);
   reshard::python::bind_copy_service(m);
   reshard::python::bind_layouts(m);
   reshard::python::bind_plan(m);

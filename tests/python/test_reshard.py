@@ -668,6 +668,36 @@ def test_launch_refuses_zero_processes_without_a_traceback():
     assert "must be at least 1" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_launch_stops_a_job_past_its_timeout(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "reshard.launch", "-n", "2", "--timeout", "2",
+                             str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 124, result.stderr
+    assert 2 <= time.monotonic() - start < 30
+    assert "time limit of 2" in result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[rank 0] up", "[rank 1] up"]
+
+
+def test_launch_from_python_takes_an_environment_and_refuses_what_cannot_start(tmp_path):
+    from reshard.launch import launch as launch_job
+
+    script = tmp_path / "env.py"
+    script.write_text("import os, pathlib, sys\n"
+                      f"pathlib.Path({str(tmp_path)!r}, 'r' + os.environ['RANK']).write_text("
+                      "os.environ['CHOSEN'] + ' ' + os.environ['WORLD_SIZE'])\n"
+                      "sys.exit(int(os.environ['RANK']) * 7)\n")
+    env = dict(os.environ, CHOSEN="yes", RANK="99")  # the launcher's RANK wins
+    assert launch_job([sys.executable, str(script)], 2, env=env) == 7
+    assert (tmp_path / "r0").read_text() == "yes 2"
+    assert (tmp_path / "r1").read_text() == "yes 2"
+    with pytest.raises(reshard.ReshardError, match="cannot start '/nonexistent/program'"):
+        launch_job(["/nonexistent/program"], 2)
+    with pytest.raises(ValueError, match="nprocs"):
+        launch_job([sys.executable, str(script)], 0)
+
+
 def test_launch_gives_each_rank_torchrun_variables(tmp_path):
     script = tmp_path / "env.py"
     script.write_text("import os, pathlib\n"
@@ -752,6 +782,18 @@ def test_gpu_megatron_adapter():
     assert_ok(launch(2, WORKERS / "megatron_worker.py", "cuda"))
 
 
+@pytest.mark.skipif(gpu_count() < 1 or not has_megatron(),
+                    reason="needs a GPU and megatron-core (with PyTorch)")
+@pytest.mark.parametrize("change", MEGATRON_LAYOUT_CHANGES)
+def test_gpu_megatron_swap_model_weights_on_the_cuda_transport(change):
+    # Four ranks on the GPUs there are (all four on one GPU: colocated trainer and engine).
+    result = launch(4, WORKERS / "megatron_refit_worker.py", *change.split(), 3, "cuda",
+                    timeout=300)
+    assert_ok(result)
+    assert "on cuda: 3 refits bitwise equal to Megatron's Gloo service, planned once" in \
+        result.stdout
+
+
 def has_megatron_mxfp8_quantizer() -> bool:
     """Megatron's own MXFP8 quantizer (megatron-core >= 0.17, with Triton and a GPU)."""
     try:
@@ -765,6 +807,19 @@ def has_megatron_mxfp8_quantizer() -> bool:
                     reason="needs megatron-core >= 0.17 with Triton, and a GPU")
 def test_gpu_megatron_mxfp8_preset_writes_megatrons_own_bytes():
     assert_ok(launch(2, WORKERS / "megatron_mxfp8_worker.py"))
+
+
+@pytest.mark.skipif(not has_megatron_mxfp8_quantizer(),
+                    reason="needs megatron-core >= 0.17 with Triton, and a GPU")
+@pytest.mark.parametrize("change", ["2 1 1 1", "1 1 2 1", "2 1 4 1", "2 2 1 1"])
+def test_gpu_megatron_mxfp8_reshard_transform_through_reshard(change):
+    # Megatron's own MXFP8ReshardTransform (quantize on arrival into persistent MXFP8 buffers
+    # with swizzled scales), driven by swap_model_weights, 4 ranks on the GPUs there are.
+    result = launch(4, WORKERS / "megatron_refit_worker.py", *change.split(), 3, "cuda", "mxfp8",
+                    timeout=300)
+    assert_ok(result)
+    assert "through MXFP8ReshardTransform: 3 refits bitwise equal to Megatron's Gloo service, " \
+        "planned once" in result.stdout
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)

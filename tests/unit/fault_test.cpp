@@ -36,7 +36,7 @@ Outcome launch(int n, std::vector<std::string> command, bool kill_on_failure) {
   options.command = std::move(command);
   options.kill_on_failure = kill_on_failure;
   options.kill_grace = 1s;
-  options.output = [&](const std::string& line) {
+  options.output = [&](const std::string& line, bool /*to_stderr*/) {
     std::lock_guard lock(mutex);
     outcome.lines.push_back(line);
   };
@@ -268,13 +268,64 @@ TEST(Launcher, StopsTheJobWhenOneProcessFails) {
   EXPECT_EQ(outcome.result.exit_code, 3);
   EXPECT_EQ(outcome.result.first_failed_rank, 1);
   EXPECT_LT(outcome.seconds, 20.0);
-  EXPECT_NE(outcome.result.summary.find("rank 1 exited with code 3"), std::string::npos);
+  EXPECT_NE(outcome.result.summary.find("rank 1 exited with status 3"), std::string::npos);
 }
 
-TEST(Launcher, ReportsACommandThatCannotStart) {
-  const Outcome outcome = launch(2, {"/nonexistent/program"}, true);
-  EXPECT_EQ(outcome.result.exit_code, 127);
-  EXPECT_NE(all_lines(outcome).find("cannot start"), std::string::npos);
+TEST(Launcher, RefusesACommandThatCannotStartNamingIt) {
+  try {
+    launch(2, {"/nonexistent/program"}, true);
+    FAIL() << "a command that cannot start was launched";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("cannot start '/nonexistent/program'"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
+TEST(Launcher, StopsAJobPastItsTimeLimit) {
+  Outcome outcome;
+  LaunchOptions options;
+  options.n_procs = 2;
+  options.command = {"sh", "-c", "echo up; exec sleep 60"};
+  options.time_limit = 1500ms;
+  options.kill_grace = 500ms;
+  options.output = [&](const std::string& line, bool to_stderr) {
+    outcome.lines.push_back((to_stderr ? "E " : "O ") + line);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  outcome.result = launch_local(options);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(outcome.result.exit_code, 124);
+  EXPECT_EQ(outcome.result.first_failed_rank, -1);
+  EXPECT_GE(seconds, 1.4);
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_NE(outcome.result.summary.find("time limit of 1.5"), std::string::npos)
+      << outcome.result.summary;
+  EXPECT_NE(all_lines(outcome).find("O [rank 1] up"), std::string::npos) << all_lines(outcome);
+}
+
+TEST(Launcher, KeepsEachRanksStderrApartFromItsStdout) {
+  Outcome outcome;
+  LaunchOptions options;
+  options.n_procs = 2;
+  options.command = {"sh", "-c", "echo out-$RANK; echo err-$RANK >&2; printf tail-$RANK"};
+  options.output = [&](const std::string& line, bool to_stderr) {
+    outcome.lines.push_back((to_stderr ? "E " : "O ") + line);
+  };
+  outcome.result = launch_local(options);
+  EXPECT_EQ(outcome.result.exit_code, 0);
+  for (const std::string rank : {"0", "1"}) {
+    for (const std::string expected :
+         {"O [rank " + rank + "] out-" + rank, "E [rank " + rank + "] err-" + rank,
+          "O [rank " + rank + "] tail-" + rank}) {
+      EXPECT_NE(std::find(outcome.lines.begin(), outcome.lines.end(), expected),
+                outcome.lines.end())
+          << expected << " missing from\n"
+          << all_lines(outcome);
+    }
+  }
 }
 
 }  // namespace
