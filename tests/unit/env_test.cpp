@@ -1,5 +1,5 @@
 // Settings read from the environment: a bad value is refused with an error that names the
-// variable and the value, and the defaults hold when the variable is unset.
+// variable and the value (the defaults when no variable is set: options_test.cpp).
 #include "core/env.hpp"
 
 #include <gtest/gtest.h>
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "reshard/error.hpp"
+#include "reshard/options.hpp"
 #include "support/scoped_env.hpp"
 
 namespace reshard {
@@ -29,23 +30,52 @@ void expect_refused(const char* name, const char* value, const std::function<voi
   }
 }
 
-TEST(Env, CudaSettingsRefuseBadValuesNamingTheVariable) {
-  expect_refused("RESHARD_CUDA_ENGINE", "fast", [] { env::cuda_engine(); });
-  expect_refused("RESHARD_CUDA_SAME_DEVICE", "leader", [] { env::cuda_same_device(); });
-  expect_refused("RESHARD_CUDA_CE_STREAMS", "0", [] { env::cuda_ce_streams(); });
-  expect_refused("RESHARD_CUDA_CE_STREAMS", "9", [] { env::cuda_ce_streams(); });
-  expect_refused("RESHARD_CUDA_CE_STREAMS", "two", [] { env::cuda_ce_streams(); });
-  expect_refused("RESHARD_CUDA_UNROLL", "3", [] { env::cuda_unroll(); });
-  expect_refused("RESHARD_CUDA_CTAS_PER_PEER", "0", [] { env::cuda_ctas_per_peer(); });
-  expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", [] { env::cuda_bytes_per_cta(); });
-  expect_refused("RESHARD_TIMEOUT_S", "-2", [] { env::timeout(); });
-  expect_refused("RESHARD_NCCL_NONBLOCKING", "yes", [] { env::nccl_nonblocking(); });
-  expect_refused("RESHARD_NVSHMEM_SEND_STREAM", "yes", [] { env::nvshmem_send_stream(); });
-  expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "-1", [] { env::nvshmem_peers_per_round(); });
-  expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "all", [] { env::nvshmem_peers_per_round(); });
-  expect_refused("RESHARD_CUDA_EARLY_LAUNCH", "on", [] { env::cuda_early_launch(); });
+void read_options() { CopyServiceOptions::from_environment(); }
+
+// Text that does not parse and values out of range alike name the variable and quote its text;
+// a value out of range names the option it sets too.
+TEST(Env, ServiceSettingsRefuseBadValuesNamingTheVariable) {
+  expect_refused("RESHARD_CUDA_ENGINE", "fast", read_options);
+  expect_refused("RESHARD_CUDA_SAME_DEVICE", "leader", read_options);
+  expect_refused("RESHARD_CUDA_CE_STREAMS", "0", read_options);
+  expect_refused("RESHARD_CUDA_CE_STREAMS", "9", read_options);
+  expect_refused("RESHARD_CUDA_CE_STREAMS", "two", read_options);
+  expect_refused("RESHARD_CUDA_UNROLL", "3", read_options);
+  expect_refused("RESHARD_CUDA_CTAS_PER_PEER", "0", read_options);
+  expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", read_options);
+  expect_refused("RESHARD_CUDA_CE_MIN_BYTES", "lots", read_options);
+  expect_refused("RESHARD_TIMEOUT_S", "-2", read_options);
+  expect_refused("RESHARD_NCCL_NONBLOCKING", "yes", read_options);
+  expect_refused("RESHARD_NCCL_GROUP_SPANS", "-3", read_options);
+  expect_refused("RESHARD_NVSHMEM_SEND_STREAM", "yes", read_options);
+  expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "-1", read_options);
+  expect_refused("RESHARD_NVSHMEM_PEERS_PER_ROUND", "all", read_options);
+  expect_refused("RESHARD_NVSHMEM_STAGING_BYTES", "0", read_options);
+  expect_refused("RESHARD_HOST_STAGING_BYTES", "8 apples", read_options);
+  expect_refused("RESHARD_CUDA_EARLY_LAUNCH", "on", read_options);
+  expect_refused("RESHARD_NODE_SIZE", "0", read_options);
+  expect_refused("RESHARD_INTER_NODE_TRANSPORT", "cuda", read_options);
+  expect_refused("RESHARD_INTER_NODE_TRANSPORT", "carrier-pigeon", read_options);
+  expect_refused("RESHARD_TRANSPORT", "carrier-pigeon", read_options);
+  expect_refused("RESHARD_DEVICE", "-1", read_options);
+  expect_refused("RESHARD_CHUNK_BYTES", "0", read_options);
   expect_refused("RESHARD_STAGING_BUDGET", "lots", [] { env::staging_budget(); });
   expect_refused("RESHARD_STAGING_BUDGET", "2 TB", [] { env::staging_budget(); });
+}
+
+TEST(Env, AValueOutOfRangeNamesTheOptionItSets) {
+  ScopedEnv scoped("RESHARD_CUDA_CTAS_PER_PEER", "2048");
+  try {
+    read_options();
+    ADD_FAILURE() << "RESHARD_CUDA_CTAS_PER_PEER=2048 was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(
+        std::string(error.what())
+            .find("RESHARD_CUDA_CTAS_PER_PEER='2048' (CopyServiceOptions::cuda.ctas_per_peer) "
+                  "is outside 1..1024"),
+        std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(Env, StagingBudgetTakesBytesUnlimitedOrNothing) {
@@ -63,39 +93,32 @@ TEST(Env, StagingBudgetTakesBytesUnlimitedOrNothing) {
   EXPECT_EQ(env::staging_budget(), UINT64_MAX);
 }
 
-TEST(Env, CudaSettingsAcceptEveryDocumentedValue) {
+TEST(Env, ServiceSettingsAcceptEveryDocumentedValue) {
   for (const char* engine : {"auto", "sm", "ce", "autotune"}) {
     ScopedEnv scoped("RESHARD_CUDA_ENGINE", engine);
-    EXPECT_EQ(env::cuda_engine(), engine);
+    EXPECT_EQ(CopyServiceOptions::from_environment().cuda.engine, engine);
   }
   for (int streams = 1; streams <= DebugOptions::kMaxCudaCeStreams; ++streams) {
     ScopedEnv scoped("RESHARD_CUDA_CE_STREAMS", std::to_string(streams).c_str());
-    EXPECT_EQ(env::cuda_ce_streams(), streams);
+    EXPECT_EQ(CopyServiceOptions::from_environment().debug.cuda_ce_streams, streams);
   }
   for (const char* order : {"auto", "delegate", "stream", "kernel"}) {
     ScopedEnv scoped("RESHARD_CUDA_SAME_DEVICE", order);
-    EXPECT_EQ(env::cuda_same_device(), order);
+    EXPECT_EQ(CopyServiceOptions::from_environment().cuda.same_device, order);
   }
-  ::unsetenv("RESHARD_CUDA_SAME_DEVICE");
-  EXPECT_EQ(env::cuda_same_device(), "auto");
-  ::unsetenv("RESHARD_CUDA_ENGINE");
-  ::unsetenv("RESHARD_CUDA_CE_STREAMS");
+  for (const char* transport : {"nccl", "nvshmem", "host"}) {
+    ScopedEnv scoped("RESHARD_INTER_NODE_TRANSPORT", transport);
+    EXPECT_EQ(CopyServiceOptions::from_environment().inter_node_transport,
+              parse_transport_kind(transport));
+  }
   {
     ScopedEnv scoped("RESHARD_CUDA_EARLY_LAUNCH", "0");
-    EXPECT_FALSE(env::cuda_early_launch());
+    EXPECT_FALSE(CopyServiceOptions::from_environment().debug.cuda_early_launch);
   }
   {
     ScopedEnv scoped("RESHARD_NVSHMEM_PEERS_PER_ROUND", "1");
-    EXPECT_EQ(env::nvshmem_peers_per_round(), 1);
+    EXPECT_EQ(CopyServiceOptions::from_environment().debug.nvshmem_peers_per_round, 1);
   }
-  ::unsetenv("RESHARD_NVSHMEM_PEERS_PER_ROUND");
-  EXPECT_EQ(env::nvshmem_peers_per_round(), 0);
-  ::unsetenv("RESHARD_NCCL_NONBLOCKING");
-  ::unsetenv("RESHARD_CUDA_EARLY_LAUNCH");
-  EXPECT_EQ(env::cuda_engine(), "auto");
-  EXPECT_TRUE(env::cuda_early_launch());
-  EXPECT_TRUE(env::nccl_nonblocking());
-  EXPECT_GE(env::cuda_ce_streams(), 1);
 }
 
 }  // namespace
