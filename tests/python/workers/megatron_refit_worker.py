@@ -5,19 +5,41 @@ the CPU with different tensor/pipeline parallelism, their weights moved by Megat
 parameter must come out bitwise equal between the two (and written: none left zero), and reshard
 must plan on the first refit only.
 
-    megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS]
+    megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS] [cpu|cuda] [mxfp8]
 
-Megatron's Gloo service asks for a CUDA stream unconditionally; on a CPU-only PyTorch that one
-call gets a stand-in (None, which the service then skips). The data path is Megatron's own.
+With ``cuda`` both models live on the GPU (ranks share the GPUs there are, local rank modulo
+their count) and reshard's service, made with no arguments, must pick its CUDA transport; Megatron's
+Gloo service stages through the host as it always does. On a CPU-only PyTorch, Megatron's Gloo
+service still asks for a CUDA stream: that one call gets a stand-in (None, which the service then
+skips). The data path is Megatron's own.
+
+With ``mxfp8`` (GPU, bf16 models) the refit goes through Megatron's own ``MXFP8ReshardTransform``
+as its inference engine sets it up: the destination's decoder matrices land in persistent
+``MXFP8Tensor`` buffers (data and swizzled 1-D scales), quantized on arrival; both services' buffers
+must come out bitwise equal. Megatron quantizes with FlashInfer by default; where FlashInfer is not
+installed its own Triton kernel (the other backend it ships) stands in, for both services alike.
 """
 
 import copy
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
+DEVICE = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+MXFP8 = len(sys.argv) > 7 and sys.argv[7] == "mxfp8"
+if DEVICE == "cpu":
+    torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
+if MXFP8:
+    from megatron.core.inference.quantization import mxfp8_tensor
+    from megatron.core.resharding.transforms import MXFP8ReshardTransform
+
+    if not mxfp8_tensor.HAVE_FLASHINFER:  # Megatron's Triton backend stands in (see above)
+        _from_bf16 = mxfp8_tensor.MXFP8Tensor.from_bf16.__func__
+        mxfp8_tensor.MXFP8Tensor.from_bf16 = classmethod(
+            lambda cls, x, group_size=32, backend="triton": _from_bf16(cls, x, group_size,
+                                                                       backend))
 
 from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -66,41 +88,82 @@ def build_model(base, tp, pp):
                      vocab_size=128, max_sequence_length=16, pre_process=stage == 0,
                      post_process=stage == pp - 1, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope", pg_collection=groups)
-    return model.eval()
+    return model.to(DEVICE).eval()
+
+
+def mxfp8_transform(model):
+    """Megatron's MXFP8ReshardTransform over persistent buffers for the model's decoder matrices,
+    as megatron.core.resharding.refit sets it up for an MXFP8 inference model."""
+    buffers = {name: mxfp8_tensor.MXFP8Tensor.from_bf16(torch.zeros_like(param))
+               for name, param in model.decoder.named_parameters()
+               if param.dim() == 2 and param.shape[-1] % 32 == 0}
+    transform = MXFP8ReshardTransform(convertible_params={f"decoder.{name}" for name in buffers},
+                                      persistent_buffers=buffers, buffer_key_prefix="decoder.")
+    return transform, buffers
 
 
 def main():
     src_tp, src_pp, dst_tp, dst_pp = map(int, sys.argv[1:5])
     refits = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     dist.init_process_group("gloo")
     me = dist.get_rank()
     torch.manual_seed(1234)
+    dtype = torch.bfloat16 if MXFP8 else torch.float32
     base = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8,
                              num_query_groups=4, ffn_hidden_size=128, gated_linear_unit=True,
-                             use_cpu_initialization=True, params_dtype=torch.float32,
-                             pipeline_dtype=torch.float32, hidden_dropout=0.0,
+                             use_cpu_initialization=True, params_dtype=dtype,
+                             pipeline_dtype=dtype, bf16=MXFP8, hidden_dropout=0.0,
                              attention_dropout=0.0)
     src = build_model(base, src_tp, src_pp)
     dst_gloo = build_model(base, dst_tp, dst_pp)
     dst_reshard = build_model(base, dst_tp, dst_pp)
     gloo = GlooCopyService()
     reshard_service = ReshardCopyService()  # inside the torch.distributed job: no arguments
+    transforms = {"gloo": (None, {}), "reshard": (None, {})}
+    if MXFP8:
+        transforms = {"gloo": mxfp8_transform(dst_gloo), "reshard": mxfp8_transform(dst_reshard)}
     failures = []
     for refit in range(refits):
         with torch.no_grad():  # new weights every refit, as training makes them
             for i, (name, param) in enumerate(src.named_parameters()):
                 generator = torch.Generator().manual_seed(1000 * refit + 17 * me + i)
-                param.copy_(torch.randn(param.shape, generator=generator))
+                param.copy_(torch.randn(param.shape, generator=generator))  # to the device too
             for model in (dst_gloo, dst_reshard):
                 for param in model.parameters():
                     param.zero_()
-        swap_model_weights([src], [dst_gloo], refit_method=gloo)
-        swap_model_weights([src], [dst_reshard], refit_method=reshard_service)
+            for _, buffers in transforms.values():
+                for buffer in buffers.values():
+                    buffer.data.view(torch.uint8).zero_()
+                    buffer.scale.view(torch.uint8).zero_()
+        extra = {"transform": transforms["gloo"][0]} if MXFP8 else {}
+        swap_model_weights([src], [dst_gloo], refit_method=gloo, **extra)
+        extra = {"transform": transforms["reshard"][0]} if MXFP8 else {}
+        swap_model_weights([src], [dst_reshard], refit_method=reshard_service, **extra)
+        for name, a in transforms["gloo"][1].items():
+            b = transforms["reshard"][1][name]
+            for part in ("data", "scale"):
+                mine = getattr(b, part).view(torch.uint8)
+                theirs = getattr(a, part).view(torch.uint8)
+                if not torch.equal(mine, theirs):
+                    failures.append(f"refit {refit}: MXFP8 {part} of {name} differs from "
+                                    "Megatron's Gloo service")
+                if part == "data" and not torch.any(theirs != 0):
+                    failures.append(f"refit {refit}: MXFP8 data of {name} was not written")
         for (name, a), (_, b) in zip(dst_gloo.named_parameters(), dst_reshard.named_parameters()):
             if not torch.equal(a, b):
                 failures.append(f"refit {refit}: {name} differs from Megatron's Gloo service")
-            if refit == 0 and not torch.any(a != 0) and a.numel() > 0:
+            # (A parameter that Megatron's MXFP8 transform takes lands in its buffers instead.)
+            converted = name.startswith("decoder.") and name[8:] in transforms["gloo"][1]
+            if refit == 0 and not converted and not torch.any(a != 0) and a.numel() > 0:
                 failures.append(f"refit {refit}: {name} was not written by the Gloo service")
+    expected = "cuda" if DEVICE == "cuda" else "host"
+    if reshard_service.service.transport != expected:
+        failures.append(f"reshard chose the {reshard_service.service.transport} transport, not "
+                        f"{expected}")
+    if DEVICE == "cuda" and not all(p.is_cuda for p in dst_reshard.parameters()):
+        failures.append("the destination model left the GPU")
     if reshard_service.schedules != 1:
         failures.append(f"reshard planned {reshard_service.schedules} times in {refits} refits")
     if not isinstance(reshard_service, __import__(
@@ -112,8 +175,9 @@ def main():
     ok = torch.tensor([0 if failures else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if me == 0 and ok.item():
-        print(f"megatron refit TP{src_tp} PP{src_pp} -> TP{dst_tp} PP{dst_pp}: {refits} refits "
-              "bitwise equal to Megatron's Gloo service, planned once")
+        print(f"megatron refit TP{src_tp} PP{src_pp} -> TP{dst_tp} PP{dst_pp} on {DEVICE}"
+              f"{' through MXFP8ReshardTransform' if MXFP8 else ''}: {refits} "
+              "refits bitwise equal to Megatron's Gloo service, planned once")
     dist.destroy_process_group()
     return 0 if ok.item() else 1
 
