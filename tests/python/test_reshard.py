@@ -822,6 +822,19 @@ def test_gpu_megatron_mxfp8_reshard_transform_through_reshard(change):
         "planned once" in result.stdout
 
 
+@pytest.mark.skipif(gpu_count() < 1 or not has_megatron_mxfp8_quantizer(),
+                    reason="needs megatron-core >= 0.17 with Triton, and a GPU")
+@pytest.mark.parametrize("change", ["2 1 1 1", "1 1 2 1", "2 2 1 1"])
+def test_gpu_megatron_mxfp8_transform_converting_on_send_through_reshard(change):
+    # convert_on_send=True: data and scales, two tensors under one task id, collocated ranks
+    # sending to themselves too.
+    result = launch(4, WORKERS / "megatron_refit_worker.py", *change.split(), 3, "cuda",
+                    "mxfp8-send", timeout=300)
+    assert_ok(result)
+    assert "through MXFP8ReshardTransform(convert_on_send=True): 3 refits bitwise equal" in \
+        result.stdout
+
+
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_a_transform_written_for_megatron_runs_unchanged():
     assert_ok(launch(2, WORKERS / "megatron_transform_worker.py", "cuda"))

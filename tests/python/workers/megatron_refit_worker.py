@@ -5,7 +5,7 @@ the CPU with different tensor/pipeline parallelism, their weights moved by Megat
 parameter must come out bitwise equal between the two (and written: none left zero), and reshard
 must plan on the first refit only.
 
-    megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS] [cpu|cuda] [mxfp8]
+    megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS] [cpu|cuda] [mxfp8|mxfp8-send]
 
 With ``cuda`` both models live on the GPU (ranks share the GPUs there are, local rank modulo
 their count) and reshard's service, made with no arguments, must pick its CUDA transport; Megatron's
@@ -18,6 +18,13 @@ as its inference engine sets it up: the destination's decoder matrices land in p
 ``MXFP8Tensor`` buffers (data and swizzled 1-D scales), quantized on arrival; both services' buffers
 must come out bitwise equal. Megatron quantizes with FlashInfer by default; where FlashInfer is not
 installed its own Triton kernel (the other backend it ships) stands in, for both services alike.
+
+With ``mxfp8-send`` the same transform runs with ``convert_on_send=True``: each sender quantizes its
+slices and sends data and scales, two tensors under one task id, collocated too. Megatron allows
+that mode only for 2-D (row-major) scales, which neither of its quantizers writes by default, and
+its Gloo service cannot carry two tensors of one task id between a rank and itself; so the
+quantizer is a small 2-D one of this file (on both sides alike) and the reference is that quantizer
+applied to the bf16 weights Megatron's Gloo service delivers without a transform.
 """
 
 import copy
@@ -28,14 +35,28 @@ import torch
 import torch.distributed as dist
 
 DEVICE = sys.argv[6] if len(sys.argv) > 6 else "cpu"
-MXFP8 = len(sys.argv) > 7 and sys.argv[7] == "mxfp8"
+MODE = sys.argv[7] if len(sys.argv) > 7 else "plain"
+MXFP8 = MODE in ("mxfp8", "mxfp8-send")
 if DEVICE == "cpu":
     torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
 if MXFP8:
     from megatron.core.inference.quantization import mxfp8_tensor
     from megatron.core.resharding.transforms import MXFP8ReshardTransform
 
-    if not mxfp8_tensor.HAVE_FLASHINFER:  # Megatron's Triton backend stands in (see above)
+    if MODE == "mxfp8-send":
+        def _row_major_mxfp8(cls, x, group_size=32, backend=None):
+            """E4M3 data and one E8M0 scale per 32 elements of a row, scales [M, K / 32]."""
+            rows, cols = x.shape
+            blocks = x.float().reshape(rows, cols // group_size, group_size)
+            amax = blocks.abs().amax(-1)
+            exponent = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
+            exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -127))
+            data = (blocks / torch.exp2(exponent)[..., None]).clamp(-448, 448)
+            return cls(data=data.reshape(rows, cols).to(torch.float8_e4m3fn),
+                       scale=(exponent + 127).to(torch.uint8), backend="row-major")
+
+        mxfp8_tensor.MXFP8Tensor.from_bf16 = classmethod(_row_major_mxfp8)
+    elif not mxfp8_tensor.HAVE_FLASHINFER:  # Megatron's Triton backend stands in (see above)
         _from_bf16 = mxfp8_tensor.MXFP8Tensor.from_bf16.__func__
         mxfp8_tensor.MXFP8Tensor.from_bf16 = classmethod(
             lambda cls, x, group_size=32, backend="triton": _from_bf16(cls, x, group_size,
@@ -98,7 +119,8 @@ def mxfp8_transform(model):
                for name, param in model.decoder.named_parameters()
                if param.dim() == 2 and param.shape[-1] % 32 == 0}
     transform = MXFP8ReshardTransform(convertible_params={f"decoder.{name}" for name in buffers},
-                                      persistent_buffers=buffers, buffer_key_prefix="decoder.")
+                                      persistent_buffers=buffers, buffer_key_prefix="decoder.",
+                                      convert_on_send=MODE == "mxfp8-send")
     return transform, buffers
 
 
@@ -137,10 +159,15 @@ def main():
                 for buffer in buffers.values():
                     buffer.data.view(torch.uint8).zero_()
                     buffer.scale.view(torch.uint8).zero_()
-        extra = {"transform": transforms["gloo"][0]} if MXFP8 else {}
+        extra = {"transform": transforms["gloo"][0]} if MODE == "mxfp8" else {}
         swap_model_weights([src], [dst_gloo], refit_method=gloo, **extra)
         extra = {"transform": transforms["reshard"][0]} if MXFP8 else {}
         swap_model_weights([src], [dst_reshard], refit_method=reshard_service, **extra)
+        if MODE == "mxfp8-send":  # the reference: the bf16 weights Gloo delivered, quantized
+            gloo_params = dict(dst_gloo.decoder.named_parameters())
+            transforms["gloo"] = (None, {
+                name: mxfp8_tensor.MXFP8Tensor.from_bf16(gloo_params[name].detach())
+                for name in transforms["reshard"][1]})
         for name, a in transforms["gloo"][1].items():
             b = transforms["reshard"][1][name]
             for part in ("data", "scale"):
@@ -152,11 +179,13 @@ def main():
                 if part == "data" and not torch.any(theirs != 0):
                     failures.append(f"refit {refit}: MXFP8 data of {name} was not written")
         for (name, a), (_, b) in zip(dst_gloo.named_parameters(), dst_reshard.named_parameters()):
-            if not torch.equal(a, b):
+            # A parameter that Megatron's MXFP8 transform takes lands in its buffers instead
+            # (compared above); in mxfp8-send mode Gloo's refit has no transform.
+            converted = name.startswith("decoder.") and name[8:] in transforms["reshard"][1]
+            if not converted and not torch.equal(a, b):
                 failures.append(f"refit {refit}: {name} differs from Megatron's Gloo service")
-            # (A parameter that Megatron's MXFP8 transform takes lands in its buffers instead.)
-            converted = name.startswith("decoder.") and name[8:] in transforms["gloo"][1]
-            if refit == 0 and not converted and not torch.any(a != 0) and a.numel() > 0:
+            gloo_converted = converted and MODE == "mxfp8"
+            if refit == 0 and not gloo_converted and not torch.any(a != 0) and a.numel() > 0:
                 failures.append(f"refit {refit}: {name} was not written by the Gloo service")
     expected = "cuda" if DEVICE == "cuda" else "host"
     if reshard_service.service.transport != expected:
@@ -176,7 +205,9 @@ def main():
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if me == 0 and ok.item():
         print(f"megatron refit TP{src_tp} PP{src_pp} -> TP{dst_tp} PP{dst_pp} on {DEVICE}"
-              f"{' through MXFP8ReshardTransform' if MXFP8 else ''}: {refits} "
+              f"{' through MXFP8ReshardTransform' if MODE == 'mxfp8' else ''}"
+              f"{' through MXFP8ReshardTransform(convert_on_send=True)' if MODE == 'mxfp8-send' else ''}"
+              f": {refits} "
               "refits bitwise equal to Megatron's Gloo service, planned once")
     dist.destroy_process_group()
     return 0 if ok.item() else 1
