@@ -107,12 +107,15 @@ class CopyService {
   ScheduleReport schedule();
   // Executes the plan: returns once this PE's sends have been read and its receives have landed.
   // No re-planning and no collective besides the data movement. Every PE calls run() the same
-  // number of times.
+  // number of times. On GPUs it first waits for the work queued on the legacy default stream (as
+  // cudaMemcpy does): buffers written there, as PyTorch and CuPy write by default, are read after
+  // those writes.
   void run();
   // GPU transports: enqueues the plan on a CUDA stream (a cudaStream_t) and returns at once. The
   // copies start after the work already queued on the stream, and work queued later sees their
   // result. Capturable in a CUDA graph. A failure on the device (a peer that never arrives)
   // is reported by the next run() or by synchronize(). The host transport runs synchronously.
+  // A null stream (handle 0, the legacy default stream's) is run() above.
   void run(void* cuda_stream);
   // Waits for every run enqueued so far and reports a device-side failure, if any.
   void synchronize();

@@ -332,7 +332,8 @@ class CopyService:
     def run(self, stream: StreamLike = None) -> None:
         """Moves the registered bytes. Without a stream it returns when this PE's sends were read
         and its receives landed; with a CUDA stream (int, torch or CuPy stream) it is queued there
-        and returns at once."""
+        and returns at once. PyTorch's default stream (handle 0) counts as no stream: the run
+        then starts after the work queued there and is waited for."""
         self._service.run(stream_handle(stream))
 
     def set_phase(self, phase: int) -> None:

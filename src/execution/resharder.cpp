@@ -278,6 +278,8 @@ struct Resharder::Impl {
       own_stream = execution::cuda::create_stream(device);
       own_stream_device = device;
     }
+    // The refit goes after what the caller queued on the default stream (its tensors' writes).
+    execution::cuda::wait_for_default_stream(own_stream_device, own_stream);
     return own_stream;
 #else
     throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");

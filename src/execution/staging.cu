@@ -5,6 +5,7 @@
 #include "execution/job_upload.cuh"
 #include "execution/staging.hpp"
 #include "gpu/cuda_check.hpp"
+#include "gpu/cuda_device.hpp"
 
 namespace reshard::execution::cuda {
 namespace {
@@ -204,6 +205,11 @@ void destroy_stream(int device, void* stream) {
 
 void synchronize_stream(void* stream) {
   RESHARD_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+void wait_for_default_stream(int device, void* own) {
+  DeviceScope scope(device);
+  ::reshard::cuda::wait_for_default_stream(static_cast<cudaStream_t>(own));
 }
 
 void* create_event(int device) {

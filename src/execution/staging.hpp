@@ -164,6 +164,9 @@ void* create_stream(int device, bool high_priority = false);
 std::string pci_bus_id(int device);
 void destroy_stream(int device, void* stream);
 void synchronize_stream(void* stream);
+// `own` (from create_stream) waits for the work queued on the legacy default stream so far: what a
+// caller that gives no stream has queued its tensors' writes on.
+void wait_for_default_stream(int device, void* own);
 void* create_event(int device);
 void destroy_event(int device, void* event);
 // Work queued on `later` from now on waits for the work queued on `earlier` so far (`event`

@@ -238,6 +238,15 @@ std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const c
                     transport_problem, peers);
 }
 
+void wait_for_default_stream(cudaStream_t own) {
+  cudaEvent_t queued = nullptr;
+  RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&queued, cudaEventDisableTiming));
+  cudaError_t status = cudaEventRecord(queued, cudaStreamLegacy);
+  if (status == cudaSuccess) status = cudaStreamWaitEvent(own, queued, 0);
+  cudaEventDestroy(queued);  // released once the wait has passed it
+  if (status != cudaSuccess) throw_cuda_error(status, "waiting for the default stream");
+}
+
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));

@@ -68,6 +68,12 @@ std::string wait_for_run(cudaEvent_t event, std::span<const pid_t> pids, const c
                          int* dead, std::chrono::milliseconds limit,
                          const std::function<std::string()>& transport_problem = {},
                          std::span<const int> peers = {});
+// A run given no stream goes on `own`, a stream of the transport's (non-blocking, so CUDA orders
+// nothing between it and the caller's work): `own` first waits for what the caller queued on the
+// legacy default stream, as CUDA's own synchronous calls do. PyTorch's and CuPy's default stream is
+// that stream; without the wait a run read send buffers that work on it had not finished
+// writing.
+void wait_for_default_stream(cudaStream_t own);
 // Records `event` on `stream` after a run and returns true, unless the stream is being captured
 // into a graph (then the run only exists in the graph and there is nothing to wait for).
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);

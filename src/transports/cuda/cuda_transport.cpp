@@ -952,6 +952,7 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
   }
   DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
+  if (stream_handle == nullptr) wait_for_default_stream(stream);
   launch(*prepared_[phase], stream);
   if (record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;

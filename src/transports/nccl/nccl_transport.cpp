@@ -144,6 +144,7 @@ void NcclTransport::run(const ExecutionPlan& plan, std::size_t /*phase*/, void* 
   }
   cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
+  if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
   for (const LocalCopy& copy : plan.local_copies) {
     RESHARD_CUDA_CHECK(
         cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDeviceToDevice, stream));

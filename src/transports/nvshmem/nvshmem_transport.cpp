@@ -672,6 +672,7 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
   cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
+  if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) {
