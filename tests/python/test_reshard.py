@@ -771,6 +771,13 @@ def test_gpu_copy_service_with_jax_arrays():
                      XLA_PYTHON_CLIENT_PREALLOCATE="false"))
 
 
+@pytest.mark.skipif(gpu_count() < 1 or not has_torch(), reason=ONE_GPU)
+def test_gpu_runs_without_a_stream_wait_for_the_default_stream():
+    # PyTorch writes on its default stream (handle 0); a run given none, or that one, must come
+    # after those writes on every path: copy service and execute_reshard_plan.
+    assert_ok(launch(2, WORKERS / "default_stream_worker.py"))
+
+
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_example_refits_tp4_into_tp2():
     result = launch(4, EXAMPLES / "refit_tp4_to_tp2.py", "--device", "cuda")
@@ -820,6 +827,28 @@ def test_gpu_megatron_mxfp8_reshard_transform_through_reshard(change):
     assert_ok(result)
     assert "through MXFP8ReshardTransform: 3 refits bitwise equal to Megatron's Gloo service, " \
         "planned once" in result.stdout
+
+
+def has_megatron_non_collocated() -> bool:
+    """megatron-core >= 0.17: swap_model_weights takes None for a model a rank does not hold."""
+    try:
+        from megatron.core.resharding.refit import swap_model_weights
+    except Exception:
+        return False
+    return "src_rank_offset" in __import__("inspect").signature(swap_model_weights).parameters
+
+
+@pytest.mark.skipif(gpu_count() < 1 or not has_megatron_non_collocated(),
+                    reason="needs a GPU and megatron-core >= 0.17 (non-collocated refits)")
+@pytest.mark.parametrize("change, mode", [("2 1 1 1", "plain"), ("1 1 2 1", "plain"),
+                                          ("1 2 2 1", "plain"), ("2 1 1 1", "mxfp8-send")])
+def test_gpu_megatron_non_collocated_refit_through_reshard(change, mode):
+    # The source on ranks 0-1, the destination on ranks 2-3 (trainer and engine apart), all
+    # four processes on the GPUs there are.
+    result = launch(4, WORKERS / "megatron_refit_worker.py", *change.split(), 3, "cuda", mode,
+                    "apart", timeout=300)
+    assert_ok(result)
+    assert "non-collocated" in result.stdout and "3 refits bitwise equal" in result.stdout
 
 
 @pytest.mark.skipif(gpu_count() < 1 or not has_megatron_mxfp8_quantizer(),

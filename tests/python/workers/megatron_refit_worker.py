@@ -5,7 +5,12 @@ the CPU with different tensor/pipeline parallelism, their weights moved by Megat
 parameter must come out bitwise equal between the two (and written: none left zero), and reshard
 must plan on the first refit only.
 
-    megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS] [cpu|cuda] [mxfp8|mxfp8-send]
+    megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS] [cpu|cuda] [plain|mxfp8|mxfp8-send]
+                             [together|apart]
+
+``together`` (collocated, the default): both models span every rank. ``apart`` (non-collocated,
+megatron-core >= 0.17): the source lives on the first half of the ranks, the destination on the
+second half, and each rank hands Megatron ``None`` for the model it does not hold.
 
 With ``cuda`` both models live on the GPU (ranks share the GPUs there are, local rank modulo
 their count) and reshard's service, made with no arguments, must pick its CUDA transport; Megatron's
@@ -36,6 +41,7 @@ import torch.distributed as dist
 
 DEVICE = sys.argv[6] if len(sys.argv) > 6 else "cpu"
 MODE = sys.argv[7] if len(sys.argv) > 7 else "plain"
+APART = len(sys.argv) > 8 and sys.argv[8] == "apart"
 MXFP8 = MODE in ("mxfp8", "mxfp8-send")
 if DEVICE == "cpu":
     torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
@@ -73,22 +79,22 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from reshard.megatron import ReshardCopyService  # noqa: E402
 
 
-def process_groups(tp, pp):
-    """Megatron's process groups for a model of TP x PP x DP (DP fills the world)."""
-    world = dist.get_world_size()
-    dp = world // (tp * pp)
-    grid = HyperCommGrid([tp, 1, 1, pp, dp], ["tp", "cp", "ep", "pp", "dp"])
+def process_groups(tp, pp, first, size):
+    """Megatron's process groups for a model of TP x PP x DP on ranks first .. first + size - 1
+    (DP fills them). Every rank takes part in making them, as torch.distributed requires."""
+    dp = size // (tp * pp)
+    grid = HyperCommGrid([tp, 1, 1, pp, dp], ["tp", "cp", "ep", "pp", "dp"], rank_offset=first)
     tp_group, pp_group, dp_group = grid.create_pg("tp"), grid.create_pg("pp"), grid.create_pg("dp")
     # Embedding groups (first and last stage of each pipeline): every rank creates every one, in
     # the same order, as torch.distributed requires; the grid numbers TP fastest, then PP, DP.
     embd = pos_embd = None
     for d in range(dp):
         for t in range(tp):
-            stages = [t + tp * (p + pp * d) for p in range(pp)]
+            stages = [first + t + tp * (p + pp * d) for p in range(pp)]
             first_last = dist.new_group(ranks=sorted({stages[0], stages[-1]}))
-            first = dist.new_group(ranks=[stages[0]])
+            first_stage = dist.new_group(ranks=[stages[0]])
             if dist.get_rank() in stages:
-                embd, pos_embd = first_last, first
+                embd, pos_embd = first_last, first_stage
     return ProcessGroupCollection(
         tp=tp_group, cp=grid.create_pg("cp"), pp=pp_group, ep=grid.create_pg("ep"),
         dp=dp_group, tp_cp=grid.create_pg(["tp", "cp"]), mp=grid.create_pg(["tp", "cp", "ep", "pp"]),
@@ -99,11 +105,15 @@ def process_groups(tp, pp):
     )
 
 
-def build_model(base, tp, pp):
+def build_model(base, tp, pp, first=0, size=None):
+    """The model on ranks first .. first + size - 1 (all by default); None on the others."""
+    size = dist.get_world_size() - first if size is None else size
     config = copy.deepcopy(base)
     config.tensor_model_parallel_size = tp
     config.pipeline_model_parallel_size = pp
-    groups = process_groups(tp, pp)
+    groups = process_groups(tp, pp, first, size)
+    if not first <= dist.get_rank() < first + size:
+        return None
     stage = dist.get_group_rank(groups.pp, dist.get_rank())
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=128, max_sequence_length=16, pre_process=stage == 0,
@@ -138,21 +148,30 @@ def main():
                              use_cpu_initialization=True, params_dtype=dtype,
                              pipeline_dtype=dtype, bf16=MXFP8, hidden_dropout=0.0,
                              attention_dropout=0.0)
-    src = build_model(base, src_tp, src_pp)
-    dst_gloo = build_model(base, dst_tp, dst_pp)
-    dst_reshard = build_model(base, dst_tp, dst_pp)
+    half = dist.get_world_size() // 2
+    src_ranks, dst_ranks = ((0, half), (half, half)) if APART else ((0, None), (0, None))
+    src = build_model(base, src_tp, src_pp, *src_ranks)
+    dst_gloo = build_model(base, dst_tp, dst_pp, *dst_ranks)
+    dst_reshard = build_model(base, dst_tp, dst_pp, *dst_ranks)
+    holds_dst = dst_reshard is not None
+
     gloo = GlooCopyService()
     reshard_service = ReshardCopyService()  # inside the torch.distributed job: no arguments
     transforms = {"gloo": (None, {}), "reshard": (None, {})}
-    if MXFP8:
+    if MXFP8 and holds_dst:
         transforms = {"gloo": mxfp8_transform(dst_gloo), "reshard": mxfp8_transform(dst_reshard)}
+    elif MXFP8:  # a pure sender: it converts the decoder's matrices it sends, holds no buffers
+        names = {f"decoder.{name}" for name, param in src.decoder.named_parameters()
+                 if param.dim() == 2}
+        transforms = {"gloo": (None, {}), "reshard": (MXFP8ReshardTransform(
+            names, {}, buffer_key_prefix="decoder.", convert_on_send=MODE == "mxfp8-send"), {})}
     failures = []
     for refit in range(refits):
         with torch.no_grad():  # new weights every refit, as training makes them
-            for i, (name, param) in enumerate(src.named_parameters()):
+            for i, (name, param) in enumerate(src.named_parameters() if src is not None else []):
                 generator = torch.Generator().manual_seed(1000 * refit + 17 * me + i)
                 param.copy_(torch.randn(param.shape, generator=generator))  # to the device too
-            for model in (dst_gloo, dst_reshard):
+            for model in (dst_gloo, dst_reshard) if holds_dst else ():
                 for param in model.parameters():
                     param.zero_()
             for _, buffers in transforms.values():
@@ -160,10 +179,12 @@ def main():
                     buffer.data.view(torch.uint8).zero_()
                     buffer.scale.view(torch.uint8).zero_()
         extra = {"transform": transforms["gloo"][0]} if MODE == "mxfp8" else {}
-        swap_model_weights([src], [dst_gloo], refit_method=gloo, **extra)
+        source = [src] if src is not None else None
+        swap_model_weights(source, [dst_gloo] if holds_dst else None, refit_method=gloo, **extra)
         extra = {"transform": transforms["reshard"][0]} if MXFP8 else {}
-        swap_model_weights([src], [dst_reshard], refit_method=reshard_service, **extra)
-        if MODE == "mxfp8-send":  # the reference: the bf16 weights Gloo delivered, quantized
+        swap_model_weights(source, [dst_reshard] if holds_dst else None,
+                           refit_method=reshard_service, **extra)
+        if MODE == "mxfp8-send" and holds_dst:  # the reference: what Gloo delivered, quantized
             gloo_params = dict(dst_gloo.decoder.named_parameters())
             transforms["gloo"] = (None, {
                 name: mxfp8_tensor.MXFP8Tensor.from_bf16(gloo_params[name].detach())
@@ -178,6 +199,8 @@ def main():
                                     "Megatron's Gloo service")
                 if part == "data" and not torch.any(theirs != 0):
                     failures.append(f"refit {refit}: MXFP8 data of {name} was not written")
+        if not holds_dst:
+            continue
         for (name, a), (_, b) in zip(dst_gloo.named_parameters(), dst_reshard.named_parameters()):
             # A parameter that Megatron's MXFP8 transform takes lands in its buffers instead
             # (compared above); in mxfp8-send mode Gloo's refit has no transform.
@@ -191,7 +214,7 @@ def main():
     if reshard_service.service.transport != expected:
         failures.append(f"reshard chose the {reshard_service.service.transport} transport, not "
                         f"{expected}")
-    if DEVICE == "cuda" and not all(p.is_cuda for p in dst_reshard.parameters()):
+    if DEVICE == "cuda" and holds_dst and not all(p.is_cuda for p in dst_reshard.parameters()):
         failures.append("the destination model left the GPU")
     if reshard_service.schedules != 1:
         failures.append(f"reshard planned {reshard_service.schedules} times in {refits} refits")
@@ -205,6 +228,7 @@ def main():
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if me == 0 and ok.item():
         print(f"megatron refit TP{src_tp} PP{src_pp} -> TP{dst_tp} PP{dst_pp} on {DEVICE}"
+              f"{', non-collocated' if APART else ''}"
               f"{' through MXFP8ReshardTransform' if MODE == 'mxfp8' else ''}"
               f"{' through MXFP8ReshardTransform(convert_on_send=True)' if MODE == 'mxfp8-send' else ''}"
               f": {refits} "
