@@ -306,6 +306,19 @@ TEST(Launcher, StopsAJobPastItsTimeLimit) {
   EXPECT_NE(all_lines(outcome).find("O [rank 1] up"), std::string::npos) << all_lines(outcome);
 }
 
+TEST(Launcher, FinishesWhereTheHostIgnoresSigchld) {
+  // The kernel reaps the children itself then: the job must still end (statuses read as 0).
+  struct sigaction ignore{};
+  struct sigaction previous{};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGCHLD, &ignore, &previous);
+  const Outcome outcome = launch(2, {"sh", "-c", "echo done-$RANK"}, true);
+  ::sigaction(SIGCHLD, &previous, nullptr);
+  EXPECT_EQ(outcome.result.exit_code, 0);
+  EXPECT_LT(outcome.seconds, 10.0);
+  EXPECT_FALSE(line_of(outcome, 1, "done-1").empty()) << all_lines(outcome);
+}
+
 TEST(Launcher, KeepsEachRanksStderrApartFromItsStdout) {
   Outcome outcome;
   LaunchOptions options;

@@ -252,7 +252,12 @@ class Job {
   void reap(int rank, bool blocking) {
     Child& child = children_[rank];
     int status = 0;
-    if (::waitpid(child.pid, &status, blocking ? 0 : WNOHANG) != child.pid) return;
+    const pid_t reaped = ::waitpid(child.pid, &status, blocking ? 0 : WNOHANG);
+    // ECHILD: the host ignores SIGCHLD, so the kernel reaped the child and its status is lost.
+    if (reaped == -1 && errno == ECHILD)
+      status = 0;
+    else if (reaped != child.pid)
+      return;
     child.running = false;
     if (child.exit_fd >= 0) ::close(child.exit_fd);
     child.exit_fd = -1;
