@@ -63,9 +63,6 @@ void read(const char* field, std::string& option) {
 void read(const char* field, int& option) {
   if (text_of(field)) option = env::get_int(variable_of(field), option);
 }
-void read(const char* field, std::optional<int>& option) {
-  if (text_of(field)) option = env::get_int(variable_of(field), 0);
-}
 void read(const char* field, bool& option) {
   if (text_of(field)) option = env::get_int(variable_of(field), 0) != 0;
 }
@@ -89,17 +86,18 @@ void read(const char* field, std::uint64_t& option) {
   if (auto text = text_of(field))
     option = parse_named<std::uint64_t>(field, *text, "a byte count such as 64KiB", parse_bytes);
 }
-void read(const char* field, std::optional<std::uint64_t>& option) {
-  if (auto text = text_of(field))
-    option = parse_named<std::uint64_t>(field, *text, "a byte count such as 64KiB", parse_bytes);
-}
 void read(const char* field, TransportKind& option) {
   if (auto text = text_of(field))
     option = parse_named<TransportKind>(field, *text, "a transport", parse_transport_kind);
 }
-void read(const char* field, std::optional<TransportKind>& option) {
-  if (auto text = text_of(field))
-    option = parse_named<TransportKind>(field, *text, "a transport", parse_transport_kind);
+
+// An optional option is set where its variable is, parsed as the plain one is.
+template <typename T>
+void read(const char* field, std::optional<T>& option) {
+  if (!text_of(field)) return;
+  T value{};
+  read(field, value);
+  option = value;
 }
 
 // How a refused option is named: by its field (set in code) or by its variable and the text it

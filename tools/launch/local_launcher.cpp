@@ -243,9 +243,11 @@ class Job {
     }
   }
 
+  // Children without an exit descriptor (a kernel without pidfds) are polled for here; the others
+  // are reaped as their descriptor fires, in the order they exit.
   void reap_exited() {
     for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
-      if (children_[rank].running) reap(rank, /*blocking=*/false);
+      if (children_[rank].running && children_[rank].exit_fd < 0) reap(rank, /*blocking=*/false);
     }
   }
 
