@@ -1,5 +1,6 @@
 // CUDA kernels of the conversions; the arithmetic is number_formats.hpp, shared with the host
 // reference, so results match it bit for bit.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -371,12 +372,13 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
 
 // Block FP8: one CTA per 128 x 128 tile: 16 lanes of 8 elements span a tile row, 16 rows per
 // pass, 8 passes. A tile's rows lie in one matrix, one stride apart. Where the tile's values are
-// finite and its scale at least 2^-100, a quotient is value * (1 / scale) and the FP8 conversion,
-// with the rare quotients that could round either way settled by one fma (settled_quotient);
-// other tiles take block_encode_pair. (Sending those quotients to block_encode_pair's double
-// division held the kernel at 0.2 of the copy rate on one H100, 2026-11-24: where a tile's maximum
-// has few significant bits (a power of two, 1.5 x 2^k), 1 quotient in 130 lies on a tie, and
-// nearly every warp met one.)
+// finite and its scale at least 2^-100 (a plain tile), a quotient is value * (1 / scale) and the
+// FP8 conversion. bfloat16 tiles need no test per element (block_bf16_reciprocal says why); for
+// float32 and float16 the rare quotients that could round either way are settled by one fma
+// (settled_quotient). Other tiles take block_encode_pair. (Testing each bfloat16 quotient and
+// settling those near a tie, one lane of a warp at a time, held the kernel at 0.78 of the copy
+// rate on one H100, 2026-11-25: on weight-like data ties come up in most warps, ncu counted 23
+// active threads per warp; without the tests, 0.99 and half the instructions.)
 constexpr int kTileThreads = 256;
 constexpr int kThreadsPerTileRow = kFp8Block / kPerLane;
 constexpr int kTileRowsPerPass = kTileThreads / kThreadsPerTileRow;
@@ -415,12 +417,23 @@ __device__ __noinline__ float settle_subnormal(float quotient, float value, floa
   return settle_at(__float_as_uint(tie), quotient, value, scale);
 }
 
-// Zero, or a normal E4M3 value more than 4 ulps from every tie (quotient_is_decisive's normal
-// case): the conversion of value * reciprocal is the exactly rounded code.
-__device__ __forceinline__ bool plainly_decisive(float quotient) {
-  const std::uint32_t magnitude = __float_as_uint(quotient) & 0x7fffffffu;
-  return magnitude == 0 ||
-         (magnitude >= 0x3c800000u && (magnitude & 0xfffffu) - (0x80000u - 4) > 8);
+// Whether each of a lane's quotients is zero or a normal E4M3 value more than 4 ulps from every tie
+// (quotient_is_decisive's normal case), so that converting value * reciprocal gives the exactly
+// rounded code: two minima over integers made from the quotients' bits, one multiply-add and a
+// third of a three-way minimum per quotient (the six operations per quotient of testing each one
+// took a fifth of the kernel's instructions). A tie of a normal quotient is its low 20 bits at
+// 0x80000: bits * 2^12 + 0x80004000 is (low 20 bits - 0x7fffc) * 2^12 modulo 2^32, below 9 * 2^12
+// within 4 ulps of it. A quotient below 2^-6 (E4M3's subnormals) other than zero has twice its
+// magnitude's bits (the sign shifted out) less one below 0x78ffffff; zero wraps to 0xffffffff.
+__device__ __forceinline__ bool all_plainly_decisive(const float (&quotient)[kPerLane]) {
+  std::uint32_t near_tie = 0xffffffffu, subnormal = 0xffffffffu;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const std::uint32_t bits = __float_as_uint(quotient[i]);
+    near_tie = min(near_tie, bits * 4096u + 0x80004000u);
+    subnormal = min(subnormal, bits * 2u - 1u);
+  }
+  return near_tie >= 0x9000u && subnormal >= 0x78ffffffu;
 }
 
 __device__ __forceinline__ float settled_quotient(float value, float scale, float reciprocal) {
@@ -435,16 +448,21 @@ __device__ __forceinline__ float settled_quotient(float value, float scale, floa
   return settle_subnormal(quotient, value, scale);
 }
 
-// Where a CTA's thread reads and writes one tile.
+// Where a CTA's thread reads and writes one tile. An even tile (the common case) has all 128 rows,
+// this thread's whole 8 columns, 16-byte aligned source rows and 8-byte aligned destination rows:
+// its loads and stores need no test per row.
 struct TilePlace {
   std::int64_t src_first, src_stride, data_first, data_stride;
   std::uint8_t* data;
   float* scale_at;
   int rows, count;
+  bool even;
 };
 
+template <DType S>
 __device__ __forceinline__ TilePlace place_tile(const JobList<BlockTask>& list, std::uint64_t item,
                                                 int col, const BlockTask*& task_out) {
+  constexpr int size = S == DType::kFloat32 ? 4 : 2;
   const std::uint32_t j = list.find(item);
   const BlockTask& task = list.jobs[j];
   task_out = &task;
@@ -471,6 +489,12 @@ __device__ __forceinline__ TilePlace place_tile(const JobList<BlockTask>& list, 
   at.scale_at =
       task.scale +
       task.scale_rows.row_start(static_cast<std::int64_t>(m) * tile_rows + tr, list.uneven) + tc;
+  const auto src_bits =
+      reinterpret_cast<std::uintptr_t>(task.src) + static_cast<std::uintptr_t>(at.src_first * size);
+  const auto data_bits = reinterpret_cast<std::uintptr_t>(at.data + at.data_first);
+  at.even = at.rows == kFp8Block && at.count == kPerLane &&
+            ((src_bits | static_cast<std::uintptr_t>(at.src_stride * size)) & 15) == 0 &&
+            ((data_bits | static_cast<std::uintptr_t>(at.data_stride)) & 7) == 0;
   return at;
 }
 
@@ -495,25 +519,85 @@ __device__ __noinline__ uint2 encode_unplainly(Raw<S> raw, float s, float recipr
   return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
 }
 
+// A lane's 8 elements in E4M3, as block_encode gives them.
+template <DType S>
+__device__ __forceinline__ uint2 encode_lane(const Raw<S>& raw, float s, float reciprocal,
+                                             bool plain) {
+  float q[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element(raw, i)), "f"(reciprocal));
+  }
+  if (plain && all_plainly_decisive(q)) {
+    std::uint32_t pair[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      std::uint16_t bits;
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+          : "=h"(bits)
+          : "f"(q[2 * i + 1]), "f"(q[2 * i]));
+      pair[i] = bits;
+    }
+    return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+  }
+  return encode_unplainly(raw, s, reciprocal, plain);
+}
+
+// A lane's 8 bfloat16 elements of a plain tile in E4M3, each with no test (see
+// block_bf16_reciprocal).
+template <bool kExactScale>
+__device__ __forceinline__ uint2 encode_bf16_lane(const Raw<DType::kBFloat16>& raw, float s,
+                                                  float reciprocal) {
+  float q[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    q[i] = block_bf16_quotient<kExactScale>(element(raw, i), s, reciprocal);
+  }
+  std::uint32_t pair[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    std::uint16_t bits;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q[2 * i + 1]), "f"(q[2 * i]));
+    pair[i] = bits;
+  }
+  return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+
+// block_scale(amax) without its double division: amax / 448 rounded once to float is the same as
+// rounded to double and then to float, for every float amax (all 2^31 checked on the host: k / 7
+// in binary repeats 3 bits, never the long run a second rounding would need to differ).
+__device__ __forceinline__ float tile_scale(float amax) {
+  if (amax == 0.0f) return 1.0f;
+  if (!(amax == amax)) return __uint_as_float(0x7fc00000u);
+  return __fdiv_rn(amax, static_cast<float>(kE4m3Max));
+}
+
 // Two passes over a tile: the maximum, then (once the CTA has it) the encoding, both from shared
-// memory, where each thread's loads land in slots only it uses. The loads are asynchronous
-// (cp.async) into one of two buffers: a CTA's next tile is on its way while it encodes this one,
-// so HBM always has each CTA's next 32 KiB in flight, and the tile is read from HBM once.
-// (Reading the tile again from L2 held the kernel at 0.6 of the copy rate, what reading it twice
-// from HBM would give; keeping the first pass's loads in shared memory, 0.66-0.71; holding them in
-// registers left 2-3 CTAs per SM and ran no faster; one H100, 2026-11-24.)
+// memory, where each thread's loads land in slots only it uses, so the tile is read from HBM once
+// (reading it again from L2 held the kernel at 0.6 of the copy rate, what reading it twice from
+// HBM would give). The loads are asynchronous (cp.async), all 32 KiB of a tile in flight at once;
+// a CTA converts one tile, and four CTAs per SM (64 registers, 32 KiB of shared memory each) keep
+// HBM busy while some of them encode. (Two buffers per CTA, the next tile's loads out while it
+// encoded this one, held 3 CTAs per SM and ran at 0.89 of the copy rate against 0.91 on
+// 14336 x 4096, at 0.91 against 0.99 on Llama-3-8B's matrices; one H100, 2026-11-25.)
 template <DType S>
 constexpr int kTileVectorsPerLane = sizeof(Raw<S>) / sizeof(uint4);
 template <DType S>
 constexpr std::size_t kTileBufferVectors = kTilePasses * kTileVectorsPerLane<S> * kTileThreads;
 template <DType S>
-constexpr std::size_t kTileSharedBytes = 2 * sizeof(uint4) * kTileBufferVectors<S>;
+constexpr std::size_t kTileSharedBytes = sizeof(uint4) * kTileBufferVectors<S>;
+constexpr int kTileCtasPerSm = 4;
+
+template <DType S>
+__device__ __forceinline__ uint4* kept_slot(uint4* kept, int p, int q) {
+  return &kept[(p * kTileVectorsPerLane<S> + q) * kTileThreads + threadIdx.x];
+}
 
 template <DType S>
 __device__ __forceinline__ void keep_raw(uint4* kept, int p, const Raw<S>& raw) {
 #pragma unroll
   for (int q = 0; q < kTileVectorsPerLane<S>; ++q) {
-    kept[(p * kTileVectorsPerLane<S> + q) * kTileThreads + threadIdx.x] =
+    *kept_slot<S>(kept, p, q) =
         make_uint4(raw.word[4 * q], raw.word[4 * q + 1], raw.word[4 * q + 2], raw.word[4 * q + 3]);
   }
 }
@@ -523,7 +607,7 @@ __device__ __forceinline__ Raw<S> kept_raw(const uint4* kept, int p) {
   Raw<S> raw;
 #pragma unroll
   for (int q = 0; q < kTileVectorsPerLane<S>; ++q) {
-    const uint4 v = kept[(p * kTileVectorsPerLane<S> + q) * kTileThreads + threadIdx.x];
+    const uint4 v = *kept_slot<S>(const_cast<uint4*>(kept), p, q);
     raw.word[4 * q] = v.x;
     raw.word[4 * q + 1] = v.y;
     raw.word[4 * q + 2] = v.z;
@@ -550,120 +634,140 @@ __device__ __forceinline__ int tile_row(const TilePlace& at, int first_row, int 
   return r < at.rows && at.count > 0 ? r : -1;
 }
 
-// This thread's share of a tile into `buffer`: whole aligned vectors asynchronously, the rest
-// (a tile's ragged edge, rows past its end as zeros) loaded and stored here.
+// An uneven tile's share: whole aligned vectors asynchronously, the rest (a ragged edge, rows past
+// the tile's end as zeros) loaded and stored here.
 template <DType S>
-__device__ __forceinline__ void stage_tile(uint4* buffer, const BlockTask& task,
-                                           const TilePlace& at, int first_row) {
+__device__ __noinline__ void stage_uneven_tile(uint4* buffer, const void* src, TilePlace at,
+                                               int first_row) {
   constexpr int size = S == DType::kFloat32 ? 4 : 2;
-#pragma unroll
+#pragma unroll 1
   for (int p = 0; p < kTilePasses; ++p) {
     const int r = tile_row(at, first_row, p);
     const std::int64_t index = r >= 0 ? at.src_first + r * at.src_stride : 0;
-    const auto* from = static_cast<const std::uint8_t*>(task.src) + index * size;
+    const auto* from = static_cast<const std::uint8_t*>(src) + index * size;
     if (r >= 0 && at.count == kPerLane && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
 #pragma unroll
       for (int q = 0; q < kTileVectorsPerLane<S>; ++q) {
-        copy_16_bytes_async(&buffer[(p * kTileVectorsPerLane<S> + q) * kTileThreads + threadIdx.x],
-                            from + 16 * q);
+        copy_16_bytes_async(kept_slot<S>(buffer, p, q), from + 16 * q);
       }
     } else {
-      keep_raw<S>(buffer, p, load_raw<S>(task.src, index, r >= 0 ? at.count : 0));
+      keep_raw<S>(buffer, p, load_raw<S>(src, index, r >= 0 ? at.count : 0));
     }
   }
 }
 
+// This thread's share of a tile into `buffer`.
 template <DType S>
-__global__ void __launch_bounds__(kTileThreads) block_quantize_kernel(JobList<BlockTask> list) {
-  __shared__ std::uint32_t warp_max[2][kTileThreads / 32];  // by the tile's parity: one sync each
-  extern __shared__ uint4 kept[];  // kTileSharedBytes<S>: two buffers of this thread's loads
-  const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerLane;
-  const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
-  std::uint64_t item = blockIdx.x;
-  const BlockTask* task = nullptr;
-  TilePlace at{};
-  if (item < list.items) {
-    at = place_tile(list, item, col, task);
-    stage_tile<S>(kept, *task, at, first_row);
+__device__ __forceinline__ void stage_tile(uint4* buffer, const BlockTask& task,
+                                           const TilePlace& at, int first_row) {
+  constexpr int size = S == DType::kFloat32 ? 4 : 2;
+  if (!at.even) {
+    stage_uneven_tile<S>(buffer, task.src, at, first_row);
+    return;
   }
-  commit_async_copies();
-  int parity = 0;
-  for (; item < list.items; item += gridDim.x, parity ^= 1) {
-    uint4* const buffer = kept + parity * kTileBufferVectors<S>;
-    // The next tile's loads go out before this one is encoded. A thread refills only its own
-    // slots, which it finished reading a tile ago: no barrier guards the buffers.
-    const std::uint64_t next = item + gridDim.x;
-    const BlockTask* next_task = nullptr;
-    TilePlace next_at{};
-    if (next < list.items) {
-      next_at = place_tile(list, next, col, next_task);
-      stage_tile<S>(kept + (parity ^ 1) * kTileBufferVectors<S>, *next_task, next_at, first_row);
-    }
-    commit_async_copies();
-    wait_async_copies<1>();  // this tile's
-    const auto row_of = [&](int p) { return tile_row(at, first_row, p); };
-    std::uint32_t magnitude = 0;
+  const auto* from = static_cast<const std::uint8_t*>(task.src) +
+                     (at.src_first + first_row * at.src_stride) * size;
+  const std::int64_t step = kTileRowsPerPass * at.src_stride * size;
 #pragma unroll
-    for (int p = 0; p < kTilePasses; ++p) {
-      magnitude = max(magnitude, magnitude_max<S>(kept_raw<S>(buffer, p)));
-    }
+  for (int p = 0; p < kTilePasses; ++p) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      magnitude = max(magnitude, __shfl_xor_sync(0xffffffffu, magnitude, offset));
+    for (int q = 0; q < kTileVectorsPerLane<S>; ++q) {
+      copy_16_bytes_async(kept_slot<S>(buffer, p, q), from + p * step + 16 * q);
     }
-    if (threadIdx.x % 32 == 0) warp_max[parity][threadIdx.x / 32] = magnitude;
-    __syncthreads();
-    magnitude = 0;
-#pragma unroll
-    for (int w = 0; w < kTileThreads / 32; ++w) magnitude = max(magnitude, warp_max[parity][w]);
-    const float amax = amax_of<S>(magnitude);
-    const float s = block_scale(amax);
-    const float reciprocal = __frcp_rn(s);
-    // Finite elements (a finite maximum) and a scale of at least 2^-100.
-    const bool plain = amax <= 3.4028234663852886e38f && s >= 7.888609052210118e-31f;
-    if (threadIdx.x == 0) *at.scale_at = s;
-#pragma unroll 4
-    for (int p = 0; p < kTilePasses; ++p) {
-      const int r = row_of(p);
-      if (r < 0) continue;
-      const Raw<S> raw = kept_raw<S>(buffer, p);
-      uint2 encoded;
-      float q[kPerLane];
-      bool decisive = plain;
+  }
+}
+
+// An uneven tile's encoding: rows past its end skipped, a ragged edge stored byte by byte.
+template <DType S>
+__device__ __noinline__ void encode_uneven_tile(const uint4* buffer, TilePlace at, int first_row,
+                                                float s, float reciprocal, bool plain) {
+#pragma unroll 1
+  for (int p = 0; p < kTilePasses; ++p) {
+    const int r = tile_row(at, first_row, p);
+    if (r < 0) continue;
+    const uint2 encoded = encode_lane<S>(kept_raw<S>(buffer, p), s, reciprocal, plain);
+    std::uint8_t* const out = at.data + at.data_first + r * at.data_stride;
+    if (at.count == kPerLane) {
+      store_8_bytes(out, encoded);
+    } else {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
-        asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element(raw, i)), "f"(reciprocal));
-        decisive &= plainly_decisive(q[i]);
-      }
-      if (decisive) {
-        std::uint32_t pair[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          std::uint16_t bits;
-          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-              : "=h"(bits)
-              : "f"(q[2 * i + 1]), "f"(q[2 * i]));
-          pair[i] = bits;
-        }
-        encoded = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
-      } else {
-        encoded = encode_unplainly(raw, s, reciprocal, plain);
-      }
-      std::uint8_t* const out = at.data + at.data_first + r * at.data_stride;
-      if (at.count == kPerLane) {
-        store_8_bytes(out, encoded);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          if (i >= at.count) break;
-          out[i] = static_cast<std::uint8_t>((i < 4 ? encoded.x : encoded.y) >> (8 * (i % 4)));
-        }
+        if (i >= at.count) break;
+        out[i] = static_cast<std::uint8_t>((i < 4 ? encoded.x : encoded.y) >> (8 * (i % 4)));
       }
     }
-    at = next_at;
-    task = next_task;
   }
-  wait_async_copies<0>();
+}
+
+// The maximum of a staged tile (the CTA's threads together), its scale, and the encoding.
+// warp_max is by the tile's parity, so one barrier per tile serves.
+template <DType S>
+__device__ __forceinline__ void quantize_staged_tile(const uint4* buffer, const TilePlace& at,
+                                                     int first_row, std::uint32_t* warp_max) {
+  std::uint32_t magnitude = 0;
+#pragma unroll
+  for (int p = 0; p < kTilePasses; ++p) {
+    magnitude = max(magnitude, magnitude_max<S>(kept_raw<S>(buffer, p)));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    magnitude = max(magnitude, __shfl_xor_sync(0xffffffffu, magnitude, offset));
+  }
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = magnitude;
+  __syncthreads();
+  magnitude = 0;
+#pragma unroll
+  for (int w = 0; w < kTileThreads / 32; ++w) magnitude = max(magnitude, warp_max[w]);
+  const float amax = amax_of<S>(magnitude);
+  const float s = tile_scale(amax);
+  const float reciprocal = __frcp_rn(s);
+  // Finite elements (a finite maximum) and a scale of at least 2^-100.
+  const bool plain = amax <= 3.4028234663852886e38f && s >= 7.888609052210118e-31f;
+  if (threadIdx.x == 0) *at.scale_at = s;
+  if (!at.even) {
+    encode_uneven_tile<S>(buffer, at, first_row, s, reciprocal, plain);
+    return;
+  }
+  std::uint8_t* const out = at.data + at.data_first + first_row * at.data_stride;
+  const std::int64_t step = kTileRowsPerPass * at.data_stride;
+  const auto encode_rows = [&](auto encode) {
+#pragma unroll 4
+    for (int p = 0; p < kTilePasses; ++p) {
+      *reinterpret_cast<uint2*>(out + p * step) = encode(kept_raw<S>(buffer, p));
+    }
+  };
+  if constexpr (S == DType::kBFloat16) {
+    if (plain) {
+      const float nudged = block_bf16_reciprocal(amax, s, reciprocal);
+      if (nudged != 0.0f) {
+        encode_rows([&](const Raw<S>& raw) { return encode_bf16_lane<false>(raw, s, nudged); });
+      } else {
+        encode_rows([&](const Raw<S>& raw) { return encode_bf16_lane<true>(raw, s, reciprocal); });
+      }
+      return;
+    }
+  }
+  encode_rows([&](const Raw<S>& raw) { return encode_lane<S>(raw, s, reciprocal, plain); });
+}
+
+template <DType S>
+__global__ void __launch_bounds__(kTileThreads, kTileCtasPerSm)
+    block_quantize_kernel(JobList<BlockTask> list) {
+  // Each warp's maximum, by the tile's parity: one barrier per tile.
+  __shared__ std::uint32_t warp_max[2][kTileThreads / 32];
+  extern __shared__ uint4 kept[];  // kTileSharedBytes<S>
+  const int col = static_cast<int>(threadIdx.x % kThreadsPerTileRow) * kPerLane;
+  const int first_row = static_cast<int>(threadIdx.x / kThreadsPerTileRow);
+  int parity = 0;
+  for (std::uint64_t item = blockIdx.x; item < list.items; item += gridDim.x, parity ^= 1) {
+    const BlockTask* task = nullptr;
+    const TilePlace at = place_tile<S>(list, item, col, task);
+    // A thread refills only its own slots, which it has finished reading: no barrier before.
+    stage_tile<S>(kept, *task, at, first_row);
+    commit_async_copies();
+    wait_async_copies<0>();
+    quantize_staged_tile<S>(kept, at, first_row, warp_max[parity]);
+  }
 }
 
 // CTAs for `units` of work: at most what the GPU holds at once several times over (the kernels
@@ -875,8 +979,10 @@ void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& upl
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     static_cast<int>(kTileSharedBytes<S>)));
           }
-          block_quantize_kernel<S>
-              <<<grid_for(list.items), kTileThreads, kTileSharedBytes<S>, s>>>(list);
+          // A CTA per tile (the CTAs walk on past 2^20 tiles).
+          const auto grid =
+              static_cast<unsigned>(std::min<std::uint64_t>(list.items, std::uint64_t{1} << 20));
+          block_quantize_kernel<S><<<grid, kTileThreads, kTileSharedBytes<S>, s>>>(list);
         });
   };
   launch_source.template operator()<DType::kBFloat16>();

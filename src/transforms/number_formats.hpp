@@ -303,6 +303,34 @@ RESHARD_HD bool quotient_is_decisive(float quotient) {
   return distance > kMargin || distance < -kMargin;
 }
 
+// Block FP8 of bfloat16 tiles with no test per element (the GPU kernel's path for tiles whose
+// maximum is finite and whose scale is at least 2^-100). A bfloat16 value has 8 significant bits,
+// and so has the tile's maximum, so value / (maximum / 448) lies either exactly on a rounding tie
+// of E4M3 (a tie has at most 5 significant bits: 7 * the value's significand = the tie's * the
+// maximum's, up to powers of two) or at least 2^-13 (relative) from every tie. The scale is
+// maximum / 448 rounded to float, up to 2^-24 off, which moves the exact ties just off a tie, to
+// the side opposite the scale's rounding. block_bf16_reciprocal makes value * reciprocal land on
+// that side: the reciprocal times 1 -+ 2^-20, which three float roundings (2^-24 each) cannot
+// undo and which is far too small to cross any tie the quotient is not on. Where the scale is
+// exact (it returns 0) the exact ties stay ties, and the quotient must be exact there (round half
+// to even): one correction step gives it, value - quotient * scale being exact in an fma
+// (block_bf16_quotient<true>; written as it is so that -0 keeps its sign). Checked against
+// block_encode for every bfloat16 maximum and value (tests/unit/number_formats_test.cpp).
+RESHARD_HD float block_bf16_reciprocal(float amax, float scale, float reciprocal) {
+  const float rounded_by = fmaf(scale, static_cast<float>(kE4m3Max), -amax);  // exact sign
+  if (rounded_by == 0.0f) return 0.0f;
+  return reciprocal * (rounded_by > 0.0f ? 1.0f - 0x1p-20f : 1.0f + 0x1p-20f);
+}
+
+// value / scale as a float that rounds to block_encode(value, scale) under round to nearest even:
+// `reciprocal` is block_bf16_reciprocal's where it is not 0 (kExactScale false), else 1 / scale.
+template <bool kExactScale>
+RESHARD_HD float block_bf16_quotient(float value, float scale, float reciprocal) {
+  const float quotient = value * reciprocal;
+  if constexpr (!kExactScale) return quotient;
+  return fmaf(-fmaf(quotient, scale, -value), reciprocal, quotient);
+}
+
 // Scales below FLT_MIN (their reciprocal may overflow) and NaN scales leave block_encode_pair on
 // the double path for the whole tile.
 RESHARD_HD bool reciprocal_is_usable(float scale) { return scale >= 1.17549435e-38f; }

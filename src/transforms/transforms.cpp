@@ -110,11 +110,16 @@ class TransformBase : public ReshardTransform, public execution::RangedTransform
     return wire.data == tensor.data;
   }
   // Whether `rank`'s GPU holds another rank's tensors too (set_placement).
-  bool shares_gpu(PeId rank) const { return rank < shares_gpu_.size() && shares_gpu_[rank]; }
+  bool shares_gpu(PeId rank) const {
+    return rank >= 0 && static_cast<std::size_t>(rank) < shares_gpu_.size() && shares_gpu_[rank];
+  }
   // Whether the op's two ranks hold their tensors on one GPU (set_placement).
   bool same_gpu(const TransferOp& op) const {
-    return op.src_rank < gpu_of_rank_.size() && op.dst_rank < gpu_of_rank_.size() &&
-           gpu_of_rank_[op.src_rank] != 0 && gpu_of_rank_[op.src_rank] == gpu_of_rank_[op.dst_rank];
+    const auto known = [&](PeId rank) {
+      return rank >= 0 && static_cast<std::size_t>(rank) < gpu_of_rank_.size();
+    };
+    return known(op.src_rank) && known(op.dst_rank) && gpu_of_rank_[op.src_rank] != 0 &&
+           gpu_of_rank_[op.src_rank] == gpu_of_rank_[op.dst_rank];
   }
   bool name_selected(const ParamSpec& param) const {
     return filter_.empty() || param.name.find(filter_) != std::string::npos;

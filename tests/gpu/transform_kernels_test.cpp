@@ -391,14 +391,17 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceBitForBit) {
 // Every bf16 magnitude from a tile's maximum down 24 binades (E4M3 resolves 17 below it), both
 // signs, under tile maxima of every exponent (subnormal ones too, whose scales take the double
 // path) with three mantissas each: the kernel multiplies by the scale's reciprocal where that
-// rounds like the reference's division.
+// rounds like the reference's division, and every rounding tie of E4M3 is among the values.
 TEST(TransformKernels, BlockEncodesBf16UnderEveryScaleExponentLikeTheReference) {
   constexpr std::int64_t kCols = 128, kTile = 128 * kCols;
   std::mt19937 rng(59);
   std::vector<std::uint16_t> values;
   for (int e = -133; e <= 127; ++e) {
     for (int variant = 0; variant < 3; ++variant) {
-      const auto mantissa = static_cast<std::uint16_t>(rng() % 0x80);
+      // The third maximum's significand a multiple of 7: its scale (maximum / 448) is exact,
+      // and the kernel's bfloat16 path corrects its quotients instead of nudging them.
+      const auto mantissa =
+          static_cast<std::uint16_t>(variant == 2 ? 7 * (19 + rng() % 18) - 128 : rng() % 0x80);
       const std::uint16_t amax = e >= -126 ? static_cast<std::uint16_t>(((e + 127) << 7) | mantissa)
                                            : static_cast<std::uint16_t>(1u << (e + 133));
       const std::size_t tile_start = values.size();

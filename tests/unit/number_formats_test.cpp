@@ -245,6 +245,40 @@ TEST(NumberFormats, BlockQuotientByReciprocalRoundsLikeTheDivisionWhereDecisive)
   EXPECT_GT(near_ties, 100'000u);  // and the test reached the ties it guards against
 }
 
+// The GPU's path for bfloat16 tiles (block_bf16_reciprocal, block_bf16_quotient): for every
+// bfloat16 tile maximum whose scale the path takes (at least 2^-100) and every bfloat16 value of
+// at most that magnitude, both signs, the quotient rounds to the reference's code. (A billion
+// pairs, about ten seconds: the argument in number_formats.hpp, checked in full.)
+TEST(NumberFormats, BlockBf16QuotientRoundsLikeTheDivisionForEveryMaximumAndValue) {
+  std::uint64_t checked = 0, exact_scales = 0, ties = 0;
+  for (std::uint32_t max_bits = 1; max_bits < 0x7f80u; ++max_bits) {
+    const float amax = bits_float(max_bits << 16);
+    const float scale = block_scale(amax);
+    if (!(scale >= 0x1p-100f)) continue;
+    const float reciprocal = 1.0f / scale;
+    const float nudged = block_bf16_reciprocal(amax, scale, reciprocal);
+    exact_scales += nudged == 0.0f;
+    for (std::uint32_t bits = 0; bits <= max_bits; ++bits) {
+      for (const std::uint32_t sign : {0u, 0x8000u}) {
+        const float value = bits_float((bits | sign) << 16);
+        const float quotient = nudged != 0.0f ? block_bf16_quotient<false>(value, scale, nudged)
+                                              : block_bf16_quotient<true>(value, scale, reciprocal);
+        const std::uint8_t want = block_encode(value, scale);
+        if (double_to_e4m3(quotient) != want) {
+          FAIL() << "maximum " << amax << " value " << value << ": quotient " << quotient
+                 << " gives 0x" << std::hex << int{double_to_e4m3(quotient)} << ", reference 0x"
+                 << int{want};
+        }
+        ties += !quotient_is_decisive(value / scale);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 1'000'000'000u);
+  EXPECT_GT(exact_scales, 3'000u);  // maxima that are multiples of 7: the correction step
+  EXPECT_GT(ties, 500'000u);        // quotients at rounding ties, where a plain product can miss
+}
+
 TEST(NumberFormats, ReferenceMxfp8QuantizesBlocksOfThirtyTwo) {
   std::vector<std::uint16_t> row(64);
   for (int i = 0; i < 32; ++i) row[i] = float_to_bf16(static_cast<float>(i));  // amax 31
