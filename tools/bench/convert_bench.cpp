@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -263,25 +264,35 @@ double median(std::vector<double> v) {
 }
 
 // Seconds per call of `body` (queued on `stream`): the median over repeats of back-to-back runs.
-double time_it(cudaStream_t stream, const ConvertBenchOptions& options,
+// Seconds per call of `body`: on the GPU (between events, median of the repeats) and on the host
+// (queuing it: where that exceeds the GPU's, the GPU waits for the host).
+struct Timing {
+  double gpu = 0, host = 0;
+};
+
+Timing time_it(cudaStream_t stream, const ConvertBenchOptions& options,
                const std::function<void()>& body) {
   for (int i = 0; i < options.warmup; ++i) body();
   cudaEvent_t start, stop;
   BENCH_CUDA(cudaEventCreate(&start));
   BENCH_CUDA(cudaEventCreate(&stop));
-  std::vector<double> seconds;
+  std::vector<double> gpu, host;
   for (int r = 0; r < options.repeats; ++r) {
     BENCH_CUDA(cudaEventRecord(start, stream));
+    const auto queued_from = std::chrono::steady_clock::now();
     for (int i = 0; i < options.iterations; ++i) body();
+    host.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_from).count() /
+        options.iterations);
     BENCH_CUDA(cudaEventRecord(stop, stream));
     BENCH_CUDA(cudaEventSynchronize(stop));
     float ms = 0;
     BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    seconds.push_back(ms / 1e3 / options.iterations);
+    gpu.push_back(ms / 1e3 / options.iterations);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  return median(seconds);
+  return {median(gpu), median(host)};
 }
 
 // Rows of a matrix checked against the host reference: all of a small one, else the first 128
@@ -293,7 +304,7 @@ std::int64_t checked_rows(const Matrix& m) {
 constexpr double kRoundBytes = 256.0 * (1 << 20);
 
 struct Result {
-  double seconds = 0, copy_seconds = 0, moved = 0;
+  double seconds = 0, host_seconds = 0, copy_seconds = 0, moved = 0;
   std::uint64_t wrong = 0;
 };
 
@@ -338,7 +349,9 @@ Result run_case(const Case& c, const Conversion& conv, bool column_block, cudaSt
   };
   Result result;
   result.moved = moved;
-  result.seconds = time_it(stream, options, body);
+  const Timing timing = time_it(stream, options, body);
+  result.seconds = timing.gpu;
+  result.host_seconds = timing.host;
 
   // The ceiling: device-to-device copies of as many bytes (half read, half written), taken in
   // turn as above; in at most 2 GiB (the copy rate is flat from 1 GiB on).
@@ -355,7 +368,8 @@ Result run_case(const Case& c, const Conversion& conv, bool column_block, cudaSt
                   const std::size_t k = copy_turn++ % copies;
                   BENCH_CUDA(cudaMemcpyAsync(b.at(k * copy_bytes), a.at(k * copy_bytes), copy_bytes,
                                              cudaMemcpyDeviceToDevice, stream));
-                }) *
+                })
+            .gpu *
         (static_cast<double>(half) / static_cast<double>(copy_bytes));
   }
 
@@ -416,8 +430,8 @@ std::uint64_t run_convert_bench(const ConvertBenchOptions& options) {
       "reshard bench-convert on %s, %s: rates count bytes read + written; 'of copy' is "
       "against a device-to-device copy of as many bytes in the same run\n",
       prop.name, utc_date().c_str());
-  std::printf("%-34s %-13s %-15s %10s %10s %10s %8s %6s\n", "tensors", "layout", "conversion",
-              "time", "GB/s", "copy GB/s", "of copy", "wrong");
+  std::printf("%-34s %-13s %-15s %10s %10s %10s %10s %8s %6s\n", "tensors", "layout", "conversion",
+              "time", "queuing", "GB/s", "copy GB/s", "of copy", "wrong");
   std::uint64_t wrong = 0;
   Progress progress("bench-convert");
   for (const Case& c : cases) {
@@ -429,9 +443,10 @@ std::uint64_t run_convert_bench(const ConvertBenchOptions& options) {
         const double rate = r.moved / r.seconds / 1e9;
         const double copy_rate = r.moved / r.copy_seconds / 1e9;
         const char* layout = column_block ? "column-block" : "contiguous";
-        std::printf("%-34s %-13s %-15s %10s %10.0f %10.0f %8.2f %6llu\n", c.name.c_str(), layout,
-                    conv.name.c_str(), format_seconds(r.seconds).c_str(), rate, copy_rate,
-                    rate / copy_rate, static_cast<unsigned long long>(r.wrong));
+        std::printf("%-34s %-13s %-15s %10s %10s %10.0f %10.0f %8.2f %6llu\n", c.name.c_str(),
+                    layout, conv.name.c_str(), format_seconds(r.seconds).c_str(),
+                    format_seconds(r.host_seconds).c_str(), rate, copy_rate, rate / copy_rate,
+                    static_cast<unsigned long long>(r.wrong));
         std::fflush(stdout);
         if (!options.json_path.empty()) {
           std::ofstream json(options.json_path, std::ios::app);
@@ -439,7 +454,8 @@ std::uint64_t run_convert_bench(const ConvertBenchOptions& options) {
                << prop.name << "\",\"commit\":\"" << options.commit << "\",\"tensors\":\"" << c.name
                << "\",\"matrices\":" << c.matrices.size() << ",\"layout\":\"" << layout
                << "\",\"conversion\":\"" << conv.name << "\",\"seconds\":" << r.seconds
-               << ",\"bytes_moved\":" << r.moved << ",\"copy_seconds\":" << r.copy_seconds
+               << ",\"host_seconds\":" << r.host_seconds << ",\"bytes_moved\":" << r.moved
+               << ",\"copy_seconds\":" << r.copy_seconds
                << ",\"fraction_of_copy\":" << rate / copy_rate << ",\"wrong\":" << r.wrong << "}\n";
         }
       }
