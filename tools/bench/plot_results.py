@@ -158,14 +158,18 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
 
 
 def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
-    refits = [r for r in records if r.get("bench") == "refit" and r.get("colocated")]
+    # Plain bf16 refits in the transport's own order, the last record of each model, PE count
+    # and MPS setting (the files are appended to).
+    refits = [r for r in records
+              if r.get("bench") == "refit" and r.get("colocated")
+              and r.get("transform", "none") == "none"
+              and r.get("same_device_order", "auto") in ("auto", "delegate")]
     if not refits:
         return []
     newest_date = max(r.get("date", "") for r in refits)
     latest = {}
     for r in refits:
-        if r.get("date", "") == newest_date:
-            latest[(r["model"], r.get("layers"), r["pes"], r.get("mps", False))] = r
+        latest[(r["model"], r.get("layers"), r["pes"], r.get("mps", False))] = r
     keys = sorted(latest, key=lambda k: (k[0], k[3], k[2]))
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5),
                                          gridspec_kw={"width_ratios": [3, 1]})
@@ -182,14 +186,22 @@ def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
                           for m, l, p, on in keys], fontsize=7)
     left.set_ylabel("ms per refit (lower is better)")
     device = refits[-1].get("device", "GPU")
-    left.set_title(f"colocated refits, PEs sharing one {device}, {newest_date}", fontsize=9)
+    left.set_title(f"colocated bf16 refits (the newest of each), PEs sharing one {device}, "
+                   f"up to {newest_date}", fontsize=9)
     left.legend(fontsize=7)
     left.grid(True, axis="y", alpha=0.3)
+    # The newest day's 4 KiB all-to-alls, the fastest same-device order of each PE count and MPS
+    # setting (records before 2026-11-24 name the PE count "pes", later ones "gpus").
+    shared = [r for r in records
+              if r.get("bench") == "all_to_all" and "pes_per_gpu" in r
+              and r.get("engine") == "sm" and r.get("per_peer_bytes") == 4096]
+    newest_small = max((r.get("date", "") for r in shared), default="")
     small = {}
-    for r in records:
-        if (r.get("bench") == "all_to_all" and "pes_per_gpu" in r and r.get("engine") == "sm"
-                and r.get("per_peer_bytes") == 4096):
-            small[(r["pes"], r["mps"])] = r["seconds"] * 1e6
+    for r in shared:
+        if r.get("date", "") != newest_small:
+            continue
+        key = (r.get("pes", r.get("gpus")), r.get("mps", False))
+        small[key] = min(small.get(key, float("inf")), r["seconds"] * 1e6)
     labels = sorted(small, key=lambda k: (k[1], k[0]))
     right.bar(range(len(labels)), [small[k] for k in labels], color="tab:blue")
     right.set_xticks(range(len(labels)))
