@@ -57,7 +57,11 @@ class JobUpload {
   const std::byte* upload(const std::vector<std::byte>& bytes, cudaStream_t stream) {
     ++clock_;
     for (Entry& entry : entries_) {
-      if (entry.bytes == bytes) {
+      // memcmp, not vector<std::byte>'s ==: that compares byte by byte, and a refit's flushes
+      // compare lists of 100+ KiB against every kept one (89 us a flush for 512 block copies
+      // against two lists of 152 KiB on the development machine; 8 us with memcmp).
+      if (entry.bytes.size() == bytes.size() &&
+          std::memcmp(entry.bytes.data(), bytes.data(), bytes.size()) == 0) {
         entry.last_use = clock_;
         current_ = &entry;
         return current();
