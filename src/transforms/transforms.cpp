@@ -645,7 +645,9 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
                "dimension " + std::to_string(d) + " of the slice cuts 128 x 128 tiles (parameter " +
                    std::to_string(region.offset[d]) + ".." + std::to_string(end) + ", local " +
                    std::to_string(slice.local.offset[d]) + ".." + std::to_string(local_end) +
-                   " of " + std::to_string(slice.local_shape[d]) + ")");
+                   " of " + std::to_string(slice.local_shape[d]) +
+                   "); the transform's name filter can leave such a parameter unquantized (e.g. "
+                   "only names containing \"layers.\", as checkpoints keep embeddings in bf16)");
       }
     }
   }

@@ -716,6 +716,32 @@ TEST(ReshardErrors, MisalignedMxSlicesAreRefusedNamingTheRegion) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// A tensor-parallel split that cuts block FP8's 128 x 128 tiles (o_proj [192, 192] split in two
+// on its last dimension: 96 columns a rank) is refused before anything moves, naming the
+// parameter, the cut and the way out (the transform's name filter).
+TEST(ReshardErrors, BlockFp8SlicesThatCutTilesAreRefusedNamingTheWayOut) {
+  auto service = make_service();
+  if (service->n_pes() != 2) GTEST_SKIP() << "the split is for 2 ranks";
+  const ModelSpec model = toy_model(1, 192);
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.tp = 2}), build_layout(model, {.tp = 1})));
+  auto transform = make_fp8_block_transform(QuantizeSide::kSender, "o_proj");
+  const std::map<std::string, Expected> expected =
+      expectations(*plan, Mode::kBlockSender, transform.get());
+  RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, transform.get());
+  try {
+    execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& error) {
+    const std::string what = error.what();
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(what.find("o_proj"), std::string::npos) << what;
+    EXPECT_NE(what.find("cuts 128 x 128 tiles"), std::string::npos) << what;
+    EXPECT_NE(what.find("name filter"), std::string::npos) << what;
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 // Sends two wire buffers per op but receives into one: both sides reach schedule(), which must
 // refuse naming the parameter and the mismatch rather than move anything.
 class LopsidedTransform final : public ReshardTransform {
