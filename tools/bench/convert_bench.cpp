@@ -263,7 +263,6 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Seconds per call of `body` (queued on `stream`): the median over repeats of back-to-back runs.
 // Seconds per call of `body`: on the GPU (between events, median of the repeats) and on the host
 // (queuing it: where that exceeds the GPU's, the GPU waits for the host).
 struct Timing {
