@@ -12,6 +12,9 @@ namespace reshard::execution {
 
 struct BoxView {
   int outer_dims = 0;  // dimensions before the row dimension
+  // Zero, where the compiler would leave padding: views travel inside job lists, which are
+  // compared byte for byte (job_upload.cuh).
+  std::int32_t zero = 0;
   // Plain arrays rather than Extents: std::array's accessors are host-only in device code.
   std::int64_t outer_extent[kMaxDims] = {};  // their extents in the box
   std::int64_t outer_stride[kMaxDims] = {};  // their strides in the tensor, in elements

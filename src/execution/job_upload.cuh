@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "execution/box_view.hpp"
@@ -145,6 +146,13 @@ template <typename Job, typename ItemsOf>
 inline void job_bytes(const std::vector<Job>& jobs, ItemsOf items_of, std::uint64_t& total,
                       std::size_t& prefix_offset, std::vector<std::byte>& bytes,
                       const std::vector<BoxView>& uneven = {}) {
+  // Lists are compared byte for byte with those kept in device memory (JobUpload): a job's bytes
+  // must all be its fields' (padding holds whatever the stack held, so a list with padding never
+  // equals the kept one, and every flush uploads it again and waits for the GPU).
+  static_assert(std::has_unique_object_representations_v<Job>,
+                "a job type with padding: name it as a field set to zero");
+  static_assert(std::has_unique_object_representations_v<BoxView>,
+                "BoxView with padding: name it as a field set to zero");
   prefix_offset = (jobs.size() * sizeof(Job) + 7) / 8 * 8;
   const std::size_t views_offset = prefix_offset + (jobs.size() + 1) * sizeof(std::uint64_t);
   bytes.resize(views_offset + uneven.size() * sizeof(BoxView));

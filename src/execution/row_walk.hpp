@@ -59,6 +59,7 @@ inline std::int64_t even_row_stride(const BoxView& view) {
 struct RowWalk {
   std::int64_t base = 0, stride = 0;
   std::int32_t view = -1;  // >= 0: rows not evenly spaced; the view is uneven[view]
+  std::int32_t zero = 0;   // where padding would be: job lists are compared byte for byte
 
   static RowWalk of(const BoxView& view, std::vector<BoxView>& uneven) {
     RowWalk walk{view.base, even_row_stride(view), -1};

@@ -43,6 +43,7 @@ BlockCopy block_copy(const Buffer& src, const BoxView& src_view, const Buffer& d
           static_cast<std::byte*>(dst.data),
           dst_view,
           static_cast<std::uint32_t>(element_bytes),
+          0,
           even_row_stride(src_view),
           even_row_stride(dst_view)};
 }

@@ -113,6 +113,7 @@ struct BlockCopy {
   std::byte* dst = nullptr;
   BoxView dst_view;
   std::uint32_t element_bytes = 1;
+  std::uint32_t zero = 0;  // where padding would be: job lists are compared byte for byte
   // even_row_stride of the views (0: rows not evenly spaced), so kernels find rows by a multiply.
   std::int64_t src_stride = 0, dst_stride = 0;
 };

@@ -39,8 +39,8 @@ constexpr int kMxVectorsPerChunk = 32 * kMxTilesInFlight;
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
 struct VectorSpan {
   FastDivisor per_row;
+  std::uint32_t vectors = 0;  // here, not last: no padding (job lists are compared byte for byte)
   std::int64_t first_row = 0;
-  std::uint32_t vectors = 0;
 };
 
 struct MxTask {
@@ -55,6 +55,7 @@ struct MxTask {
   std::uint32_t col_tiles;
   bool round_up;
   std::uint8_t least_bits;
+  std::uint16_t zero;  // where padding would be: job lists are compared byte for byte
 };
 
 struct SwizzleTask {
@@ -394,6 +395,7 @@ struct BlockTask {
   std::int64_t rows_per_matrix;
   FastDivisor tiles_per_matrix, tile_cols;
   std::uint32_t tiles;
+  std::uint32_t zero;  // where padding would be: job lists are compared byte for byte
 };
 
 // value / scale as a float that the FP8 conversion (round to nearest even) rounds to the same code
@@ -815,8 +817,9 @@ void split_rows(std::int64_t rows, std::int64_t cols, int per_lane, Add add) {
   const std::int64_t rows_per_piece = kMostVectors / per_row;
   for (std::int64_t first = 0; first < rows; first += rows_per_piece) {
     const std::int64_t n = std::min(rows_per_piece, rows - first);
-    add(VectorSpan{FastDivisor::of(static_cast<std::uint32_t>(per_row)), first,
-                   static_cast<std::uint32_t>(n * per_row)});
+    add(VectorSpan{.per_row = FastDivisor::of(static_cast<std::uint32_t>(per_row)),
+                   .vectors = static_cast<std::uint32_t>(n * per_row),
+                   .first_row = first});
   }
 }
 
