@@ -130,6 +130,10 @@ __device__ __forceinline__ LaneVector lane_vector(const VectorSpan& span, std::u
 
 // N (8 or 16) elements of a float32, bfloat16 or float16 tensor as they are stored: two 16-bit
 // elements per word (the first in the low half), or one float32 per word.
+// Bytes per element of a float32, bfloat16 or float16 tensor.
+template <DType D>
+constexpr int kElementBytes = D == DType::kFloat32 ? 4 : 2;
+
 template <DType D, int N = kPerLane>
 constexpr int kWords = D == DType::kFloat32 ? N : N / 2;
 
@@ -142,7 +146,7 @@ struct Raw {
 // address allows.
 template <DType D, int N = kPerLane>
 __device__ __forceinline__ Raw<D, N> load_raw(const void* base, std::int64_t index, int count) {
-  constexpr int size = D == DType::kFloat32 ? 4 : 2;
+  constexpr int size = kElementBytes<D>;
   Raw<D, N> raw{};
   const auto* at = static_cast<const std::uint8_t*>(base) + index * size;
   if (count == N && (reinterpret_cast<std::uintptr_t>(at) & 15) == 0) {
@@ -263,7 +267,7 @@ __global__ void __launch_bounds__(kThreads) swizzle_kernel(JobList<SwizzleTask> 
 // Casts: load, convert each element as store_float(load_float()) does, store.
 template <DType S, DType D>
 __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> list) {
-  constexpr int dst_size = D == DType::kFloat32 ? 4 : 2;
+  constexpr int dst_size = kElementBytes<D>;
   for_each_chunk<kVectorsPerChunk>(list, [&](const CastTask& task, std::uint64_t first) {
     Raw<S> raw[kTilesInFlight];
     std::uint8_t* out[kTilesInFlight];
@@ -464,7 +468,7 @@ struct TilePlace {
 template <DType S>
 __device__ __forceinline__ TilePlace place_tile(const JobList<BlockTask>& list, std::uint64_t item,
                                                 int col, const BlockTask*& task_out) {
-  constexpr int size = S == DType::kFloat32 ? 4 : 2;
+  constexpr int size = kElementBytes<S>;
   const std::uint32_t j = list.find(item);
   const BlockTask& task = list.jobs[j];
   task_out = &task;
@@ -521,6 +525,19 @@ __device__ __noinline__ uint2 encode_unplainly(Raw<S> raw, float s, float recipr
   return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
 }
 
+// Eight quotients as E4M3 codes (round to nearest even, saturating at 448), the first in the
+// lowest byte.
+__device__ __forceinline__ uint2 e4m3_codes(const float (&q)[kPerLane]) {
+  std::uint32_t pair[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    std::uint16_t bits;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q[2 * i + 1]), "f"(q[2 * i]));
+    pair[i] = bits;
+  }
+  return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+
 // A lane's 8 elements in E4M3, as block_encode gives them.
 template <DType S>
 __device__ __forceinline__ uint2 encode_lane(const Raw<S>& raw, float s, float reciprocal,
@@ -530,18 +547,7 @@ __device__ __forceinline__ uint2 encode_lane(const Raw<S>& raw, float s, float r
   for (int i = 0; i < kPerLane; ++i) {
     asm("mul.rn.f32 %0, %1, %2;" : "=f"(q[i]) : "f"(element(raw, i)), "f"(reciprocal));
   }
-  if (plain && all_plainly_decisive(q)) {
-    std::uint32_t pair[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      std::uint16_t bits;
-      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-          : "=h"(bits)
-          : "f"(q[2 * i + 1]), "f"(q[2 * i]));
-      pair[i] = bits;
-    }
-    return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
-  }
+  if (plain && all_plainly_decisive(q)) return e4m3_codes(q);
   return encode_unplainly(raw, s, reciprocal, plain);
 }
 
@@ -555,23 +561,7 @@ __device__ __forceinline__ uint2 encode_bf16_lane(const Raw<DType::kBFloat16>& r
   for (int i = 0; i < kPerLane; ++i) {
     q[i] = block_bf16_quotient<kExactScale>(element(raw, i), s, reciprocal);
   }
-  std::uint32_t pair[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    std::uint16_t bits;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q[2 * i + 1]), "f"(q[2 * i]));
-    pair[i] = bits;
-  }
-  return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
-}
-
-// block_scale(amax) without its double division: amax / 448 rounded once to float is the same as
-// rounded to double and then to float, for every float amax (all 2^31 checked on the host: k / 7
-// in binary repeats 3 bits, never the long run a second rounding would need to differ).
-__device__ __forceinline__ float tile_scale(float amax) {
-  if (amax == 0.0f) return 1.0f;
-  if (!(amax == amax)) return __uint_as_float(0x7fc00000u);
-  return __fdiv_rn(amax, static_cast<float>(kE4m3Max));
+  return e4m3_codes(q);
 }
 
 // Two passes over a tile: the maximum, then (once the CTA has it) the encoding, both from shared
@@ -641,7 +631,7 @@ __device__ __forceinline__ int tile_row(const TilePlace& at, int first_row, int 
 template <DType S>
 __device__ __noinline__ void stage_uneven_tile(uint4* buffer, const void* src, TilePlace at,
                                                int first_row) {
-  constexpr int size = S == DType::kFloat32 ? 4 : 2;
+  constexpr int size = kElementBytes<S>;
 #pragma unroll 1
   for (int p = 0; p < kTilePasses; ++p) {
     const int r = tile_row(at, first_row, p);
@@ -662,7 +652,7 @@ __device__ __noinline__ void stage_uneven_tile(uint4* buffer, const void* src, T
 template <DType S>
 __device__ __forceinline__ void stage_tile(uint4* buffer, const BlockTask& task,
                                            const TilePlace& at, int first_row) {
-  constexpr int size = S == DType::kFloat32 ? 4 : 2;
+  constexpr int size = kElementBytes<S>;
   if (!at.even) {
     stage_uneven_tile<S>(buffer, task.src, at, first_row);
     return;
@@ -721,7 +711,7 @@ __device__ __forceinline__ void quantize_staged_tile(const uint4* buffer, const 
 #pragma unroll
   for (int w = 0; w < kTileThreads / 32; ++w) magnitude = max(magnitude, warp_max[w]);
   const float amax = amax_of<S>(magnitude);
-  const float s = tile_scale(amax);
+  const float s = block_scale(amax);
   const float reciprocal = __frcp_rn(s);
   // Finite elements (a finite maximum) and a scale of at least 2^-100.
   const bool plain = amax <= 3.4028234663852886e38f && s >= 7.888609052210118e-31f;

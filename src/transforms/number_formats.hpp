@@ -273,7 +273,11 @@ RESHARD_HD float block_scale(float amax) {
   if (amax == 0.0f) return 1.0f;  // keeps zeros zero without dividing by zero
   // One NaN for both sides: GPU arithmetic would return its own canonical NaN payload.
   if (!(amax == amax)) return bits_float(0x7fc00000u);
-  return static_cast<float>(static_cast<double>(amax) / kE4m3Max);
+  // amax / 448 rounded once to float: the same as rounded to double and then to float (the
+  // division DeepSeek-style reference code does) for every float amax, as a unit test checks for
+  // all of them (k / 7 in binary repeats 3 bits, never the long run a second rounding needs),
+  // so the kernels need no double arithmetic for it.
+  return amax / static_cast<float>(kE4m3Max);
 }
 
 // value / scale in E4M3: the quotient in double, rounded once more to E4M3. That is the exactly

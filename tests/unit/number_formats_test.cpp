@@ -207,6 +207,18 @@ TEST(NumberFormats, MxEncodingMatchesTheDoubleArithmeticForRandomFloats) {
   }
 }
 
+// block_scale divides in float: for every finite float maximum that is the double division
+// rounded to float (the arithmetic of DeepSeek-style reference code), bit for bit.
+TEST(NumberFormats, BlockScaleIsTheDoubleDivisionRoundedForEveryFloat) {
+  for (std::uint64_t bits = 1; bits < 0x7f800000u; ++bits) {
+    const float amax = bits_float(static_cast<std::uint32_t>(bits));
+    const float twice_rounded = static_cast<float>(static_cast<double>(amax) / kE4m3Max);
+    if (float_bits(block_scale(amax)) != float_bits(twice_rounded)) {
+      FAIL() << "maximum " << amax << ": " << block_scale(amax) << " against " << twice_rounded;
+    }
+  }
+}
+
 // The GPU's block-FP8 shortcut, done here in host float arithmetic: a quotient taken as
 // value * (1 / scale), rounded to E4M3, must give the reference's code wherever
 // quotient_is_decisive says so — for random floats under random scales and for values placed
