@@ -56,6 +56,9 @@ struct ReshardReport {
   // phases the refit ran in (see ReshardOptions::staging_budget).
   std::uint64_t staging_bytes = 0;
   std::uint32_t phases = 1;
+  // A built-in transform's conversions were queued as the last refit queued them, without calling
+  // its hooks again (every refit after the first with the same tensors).
+  bool conversions_replayed = false;
   // With DebugOptions::phase_timing (RESHARD_PHASE_TIMING=1) only (each phase is then waited for):
   // packing and send-side transforms, the copy service's run (with the local conversions beside
   // it), unpacking and receive-side transforms.

@@ -788,6 +788,7 @@ void bind_execution(nb::module_& m) {
       .def_ro("locally_converted_bytes", &ReshardReport::locally_converted_bytes)
       .def_ro("staging_bytes", &ReshardReport::staging_bytes)
       .def_ro("phases", &ReshardReport::phases)
+      .def_ro("conversions_replayed", &ReshardReport::conversions_replayed)
       .def_ro("prepare_seconds", &ReshardReport::prepare_seconds)
       .def_ro("transfer_seconds", &ReshardReport::transfer_seconds)
       .def_ro("finalize_seconds", &ReshardReport::finalize_seconds);

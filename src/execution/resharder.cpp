@@ -21,6 +21,7 @@
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "service/service_slot.hpp"
+#include "transforms/conversions.hpp"
 #include "transforms/wire_ranges.hpp"
 
 namespace reshard {
@@ -57,6 +58,9 @@ std::string where(const ReshardPlan& plan, const TransferOp& op) {
 struct Phase {
   std::vector<std::size_t> sends, receives;  // indices into Prepared::sends / receives
   execution::BlockCopyBatch packs, unpacks;
+  // A built-in transform's conversions of the phase, as the first refit queued them (send hooks
+  // and their flush; receive hooks and theirs).
+  execution::ConversionRecording sends_converted, receives_finalized;
 };
 
 struct Resharder::Impl {
@@ -85,7 +89,11 @@ struct Resharder::Impl {
     std::vector<bool> converted_locally;  // by op index in the plan
     std::vector<std::unique_ptr<Phase>> phases;
     std::vector<LocalTensor> tensors;
-    ReshardReport report;  // the byte counts, the same at every refit
+    ReshardReport report;                             // the byte counts, the same at every refit
+    execution::ConversionRecording locals_converted;  // as the phases' recordings
+    // The first refit since the preparation ran to the end, recording the built-in transform's
+    // conversions: the next ones replay them instead of calling its hooks.
+    bool conversions_recorded = false;
   } prepared;
   std::uint64_t registered_generation = UINT64_MAX;  // the service's, after our schedule
   void* own_stream = nullptr;
@@ -375,19 +383,40 @@ struct Resharder::Impl {
     return true;
   }
 
+  // Runs `hooks`, which queue a transform's conversions and flush them on `stream`; for a
+  // built-in transform, recording its queue calls into `recording`, or, with `replay`, making the
+  // recorded calls again instead. The hooks' outcome depends only on the plan, the tensors'
+  // buffers, the staging and the placement, which stay the same from the recording refit on.
+  template <typename Hooks>
+  void convert_or_replay(execution::ConversionRecording& recording, bool replay, void* stream,
+                         Hooks&& hooks) {
+    if (replay) return recording.replay(stream);
+    if (ranged == nullptr) return hooks();
+    struct Recording {
+      execution::RangedTransform* transform;
+      ~Recording() { transform->record_conversions(nullptr); }
+    } scope{ranged};
+    recording.clear();
+    ranged->record_conversions(&recording);
+    hooks();
+  }
+
   // Queues the local ops' conversions on `stream`.
-  void convert_locals(const TensorMap& src, const TensorMap& dst, void* stream) {
+  void convert_locals(const TensorMap& src, const TensorMap& dst, void* stream, bool replay) {
     if (prepared.locals.empty()) return;
-    for (const LocalSide& local : prepared.locals) {
-      const std::string& name = local.from.param.name;
-      transform->convert_local(local.from, src.at(name), local.to, dst.at(name), stream);
-    }
-    transform->flush(stream);
+    convert_or_replay(prepared.locals_converted, replay, stream, [&] {
+      for (const LocalSide& local : prepared.locals) {
+        const std::string& name = local.from.param.name;
+        transform->convert_local(local.from, src.at(name), local.to, dst.at(name), stream);
+      }
+      transform->flush(stream);
+    });
   }
 
   // Runs the copy service's first phase and the local ops' conversions side by side: the transfer
   // on the high-priority stream where there are conversions on a GPU, on `stream` otherwise.
-  void transfer_and_convert_locals(const TensorMap& src, const TensorMap& dst, void* stream) {
+  void transfer_and_convert_locals(const TensorMap& src, const TensorMap& dst, void* stream,
+                                   bool replay) {
 #ifdef RESHARD_WITH_CUDA
     if (!prepared.locals.empty() && stream != nullptr && prepared.device >= 0) {
       if (transfer_stream != nullptr && transfer_stream_device != prepared.device) {
@@ -401,13 +430,13 @@ struct Resharder::Impl {
       }
       execution::cuda::order_after(transfer_stream, stream, transfer_fork);
       service.run_phase(0, transfer_stream);
-      convert_locals(src, dst, stream);
+      convert_locals(src, dst, stream, replay);
       execution::cuda::order_after(stream, transfer_stream, transfer_join);
       return;
     }
 #endif
     service.run_phase(0, stream);
-    convert_locals(src, dst, stream);
+    convert_locals(src, dst, stream, replay);
   }
 
 #ifdef RESHARD_WITH_CUDA
@@ -636,6 +665,8 @@ struct Resharder::Impl {
     prepared.receives.clear();
     prepared.locals.clear();
     prepared.phases.clear();
+    prepared.locals_converted.clear();
+    prepared.conversions_recorded = false;
     prepared.converted_locally.assign(plan->ops().size(), false);
     prepared.device = device_of(src, dst);
     prepared.report = ReshardReport{};
@@ -789,26 +820,35 @@ struct Resharder::Impl {
       prepared.valid = false;
       prepare(src, dst, std::move(tensors), stream, report);
     }
+    // A built-in transform's conversions: recorded by the first refit of a preparation, replayed
+    // by the next ones.
+    const bool replay = ranged != nullptr && prepared.conversions_recorded;
     // Phase by phase, in stream order: the next phase's conversions reuse the staging of this
     // one, and the copy service lets a phase write a peer's memory only once the peer finished
     // the phases before it.
     for (std::size_t p = 0; p < prepared.phases.size(); ++p) {
       Phase& phase = *prepared.phases[p];
-      if (ranged != nullptr) convert_sends(phase, src, stream);
-      if (transform) transform->flush(stream);  // the send hooks' conversions
+      convert_or_replay(phase.sends_converted, replay, stream, [&] {
+        if (ranged != nullptr) convert_sends(phase, src, stream);
+        if (transform) transform->flush(stream);  // the send hooks' conversions
+      });
       phase.packs.run(stream);
       clock.mark(report.prepare_seconds);
       if (p == 0) {
-        transfer_and_convert_locals(src, dst, stream);
+        transfer_and_convert_locals(src, dst, stream, replay);
       } else {
         service.run_phase(static_cast<std::uint32_t>(p), stream);
       }
       clock.mark(report.transfer_seconds);
       phase.unpacks.run(stream);
-      finalize_receives(phase, dst, stream);
-      if (transform) transform->flush(stream);
+      convert_or_replay(phase.receives_finalized, replay, stream, [&] {
+        finalize_receives(phase, dst, stream);
+        if (transform) transform->flush(stream);
+      });
       clock.mark(report.finalize_seconds);
     }
+    prepared.conversions_recorded = ranged != nullptr;
+    report.conversions_replayed = replay;
 #ifdef RESHARD_WITH_CUDA
     if (cuda_stream == nullptr && stream != nullptr) execution::cuda::synchronize_stream(stream);
 #endif

@@ -1,5 +1,7 @@
 #include "transforms/conversions.hpp"
 
+#include <type_traits>
+
 #include "reshard/error.hpp"
 #include "transforms/element_access.hpp"
 
@@ -168,6 +170,7 @@ void ConversionQueue::on_gpu() {
 
 void ConversionQueue::convert(const ConvertJob& job, const Buffer& memory) {
   if (dry_run_) return;
+  record(ConversionRecording::Queued<ConvertJob>{job, memory});
   if (memory.kind == MemoryKind::kHost) return convert_host(job.src, job.dst);
   on_gpu();
   converts_.push_back(job);
@@ -175,6 +178,7 @@ void ConversionQueue::convert(const ConvertJob& job, const Buffer& memory) {
 
 void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
   if (dry_run_) return;
+  record(ConversionRecording::Queued<MxJob>{job, memory});
   if (memory.kind == MemoryKind::kHost) return mx_quantize_host(job);
   on_gpu();
   mx_.push_back(job);
@@ -182,6 +186,7 @@ void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
 
 void ConversionQueue::swizzle_scales(const SwizzleJob& job, const Buffer& memory) {
   if (dry_run_) return;
+  record(ConversionRecording::Queued<SwizzleJob>{job, memory});
   if (memory.kind == MemoryKind::kHost) return swizzle_host(job);
   on_gpu();
   swizzles_.push_back(job);
@@ -189,6 +194,7 @@ void ConversionQueue::swizzle_scales(const SwizzleJob& job, const Buffer& memory
 
 void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memory) {
   if (dry_run_) return;
+  record(ConversionRecording::Queued<BlockFp8Job>{job, memory});
   if (memory.kind == MemoryKind::kHost) {
     return block_quantize_host(job.src, job.rows_per_matrix, job.data, job.scale);
   }
@@ -199,12 +205,14 @@ void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memor
 void ConversionQueue::pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
                            const Buffer& out) {
   if (dry_run_) return;
+  record(ConversionRecording::Pack{tensor, view, element_bytes, out});
   copies_.add_pack(tensor, view, element_bytes, out);
 }
 
 void ConversionQueue::unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
                              std::size_t element_bytes) {
   if (dry_run_) return;
+  record(ConversionRecording::Unpack{in, tensor, view, element_bytes});
   copies_.add_unpack(in, tensor, view, element_bytes);
 }
 
@@ -217,6 +225,7 @@ void ConversionQueue::flush_if_full(void* stream) {
 }
 
 void ConversionQueue::flush(void* stream) {
+  record(ConversionRecording::Flush{});
   // Packs feed the conversions of the same flush (a sender packing a slice it then converts does
   // not happen today, but the order keeps it right).
   copies_.run(stream);
@@ -235,6 +244,32 @@ void ConversionQueue::flush(void* stream) {
   mx_.clear();
   blocks_.clear();
   swizzles_.clear();
+}
+
+void ConversionRecording::replay(void* stream) const {
+  for (const Step& step : calls_) {
+    ConversionQueue& queue = *step.queue;
+    std::visit(
+        [&](const auto& call) {
+          using T = std::decay_t<decltype(call)>;
+          if constexpr (std::is_same_v<T, Queued<ConvertJob>>) {
+            queue.convert(call.job, call.memory);
+          } else if constexpr (std::is_same_v<T, Queued<MxJob>>) {
+            queue.mx_quantize(call.job, call.memory);
+          } else if constexpr (std::is_same_v<T, Queued<BlockFp8Job>>) {
+            queue.block_quantize(call.job, call.memory);
+          } else if constexpr (std::is_same_v<T, Queued<SwizzleJob>>) {
+            queue.swizzle_scales(call.job, call.memory);
+          } else if constexpr (std::is_same_v<T, Pack>) {
+            queue.pack(call.tensor, call.view, call.element_bytes, call.out);
+          } else if constexpr (std::is_same_v<T, Unpack>) {
+            queue.unpack(call.in, call.tensor, call.view, call.element_bytes);
+          } else {
+            queue.flush(stream);
+          }
+        },
+        step.call);
+  }
 }
 
 }  // namespace reshard::execution

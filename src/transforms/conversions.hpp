@@ -2,6 +2,7 @@
 // walks blocks described by BoxViews (rows along the last dimension, not merged).
 #pragma once
 
+#include <variant>
 #include <vector>
 
 #include "execution/box_view.hpp"
@@ -51,6 +52,47 @@ struct ConversionUploads;
 }
 #endif
 
+class ConversionQueue;
+
+// The calls a refit made on ConversionQueues, kept to be made again (replay) while the tensors
+// and wire buffers stay the same: the transform hooks that made them then need not run. A MoE
+// refit's hooks cost about 1.5 us per slice on the host (views, checks, wire lookups); replaying
+// their queue calls costs a copy of each job.
+class ConversionRecording {
+ public:
+  void clear() { calls_.clear(); }
+  bool empty() const { return calls_.empty(); }
+  // Makes the calls again, in order, flushing on `stream` where the recorded refit flushed.
+  void replay(void* stream) const;
+
+ private:
+  friend class ConversionQueue;
+  struct Pack {
+    Buffer tensor;
+    BoxView view;
+    std::size_t element_bytes;
+    Buffer out;
+  };
+  struct Unpack {
+    Buffer in, tensor;
+    BoxView view;
+    std::size_t element_bytes;
+  };
+  struct Flush {};  // flush(), or flush_if_full() where it launched
+  template <typename Job>
+  struct Queued {
+    Job job;
+    Buffer memory;
+  };
+  using Call = std::variant<Queued<ConvertJob>, Queued<MxJob>, Queued<BlockFp8Job>,
+                            Queued<SwizzleJob>, Pack, Unpack, Flush>;
+  struct Step {
+    ConversionQueue* queue;
+    Call call;
+  };
+  std::vector<Step> calls_;
+};
+
 // Conversions and block copies of one refit, run together: host conversions run at once, block
 // copies and GPU conversions at flush(), one kernel launch per kind for up to hundreds of ops
 // (per-op launches cost more than the work itself for MoE models of tens of thousands of small
@@ -79,11 +121,18 @@ class ConversionQueue {
   // While on, jobs are dropped instead of run (host) or queued (GPU): the hooks that add them run
   // only to learn their wire buffers, which hold no memory yet (StagingPool sizing).
   void set_dry_run(bool on) { dry_run_ = on; }
+  // While set, every call that queues, runs or flushes work is also appended to `into`.
+  void record_into(ConversionRecording* into) { recording_ = into; }
 
  private:
   void on_gpu();  // where GPU jobs are queued: makes their upload buffers
+  template <typename Call>
+  void record(Call&& call) {
+    if (recording_ != nullptr) recording_->calls_.push_back({this, std::forward<Call>(call)});
+  }
 
   bool dry_run_ = false;
+  ConversionRecording* recording_ = nullptr;
   std::vector<ConvertJob> converts_;
   std::vector<MxJob> mx_;
   std::vector<BlockFp8Job> blocks_;

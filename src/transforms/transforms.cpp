@@ -80,6 +80,10 @@ class TransformBase : public ReshardTransform, public execution::RangedTransform
     return recv_wire(slice, dst, in_place);
   }
   void set_dry_run(bool on) final { queue_.set_dry_run(on); }
+  void record_conversions(execution::ConversionRecording* into) final {
+    queue_.record_into(into);
+    local_queue_.record_into(into);
+  }
   void set_placement(std::vector<std::uint64_t> gpu_of_rank) final {
     if (gpu_of_rank == gpu_of_rank_) return;  // the executor hands it over at every refit
     gpu_of_rank_ = std::move(gpu_of_rank);

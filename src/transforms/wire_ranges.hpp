@@ -13,6 +13,7 @@
 namespace reshard::execution {
 
 class StagingPool;
+class ConversionRecording;
 
 // One wire buffer of an op: `range` of `buffer`.
 struct WireRange {
@@ -41,6 +42,10 @@ class RangedTransform {
   // ranks on the same GPU: the same kernel on the same GPU writes the same bits, and half the bytes
   // travel with no bf16 landing buffer. Empty: every op as configured.
   virtual void set_placement(std::vector<std::uint64_t> gpu_of_rank) = 0;
+  // While set, the transform's calls on its conversion queues (what its hooks queue and its
+  // flushes) are also appended to `into`; replaying them later queues the same work. nullptr
+  // stops recording.
+  virtual void record_conversions(ConversionRecording* into) = 0;
 };
 
 }  // namespace reshard::execution

@@ -493,6 +493,9 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     const ReshardReport report = execute_reshard_plan(plan, tensors.src_map, tensors.dst_map,
                                                       service, transform, nullptr, options);
     EXPECT_EQ(report.rescheduled, refit != 1) << "refit " << refit;
+    // The second refit, with the tensors of the first, replays the built-in transform's
+    // conversions as the first queued them (and the byte checks below hold it to them).
+    EXPECT_EQ(report.conversions_replayed, mode != Mode::kPlain && refit == 1) << "refit " << refit;
     if (options.staging_budget) EXPECT_LE(report.staging_bytes, *options.staging_budget);
     if (bounded) EXPECT_EQ(report.phases > 1, phases_needed) << report.phases << " phases";
     result.phases = std::max(result.phases, report.phases);
