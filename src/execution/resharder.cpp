@@ -78,7 +78,10 @@ struct Resharder::Impl {
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
   std::vector<const std::string*> send_params, recv_params;  // each once, in op order
-  std::unordered_map<TaskId, std::uint32_t> op_index;        // by task id
+  // How many of this rank's ops send each source slice (parameter, then the box's offsets and
+  // extents): more than one where replicas receive it.
+  std::map<std::vector<std::int64_t>, int> sends_of_slice;
+  std::unordered_map<TaskId, std::uint32_t> op_index;  // by task id
   execution::StagingPool staging;
   // This rank's sides of the ops, as registered and scheduled for `tensors`.
   struct Prepared {
@@ -126,7 +129,10 @@ struct Resharder::Impl {
                                                      " but the service has only " +
                                                      std::to_string(service.n_pes()) + " PEs");
       }
-      if (op.src_rank == me) send_ops.push_back(&op);
+      if (op.src_rank == me) {
+        send_ops.push_back(&op);
+        ++sends_of_slice[slice_key(op)];
+      }
       if (op.dst_rank == me) recv_ops.push_back(&op);
     }
     for (auto [ops, names] :
@@ -223,6 +229,14 @@ struct Resharder::Impl {
     if (own_stream != nullptr) execution::cuda::destroy_stream(own_stream_device, own_stream);
     if (transfer_stream != nullptr) destroy_transfer_stream();
 #endif
+  }
+
+  static std::vector<std::int64_t> slice_key(const TransferOp& op) {
+    const Box box = op.src_box();
+    std::vector<std::int64_t> key{op.param};
+    key.insert(key.end(), box.offset.begin(), box.offset.begin() + box.ndim);
+    key.insert(key.end(), box.extent.begin(), box.extent.begin() + box.ndim);
+    return key;
   }
 
   bool transforms(const TransferOp& op) const {
@@ -376,7 +390,11 @@ struct Resharder::Impl {
     const ParamSpec& param = plan->params()[op.param];
     LocalSide local{{param, op, op.src_box(), src_shard->local_shape},
                     {param, op, op.dst_box(), dst_shard->local_shape}};
-    if (!transform->converts_locally(local.from, from, local.to, to)) return false;
+    const bool converts = ranged != nullptr
+                              ? ranged->converts_local_op(local.from, from, local.to, to,
+                                                          sends_of_slice.at(slice_key(op)) > 1)
+                              : transform->converts_locally(local.from, from, local.to, to);
+    if (!converts) return false;
     prepared.locals.push_back(local);
     prepared.converted_locally[&op - plan->ops().data()] = true;
     prepared.report.locally_converted_bytes += op.bytes;

@@ -79,6 +79,10 @@ class TransformBase : public ReshardTransform, public execution::RangedTransform
     const WireBuffers::Borrow borrow(wire_, pool);
     return recv_wire(slice, dst, in_place);
   }
+  bool converts_locally(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                        const LocalTensor& dst) final {
+    return converts_local_op(from, src, to, dst, true);
+  }
   void set_dry_run(bool on) final { queue_.set_dry_run(on); }
   void record_conversions(execution::ConversionRecording* into) final {
     queue_.record_into(into);
@@ -300,8 +304,8 @@ class CastTransform final : public TransformBase {
   // from source to destination gives the bits the wire would; a narrower wire in between (fp32
   // -> bf16 -> fp32) rounds, so such ops travel. Same dtypes on both sides are a plain copy,
   // which the transport does.
-  bool converts_locally(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
-                        const LocalTensor& dst) override {
+  bool converts_local_op(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                         const LocalTensor& dst, bool) override {
     check_dtype(from, src.dtype, "source");
     check_dtype(to, dst.dtype, "destination");
     return src.dtype != dst.dtype && (wire_dtype_ == src.dtype || wire_dtype_ == dst.dtype) &&
@@ -425,17 +429,18 @@ class ScaledFp8Transform : public TransformBase {
       queue_.unpack(wire[1], dst.scale, scale_at, dtype_size(scale_dtype()));
   }
 
-  // Quantized on arrival, a local op quantizes its source slice where it lies: no bf16 copy
-  // through a wire buffer, and while the transfer runs instead of after it. The
-  // sender-side variant keeps the wire: its FP8 slice is often sent to other replicas too, and
-  // converting it again here would cost more than the copy it saves. So does a rank whose GPU
-  // other ranks share, where the slices it sends them are quantized here too (set_placement):
-  // there the transfer moves HBM bytes as the conversions do, so running them side by side gains
-  // nothing, and measured slower (Llama-3-8B, 2 PEs on one H100: 15.3-17.0 ms against 13.8 ms
-  // through the wire; with MPS 13.9 against 11.7).
-  bool converts_locally(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
-                        const LocalTensor& dst) override {
-    if (side_ != QuantizeSide::kReceiver || shares_gpu(from.op.src_rank)) return false;
+  // A local op quantizes its source slice where it lies, straight into the destination, while
+  // the transfer runs: one pass over the slice (read 2 bytes, write 1 per bf16 element) where the
+  // wire costs a conversion and a copy (FP8 into a wire buffer, then into the destination), or a
+  // bf16 copy and a conversion on arrival. Except where the sender quantizes a slice that other
+  // ops send too (replicas; by the sender-side variant, or by a rank whose GPU other ranks share,
+  // set_placement): there one conversion serves them all, and converting the local op again
+  // would cost more than the FP8 copy it saves (Llama-3-8B TP2 -> 2 replicas, 2 PEs on one H100:
+  // 15.3-17.0 ms against 13.8 ms through the wire; with MPS 13.9 against 11.7).
+  bool converts_local_op(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                         const LocalTensor& dst, bool source_also_sent) override {
+    const bool sender_quantizes = side_ == QuantizeSide::kSender || shares_gpu(from.op.src_rank);
+    if (source_also_sent && sender_quantizes) return false;
     if (src.data.kind != dst.data.kind || src.data.device != dst.data.device) return false;
     check_source(from, src);
     check_destination(to, dst);

@@ -42,6 +42,10 @@ class RangedTransform {
   // ranks on the same GPU: the same kernel on the same GPU writes the same bits, and half the bytes
   // travel with no bf16 landing buffer. Empty: every op as configured.
   virtual void set_placement(std::vector<std::uint64_t> gpu_of_rank) = 0;
+  // ReshardTransform::converts_locally, told whether other ops send the same source slice (to
+  // replicas): the public hook cannot know, and answers as if they did.
+  virtual bool converts_local_op(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
+                                 const LocalTensor& dst, bool source_also_sent) = 0;
   // While set, the transform's calls on its conversion queues (what its hooks queue and its
   // flushes) are also appended to `into`; replaying them later queues the same work. nullptr
   // stops recording.

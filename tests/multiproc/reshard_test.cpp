@@ -463,20 +463,26 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   const std::map<std::string, Expected> expected = expectations(*plan, mode, transform.get());
   const PeId me = service.my_pe();
   // Local ops skip the wire where the transform converts them in place, beside the transfer:
-  // quantized on arrival, or cast (bf16 -> fp32 here, the wire being one of the two). Quantized
-  // by the sender they go through the copy service like the rest.
-  // A PE whose GPU other PEs share sends its local ops of quantized-on-arrival parameters through
-  // the wire, quantized by itself, as it does its other slices (unless told not to).
+  // cast (bf16 -> fp32 here, the wire being one of the two), or quantized, except where the
+  // sender quantizes a slice that other ops send too (replicas): by the sender-side variant, or
+  // on a PE whose GPU other PEs share (quantized by itself, as its other slices, unless told not
+  // to). Those go through the wire, converted once for all.
   const bool gpu_shared =
       device >= 0 && std::count(device_of_pe.begin(), device_of_pe.end(), device) > 1;
-  const bool scaled_receiver = mode == Mode::kMxReceiver || mode == Mode::kBlockReceiver;
-  const bool in_place = mode != Mode::kPlain && mode != Mode::kMxSender &&
-                        mode != Mode::kBlockSender &&
-                        !(scaled_receiver && gpu_shared && options.quantize_colocated_on_sender);
+  const bool scaled = mode != Mode::kPlain && mode != Mode::kCastFp32 && mode != Mode::kFp32Wire;
+  const bool sender_converts = mode == Mode::kMxSender || mode == Mode::kBlockSender ||
+                               (gpu_shared && options.quantize_colocated_on_sender);
+  auto also_sent = [&](const TransferOp& local) {
+    return std::any_of(plan->ops().begin(), plan->ops().end(), [&](const TransferOp& op) {
+      return &op != &local && op.src_rank == local.src_rank && op.param == local.param &&
+             op.src_box() == local.src_box();
+    });
+  };
   std::uint64_t locally_converted = 0;
   for (const TransferOp& op : plan->ops()) {
-    if (in_place && op.local() && op.src_rank == me &&
-        transform->should_transform(plan->params()[op.param])) {
+    if (mode != Mode::kPlain && op.local() && op.src_rank == me &&
+        transform->should_transform(plan->params()[op.param]) &&
+        !(scaled && sender_converts && also_sent(op))) {
       locally_converted += op.bytes;
     }
   }
@@ -643,9 +649,13 @@ TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
 TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
   auto service = make_service();
   const int n = service->n_pes();
+  // Quantized by the sender, a slice sent to several replicas stages its FP8 wire buffers (a
+  // slice kept only by its own rank is converted in place, with no staging).
+  const int tp = n & -n;
+  if (tp < 2) GTEST_SKIP() << "needs a tensor-parallel split";
   const ModelSpec model = test_model(false);
-  auto plan = std::make_shared<const ReshardPlan>(
-      make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, {.replicas = n})));
+  auto plan = std::make_shared<const ReshardPlan>(make_reshard_plan(
+      build_layout(model, {.tp = tp, .dp = n / tp}), build_layout(model, {.replicas = n})));
   auto transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kRoundUp);
   const std::map<std::string, Expected> expected =
       expectations(*plan, Mode::kMxSender, transform.get());
