@@ -6,6 +6,7 @@
 
 #include "execution/job_upload.cuh"
 #include "execution/row_walk.hpp"
+#include "gpu/async_copy.cuh"
 #include "gpu/cuda_check.hpp"
 #include "reshard/error.hpp"
 #include "transforms/conversions.hpp"
@@ -606,19 +607,6 @@ __device__ __forceinline__ Raw<S> kept_raw(const uint4* kept, int p) {
     raw.word[4 * q + 3] = v.w;
   }
   return raw;
-}
-
-__device__ __forceinline__ void copy_16_bytes_async(uint4* shared, const void* global) {
-  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
-}
-__device__ __forceinline__ void commit_async_copies() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-// Waits until at most `pending` of this thread's committed groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void wait_async_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
 }
 
 __device__ __forceinline__ int tile_row(const TilePlace& at, int first_row, int p) {

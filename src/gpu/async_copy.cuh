@@ -1,0 +1,22 @@
+// Asynchronous 16-byte copies from global into shared memory (cp.async, sm_80 and newer): the
+// loads hold no registers while in flight, so a warp can have many kilobytes out at once.
+#pragma once
+
+#include <cstdint>
+
+namespace reshard::execution::cuda {
+
+__device__ __forceinline__ void copy_16_bytes_async(uint4* shared, const void* global) {
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
+}
+__device__ __forceinline__ void commit_async_copies() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void wait_async_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
+}  // namespace reshard::execution::cuda
