@@ -28,6 +28,10 @@ constexpr int kPerLane = 8;
 constexpr int kThreads = 256;
 constexpr int kTilesInFlight = 4;
 constexpr int kVectorsPerChunk = 32 * kTilesInFlight;
+// Casts from 16-bit sources: chunks of 8 tiles (4 KiB a warp) staged through shared memory.
+constexpr int kCastStagedTiles = 8;
+constexpr int kCastStagedVectorsPerChunk = 32 * kCastStagedTiles;
+constexpr int kCastStagedCtasPerSm = 4;
 // MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle)
 // and chunks of 2 tiles: the same bytes in flight, half the work per element of finding rows and
 // scales (0.77 -> 0.89 of the copy rate on one H100, 2026-11-24).
@@ -35,6 +39,15 @@ constexpr int kMxPerLane = 16;
 constexpr int kLanesPerMxBlock = kMxBlock / kMxPerLane;
 constexpr int kMxTilesInFlight = 2;
 constexpr int kMxVectorsPerChunk = 32 * kMxTilesInFlight;
+// 16-bit sources: chunks of 4 tiles (4 KiB a warp), loaded through cp.async into the warp's slots
+// of shared memory, where they wait without holding registers; 4 CTAs per SM.
+constexpr int kMxStagedTiles = 4;
+constexpr int kMxStagedVectorsPerChunk = 32 * kMxStagedTiles;
+constexpr int kMxStagedCtasPerSm = 4;
+template <DType S>
+constexpr bool kMxStaged = S != DType::kFloat32;
+template <DType S>
+constexpr int kMxVectorsPerChunkOf = kMxStaged<S> ? kMxStagedVectorsPerChunk : kMxVectorsPerChunk;
 
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
@@ -265,7 +278,48 @@ __global__ void __launch_bounds__(kThreads) swizzle_kernel(JobList<SwizzleTask> 
   });
 }
 
-// Casts: load, convert each element as store_float(load_float()) does, store.
+// A lane's `count` (<= 8) elements converted as store_float(load_float()) does, stored at `out`
+// (one or two 16-byte stores where the address allows).
+template <DType S, DType D>
+__device__ __forceinline__ void store_cast(const Raw<S>& raw, std::uint8_t* out, int count) {
+  std::uint32_t words[kWords<D>] = {};
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const float value = element<S>(raw, i);
+    if constexpr (D == DType::kFloat32) {
+      words[i] = __float_as_uint(value);
+    } else {
+      const std::uint16_t half =
+          D == DType::kBFloat16 ? float_to_bf16(value) : float_to_fp16(value);
+      words[i / 2] |= static_cast<std::uint32_t>(half) << (16 * (i % 2));
+    }
+  }
+  if (count == kPerLane && (reinterpret_cast<std::uintptr_t>(out) & 15) == 0) {
+#pragma unroll
+    for (int q = 0; q < kWords<D> / 4; ++q) {
+      reinterpret_cast<uint4*>(out)[q] =
+          make_uint4(words[4 * q], words[4 * q + 1], words[4 * q + 2], words[4 * q + 3]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (i >= count) break;
+    if constexpr (D == DType::kFloat32) {
+      reinterpret_cast<std::uint32_t*>(out)[i] = words[i];
+    } else {
+      reinterpret_cast<std::uint16_t*>(out)[i] =
+          static_cast<std::uint16_t>(words[i / 2] >> (16 * (i % 2)));
+    }
+  }
+}
+
+// The elements of a lane's vector: 8, or fewer at the end of a row.
+__device__ __forceinline__ int vector_count(const LaneVector& at, std::int64_t cols) {
+  return at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), cols - at.col)) : 0;
+}
+
+// Casts from float32: load, convert, store, 4 tiles of registers in flight.
 template <DType S, DType D>
 __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> list) {
   constexpr int dst_size = kElementBytes<D>;
@@ -276,9 +330,7 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
 #pragma unroll
     for (int u = 0; u < kTilesInFlight; ++u) {
       const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
-      count[u] =
-          at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), task.cols - at.col))
-                    : 0;
+      count[u] = vector_count(at, task.cols);
       raw[u] =
           load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count[u]);
       out[u] = static_cast<std::uint8_t*>(task.dst) +
@@ -286,37 +338,54 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
     }
 #pragma unroll
     for (int u = 0; u < kTilesInFlight; ++u) {
-      if (count[u] == 0) continue;
-      std::uint32_t words[kWords<D>] = {};
+      if (count[u] > 0) store_cast<S, D>(raw[u], out[u], count[u]);
+    }
+  });
+}
+
+// Casts from 16-bit sources: each chunk's 8 tiles of source vectors (4 KiB a warp) go through
+// cp.async into the warp's slots of shared memory, all in flight before any is converted (as
+// mx_quantize_staged_kernel); a vector that is short or not 16-byte aligned is read from global
+// memory at conversion time instead.
+template <DType S, DType D>
+__global__ void __launch_bounds__(kThreads, kCastStagedCtasPerSm)
+    cast_staged_kernel(JobList<CastTask> list) {
+  static_assert(sizeof(Raw<S>) == sizeof(uint4));
+  constexpr int dst_size = kElementBytes<D>;
+  __shared__ uint4 stages[kThreads / 32][kCastStagedTiles][32];
+  const unsigned lane = threadIdx.x % 32;
+  auto& stage = stages[threadIdx.x / 32];
+  for_each_chunk<kCastStagedVectorsPerChunk>(list, [&](const CastTask& task, std::uint64_t first) {
+    unsigned staged = 0;  // bit u: tile u's vector is in shared memory
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const float value = element<S>(raw[u], i);
-        if constexpr (D == DType::kFloat32) {
-          words[i] = __float_as_uint(value);
-        } else {
-          const std::uint16_t half =
-              D == DType::kBFloat16 ? float_to_bf16(value) : float_to_fp16(value);
-          words[i / 2] |= static_cast<std::uint32_t>(half) << (16 * (i % 2));
-        }
+    for (int u = 0; u < kCastStagedTiles; ++u) {
+      const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
+      const auto* from = static_cast<const std::uint8_t*>(task.src) +
+                         (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
+      if (vector_count(at, task.cols) == kPerLane &&
+          (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
+        staged |= 1u << u;
+        copy_16_bytes_async(&stage[u][lane], from);
       }
-      if (count[u] == kPerLane && (reinterpret_cast<std::uintptr_t>(out[u]) & 15) == 0) {
-#pragma unroll
-        for (int q = 0; q < kWords<D> / 4; ++q) {
-          reinterpret_cast<uint4*>(out[u])[q] =
-              make_uint4(words[4 * q], words[4 * q + 1], words[4 * q + 2], words[4 * q + 3]);
-        }
-        continue;
+    }
+    commit_async_copies();
+    wait_async_copies<0>();
+#pragma unroll 1
+    for (int u = 0; u < kCastStagedTiles; ++u) {
+      const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
+      const int count = vector_count(at, task.cols);
+      if (count == 0) continue;
+      Raw<S> raw;
+      if (staged >> u & 1u) {
+        const uint4 q = stage[u][lane];
+        raw.word[0] = q.x, raw.word[1] = q.y, raw.word[2] = q.z, raw.word[3] = q.w;
+      } else {
+        raw = load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count);
       }
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        if (i >= count[u]) break;
-        if constexpr (D == DType::kFloat32) {
-          reinterpret_cast<std::uint32_t*>(out[u])[i] = words[i];
-        } else {
-          reinterpret_cast<std::uint16_t*>(out[u])[i] =
-              static_cast<std::uint16_t>(words[i / 2] >> (16 * (i % 2)));
-        }
-      }
+      store_cast<S, D>(raw,
+                       static_cast<std::uint8_t*>(task.dst) +
+                           (task.dst_rows.row_start(at.row, list.uneven) + at.col) * dst_size,
+                       count);
     }
   });
 }
@@ -372,6 +441,82 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
                              pair[4] | pair[5] << 16, pair[6] | pair[7] << 16);
       }
       store_16_bytes(data_at[u], encoded);
+    }
+  });
+}
+
+// MXFP8 of a 16-bit source, as mx_quantize_kernel, with each chunk's source vectors loaded
+// through cp.async into the warp's slots of shared memory (a lane's two 16-byte vectors of each
+// tile, lane-contiguous), all four tiles in flight before any is encoded; a vector whose address
+// is not 16-byte aligned is read from global memory at encoding time instead.
+template <DType S>
+__global__ void __launch_bounds__(kThreads, kMxStagedCtasPerSm)
+    mx_quantize_staged_kernel(JobList<MxTask> list) {
+  constexpr int kVectors = sizeof(Raw<S, kMxPerLane>) / sizeof(uint4);
+  __shared__ uint4 stages[kThreads / 32][kMxStagedTiles][kVectors][32];
+  const unsigned lane = threadIdx.x % 32;
+  auto& stage = stages[threadIdx.x / 32];
+  for_each_chunk<kMxStagedVectorsPerChunk>(list, [&](const MxTask& task, std::uint64_t first) {
+    unsigned staged = 0;  // bit u: tile u's vectors are in shared memory
+#pragma unroll
+    for (int u = 0; u < kMxStagedTiles; ++u) {
+      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
+      const auto* from = static_cast<const std::uint8_t*>(task.src) +
+                         (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
+      if (at.active && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
+        staged |= 1u << u;
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v) copy_16_bytes_async(&stage[u][v][lane], from + 16 * v);
+      }
+    }
+    commit_async_copies();
+    wait_async_copies<0>();
+    const bool round_up = task.round_up;
+    const std::uint8_t least_bits = task.least_bits;
+#pragma unroll 1
+    for (int u = 0; u < kMxStagedTiles; ++u) {
+      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
+      Raw<S, kMxPerLane> raw;
+      if (staged >> u & 1u) {
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v) {
+          const uint4 q = stage[u][v][lane];
+          raw.word[4 * v] = q.x;
+          raw.word[4 * v + 1] = q.y;
+          raw.word[4 * v + 2] = q.z;
+          raw.word[4 * v + 3] = q.w;
+        }
+      } else {
+        raw =
+            load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
+                                    at.active ? kMxPerLane : 0);
+      }
+      std::uint32_t m = magnitude_max<S>(raw);
+#pragma unroll
+      for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      }
+      if (!at.active) continue;
+      const std::uint8_t bits = scale_bits_of<S>(m, round_up, least_bits);
+      const std::int64_t scale_row = task.scale_rows.row_start(at.row, list.uneven);
+      if (lane % kLanesPerMxBlock == 0) {
+        task.scale[task.col_tiles == 0
+                       ? scale_row + at.col / kMxBlock
+                       : swizzled_scale_offset(scale_row, task.first_col + at.col / kMxBlock,
+                                               task.col_tiles)] = bits;
+      }
+      uint4 encoded = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
+      if (bits != kE8m0Nan) {
+        const float factor = power_of_two(127 - static_cast<int>(bits));
+        std::uint32_t pair[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          pair[i] = mx_encode_finite_pair(element(raw, 2 * i), element(raw, 2 * i + 1), factor);
+        }
+        encoded = make_uint4(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16,
+                             pair[4] | pair[5] << 16, pair[6] | pair[7] << 16);
+      }
+      store_16_bytes(task.data + task.data_rows.row_start(at.row, list.uneven) + at.col, encoded);
     }
   });
 }
@@ -836,12 +981,18 @@ void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, vo
     }
     run_tasks(
         tasks, uneven, uploads.convert, cuda_stream,
-        [](const CastTask& task) { return chunks_of(task.span, kVectorsPerChunk); },
+        [](const CastTask& task) {
+          return chunks_of(task.span,
+                           kElementBytes<S> == 2 ? kCastStagedVectorsPerChunk : kVectorsPerChunk);
+        },
         [](const JobList<CastTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-          cast_kernel<S, D>
-              <<<grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0, s>>>(
-                  list);
+          const unsigned grid = grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta);
+          if constexpr (kElementBytes<S> == 2) {
+            cast_staged_kernel<S, D><<<grid, kThreads, 0, s>>>(list);
+          } else {
+            cast_kernel<S, D><<<grid, kThreads, 0, s>>>(list);
+          }
         });
   };
   auto for_sources = [&]<DType D>() {
@@ -884,13 +1035,16 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
     }
     run_tasks(
         tasks, uneven, uploads.mx, cuda_stream,
-        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk); },
+        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunkOf<S>); },
         // Whole warps only (256-thread CTAs), so the shuffles are legal.
         [](const JobList<MxTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-          mx_quantize_kernel<S>
-              <<<grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0, s>>>(
-                  list);
+          const unsigned grid = grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta);
+          if constexpr (kMxStaged<S>) {
+            mx_quantize_staged_kernel<S><<<grid, kThreads, 0, s>>>(list);
+          } else {
+            mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(list);
+          }
         });
   };
   launch_source.template operator()<DType::kBFloat16>();
