@@ -183,6 +183,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   for (std::uint64_t item =
            (blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x) / 32;
        item < list.items; item += warps) {
+    before_refilling_slots();
     const std::uint32_t j = list.find(item);
     const BlockCopy& copy = list.jobs[j];
     if (rows_per_item(copy) > 1) {

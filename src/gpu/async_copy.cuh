@@ -6,13 +6,19 @@
 
 namespace reshard::execution::cuda {
 
+// No "memory" clobber: one would make the compiler reload every value it read through a pointer
+// (a kernel's job fields) after each copy. Callers order the slots' other accesses with the
+// waits below (which have one) and a warp or CTA barrier before reusing a slot.
 __device__ __forceinline__ void copy_16_bytes_async(uint4* shared, const void* global) {
   const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global));
 }
 __device__ __forceinline__ void commit_async_copies() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
+// Before refilling slots this thread read since their last fill: keeps those reads above the
+// refill (a compiler barrier; the thread's own order does the rest).
+__device__ __forceinline__ void before_refilling_slots() { asm volatile("" ::: "memory"); }
 // Waits until at most `pending` of this thread's committed groups are still in flight.
 template <int pending>
 __device__ __forceinline__ void wait_async_copies() {

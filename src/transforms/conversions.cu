@@ -39,15 +39,6 @@ constexpr int kMxPerLane = 16;
 constexpr int kLanesPerMxBlock = kMxBlock / kMxPerLane;
 constexpr int kMxTilesInFlight = 2;
 constexpr int kMxVectorsPerChunk = 32 * kMxTilesInFlight;
-// 16-bit sources: chunks of 4 tiles (4 KiB a warp), loaded through cp.async into the warp's slots
-// of shared memory, where they wait without holding registers; 4 CTAs per SM.
-constexpr int kMxStagedTiles = 4;
-constexpr int kMxStagedVectorsPerChunk = 32 * kMxStagedTiles;
-constexpr int kMxStagedCtasPerSm = 4;
-template <DType S>
-constexpr bool kMxStaged = S != DType::kFloat32;
-template <DType S>
-constexpr int kMxVectorsPerChunkOf = kMxStaged<S> ? kMxStagedVectorsPerChunk : kMxVectorsPerChunk;
 
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
@@ -344,9 +335,11 @@ __global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> lis
 }
 
 // Casts from 16-bit sources: each chunk's 8 tiles of source vectors (4 KiB a warp) go through
-// cp.async into the warp's slots of shared memory, all in flight before any is converted (as
-// mx_quantize_staged_kernel); a vector that is short or not 16-byte aligned is read from global
-// memory at conversion time instead.
+// cp.async into the warp's slots of shared memory, all in flight before any is converted, as the
+// block copies do (execution/staging.cu); a vector that is short or not 16-byte aligned is read
+// from global memory at conversion time instead. 64 registers, 4 CTAs per SM. On one H100
+// (2026-11-25), bf16 -> fp32 of skinny column blocks (65536 x 128, 128 x 65536) 0.77-0.78 ->
+// 0.89-0.93 of the copy rate, whole skinny matrices 0.87 -> 0.91-0.92, large ones unchanged.
 template <DType S, DType D>
 __global__ void __launch_bounds__(kThreads, kCastStagedCtasPerSm)
     cast_staged_kernel(JobList<CastTask> list) {
@@ -356,6 +349,7 @@ __global__ void __launch_bounds__(kThreads, kCastStagedCtasPerSm)
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
   for_each_chunk<kCastStagedVectorsPerChunk>(list, [&](const CastTask& task, std::uint64_t first) {
+    before_refilling_slots();
     unsigned staged = 0;  // bit u: tile u's vector is in shared memory
 #pragma unroll
     for (int u = 0; u < kCastStagedTiles; ++u) {
@@ -390,6 +384,10 @@ __global__ void __launch_bounds__(kThreads, kCastStagedCtasPerSm)
   });
 }
 
+// MXFP8 the same way (a chunk's 4 tiles staged through shared memory, 64 registers, 4 CTAs per
+// SM; also with 2 tiles, 3 CTAs per SM, the encoding unrolled or not, consecutive lanes fetching
+// consecutive 16 bytes) ran at 0.67-0.71 of the copy rate everywhere against this kernel's
+// 0.74-0.90 (one H100, 2026-11-25): not kept.
 // MXFP8: the 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a
 // block) take its maximum with a shuffle, then each encodes its 16 elements. A block whose
 // scale is not NaN holds no NaN or infinity, so the encoding needs no special cases.
@@ -441,82 +439,6 @@ __global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask
                              pair[4] | pair[5] << 16, pair[6] | pair[7] << 16);
       }
       store_16_bytes(data_at[u], encoded);
-    }
-  });
-}
-
-// MXFP8 of a 16-bit source, as mx_quantize_kernel, with each chunk's source vectors loaded
-// through cp.async into the warp's slots of shared memory (a lane's two 16-byte vectors of each
-// tile, lane-contiguous), all four tiles in flight before any is encoded; a vector whose address
-// is not 16-byte aligned is read from global memory at encoding time instead.
-template <DType S>
-__global__ void __launch_bounds__(kThreads, kMxStagedCtasPerSm)
-    mx_quantize_staged_kernel(JobList<MxTask> list) {
-  constexpr int kVectors = sizeof(Raw<S, kMxPerLane>) / sizeof(uint4);
-  __shared__ uint4 stages[kThreads / 32][kMxStagedTiles][kVectors][32];
-  const unsigned lane = threadIdx.x % 32;
-  auto& stage = stages[threadIdx.x / 32];
-  for_each_chunk<kMxStagedVectorsPerChunk>(list, [&](const MxTask& task, std::uint64_t first) {
-    unsigned staged = 0;  // bit u: tile u's vectors are in shared memory
-#pragma unroll
-    for (int u = 0; u < kMxStagedTiles; ++u) {
-      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
-      const auto* from = static_cast<const std::uint8_t*>(task.src) +
-                         (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
-      if (at.active && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
-        staged |= 1u << u;
-#pragma unroll
-        for (int v = 0; v < kVectors; ++v) copy_16_bytes_async(&stage[u][v][lane], from + 16 * v);
-      }
-    }
-    commit_async_copies();
-    wait_async_copies<0>();
-    const bool round_up = task.round_up;
-    const std::uint8_t least_bits = task.least_bits;
-#pragma unroll 1
-    for (int u = 0; u < kMxStagedTiles; ++u) {
-      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
-      Raw<S, kMxPerLane> raw;
-      if (staged >> u & 1u) {
-#pragma unroll
-        for (int v = 0; v < kVectors; ++v) {
-          const uint4 q = stage[u][v][lane];
-          raw.word[4 * v] = q.x;
-          raw.word[4 * v + 1] = q.y;
-          raw.word[4 * v + 2] = q.z;
-          raw.word[4 * v + 3] = q.w;
-        }
-      } else {
-        raw =
-            load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
-                                    at.active ? kMxPerLane : 0);
-      }
-      std::uint32_t m = magnitude_max<S>(raw);
-#pragma unroll
-      for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      }
-      if (!at.active) continue;
-      const std::uint8_t bits = scale_bits_of<S>(m, round_up, least_bits);
-      const std::int64_t scale_row = task.scale_rows.row_start(at.row, list.uneven);
-      if (lane % kLanesPerMxBlock == 0) {
-        task.scale[task.col_tiles == 0
-                       ? scale_row + at.col / kMxBlock
-                       : swizzled_scale_offset(scale_row, task.first_col + at.col / kMxBlock,
-                                               task.col_tiles)] = bits;
-      }
-      uint4 encoded = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
-      if (bits != kE8m0Nan) {
-        const float factor = power_of_two(127 - static_cast<int>(bits));
-        std::uint32_t pair[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          pair[i] = mx_encode_finite_pair(element(raw, 2 * i), element(raw, 2 * i + 1), factor);
-        }
-        encoded = make_uint4(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16,
-                             pair[4] | pair[5] << 16, pair[6] | pair[7] << 16);
-      }
-      store_16_bytes(task.data + task.data_rows.row_start(at.row, list.uneven) + at.col, encoded);
     }
   });
 }
@@ -1035,16 +957,12 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
     }
     run_tasks(
         tasks, uneven, uploads.mx, cuda_stream,
-        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunkOf<S>); },
+        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk); },
         // Whole warps only (256-thread CTAs), so the shuffles are legal.
         [](const JobList<MxTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;
           const unsigned grid = grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta);
-          if constexpr (kMxStaged<S>) {
-            mx_quantize_staged_kernel<S><<<grid, kThreads, 0, s>>>(list);
-          } else {
-            mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(list);
-          }
+          mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(list);
         });
   };
   launch_source.template operator()<DType::kBFloat16>();
