@@ -683,11 +683,19 @@ def test_launch_stops_a_job_past_its_timeout(tmp_path):
 def test_launch_from_python_takes_an_environment_and_refuses_what_cannot_start(tmp_path):
     from reshard.launch import launch as launch_job
 
+    # Rank 1 fails, and the launcher then stops the other ranks: it waits for rank 0's file first
+    # (written whole, by a rename), so a slow rank 0 is not stopped before it wrote it.
     script = tmp_path / "env.py"
-    script.write_text("import os, pathlib, sys\n"
-                      f"pathlib.Path({str(tmp_path)!r}, 'r' + os.environ['RANK']).write_text("
+    script.write_text("import os, pathlib, sys, time\n"
+                      f"here = pathlib.Path({str(tmp_path)!r})\n"
+                      "rank = int(os.environ['RANK'])\n"
+                      "(here / f'part{rank}').write_text("
                       "os.environ['CHOSEN'] + ' ' + os.environ['WORLD_SIZE'])\n"
-                      "sys.exit(int(os.environ['RANK']) * 7)\n")
+                      "os.replace(here / f'part{rank}', here / f'r{rank}')\n"
+                      "deadline = time.monotonic() + 60\n"
+                      "while rank and not (here / 'r0').exists() and time.monotonic() < deadline:\n"
+                      "    time.sleep(0.01)\n"
+                      "sys.exit(rank * 7)\n")
     env = dict(os.environ, CHOSEN="yes", RANK="99")  # the launcher's RANK wins
     assert launch_job([sys.executable, str(script)], 2, env=env) == 7
     assert (tmp_path / "r0").read_text() == "yes 2"
