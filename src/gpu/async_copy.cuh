@@ -13,6 +13,12 @@ __device__ __forceinline__ void copy_16_bytes_async(uint4* shared, const void* g
   const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global));
 }
+// The same through L1 (cp.async.ca): for loads that take 16 of a 32-byte sector each, whose
+// other half another load of the lane fetches next.
+__device__ __forceinline__ void copy_16_bytes_async_through_l1(uint4* shared, const void* global) {
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global));
+}
 __device__ __forceinline__ void commit_async_copies() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }

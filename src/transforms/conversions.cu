@@ -17,28 +17,36 @@ namespace {
 using namespace formats;
 
 // The element-wise kernels (casts, MXFP8) give each lane a vector of 8 consecutive elements of a
-// row (one 16-byte load of bfloat16) and each warp a run of chunks of kTilesInFlight tiles of 32
-// vectors, a chunk's tiles all loaded before any is converted. A chunk lies in one job, found once
-// per chunk (a search only where the run enters the next job); rows are any
-// length: a tile runs on across rows (a row of 64 elements is 8 lanes), so skinny tensors keep
-// every lane busy, and a lane finds its row with a multiply (FastDivisor), not a division.
-// (Tiles found one by one, each with its own lookup of the job, ran MXFP8 at 0.62 of the copy
-// rate on one H100, 2026-11-24.)
+// row (casts; 16 for MXFP8) and each warp a run of chunks of tiles of 32 vectors, a chunk's tiles
+// all loaded before any is converted. A chunk lies in one job, found once per chunk (a search only
+// where the run enters the next job); rows are any length: a tile runs on across rows (a row of
+// 64 elements is 8 lanes), so skinny tensors keep every lane busy, and a lane finds its row with a
+// multiply (FastDivisor), not a division. (Tiles found one by one, each with its own lookup of the
+// job, ran MXFP8 at 0.62 of the copy rate on one H100, 2026-11-24.)
+//
+// A chunk's loads go through cp.async into the warp's slots of shared memory, 4 KiB a warp, where
+// they wait without holding registers: 64 registers, 4 CTAs of 256 threads per SM. (Before, the
+// tiles were loaded into registers: 2-4 tiles a warp, 80 registers, 3 CTAs per SM; on one H100,
+// 2026-11-25, MXFP8 0.86-0.90 of the copy rate on large matrices against 0.87-0.94 now, casts
+// 0.77-0.89 against 0.85-0.95.)
 constexpr int kPerLane = 8;
 constexpr int kThreads = 256;
-constexpr int kTilesInFlight = 4;
-constexpr int kVectorsPerChunk = 32 * kTilesInFlight;
-// Casts from 16-bit sources: chunks of 8 tiles (4 KiB a warp) staged through shared memory.
-constexpr int kCastStagedTiles = 8;
-constexpr int kCastStagedVectorsPerChunk = 32 * kCastStagedTiles;
-constexpr int kCastStagedCtasPerSm = 4;
-// MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle)
-// and chunks of 2 tiles: the same bytes in flight, half the work per element of finding rows and
-// scales (0.77 -> 0.89 of the copy rate on one H100, 2026-11-24).
+constexpr int kStagedCtasPerSm = 4;
+template <DType S>
+constexpr int kCastVectors = S == DType::kFloat32 ? 2 : 1;  // 16-byte loads of a lane's 8
+template <DType S>
+constexpr int kCastTiles = 8 / kCastVectors<S>;  // 4 KiB of source a warp
+template <DType S>
+constexpr int kCastVectorsPerChunk = 32 * kCastTiles<S>;
+// MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle):
+// half the work per element of finding rows and scales (0.77 -> 0.89 of the copy rate on one
+// H100, 2026-11-24).
 constexpr int kMxPerLane = 16;
 constexpr int kLanesPerMxBlock = kMxBlock / kMxPerLane;
-constexpr int kMxTilesInFlight = 2;
-constexpr int kMxVectorsPerChunk = 32 * kMxTilesInFlight;
+template <DType S>
+constexpr int kMxTiles = S == DType::kFloat32 ? 2 : 4;  // 4 KiB of source a warp
+template <DType S>
+constexpr int kMxVectorsPerChunk = 32 * kMxTiles<S>;
 
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
@@ -310,69 +318,58 @@ __device__ __forceinline__ int vector_count(const LaneVector& at, std::int64_t c
   return at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), cols - at.col)) : 0;
 }
 
-// Casts from float32: load, convert, store, 4 tiles of registers in flight.
+// Casts: each chunk's source vectors (4 KiB a warp: 8 tiles from 16-bit sources, 4 from float32)
+// go through cp.async into the warp's slots of shared memory, all in flight before any is
+// converted; a vector that is short or not 16-byte aligned is read from global memory at
+// conversion time instead. A float32 lane's two vectors are the halves of one 32-byte sector, so
+// they go through L1 (cp.async.ca): through L2 alone (cp.async.cg) each sector came twice and the
+// kernel ran at 0.63-0.72 of the copy rate. On one H100, 2026-11-25, against the register kernel
+// before: bf16 -> fp32 of skinny column blocks 0.77 -> 0.89-0.94, fp32 -> bf16 of large matrices
+// 0.88 -> 0.94, of Llama-3-8B's 0.89 -> 0.94.
 template <DType S, DType D>
-__global__ void __launch_bounds__(kThreads, 3) cast_kernel(JobList<CastTask> list) {
+__global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobList<CastTask> list) {
+  constexpr int kVectors = kCastVectors<S>, kTiles = kCastTiles<S>;
+  static_assert(sizeof(Raw<S>) == kVectors * sizeof(uint4));
   constexpr int dst_size = kElementBytes<D>;
-  for_each_chunk<kVectorsPerChunk>(list, [&](const CastTask& task, std::uint64_t first) {
-    Raw<S> raw[kTilesInFlight];
-    std::uint8_t* out[kTilesInFlight];
-    int count[kTilesInFlight];
-#pragma unroll
-    for (int u = 0; u < kTilesInFlight; ++u) {
-      const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
-      count[u] = vector_count(at, task.cols);
-      raw[u] =
-          load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count[u]);
-      out[u] = static_cast<std::uint8_t*>(task.dst) +
-               (task.dst_rows.row_start(at.row, list.uneven) + at.col) * dst_size;
-    }
-#pragma unroll
-    for (int u = 0; u < kTilesInFlight; ++u) {
-      if (count[u] > 0) store_cast<S, D>(raw[u], out[u], count[u]);
-    }
-  });
-}
-
-// Casts from 16-bit sources: each chunk's 8 tiles of source vectors (4 KiB a warp) go through
-// cp.async into the warp's slots of shared memory, all in flight before any is converted, as the
-// block copies do (execution/staging.cu); a vector that is short or not 16-byte aligned is read
-// from global memory at conversion time instead. 64 registers, 4 CTAs per SM. On one H100
-// (2026-11-25), bf16 -> fp32 of skinny column blocks (65536 x 128, 128 x 65536) 0.77-0.78 ->
-// 0.89-0.93 of the copy rate, whole skinny matrices 0.87 -> 0.91-0.92, large ones unchanged.
-template <DType S, DType D>
-__global__ void __launch_bounds__(kThreads, kCastStagedCtasPerSm)
-    cast_staged_kernel(JobList<CastTask> list) {
-  static_assert(sizeof(Raw<S>) == sizeof(uint4));
-  constexpr int dst_size = kElementBytes<D>;
-  __shared__ uint4 stages[kThreads / 32][kCastStagedTiles][32];
+  __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
-  for_each_chunk<kCastStagedVectorsPerChunk>(list, [&](const CastTask& task, std::uint64_t first) {
+  for_each_chunk<kCastVectorsPerChunk<S>>(list, [&](const CastTask& task, std::uint64_t first) {
     before_refilling_slots();
-    unsigned staged = 0;  // bit u: tile u's vector is in shared memory
+    unsigned staged = 0;  // bit u: tile u's vectors are in shared memory
 #pragma unroll
-    for (int u = 0; u < kCastStagedTiles; ++u) {
+    for (int u = 0; u < kTiles; ++u) {
       const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
       const auto* from = static_cast<const std::uint8_t*>(task.src) +
                          (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
       if (vector_count(at, task.cols) == kPerLane &&
           (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
         staged |= 1u << u;
-        copy_16_bytes_async(&stage[u][lane], from);
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v) {
+          if constexpr (kVectors > 1) {
+            copy_16_bytes_async_through_l1(&stage[u][v][lane], from + 16 * v);
+          } else {
+            copy_16_bytes_async(&stage[u][v][lane], from + 16 * v);
+          }
+        }
       }
     }
     commit_async_copies();
     wait_async_copies<0>();
 #pragma unroll 1
-    for (int u = 0; u < kCastStagedTiles; ++u) {
+    for (int u = 0; u < kTiles; ++u) {
       const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
       const int count = vector_count(at, task.cols);
       if (count == 0) continue;
       Raw<S> raw;
       if (staged >> u & 1u) {
-        const uint4 q = stage[u][lane];
-        raw.word[0] = q.x, raw.word[1] = q.y, raw.word[2] = q.z, raw.word[3] = q.w;
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v) {
+          const uint4 q = stage[u][v][lane];
+          raw.word[4 * v] = q.x, raw.word[4 * v + 1] = q.y;
+          raw.word[4 * v + 2] = q.z, raw.word[4 * v + 3] = q.w;
+        }
       } else {
         raw = load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count);
       }
@@ -384,61 +381,88 @@ __global__ void __launch_bounds__(kThreads, kCastStagedCtasPerSm)
   });
 }
 
-// MXFP8 the same way (a chunk's 4 tiles staged through shared memory, 64 registers, 4 CTAs per
-// SM; also with 2 tiles, 3 CTAs per SM, the encoding unrolled or not, consecutive lanes fetching
-// consecutive 16 bytes) ran at 0.67-0.71 of the copy rate everywhere against this kernel's
-// 0.74-0.90 (one H100, 2026-11-25): not kept.
-// MXFP8: the 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a
-// block) take its maximum with a shuffle, then each encodes its 16 elements. A block whose
-// scale is not NaN holds no NaN or infinity, so the encoding needs no special cases.
+// MXFP8: each chunk's source vectors (4 KiB a warp: 4 tiles of bf16, 2 of float32) go through
+// cp.async into the warp's slots of shared memory, all in flight before any is encoded; a vector
+// whose address is not 16-byte aligned is read from global memory at encoding time instead. A
+// lane's vectors are 16-byte halves of 32-byte sectors, so they go through L1 (cp.async.ca):
+// through L2 alone each sector came twice and the kernel ran at 0.67-0.71 of the copy rate. On one
+// H100, 2026-11-25, against the register kernel before (2 tiles a warp, 80 registers, 3 CTAs per
+// SM): large matrices 0.86-0.89 -> 0.87-0.94, Llama-3-8B's 0.88-0.90 -> 0.92-0.93, 512 small
+// matrices 0.81 -> 0.88; skinny ones 0.74-0.82 -> 0.71-0.77 (both below 0.85).
+// The 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a block)
+// take its maximum with a shuffle, then each encodes its 16 elements. A block whose scale is not
+// NaN holds no NaN or infinity, so the encoding needs no special cases.
 template <DType S>
-__global__ void __launch_bounds__(kThreads, 3) mx_quantize_kernel(JobList<MxTask> list) {
+__global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
+    mx_quantize_kernel(JobList<MxTask> list) {
+  constexpr int kVectors = sizeof(Raw<S, kMxPerLane>) / sizeof(uint4);
+  constexpr int kTiles = kMxTiles<S>;
+  __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
-  for_each_chunk<kMxVectorsPerChunk>(list, [&](const MxTask& task, std::uint64_t first) {
-    Raw<S, kMxPerLane> raw[kMxTilesInFlight];
-    std::uint8_t* data_at[kMxTilesInFlight];
-    std::uint8_t* scale_at[kMxTilesInFlight];
-    bool active[kMxTilesInFlight];
+  auto& stage = stages[threadIdx.x / 32];
+  for_each_chunk<kMxVectorsPerChunk<S>>(list, [&](const MxTask& task, std::uint64_t first) {
+    before_refilling_slots();
+    unsigned staged = 0;  // bit u: tile u's vectors are in shared memory
 #pragma unroll
-    for (int u = 0; u < kMxTilesInFlight; ++u) {
+    for (int u = 0; u < kTiles; ++u) {
       const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
-      active[u] = at.active;
-      raw[u] =
-          load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
-                                  at.active ? kMxPerLane : 0);
-      data_at[u] = task.data + task.data_rows.row_start(at.row, list.uneven) + at.col;
-      const std::int64_t scale_row = task.scale_rows.row_start(at.row, list.uneven);
-      scale_at[u] =
-          task.scale + (task.col_tiles == 0
-                            ? scale_row + at.col / kMxBlock
-                            : swizzled_scale_offset(scale_row, task.first_col + at.col / kMxBlock,
-                                                    task.col_tiles));
+      const auto* from = static_cast<const std::uint8_t*>(task.src) +
+                         (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
+      if (at.active && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
+        staged |= 1u << u;
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v)
+          copy_16_bytes_async_through_l1(&stage[u][v][lane], from + 16 * v);
+      }
     }
+    commit_async_copies();
+    wait_async_copies<0>();
     const bool round_up = task.round_up;
     const std::uint8_t least_bits = task.least_bits;
+#pragma unroll 1
+    for (int u = 0; u < kTiles; ++u) {
+      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
+      Raw<S, kMxPerLane> raw;
+      if (staged >> u & 1u) {
 #pragma unroll
-    for (int u = 0; u < kMxTilesInFlight; ++u) {
-      std::uint32_t m = magnitude_max<S>(raw[u]);
+        for (int v = 0; v < kVectors; ++v) {
+          const uint4 q = stage[u][v][lane];
+          raw.word[4 * v] = q.x;
+          raw.word[4 * v + 1] = q.y;
+          raw.word[4 * v + 2] = q.z;
+          raw.word[4 * v + 3] = q.w;
+        }
+      } else {
+        raw =
+            load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
+                                    at.active ? kMxPerLane : 0);
+      }
+      std::uint32_t m = magnitude_max<S>(raw);
 #pragma unroll
       for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
         m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
       }
-      if (!active[u]) continue;
+      if (!at.active) continue;
       const std::uint8_t bits = scale_bits_of<S>(m, round_up, least_bits);
-      if (lane % kLanesPerMxBlock == 0) *scale_at[u] = bits;
+      const std::int64_t scale_row = task.scale_rows.row_start(at.row, list.uneven);
+      if (lane % kLanesPerMxBlock == 0) {
+        task.scale[task.col_tiles == 0
+                       ? scale_row + at.col / kMxBlock
+                       : swizzled_scale_offset(scale_row, task.first_col + at.col / kMxBlock,
+                                               task.col_tiles)] = bits;
+      }
       uint4 encoded = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
       if (bits != kE8m0Nan) {
         const float factor = power_of_two(127 - static_cast<int>(bits));
         std::uint32_t pair[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          pair[i] =
-              mx_encode_finite_pair(element(raw[u], 2 * i), element(raw[u], 2 * i + 1), factor);
+          pair[i] = mx_encode_finite_pair(element(raw, 2 * i), element(raw, 2 * i + 1), factor);
         }
         encoded = make_uint4(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16,
                              pair[4] | pair[5] << 16, pair[6] | pair[7] << 16);
       }
-      store_16_bytes(data_at[u], encoded);
+      store_16_bytes(task.data + task.data_rows.row_start(at.row, list.uneven) + at.col, encoded);
     }
   });
 }
@@ -903,18 +927,11 @@ void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, vo
     }
     run_tasks(
         tasks, uneven, uploads.convert, cuda_stream,
-        [](const CastTask& task) {
-          return chunks_of(task.span,
-                           kElementBytes<S> == 2 ? kCastStagedVectorsPerChunk : kVectorsPerChunk);
-        },
+        [](const CastTask& task) { return chunks_of(task.span, kCastVectorsPerChunk<S>); },
         [](const JobList<CastTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;
           const unsigned grid = grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta);
-          if constexpr (kElementBytes<S> == 2) {
-            cast_staged_kernel<S, D><<<grid, kThreads, 0, s>>>(list);
-          } else {
-            cast_kernel<S, D><<<grid, kThreads, 0, s>>>(list);
-          }
+          cast_kernel<S, D><<<grid, kThreads, 0, s>>>(list);
         });
   };
   auto for_sources = [&]<DType D>() {
@@ -957,7 +974,7 @@ void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, voi
     }
     run_tasks(
         tasks, uneven, uploads.mx, cuda_stream,
-        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk); },
+        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk<S>); },
         // Whole warps only (256-thread CTAs), so the shuffles are legal.
         [](const JobList<MxTask>& list, cudaStream_t s) {
           constexpr std::uint64_t kChunksPerCta = kThreads / 32;
