@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "reshard/model_layouts.hpp"
 #include "reshard/resharder.hpp"
@@ -619,6 +620,20 @@ TEST(ReshardBatches, ManySmallWeightsAreConvertedInBatches) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// The error this PE's refit of `t` is refused with; a test failure where the refit ran.
+std::optional<Error> refusal_of(CopyService& service,
+                                const std::shared_ptr<const ReshardPlan>& plan,
+                                const RankTensors& t,
+                                std::shared_ptr<ReshardTransform> transform = nullptr) {
+  try {
+    execute_reshard_plan(plan, t.src_map, t.dst_map, service, std::move(transform));
+  } catch (const Error& error) {
+    return error;
+  }
+  ADD_FAILURE() << "expected a refusal";
+  return std::nullopt;
+}
+
 TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
   auto service = make_service();
   const ModelSpec model = test_model(false);
@@ -629,16 +644,12 @@ TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
   const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
   RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, nullptr);
   t.src_map.erase("layers.1.mlp.down_proj.weight");
-  try {
-    execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(error.what())
-                  .find("no source tensor for "
-                        "'layers.1.mlp.down_proj.weight'"),
-              std::string::npos)
-        << error.what();
+  if (const auto error = refusal_of(*service, plan, t)) {
+    EXPECT_EQ(error->code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(
+        std::string(error->what()).find("no source tensor for 'layers.1.mlp.down_proj.weight'"),
+        std::string::npos)
+        << error->what();
   }
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
@@ -719,12 +730,10 @@ TEST(ReshardErrors, MisalignedMxSlicesAreRefusedNamingTheRegion) {
   const std::map<std::string, Expected> expected =
       expectations(*plan, Mode::kMxSender, transform.get());
   RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, transform.get());
-  try {
-    execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform);
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("multiples of 32"), std::string::npos) << error.what();
-    EXPECT_NE(std::string(error.what()).find("o_proj"), std::string::npos) << error.what();
+  if (const auto error = refusal_of(*service, plan, t, transform)) {
+    const std::string what = error->what();
+    EXPECT_NE(what.find("multiples of 32"), std::string::npos) << what;
+    EXPECT_NE(what.find("o_proj"), std::string::npos) << what;
   }
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
@@ -742,12 +751,9 @@ TEST(ReshardErrors, BlockFp8SlicesThatCutTilesAreRefusedNamingTheWayOut) {
   const std::map<std::string, Expected> expected =
       expectations(*plan, Mode::kBlockSender, transform.get());
   RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, transform.get());
-  try {
-    execute_reshard_plan(plan, t.src_map, t.dst_map, *service, transform);
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& error) {
-    const std::string what = error.what();
-    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+  if (const auto error = refusal_of(*service, plan, t, transform)) {
+    const std::string what = error->what();
+    EXPECT_EQ(error->code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(what.find("o_proj"), std::string::npos) << what;
     EXPECT_NE(what.find("cuts 128 x 128 tiles"), std::string::npos) << what;
     EXPECT_NE(what.find("name filter"), std::string::npos) << what;
@@ -784,13 +790,9 @@ TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
       make_reshard_plan(build_layout(model, {.pp = 2}), build_layout(model, {.rank_offset = 0})));
   const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
   RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, nullptr);
-  try {
-    execute_reshard_plan(plan, t.src_map, t.dst_map, *service,
-                         std::make_shared<LopsidedTransform>());
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kValidation);
-    const std::string text = error.what();
+  if (const auto error = refusal_of(*service, plan, t, std::make_shared<LopsidedTransform>())) {
+    EXPECT_EQ(error->code(), ErrorCode::kValidation);
+    const std::string text = error->what();
     EXPECT_NE(text.find("wire buffer 1 of 2 of 'norm.weight'"), std::string::npos) << text;
     EXPECT_NE(text.find("wire buffer 1 of 1 of 'norm.weight'"), std::string::npos) << text;
   }
