@@ -30,5 +30,26 @@ template <int pending>
 __device__ __forceinline__ void wait_async_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
 }
+// The same for a count known only at run time (0 to 7; more waits for all).
+__device__ __forceinline__ void wait_async_copies_at_most(int pending) {
+  switch (pending) {
+    case 7:
+      return wait_async_copies<7>();
+    case 6:
+      return wait_async_copies<6>();
+    case 5:
+      return wait_async_copies<5>();
+    case 4:
+      return wait_async_copies<4>();
+    case 3:
+      return wait_async_copies<3>();
+    case 2:
+      return wait_async_copies<2>();
+    case 1:
+      return wait_async_copies<1>();
+    default:
+      return wait_async_copies<0>();
+  }
+}
 
 }  // namespace reshard::execution::cuda

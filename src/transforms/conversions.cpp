@@ -106,11 +106,12 @@ namespace {
 
 // One job on the GPU now: through a queue of its own, whose memory is freed (after the device is
 // done with it) when the call returns.
-template <typename Job, typename Run>
-void run_one(const Job& job, void* stream, Run run) {
+template <typename Job>
+void run_one(const Job& job, void* stream) {
   cuda::ConversionUploads* uploads = cuda::create_uploads();
   try {
-    run(std::vector<Job>{job}, *uploads, stream);
+    cuda::queue(*uploads, job);
+    cuda::launch_queued(*uploads, stream);
   } catch (...) {
     cuda::destroy_uploads(uploads);
     throw;
@@ -124,7 +125,7 @@ void run_one(const Job& job, void* stream, Run run) {
 void convert_block(const BlockRef& src, const BlockRef& dst, MemoryKind where, void* stream) {
   if (where == MemoryKind::kHost) return convert_host(src, dst);
 #ifdef RESHARD_WITH_CUDA
-  run_one(ConvertJob{src, dst}, stream, cuda::convert);
+  run_one(ConvertJob{src, dst}, stream);
 #else
   (void)stream;
   no_cuda();
@@ -134,7 +135,7 @@ void convert_block(const BlockRef& src, const BlockRef& dst, MemoryKind where, v
 void mx_quantize(const MxJob& job, MemoryKind where, void* stream) {
   if (where == MemoryKind::kHost) return mx_quantize_host(job);
 #ifdef RESHARD_WITH_CUDA
-  run_one(job, stream, cuda::mx_quantize);
+  run_one(job, stream);
 #else
   (void)stream;
   no_cuda();
@@ -145,7 +146,7 @@ void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const Blo
                     const BlockRef& scale, MemoryKind where, void* stream) {
   if (where == MemoryKind::kHost) return block_quantize_host(src, rows_per_matrix, data, scale);
 #ifdef RESHARD_WITH_CUDA
-  run_one(BlockFp8Job{src, data, scale, rows_per_matrix}, stream, cuda::block_quantize);
+  run_one(BlockFp8Job{src, data, scale, rows_per_matrix}, stream);
 #else
   (void)stream;
   no_cuda();
@@ -160,10 +161,13 @@ ConversionQueue::~ConversionQueue() {
 #endif
 }
 
-void ConversionQueue::on_gpu() {
+template <typename Job>
+void ConversionQueue::queue_on_gpu(const Job& job) {
 #ifdef RESHARD_WITH_CUDA
   if (uploads_ == nullptr) uploads_ = cuda::create_uploads();
+  cuda::queue(*uploads_, job);
 #else
+  (void)job;
   no_cuda();
 #endif
 }
@@ -172,24 +176,21 @@ void ConversionQueue::convert(const ConvertJob& job, const Buffer& memory) {
   if (dry_run_) return;
   record(ConversionRecording::Queued<ConvertJob>{job, memory});
   if (memory.kind == MemoryKind::kHost) return convert_host(job.src, job.dst);
-  on_gpu();
-  converts_.push_back(job);
+  queue_on_gpu(job);
 }
 
 void ConversionQueue::mx_quantize(const MxJob& job, const Buffer& memory) {
   if (dry_run_) return;
   record(ConversionRecording::Queued<MxJob>{job, memory});
   if (memory.kind == MemoryKind::kHost) return mx_quantize_host(job);
-  on_gpu();
-  mx_.push_back(job);
+  queue_on_gpu(job);
 }
 
 void ConversionQueue::swizzle_scales(const SwizzleJob& job, const Buffer& memory) {
   if (dry_run_) return;
   record(ConversionRecording::Queued<SwizzleJob>{job, memory});
   if (memory.kind == MemoryKind::kHost) return swizzle_host(job);
-  on_gpu();
-  swizzles_.push_back(job);
+  queue_on_gpu(job);
 }
 
 void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memory) {
@@ -198,8 +199,7 @@ void ConversionQueue::block_quantize(const BlockFp8Job& job, const Buffer& memor
   if (memory.kind == MemoryKind::kHost) {
     return block_quantize_host(job.src, job.rows_per_matrix, job.data, job.scale);
   }
-  on_gpu();
-  blocks_.push_back(job);
+  queue_on_gpu(job);
 }
 
 void ConversionQueue::pack(const Buffer& tensor, const BoxView& view, std::size_t element_bytes,
@@ -218,8 +218,11 @@ void ConversionQueue::unpack(const Buffer& in, const Buffer& tensor, const BoxVi
 
 void ConversionQueue::flush_if_full(void* stream) {
   constexpr std::size_t kJobsPerLaunch = 512;
-  if (converts_.size() + mx_.size() + blocks_.size() + swizzles_.size() + copies_.size() >=
-      kJobsPerLaunch) {
+  std::size_t queued = copies_.size();
+#ifdef RESHARD_WITH_CUDA
+  if (uploads_ != nullptr) queued += cuda::queued_jobs(*uploads_);
+#endif
+  if (queued >= kJobsPerLaunch) {
     flush(stream);
   }
 }
@@ -231,19 +234,10 @@ void ConversionQueue::flush(void* stream) {
   copies_.run(stream);
   copies_.clear();
 #ifdef RESHARD_WITH_CUDA
-  if (uploads_ != nullptr) {
-    cuda::convert(converts_, *uploads_, stream);
-    cuda::mx_quantize(mx_, *uploads_, stream);
-    cuda::block_quantize(blocks_, *uploads_, stream);
-    cuda::swizzle_scales(swizzles_, *uploads_, stream);
-  }
+  if (uploads_ != nullptr) cuda::launch_queued(*uploads_, stream);
 #else
   (void)stream;
 #endif
-  converts_.clear();
-  mx_.clear();
-  blocks_.clear();
-  swizzles_.clear();
 }
 
 void ConversionRecording::replay(void* stream) const {

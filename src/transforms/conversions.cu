@@ -42,12 +42,10 @@ constexpr int kCastVectorsPerChunk = 32 * kCastTiles<S>;
 // half the work per element of finding rows and scales (0.77 -> 0.89 of the copy rate on one
 // H100, 2026-11-24).
 constexpr int kMxPerLane = 16;
-constexpr int kLanesPerMxBlock = kMxBlock / kMxPerLane;
 template <DType S>
 constexpr int kMxTiles = S == DType::kFloat32 ? 2 : 4;  // 4 KiB of source a warp
 template <DType S>
 constexpr int kMxVectorsPerChunk = 32 * kMxTiles<S>;
-
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
 struct VectorSpan {
@@ -318,6 +316,40 @@ __device__ __forceinline__ int vector_count(const LaneVector& at, std::int64_t c
   return at.active ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), cols - at.col)) : 0;
 }
 
+// Stages a lane's vector of K 16-byte pieces at `from` into its slots (`slots[v][lane]`). Where
+// K > 1 the pieces are the parts of 32-byte sectors, so they go through L1 (cp.async.ca): through
+// L2 alone each sector came twice (0.63-0.72 of the copy rate on one H100, 2026-11-25; staging
+// whole sectors instead, each copy instruction of a warp taking 512 consecutive bytes, ran at
+// 0.60-0.70: two lanes' work to find each vector).
+template <int K>
+__device__ __forceinline__ void stage_vector(uint4 (&slots)[K][32], unsigned lane,
+                                             const std::uint8_t* from) {
+#pragma unroll
+  for (int v = 0; v < K; ++v) {
+    if constexpr (K > 1) {
+      copy_16_bytes_async_through_l1(&slots[v][lane], from + 16 * v);
+    } else {
+      copy_16_bytes_async(&slots[v][lane], from + 16 * v);
+    }
+  }
+}
+
+// The lane's staged vector (its K pieces in `slots`) as the words of its elements.
+template <DType S, int N, int K>
+__device__ __forceinline__ Raw<S, N> staged_raw(const uint4 (&slots)[K][32], unsigned lane) {
+  static_assert(sizeof(Raw<S, N>) == K * sizeof(uint4));
+  Raw<S, N> raw;
+#pragma unroll
+  for (int v = 0; v < K; ++v) {
+    const uint4 q = slots[v][lane];
+    raw.word[4 * v] = q.x;
+    raw.word[4 * v + 1] = q.y;
+    raw.word[4 * v + 2] = q.z;
+    raw.word[4 * v + 3] = q.w;
+  }
+  return raw;
+}
+
 // Casts: each chunk's source vectors (4 KiB a warp: 8 tiles from 16-bit sources, 4 from float32)
 // go through cp.async into the warp's slots of shared memory, all in flight before any is
 // converted; a vector that is short or not 16-byte aligned is read from global memory at
@@ -329,14 +361,13 @@ __device__ __forceinline__ int vector_count(const LaneVector& at, std::int64_t c
 template <DType S, DType D>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobList<CastTask> list) {
   constexpr int kVectors = kCastVectors<S>, kTiles = kCastTiles<S>;
-  static_assert(sizeof(Raw<S>) == kVectors * sizeof(uint4));
   constexpr int dst_size = kElementBytes<D>;
   __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
   for_each_chunk<kCastVectorsPerChunk<S>>(list, [&](const CastTask& task, std::uint64_t first) {
     before_refilling_slots();
-    unsigned staged = 0;  // bit u: tile u's vectors are in shared memory
+    unsigned staged = 0;  // bit u: tile u's vector is in shared memory
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) {
       const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
@@ -345,34 +376,20 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
       if (vector_count(at, task.cols) == kPerLane &&
           (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
         staged |= 1u << u;
-#pragma unroll
-        for (int v = 0; v < kVectors; ++v) {
-          if constexpr (kVectors > 1) {
-            copy_16_bytes_async_through_l1(&stage[u][v][lane], from + 16 * v);
-          } else {
-            copy_16_bytes_async(&stage[u][v][lane], from + 16 * v);
-          }
-        }
+        stage_vector(stage[u], lane, from);
       }
+      commit_async_copies();
     }
-    commit_async_copies();
-    wait_async_copies<0>();
 #pragma unroll 1
     for (int u = 0; u < kTiles; ++u) {
+      wait_async_copies_at_most(kTiles - 1 - u);  // tile u's copies, not the later ones
       const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
       const int count = vector_count(at, task.cols);
       if (count == 0) continue;
-      Raw<S> raw;
-      if (staged >> u & 1u) {
-#pragma unroll
-        for (int v = 0; v < kVectors; ++v) {
-          const uint4 q = stage[u][v][lane];
-          raw.word[4 * v] = q.x, raw.word[4 * v + 1] = q.y;
-          raw.word[4 * v + 2] = q.z, raw.word[4 * v + 3] = q.w;
-        }
-      } else {
-        raw = load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count);
-      }
+      const Raw<S> raw =
+          staged >> u & 1u
+              ? staged_raw<S, kPerLane>(stage[u], lane)
+              : load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count);
       store_cast<S, D>(raw,
                        static_cast<std::uint8_t*>(task.dst) +
                            (task.dst_rows.row_start(at.row, list.uneven) + at.col) * dst_size,
@@ -395,48 +412,38 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
 template <DType S>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
     mx_quantize_kernel(JobList<MxTask> list) {
-  constexpr int kVectors = sizeof(Raw<S, kMxPerLane>) / sizeof(uint4);
+  constexpr int N = kMxPerLane;
+  constexpr int kVectors = sizeof(Raw<S, N>) / sizeof(uint4);
   constexpr int kTiles = kMxTiles<S>;
+  constexpr int kLanesPerMxBlock = kMxBlock / N;
   __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
   for_each_chunk<kMxVectorsPerChunk<S>>(list, [&](const MxTask& task, std::uint64_t first) {
     before_refilling_slots();
-    unsigned staged = 0;  // bit u: tile u's vectors are in shared memory
+    unsigned staged = 0;  // bit u: tile u's vector is in shared memory
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) {
-      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
+      const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
       const auto* from = static_cast<const std::uint8_t*>(task.src) +
                          (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
       if (at.active && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
         staged |= 1u << u;
-#pragma unroll
-        for (int v = 0; v < kVectors; ++v)
-          copy_16_bytes_async_through_l1(&stage[u][v][lane], from + 16 * v);
+        stage_vector(stage[u], lane, from);
       }
+      commit_async_copies();
     }
-    commit_async_copies();
-    wait_async_copies<0>();
     const bool round_up = task.round_up;
     const std::uint8_t least_bits = task.least_bits;
 #pragma unroll 1
     for (int u = 0; u < kTiles; ++u) {
-      const LaneVector at = lane_vector<kMxPerLane>(task.span, first + 32 * u);
-      Raw<S, kMxPerLane> raw;
-      if (staged >> u & 1u) {
-#pragma unroll
-        for (int v = 0; v < kVectors; ++v) {
-          const uint4 q = stage[u][v][lane];
-          raw.word[4 * v] = q.x;
-          raw.word[4 * v + 1] = q.y;
-          raw.word[4 * v + 2] = q.z;
-          raw.word[4 * v + 3] = q.w;
-        }
-      } else {
-        raw =
-            load_raw<S, kMxPerLane>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
-                                    at.active ? kMxPerLane : 0);
-      }
+      wait_async_copies_at_most(kTiles - 1 - u);  // tile u's copies, not the later ones
+      const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
+      const Raw<S, N> raw =
+          staged >> u & 1u
+              ? staged_raw<S, N>(stage[u], lane)
+              : load_raw<S, N>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
+                               at.active ? N : 0);
       std::uint32_t m = magnitude_max<S>(raw);
 #pragma unroll
       for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
@@ -451,18 +458,20 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
                        : swizzled_scale_offset(scale_row, task.first_col + at.col / kMxBlock,
                                                task.col_tiles)] = bits;
       }
-      uint4 encoded = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
+      std::uint32_t word[N / 4];
+#pragma unroll
+      for (int w = 0; w < N / 4; ++w) word[w] = 0x7f7f7f7fu;
       if (bits != kE8m0Nan) {
         const float factor = power_of_two(127 - static_cast<int>(bits));
-        std::uint32_t pair[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          pair[i] = mx_encode_finite_pair(element(raw, 2 * i), element(raw, 2 * i + 1), factor);
+        for (int w = 0; w < N / 4; ++w) {
+          word[w] = mx_encode_finite_pair(element(raw, 4 * w), element(raw, 4 * w + 1), factor) |
+                    mx_encode_finite_pair(element(raw, 4 * w + 2), element(raw, 4 * w + 3), factor)
+                        << 16;
         }
-        encoded = make_uint4(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16,
-                             pair[4] | pair[5] << 16, pair[6] | pair[7] << 16);
       }
-      store_16_bytes(task.data + task.data_rows.row_start(at.row, list.uneven) + at.col, encoded);
+      std::uint8_t* const out = task.data + task.data_rows.row_start(at.row, list.uneven) + at.col;
+      store_16_bytes(out, make_uint4(word[0], word[1], word[2], word[3]));
     }
   });
 }
@@ -872,9 +881,16 @@ void run_tasks(const std::vector<Task>& tasks, const std::vector<BoxView>& uneve
   upload.mark_used(stream);
 }
 
+// `d` as a FastDivisor: `last` again where it divides by `d` (the jobs of a refit mostly share
+// their shapes, and finding a multiplier takes a loop and a 64-bit division).
+FastDivisor divisor_of(std::uint32_t d, FastDivisor& last) {
+  if (last.divisor != d) last = FastDivisor::of(d);
+  return last;
+}
+
 // The spans of a job's vectors: rows of `cols` elements, in pieces of fewer than 2^31 vectors.
 template <typename Add>
-void split_rows(std::int64_t rows, std::int64_t cols, int per_lane, Add add) {
+void split_rows(std::int64_t rows, std::int64_t cols, int per_lane, FastDivisor& last, Add add) {
   if (rows <= 0 || cols <= 0) return;
   const std::int64_t per_row = (cols + per_lane - 1) / per_lane;
   constexpr std::int64_t kMostVectors = std::int64_t{1} << 31;
@@ -883,10 +899,11 @@ void split_rows(std::int64_t rows, std::int64_t cols, int per_lane, Add add) {
                                              " elements (at most " +
                                              std::to_string(kMostVectors * per_lane) + " per row)");
   }
+  const FastDivisor divisor = divisor_of(static_cast<std::uint32_t>(per_row), last);
   const std::int64_t rows_per_piece = kMostVectors / per_row;
   for (std::int64_t first = 0; first < rows; first += rows_per_piece) {
     const std::int64_t n = std::min(rows_per_piece, rows - first);
-    add(VectorSpan{.per_row = FastDivisor::of(static_cast<std::uint32_t>(per_row)),
+    add(VectorSpan{.per_row = divisor,
                    .vectors = static_cast<std::uint32_t>(n * per_row),
                    .first_row = first});
   }
@@ -896,168 +913,230 @@ std::uint64_t chunks_of(const VectorSpan& span, int vectors_per_chunk) {
   return (span.vectors + vectors_per_chunk - 1) / vectors_per_chunk;
 }
 
+// The tasks of one kernel instance, added as jobs are queued, and the views their RowWalks refer
+// to.
+template <typename Task>
+struct TaskList {
+  std::vector<Task> tasks;
+  std::vector<BoxView> uneven;
+  FastDivisor last;  // divisor_of's
+};
+
+// The kernels' element types, as an index: float32, bfloat16, float16.
+constexpr int kFloatTypes = 3;
+constexpr DType kFloatType[kFloatTypes] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+int float_index(DType dtype) {
+  for (int i = 0; i < kFloatTypes; ++i) {
+    if (kFloatType[i] == dtype) return i;
+  }
+  return -1;
+}
+template <DType D>
+constexpr int kFloatIndex = D == DType::kFloat32    ? 0
+                            : D == DType::kBFloat16 ? 1
+                                                    : 2;
+
+[[noreturn]] void refuse_dtype(const char* conversion, DType dtype) {
+  throw_error(ErrorCode::kUnsupported, std::string("a GPU ") + conversion + " from " +
+                                           dtype_name(dtype) +
+                                           " (float32, bfloat16 or float16 only)");
+}
+
 }  // namespace
 
+// GPU jobs become their kernels' tasks as they are queued, while their views are still in the
+// cache: a refit queues thousands, and building the lists at launch time, from jobs kept whole
+// (464 bytes an MXFP8 job), took more host time than the GPU took to convert 512 small matrices.
 struct ConversionUploads {
   JobUpload convert, mx, block, swizzle;
+  TaskList<CastTask> casts[kFloatTypes][kFloatTypes];  // [source][destination]
+  TaskList<MxTask> mx_tasks[kFloatTypes];
+  TaskList<BlockTask> block_tasks[kFloatTypes];
+  TaskList<SwizzleTask> swizzle_tasks;
+  std::size_t jobs = 0;  // queued since the last launch
 };
 
 ConversionUploads* create_uploads() { return new ConversionUploads(); }
 void destroy_uploads(ConversionUploads* uploads) { delete uploads; }
+std::size_t queued_jobs(const ConversionUploads& uploads) { return uploads.jobs; }
 
-void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, void* stream) {
-  // One launch per pair of dtypes.
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  auto launch_pair = [&]<DType S, DType D>() {
-    std::vector<CastTask> tasks;
-    std::vector<BoxView> uneven;
-    tasks.reserve(jobs.size());
-    for (const ConvertJob& job : jobs) {
-      if (job.src.dtype != S || job.dst.dtype != D) continue;
-      split_rows(job.src.view.rows, job.src.view.cols, kPerLane, [&](const VectorSpan& span) {
-        CastTask task{};
-        task.src = job.src.data;
-        task.dst = job.dst.data;
-        task.src_rows = RowWalk::of(job.src.view, uneven);
-        task.dst_rows = RowWalk::of(job.dst.view, uneven);
-        task.span = span;
-        task.cols = job.src.view.cols;
-        tasks.push_back(task);
-      });
-    }
-    run_tasks(
-        tasks, uneven, uploads.convert, cuda_stream,
-        [](const CastTask& task) { return chunks_of(task.span, kCastVectorsPerChunk<S>); },
-        [](const JobList<CastTask>& list, cudaStream_t s) {
-          constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-          const unsigned grid = grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta);
-          cast_kernel<S, D><<<grid, kThreads, 0, s>>>(list);
-        });
-  };
-  auto for_sources = [&]<DType D>() {
-    launch_pair.template operator()<DType::kFloat32, D>();
-    launch_pair.template operator()<DType::kBFloat16, D>();
-    launch_pair.template operator()<DType::kFloat16, D>();
-  };
-  for_sources.template operator()<DType::kFloat32>();
-  for_sources.template operator()<DType::kBFloat16>();
-  for_sources.template operator()<DType::kFloat16>();
+void queue(ConversionUploads& uploads, const ConvertJob& job) {
+  const int from = float_index(job.src.dtype), to = float_index(job.dst.dtype);
+  if (from < 0) refuse_dtype("cast", job.src.dtype);
+  if (to < 0) refuse_dtype("cast to", job.dst.dtype);
+  TaskList<CastTask>& list = uploads.casts[from][to];
+  split_rows(job.src.view.rows, job.src.view.cols, kPerLane, list.last,
+             [&](const VectorSpan& span) {
+               CastTask& task = list.tasks.emplace_back();
+               task.src = job.src.data;
+               task.dst = job.dst.data;
+               task.src_rows = RowWalk::of(job.src.view, list.uneven);
+               task.dst_rows = RowWalk::of(job.dst.view, list.uneven);
+               task.span = span;
+               task.cols = job.src.view.cols;
+             });
+  ++uploads.jobs;
 }
 
-void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, void* stream) {
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  auto launch_source = [&]<DType S>() {
-    std::vector<MxTask> tasks;
-    std::vector<BoxView> uneven;
-    tasks.reserve(jobs.size());
-    for (const MxJob& job : jobs) {
-      if (job.src.dtype != S) continue;
-      split_rows(job.src.view.rows, job.src.view.cols, kMxPerLane, [&](const VectorSpan& span) {
-        MxTask task{};
-        task.src = job.src.data;
-        task.data = static_cast<std::uint8_t*>(job.data.data);
-        task.scale = static_cast<std::uint8_t*>(job.scale.data);
-        task.src_rows = RowWalk::of(job.src.view, uneven);
-        task.data_rows = RowWalk::of(job.data.view, uneven);
-        if (job.swizzled.col_tiles > 0) {
-          task.scale_rows = RowWalk{job.swizzled.first_row, 1, -1};
-          task.first_col = job.swizzled.first_col;
-          task.col_tiles = static_cast<std::uint32_t>(job.swizzled.col_tiles);
-        } else {
-          task.scale_rows = RowWalk::of(job.scale.view, uneven);
-        }
-        task.span = span;
-        task.round_up = rounds_up(job.rounding);
-        task.least_bits = least_scale_bits(job.rounding);
-        tasks.push_back(task);
-      });
-    }
-    run_tasks(
-        tasks, uneven, uploads.mx, cuda_stream,
-        [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk<S>); },
-        // Whole warps only (256-thread CTAs), so the shuffles are legal.
-        [](const JobList<MxTask>& list, cudaStream_t s) {
-          constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-          const unsigned grid = grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta);
-          mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(list);
-        });
-  };
-  launch_source.template operator()<DType::kBFloat16>();
-  launch_source.template operator()<DType::kFloat32>();
-  launch_source.template operator()<DType::kFloat16>();
+void queue(ConversionUploads& uploads, const MxJob& job) {
+  const int from = float_index(job.src.dtype);
+  if (from < 0) refuse_dtype("MXFP8 conversion", job.src.dtype);
+  TaskList<MxTask>& list = uploads.mx_tasks[from];
+  split_rows(job.src.view.rows, job.src.view.cols, kMxPerLane, list.last,
+             [&](const VectorSpan& span) {
+               MxTask& task = list.tasks.emplace_back();
+               task.src = job.src.data;
+               task.data = static_cast<std::uint8_t*>(job.data.data);
+               task.scale = static_cast<std::uint8_t*>(job.scale.data);
+               task.src_rows = RowWalk::of(job.src.view, list.uneven);
+               task.data_rows = RowWalk::of(job.data.view, list.uneven);
+               if (job.swizzled.col_tiles > 0) {
+                 task.scale_rows = RowWalk{job.swizzled.first_row, 1, -1};
+                 task.first_col = job.swizzled.first_col;
+                 task.col_tiles = static_cast<std::uint32_t>(job.swizzled.col_tiles);
+               } else {
+                 task.scale_rows = RowWalk::of(job.scale.view, list.uneven);
+               }
+               task.span = span;
+               task.round_up = rounds_up(job.rounding);
+               task.least_bits = least_scale_bits(job.rounding);
+             });
+  ++uploads.jobs;
 }
 
-void swizzle_scales(const std::vector<SwizzleJob>& jobs, ConversionUploads& uploads, void* stream) {
-  std::vector<SwizzleTask> tasks;
-  std::vector<BoxView> uneven;  // none: the tasks find their places themselves
-  for (const SwizzleJob& job : jobs) {
-    split_rows(job.rows, job.cols, 1, [&](const VectorSpan& span) {
-      tasks.push_back(
-          {job.src, job.dst, span, job.at.first_row, job.at.first_col, job.at.col_tiles});
-    });
+void queue(ConversionUploads& uploads, const SwizzleJob& job) {
+  TaskList<SwizzleTask>& list = uploads.swizzle_tasks;
+  split_rows(job.rows, job.cols, 1, list.last, [&](const VectorSpan& span) {
+    list.tasks.push_back(
+        {job.src, job.dst, span, job.at.first_row, job.at.first_col, job.at.col_tiles});
+  });
+  ++uploads.jobs;
+}
+
+void queue(ConversionUploads& uploads, const BlockFp8Job& job) {
+  const int from = float_index(job.src.dtype);
+  if (from < 0) refuse_dtype("block-FP8 conversion", job.src.dtype);
+  if (job.src.view.cols == 0 || job.src.view.rows == 0) return;
+  const std::int64_t tile_rows = (job.rows_per_matrix + kFp8Block - 1) / kFp8Block;
+  const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
+  const std::int64_t tiles = job.src.view.rows / job.rows_per_matrix * tile_rows * tile_cols;
+  if (tiles >= (std::int64_t{1} << 32)) {
+    throw_error(ErrorCode::kUnsupported, "a block-FP8 conversion of " + std::to_string(tiles) +
+                                             " tiles (at most 2^32 - 1 in one block)");
   }
+  TaskList<BlockTask>& list = uploads.block_tasks[from];
+  BlockTask& task = list.tasks.emplace_back();
+  task.src = job.src.data;
+  task.data = static_cast<std::uint8_t*>(job.data.data);
+  task.scale = static_cast<float*>(job.scale.data);
+  task.src_rows = RowWalk::of(job.src.view, list.uneven);
+  task.data_rows = RowWalk::of(job.data.view, list.uneven);
+  task.scale_rows = RowWalk::of(job.scale.view, list.uneven);
+  task.cols = job.src.view.cols;
+  task.src_stride = job.src.view.row_stride();
+  task.data_stride = job.data.view.row_stride();
+  task.rows_per_matrix = job.rows_per_matrix;
+  task.tiles_per_matrix = FastDivisor::of(static_cast<std::uint32_t>(tile_rows * tile_cols));
+  task.tile_cols = divisor_of(static_cast<std::uint32_t>(tile_cols), list.last);
+  task.tiles = static_cast<std::uint32_t>(tiles);
+  ++uploads.jobs;
+}
+
+namespace {
+
+// Launches `list`'s tasks: casts from S to D (launch_queued empties the lists after).
+template <DType S, DType D>
+void launch_casts(const TaskList<CastTask>& list, JobUpload& upload, cudaStream_t stream) {
+  run_tasks(
+      list.tasks, list.uneven, upload, stream,
+      [](const CastTask& task) { return chunks_of(task.span, kCastVectorsPerChunk<S>); },
+      [](const JobList<CastTask>& jobs, cudaStream_t s) {
+        constexpr std::uint64_t kChunksPerCta = kThreads / 32;
+        const unsigned grid = grid_for((jobs.items + kChunksPerCta - 1) / kChunksPerCta);
+        cast_kernel<S, D><<<grid, kThreads, 0, s>>>(jobs);
+      });
+}
+
+template <DType S>
+void launch_mx(const TaskList<MxTask>& list, JobUpload& upload, cudaStream_t stream) {
+  run_tasks(
+      list.tasks, list.uneven, upload, stream,
+      [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk<S>); },
+      // Whole warps only (256-thread CTAs), so the shuffles are legal.
+      [](const JobList<MxTask>& jobs, cudaStream_t s) {
+        constexpr std::uint64_t kChunksPerCta = kThreads / 32;
+        const unsigned grid = grid_for((jobs.items + kChunksPerCta - 1) / kChunksPerCta);
+        mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(jobs);
+      });
+}
+
+template <DType S>
+void launch_blocks(const TaskList<BlockTask>& list, JobUpload& upload, cudaStream_t stream) {
+  run_tasks(
+      list.tasks, list.uneven, upload, stream,
+      [](const BlockTask& task) { return std::uint64_t{task.tiles}; },
+      [](const JobList<BlockTask>& jobs, cudaStream_t s) {
+        // Above 48 KiB (float32 sources) the kernel must be allowed the shared memory, on the
+        // current device (each launch: a process may convert on several).
+        if constexpr (kTileSharedBytes<S> > (48u << 10)) {
+          RESHARD_CUDA_CHECK(cudaFuncSetAttribute(block_quantize_kernel<S>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(kTileSharedBytes<S>)));
+        }
+        // A CTA per tile (the CTAs walk on past 2^20 tiles).
+        const auto grid =
+            static_cast<unsigned>(std::min<std::uint64_t>(jobs.items, std::uint64_t{1} << 20));
+        block_quantize_kernel<S><<<grid, kTileThreads, kTileSharedBytes<S>, s>>>(jobs);
+      });
+}
+
+void launch_swizzles(const TaskList<SwizzleTask>& list, JobUpload& upload, cudaStream_t stream) {
   constexpr int kPerChunk = 32 * kSwizzlesInFlight;
   run_tasks(
-      tasks, uneven, uploads.swizzle, static_cast<cudaStream_t>(stream),
+      list.tasks, list.uneven, upload, stream,
       [](const SwizzleTask& task) { return chunks_of(task.span, kPerChunk); },
-      [](const JobList<SwizzleTask>& list, cudaStream_t s) {
+      [](const JobList<SwizzleTask>& jobs, cudaStream_t s) {
         constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-        swizzle_kernel<<<grid_for((list.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0,
-                         s>>>(list);
+        swizzle_kernel<<<grid_for((jobs.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0,
+                         s>>>(jobs);
       });
 }
 
-void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& uploads,
-                    void* stream) {
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  auto launch_source = [&]<DType S>() {
-    std::vector<BlockTask> tasks;
-    std::vector<BoxView> uneven;
-    for (const BlockFp8Job& job : jobs) {
-      if (job.src.dtype != S || job.src.view.cols == 0 || job.src.view.rows == 0) continue;
-      BlockTask task{};
-      task.src = job.src.data;
-      task.data = static_cast<std::uint8_t*>(job.data.data);
-      task.scale = static_cast<float*>(job.scale.data);
-      task.src_rows = RowWalk::of(job.src.view, uneven);
-      task.data_rows = RowWalk::of(job.data.view, uneven);
-      task.scale_rows = RowWalk::of(job.scale.view, uneven);
-      task.cols = job.src.view.cols;
-      task.src_stride = job.src.view.row_stride();
-      task.data_stride = job.data.view.row_stride();
-      task.rows_per_matrix = job.rows_per_matrix;
-      const std::int64_t tile_rows = (job.rows_per_matrix + kFp8Block - 1) / kFp8Block;
-      const std::int64_t tile_cols = (job.src.view.cols + kFp8Block - 1) / kFp8Block;
-      const std::int64_t tiles = job.src.view.rows / job.rows_per_matrix * tile_rows * tile_cols;
-      if (tiles >= (std::int64_t{1} << 32)) {
-        throw_error(ErrorCode::kUnsupported, "a block-FP8 conversion of " + std::to_string(tiles) +
-                                                 " tiles (at most 2^32 - 1 in one block)");
-      }
-      task.tiles_per_matrix = FastDivisor::of(static_cast<std::uint32_t>(tile_rows * tile_cols));
-      task.tile_cols = FastDivisor::of(static_cast<std::uint32_t>(tile_cols));
-      task.tiles = static_cast<std::uint32_t>(tiles);
-      tasks.push_back(task);
-    }
-    run_tasks(
-        tasks, uneven, uploads.block, cuda_stream,
-        [](const BlockTask& task) { return std::uint64_t{task.tiles}; },
-        [](const JobList<BlockTask>& list, cudaStream_t s) {
-          // Above 48 KiB (float32 sources) the kernel must be allowed the shared memory, on the
-          // current device (each launch: a process may convert on several).
-          if constexpr (kTileSharedBytes<S> > (48u << 10)) {
-            RESHARD_CUDA_CHECK(cudaFuncSetAttribute(block_quantize_kernel<S>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    static_cast<int>(kTileSharedBytes<S>)));
-          }
-          // A CTA per tile (the CTAs walk on past 2^20 tiles).
-          const auto grid =
-              static_cast<unsigned>(std::min<std::uint64_t>(list.items, std::uint64_t{1} << 20));
-          block_quantize_kernel<S><<<grid, kTileThreads, kTileSharedBytes<S>, s>>>(list);
-        });
+void clear_queued(ConversionUploads& uploads) {
+  for (auto& to : uploads.casts) {
+    for (TaskList<CastTask>& list : to) list.tasks.clear(), list.uneven.clear();
+  }
+  for (TaskList<MxTask>& list : uploads.mx_tasks) list.tasks.clear(), list.uneven.clear();
+  for (TaskList<BlockTask>& list : uploads.block_tasks) list.tasks.clear(), list.uneven.clear();
+  uploads.swizzle_tasks.tasks.clear();
+  uploads.jobs = 0;
+}
+
+}  // namespace
+
+void launch_queued(ConversionUploads& uploads, void* stream) {
+  // One launch per kind and pair of dtypes: casts, MXFP8, block FP8, then the scale swizzles.
+  // What a failed launch leaves queued is dropped with it, not launched again by the next flush.
+  struct ClearOnExit {
+    ConversionUploads& uploads;
+    ~ClearOnExit() { clear_queued(uploads); }
+  } clear_on_exit{uploads};
+  const auto s = static_cast<cudaStream_t>(stream);
+  auto casts_to = [&]<DType D>() {
+    launch_casts<DType::kFloat32, D>(uploads.casts[0][kFloatIndex<D>], uploads.convert, s);
+    launch_casts<DType::kBFloat16, D>(uploads.casts[1][kFloatIndex<D>], uploads.convert, s);
+    launch_casts<DType::kFloat16, D>(uploads.casts[2][kFloatIndex<D>], uploads.convert, s);
   };
-  launch_source.template operator()<DType::kBFloat16>();
-  launch_source.template operator()<DType::kFloat32>();
-  launch_source.template operator()<DType::kFloat16>();
+  casts_to.template operator()<DType::kFloat32>();
+  casts_to.template operator()<DType::kBFloat16>();
+  casts_to.template operator()<DType::kFloat16>();
+  launch_mx<DType::kBFloat16>(uploads.mx_tasks[1], uploads.mx, s);
+  launch_mx<DType::kFloat32>(uploads.mx_tasks[0], uploads.mx, s);
+  launch_mx<DType::kFloat16>(uploads.mx_tasks[2], uploads.mx, s);
+  launch_blocks<DType::kBFloat16>(uploads.block_tasks[1], uploads.block, s);
+  launch_blocks<DType::kFloat32>(uploads.block_tasks[0], uploads.block, s);
+  launch_blocks<DType::kFloat16>(uploads.block_tasks[2], uploads.block, s);
+  launch_swizzles(uploads.swizzle_tasks, uploads.swizzle, s);
 }
 
 }  // namespace reshard::execution::cuda

@@ -125,7 +125,8 @@ class ConversionQueue {
   void record_into(ConversionRecording* into) { recording_ = into; }
 
  private:
-  void on_gpu();  // where GPU jobs are queued: makes their upload buffers
+  template <typename Job>
+  void queue_on_gpu(const Job& job);  // makes the upload buffers on first use
   template <typename Call>
   void record(Call&& call) {
     if (recording_ != nullptr) recording_->calls_.push_back({this, std::forward<Call>(call)});
@@ -133,10 +134,6 @@ class ConversionQueue {
 
   bool dry_run_ = false;
   ConversionRecording* recording_ = nullptr;
-  std::vector<ConvertJob> converts_;
-  std::vector<MxJob> mx_;
-  std::vector<BlockFp8Job> blocks_;
-  std::vector<SwizzleJob> swizzles_;
   BlockCopyBatch copies_;
 #ifdef RESHARD_WITH_CUDA
   cuda::ConversionUploads* uploads_ = nullptr;
@@ -164,10 +161,15 @@ void block_quantize(const BlockRef& src, std::int64_t rows_per_matrix, const Blo
 namespace cuda {
 ConversionUploads* create_uploads();
 void destroy_uploads(ConversionUploads* uploads);
-void convert(const std::vector<ConvertJob>& jobs, ConversionUploads& uploads, void* stream);
-void mx_quantize(const std::vector<MxJob>& jobs, ConversionUploads& uploads, void* stream);
-void block_quantize(const std::vector<BlockFp8Job>& jobs, ConversionUploads& uploads, void* stream);
-void swizzle_scales(const std::vector<SwizzleJob>& jobs, ConversionUploads& uploads, void* stream);
+// Jobs become their kernels' tasks when queued (a job the kernels cannot take is refused there,
+// before anything runs); launch_queued launches them all on `stream`, casts first, then MXFP8,
+// block FP8 and scale swizzles, and empties the queue (also where a launch fails).
+void queue(ConversionUploads& uploads, const ConvertJob& job);
+void queue(ConversionUploads& uploads, const MxJob& job);
+void queue(ConversionUploads& uploads, const BlockFp8Job& job);
+void queue(ConversionUploads& uploads, const SwizzleJob& job);
+std::size_t queued_jobs(const ConversionUploads& uploads);
+void launch_queued(ConversionUploads& uploads, void* stream);
 }  // namespace cuda
 #endif
 
