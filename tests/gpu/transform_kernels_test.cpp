@@ -11,6 +11,7 @@
 #include <string>
 
 #include "execution/box_view.hpp"
+#include "reshard/error.hpp"
 #include "support/single_gpu_main.hpp"
 #include "transforms/conversions.hpp"
 #include "transforms/number_formats.hpp"
@@ -571,6 +572,35 @@ TEST(TransformKernels, CastQueueOfManyJobsMatchesTheReferenceBitForBit) {
         << dtype_name(block.from) << " -> " << dtype_name(block.to) << " of block "
         << block.box.str();
   }
+}
+
+// A GPU job the kernels cannot take is refused when it is queued, naming the dtype, and leaves
+// nothing queued: the flush after it runs the other jobs alone.
+TEST(TransformKernels, QueueRefusesAGpuCastOfADtypeTheKernelsLack) {
+  const Box box{2, {0, 0}, {4, 64}};
+  const std::vector<std::int64_t> shape = {4, 64};
+  const BoxView v = view_of(box, shape, false);
+  const auto values = salted_bf16(256, 71);
+  std::vector<std::uint8_t> want(1024, 0xab);
+  convert_block({const_cast<std::uint16_t*>(values.data()), DType::kBFloat16, v},
+                {want.data(), DType::kFloat32, v}, MemoryKind::kHost, nullptr);
+  DeviceCopy d_src(values.data(), values.size() * 2), d_dst(1024);
+  const Buffer memory = Buffer::cuda(d_src.pointer, d_src.bytes, 0);
+  ConversionQueue queue;
+  for (const DType odd : {DType::kFloat8E4M3, DType::kInt32}) {
+    try {
+      queue.convert({{d_src.pointer, DType::kBFloat16, v}, {d_dst.pointer, odd, v}}, memory);
+      FAIL() << "a GPU cast to " << dtype_name(odd) << " was queued";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+      EXPECT_NE(std::string(e.what()).find(dtype_name(odd)), std::string::npos) << e.what();
+    }
+  }
+  queue.convert({{d_src.pointer, DType::kBFloat16, v}, {d_dst.pointer, DType::kFloat32, v}},
+                memory);
+  queue.flush(nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(d_dst.download(), want);
 }
 
 // Packs (a block of a tensor into a dense buffer) and unpacks, many in one flush as a refit queues
