@@ -352,12 +352,13 @@ __device__ __forceinline__ Raw<S, N> staged_raw(const uint4 (&slots)[K][32], uns
 
 // Casts: each chunk's source vectors (4 KiB a warp: 8 tiles from 16-bit sources, 4 from float32)
 // go through cp.async into the warp's slots of shared memory, all in flight before any is
-// converted; a vector that is short or not 16-byte aligned is read from global memory at
-// conversion time instead. A float32 lane's two vectors are the halves of one 32-byte sector, so
-// they go through L1 (cp.async.ca): through L2 alone (cp.async.cg) each sector came twice and the
-// kernel ran at 0.63-0.72 of the copy rate. On one H100, 2026-11-25, against the register kernel
-// before: bf16 -> fp32 of skinny column blocks 0.77 -> 0.89-0.94, fp32 -> bf16 of large matrices
-// 0.88 -> 0.94, of Llama-3-8B's 0.89 -> 0.94.
+// converted, each tile converted once its own copies are in (+0.01-0.03 of the copy rate against
+// waiting for the whole chunk, one H100, 2026-11-25); a vector that is short or not 16-byte aligned
+// is read from global memory at conversion time instead. A float32 lane's two vectors are the
+// halves of one 32-byte sector, so they go through L1 (cp.async.ca): through L2 alone (cp.async.cg)
+// each sector came twice and the kernel ran at 0.63-0.72 of the copy rate. On one H100, 2026-11-25,
+// against the register kernel before: bf16 -> fp32 of skinny column blocks 0.77 -> 0.89-0.94, fp32
+// -> bf16 of large matrices 0.88 -> 0.94, of Llama-3-8B's 0.89 -> 0.94.
 template <DType S, DType D>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobList<CastTask> list) {
   constexpr int kVectors = kCastVectors<S>, kTiles = kCastTiles<S>;
@@ -399,13 +400,15 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
 }
 
 // MXFP8: each chunk's source vectors (4 KiB a warp: 4 tiles of bf16, 2 of float32) go through
-// cp.async into the warp's slots of shared memory, all in flight before any is encoded; a vector
+// cp.async into the warp's slots of shared memory, all in flight before any is encoded, each tile
+// encoded once its own copies are in; a vector
 // whose address is not 16-byte aligned is read from global memory at encoding time instead. A
 // lane's vectors are 16-byte halves of 32-byte sectors, so they go through L1 (cp.async.ca):
 // through L2 alone each sector came twice and the kernel ran at 0.67-0.71 of the copy rate. On one
 // H100, 2026-11-25, against the register kernel before (2 tiles a warp, 80 registers, 3 CTAs per
 // SM): large matrices 0.86-0.89 -> 0.87-0.94, Llama-3-8B's 0.88-0.90 -> 0.92-0.93, 512 small
-// matrices 0.81 -> 0.88; skinny ones 0.74-0.82 -> 0.71-0.77 (both below 0.85).
+// matrices 0.81 -> 0.88; skinny ones 0.74-0.82 -> 0.71-0.77 (both below 0.85). Lanes of 8
+// elements (a block on 4 lanes, 16-byte copies through L2) ran skinny matrices at 0.61-0.66.
 // The 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a block)
 // take its maximum with a shuffle, then each encodes its 16 elements. A block whose scale is not
 // NaN holds no NaN or infinity, so the encoding needs no special cases.
