@@ -6,6 +6,7 @@
 #include <new>
 #include <utility>
 
+#include "core/host_copy.hpp"
 #include "execution/row_walk.hpp"
 #include "reshard/error.hpp"
 
@@ -16,8 +17,8 @@ namespace {
 void copy_block_host(const BlockCopy& copy) {
   const std::size_t row_bytes = static_cast<std::size_t>(copy.src_view.cols) * copy.element_bytes;
   for (std::int64_t row = 0; row < copy.src_view.rows; ++row) {
-    std::memcpy(copy.dst + copy.dst_view.row_start(row) * copy.element_bytes,
-                copy.src + copy.src_view.row_start(row) * copy.element_bytes, row_bytes);
+    copy_bytes(copy.dst + copy.dst_view.row_start(row) * copy.element_bytes,
+               copy.src + copy.src_view.row_start(row) * copy.element_bytes, row_bytes);
   }
 }
 

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/env.hpp"
+#include "core/host_copy.hpp"
 #include "core/message.hpp"
 #include "core/transport.hpp"
 #include "reshard/error.hpp"
@@ -248,7 +249,15 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
   const auto& sends_by_peer = phases_.at(phase).sends_by_peer;
   const auto& receives_by_peer = phases_.at(phase).receives_by_peer;
   header(my_pe_).runs.fetch_add(1, std::memory_order_release);
-  for (const LocalCopy& copy : plan.local_copies) std::memmove(copy.dst, copy.src, copy.bytes);
+  for (const LocalCopy& copy : plan.local_copies) {
+    // A PE's own ranges may overlap (a buffer shifted within itself): those need memmove.
+    const bool apart = copy.dst + copy.bytes <= copy.src || copy.src + copy.bytes <= copy.dst;
+    if (apart) {
+      copy_bytes(copy.dst, copy.src, copy.bytes);
+    } else {
+      std::memmove(copy.dst, copy.src, copy.bytes);
+    }
+  }
 
   std::vector<std::size_t> next_send(n_pes_, 0), next_receive(n_pes_, 0);
   std::size_t remaining = 0;
@@ -270,7 +279,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
         while (next < sends.size() && head - tail < kSlotsPerChannel) {
           std::byte* out = slot(peer, my_pe_, head);
           for_each_span(plan, plan.sends, sends[next], [&](const CopySpan& span) {
-            std::memcpy(out, span.data, span.bytes);
+            copy_bytes(out, span.data, span.bytes);
             out += span.bytes;
           });
           channel.head.store(++head, std::memory_order_release);
@@ -288,7 +297,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
         while (next_in < receives.size() && tail < head) {
           const std::byte* in = slot(my_pe_, peer, tail);
           for_each_span(plan, plan.receives, receives[next_in], [&](const CopySpan& span) {
-            std::memcpy(span.data, in, span.bytes);
+            copy_bytes(span.data, in, span.bytes);
             in += span.bytes;
           });
           channel.tail.store(++tail, std::memory_order_release);
