@@ -864,6 +864,12 @@ unsigned grid_for(std::uint64_t units) {
   return static_cast<unsigned>(std::max<std::uint64_t>(1, std::min(units, most)));
 }
 
+// CTAs for `chunks` of the element-wise kernels: a warp's each, 8 warps a CTA.
+unsigned grid_for_chunks(std::uint64_t chunks) {
+  constexpr std::uint64_t kChunksPerCta = kThreads / 32;
+  return grid_for((chunks + kChunksPerCta - 1) / kChunksPerCta);
+}
+
 // Uploads `tasks` (with each one's first item) and launches `launch` on them.
 template <typename Task, typename ItemsOf, typename Launch>
 void run_tasks(const std::vector<Task>& tasks, const std::vector<BoxView>& uneven,
@@ -1054,9 +1060,7 @@ void launch_casts(const TaskList<CastTask>& list, JobUpload& upload, cudaStream_
       list.tasks, list.uneven, upload, stream,
       [](const CastTask& task) { return chunks_of(task.span, kCastVectorsPerChunk<S>); },
       [](const JobList<CastTask>& jobs, cudaStream_t s) {
-        constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-        const unsigned grid = grid_for((jobs.items + kChunksPerCta - 1) / kChunksPerCta);
-        cast_kernel<S, D><<<grid, kThreads, 0, s>>>(jobs);
+        cast_kernel<S, D><<<grid_for_chunks(jobs.items), kThreads, 0, s>>>(jobs);
       });
 }
 
@@ -1067,9 +1071,7 @@ void launch_mx(const TaskList<MxTask>& list, JobUpload& upload, cudaStream_t str
       [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk<S>); },
       // Whole warps only (256-thread CTAs), so the shuffles are legal.
       [](const JobList<MxTask>& jobs, cudaStream_t s) {
-        constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-        const unsigned grid = grid_for((jobs.items + kChunksPerCta - 1) / kChunksPerCta);
-        mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(jobs);
+        mx_quantize_kernel<S><<<grid_for_chunks(jobs.items), kThreads, 0, s>>>(jobs);
       });
 }
 
@@ -1099,9 +1101,7 @@ void launch_swizzles(const TaskList<SwizzleTask>& list, JobUpload& upload, cudaS
       list.tasks, list.uneven, upload, stream,
       [](const SwizzleTask& task) { return chunks_of(task.span, kPerChunk); },
       [](const JobList<SwizzleTask>& jobs, cudaStream_t s) {
-        constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-        swizzle_kernel<<<grid_for((jobs.items + kChunksPerCta - 1) / kChunksPerCta), kThreads, 0,
-                         s>>>(jobs);
+        swizzle_kernel<<<grid_for_chunks(jobs.items), kThreads, 0, s>>>(jobs);
       });
 }
 
