@@ -350,6 +350,28 @@ __device__ __forceinline__ Raw<S, N> staged_raw(const uint4 (&slots)[K][32], uns
   return raw;
 }
 
+// Stages the calling lane's vector of N elements in each tile of a chunk (`first`: its vector in
+// the first tile), one cp.async group per tile, and returns which tiles it staged (bit u): those
+// whose vector `whole(at)` says is whole and whose source is 16-byte aligned.
+template <DType S, int N, int kTiles, int K, typename Task, typename Whole>
+__device__ __forceinline__ unsigned stage_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
+                                                const Task& task, std::uint64_t first,
+                                                const BoxView* uneven, Whole whole) {
+  unsigned staged = 0;
+#pragma unroll
+  for (int u = 0; u < kTiles; ++u) {
+    const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
+    const auto* from = static_cast<const std::uint8_t*>(task.src) +
+                       (task.src_rows.row_start(at.row, uneven) + at.col) * kElementBytes<S>;
+    if (whole(at) && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
+      staged |= 1u << u;
+      stage_vector(stage[u], lane, from);
+    }
+    commit_async_copies();
+  }
+  return staged;
+}
+
 // Casts: each chunk's source vectors (4 KiB a warp: 8 tiles from 16-bit sources, 4 from float32)
 // go through cp.async into the warp's slots of shared memory, all in flight before any is
 // converted, each tile converted once its own copies are in (+0.01-0.03 of the copy rate against
@@ -368,19 +390,9 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
   auto& stage = stages[threadIdx.x / 32];
   for_each_chunk<kCastVectorsPerChunk<S>>(list, [&](const CastTask& task, std::uint64_t first) {
     before_refilling_slots();
-    unsigned staged = 0;  // bit u: tile u's vector is in shared memory
-#pragma unroll
-    for (int u = 0; u < kTiles; ++u) {
-      const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
-      const auto* from = static_cast<const std::uint8_t*>(task.src) +
-                         (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
-      if (vector_count(at, task.cols) == kPerLane &&
-          (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
-        staged |= 1u << u;
-        stage_vector(stage[u], lane, from);
-      }
-      commit_async_copies();
-    }
+    const unsigned staged = stage_chunk<S, kPerLane>(
+        stage, lane, task, first, list.uneven,
+        [&](const LaneVector& at) { return vector_count(at, task.cols) == kPerLane; });
 #pragma unroll 1
     for (int u = 0; u < kTiles; ++u) {
       wait_async_copies_at_most(kTiles - 1 - u);  // tile u's copies, not the later ones
@@ -401,8 +413,8 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
 
 // MXFP8: each chunk's source vectors (4 KiB a warp: 4 tiles of bf16, 2 of float32) go through
 // cp.async into the warp's slots of shared memory, all in flight before any is encoded, each tile
-// encoded once its own copies are in; a vector
-// whose address is not 16-byte aligned is read from global memory at encoding time instead. A
+// encoded once its own copies are in; a vector whose address is not 16-byte aligned is read from
+// global memory at encoding time instead. A
 // lane's vectors are 16-byte halves of 32-byte sectors, so they go through L1 (cp.async.ca):
 // through L2 alone each sector came twice and the kernel ran at 0.67-0.71 of the copy rate. On one
 // H100, 2026-11-25, against the register kernel before (2 tiles a warp, 80 registers, 3 CTAs per
@@ -424,18 +436,8 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
   auto& stage = stages[threadIdx.x / 32];
   for_each_chunk<kMxVectorsPerChunk<S>>(list, [&](const MxTask& task, std::uint64_t first) {
     before_refilling_slots();
-    unsigned staged = 0;  // bit u: tile u's vector is in shared memory
-#pragma unroll
-    for (int u = 0; u < kTiles; ++u) {
-      const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
-      const auto* from = static_cast<const std::uint8_t*>(task.src) +
-                         (task.src_rows.row_start(at.row, list.uneven) + at.col) * kElementBytes<S>;
-      if (at.active && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
-        staged |= 1u << u;
-        stage_vector(stage[u], lane, from);
-      }
-      commit_async_copies();
-    }
+    const unsigned staged = stage_chunk<S, N>(stage, lane, task, first, list.uneven,
+                                              [](const LaneVector& at) { return at.active; });
     const bool round_up = task.round_up;
     const std::uint8_t least_bits = task.least_bits;
 #pragma unroll 1
