@@ -22,15 +22,11 @@ struct BoxView {
   std::int64_t rows = 1;                     // product of outer_extent
   std::int64_t cols = 0;                     // elements per row (contiguous in the tensor)
 
-  // Element offset of the first element of `row`. In device code the loops stay rolled: kernels
-  // take this path only for rows not evenly spaced (RowWalk), and unrolled over every possible
-  // dimension it held about 30 registers more than their common path needs (the block-copy
-  // kernel: 82 against 52).
+  // Element offset of the first element of `row`.
   RESHARD_HD std::int64_t row_start(std::int64_t row) const {
     std::int64_t offset = base;
     if (rows <= 0xffffffffll) {  // every extent fits too: 32-bit divisions, far cheaper on GPUs
       auto rest = static_cast<std::uint32_t>(row);
-      RESHARD_DEVICE_ROLLED
       for (int d = outer_dims - 1; d >= 0; --d) {
         const auto extent = static_cast<std::uint32_t>(outer_extent[d]);
         offset += static_cast<std::int64_t>(rest % extent) * outer_stride[d];
@@ -38,7 +34,6 @@ struct BoxView {
       }
       return offset;
     }
-    RESHARD_DEVICE_ROLLED
     for (int d = outer_dims - 1; d >= 0; --d) {
       const std::int64_t extent = outer_extent[d];
       offset += (row % extent) * outer_stride[d];

@@ -60,6 +60,20 @@ __host__ __device__ std::uint64_t items_of(const BlockCopy& copy) {
   return per_item > 1 ? (rows + per_item - 1) / per_item : rows * chunks_per_row(copy);
 }
 
+// BoxView::row_start, as a loop the compiler keeps rolled: it is the rare path (rows not evenly
+// spaced), and unrolled over every possible dimension it held about 30 registers more than the
+// common path needs, for every copy (82 against 52).
+__device__ __forceinline__ std::int64_t uneven_row_start(const BoxView& view, std::int64_t row) {
+  std::int64_t offset = view.base;
+#pragma unroll 1
+  for (int d = view.outer_dims - 1; d >= 0; --d) {
+    const std::int64_t extent = view.outer_extent[d];
+    offset += (row % extent) * view.outer_stride[d];
+    row /= extent;
+  }
+  return offset;
+}
+
 // Where each row of one side of a copy starts, read from the job once per item: by a multiply
 // where rows are evenly spaced, else through the view.
 struct RowsOf {
@@ -69,7 +83,7 @@ struct RowsOf {
   std::uint32_t element_bytes;
 
   __device__ __forceinline__ const std::byte* row(std::int64_t r) const {
-    return step != 0 ? base + first + r * step : base + view->row_start(r) * element_bytes;
+    return step != 0 ? base + first + r * step : base + uneven_row_start(*view, r) * element_bytes;
   }
 };
 

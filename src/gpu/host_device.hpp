@@ -8,11 +8,3 @@
 #else
 #define RESHARD_HD inline
 #endif
-
-// Before a loop of a RESHARD_HD function that device code should keep rolled (a rare path whose
-// unrolled copies would cost the kernels around it registers); nothing in host code.
-#if defined(__CUDA_ARCH__)
-#define RESHARD_DEVICE_ROLLED _Pragma("unroll 1")
-#else
-#define RESHARD_DEVICE_ROLLED
-#endif
