@@ -25,6 +25,7 @@ struct JobList {
   std::uint32_t count;
   std::uint64_t items;
   const BoxView* uneven = nullptr;  // views the jobs' RowWalks refer to
+  std::uint64_t per_warp = 0;       // work items per warp, for kernels that give warps runs
 
   __device__ std::uint32_t find(std::uint64_t item) const {
     std::uint32_t low = 0, high = count - 1;

@@ -84,6 +84,18 @@ struct CastTask {
   std::int64_t cols;
 };
 
+// Where rows are not evenly spaced (rare), their starts come from a function out of line: inlined,
+// its unrolled loop over every dimension made the kernels' code several times longer than their
+// common path, and with it the stalls for instructions in short launches.
+__device__ __noinline__ std::int64_t uneven_row_start(const BoxView* uneven, std::int32_t view,
+                                                      std::int64_t row) {
+  return uneven[view].row_start(row);
+}
+__device__ __forceinline__ std::int64_t row_start(const RowWalk& walk, std::int64_t row,
+                                                  const BoxView* uneven) {
+  return walk.view < 0 ? walk.base + row * walk.stride : uneven_row_start(uneven, walk.view, row);
+}
+
 // A lane's vector: its row in the job's views and its first column.
 struct LaneVector {
   std::int64_t row = 0, col = 0;
@@ -109,16 +121,15 @@ __device__ __forceinline__ std::uint32_t job_of(const JobList<Task>& list, std::
   return low;
 }
 
-// Calls body(job, first) for each chunk of the calling warp's run, `first` being the lane's vector
-// in the chunk's first tile. Each warp walks consecutive chunks: mostly of one job, whose fields
-// stay cached, so the job is searched for only where the run enters the next.
+// Calls body(job, first) for each chunk of the calling warp's run (list.per_warp chunks, set with
+// the grid by chunked_grid), `first` being the lane's vector in the chunk's first tile. Each warp
+// walks consecutive chunks: mostly of one job, whose fields stay cached, so the job is searched
+// for only where the run enters the next.
 template <int VectorsPerChunk, typename Task, typename Body>
 __device__ __forceinline__ void for_each_chunk(const JobList<Task>& list, Body body) {
   const unsigned lane = threadIdx.x % 32;
-  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * (blockDim.x / 32);
-  const std::uint64_t warp =
-      (static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const std::uint64_t per_warp = (list.items + warps - 1) / warps;
+  const unsigned warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const std::uint64_t per_warp = list.per_warp;
   const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
   std::uint32_t job = 0;
   for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
@@ -153,24 +164,11 @@ struct Raw {
   std::uint32_t word[kWords<D, N>];
 };
 
-// Loads the `count` (<= N) elements at `index`; the rest read as zero. 16-byte loads where the
-// address allows.
-template <DType D, int N = kPerLane>
-__device__ __forceinline__ Raw<D, N> load_raw(const void* base, std::int64_t index, int count) {
+// load_raw's elements one by one (a short or unaligned vector: rare, so out of line).
+template <DType D, int N>
+__device__ __noinline__ Raw<D, N> load_raw_piecewise(const std::uint8_t* at, int count) {
   constexpr int size = kElementBytes<D>;
   Raw<D, N> raw{};
-  const auto* at = static_cast<const std::uint8_t*>(base) + index * size;
-  if (count == N && (reinterpret_cast<std::uintptr_t>(at) & 15) == 0) {
-#pragma unroll
-    for (int q = 0; q < kWords<D, N> / 4; ++q) {
-      const uint4 v = reinterpret_cast<const uint4*>(at)[q];
-      raw.word[4 * q] = v.x;
-      raw.word[4 * q + 1] = v.y;
-      raw.word[4 * q + 2] = v.z;
-      raw.word[4 * q + 3] = v.w;
-    }
-    return raw;
-  }
   // Unrolled with constant indices, so `raw` stays in registers.
 #pragma unroll
   for (int i = 0; i < N; ++i) {
@@ -181,6 +179,26 @@ __device__ __forceinline__ Raw<D, N> load_raw(const void* base, std::int64_t ind
       raw.word[i / 2] |= static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t*>(at)[i])
                          << (16 * (i % 2));
     }
+  }
+  return raw;
+}
+
+// Loads the `count` (<= N) elements at `index`; the rest read as zero. 16-byte loads where the
+// address allows.
+template <DType D, int N = kPerLane>
+__device__ __forceinline__ Raw<D, N> load_raw(const void* base, std::int64_t index, int count) {
+  const auto* at = static_cast<const std::uint8_t*>(base) + index * kElementBytes<D>;
+  if (count != N || (reinterpret_cast<std::uintptr_t>(at) & 15) != 0) {
+    return load_raw_piecewise<D, N>(at, count);
+  }
+  Raw<D, N> raw;
+#pragma unroll
+  for (int q = 0; q < kWords<D, N> / 4; ++q) {
+    const uint4 v = reinterpret_cast<const uint4*>(at)[q];
+    raw.word[4 * q] = v.x;
+    raw.word[4 * q + 1] = v.y;
+    raw.word[4 * q + 2] = v.z;
+    raw.word[4 * q + 3] = v.w;
   }
   return raw;
 }
@@ -249,14 +267,19 @@ __device__ __forceinline__ void store_8_bytes(std::uint8_t* at, uint2 bytes) {
     at[i] = static_cast<std::uint8_t>((i < 4 ? bytes.x : bytes.y) >> (8 * (i % 4)));
 }
 
+// store_16_bytes at an address that is not 16-byte aligned (rare, so out of line).
+__device__ __noinline__ void store_16_bytes_piecewise(std::uint8_t* at, uint4 bytes) {
+  store_8_bytes(at, make_uint2(bytes.x, bytes.y));
+  store_8_bytes(at + 8, make_uint2(bytes.z, bytes.w));
+}
+
 // Stores 16 bytes, as one vector where the address allows.
 __device__ __forceinline__ void store_16_bytes(std::uint8_t* at, uint4 bytes) {
   if ((reinterpret_cast<std::uintptr_t>(at) & 15) == 0) {
     *reinterpret_cast<uint4*>(at) = bytes;
-    return;
+  } else {
+    store_16_bytes_piecewise(at, bytes);
   }
-  store_8_bytes(at, make_uint2(bytes.x, bytes.y));
-  store_8_bytes(at + 8, make_uint2(bytes.z, bytes.w));
 }
 
 // Scales received dense into their places of a swizzled scale matrix: a byte per lane (scales
@@ -275,39 +298,51 @@ __global__ void __launch_bounds__(kThreads) swizzle_kernel(JobList<SwizzleTask> 
   });
 }
 
+// store_cast's first `count` elements one by one: a short or unaligned vector (rare, so out of
+// line).
+template <DType D>
+struct CastWords {
+  std::uint32_t word[kWords<D>];
+};
+template <DType D>
+__device__ __noinline__ void store_cast_piecewise(CastWords<D> words, std::uint8_t* out,
+                                                  int count) {
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (i >= count) break;
+    if constexpr (D == DType::kFloat32) {
+      reinterpret_cast<std::uint32_t*>(out)[i] = words.word[i];
+    } else {
+      reinterpret_cast<std::uint16_t*>(out)[i] =
+          static_cast<std::uint16_t>(words.word[i / 2] >> (16 * (i % 2)));
+    }
+  }
+}
+
 // A lane's `count` (<= 8) elements converted as store_float(load_float()) does, stored at `out`
 // (one or two 16-byte stores where the address allows).
 template <DType S, DType D>
 __device__ __forceinline__ void store_cast(const Raw<S>& raw, std::uint8_t* out, int count) {
-  std::uint32_t words[kWords<D>] = {};
+  CastWords<D> words{};
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const float value = element<S>(raw, i);
     if constexpr (D == DType::kFloat32) {
-      words[i] = __float_as_uint(value);
+      words.word[i] = __float_as_uint(value);
     } else {
       const std::uint16_t half =
           D == DType::kBFloat16 ? float_to_bf16(value) : float_to_fp16(value);
-      words[i / 2] |= static_cast<std::uint32_t>(half) << (16 * (i % 2));
+      words.word[i / 2] |= static_cast<std::uint32_t>(half) << (16 * (i % 2));
     }
   }
   if (count == kPerLane && (reinterpret_cast<std::uintptr_t>(out) & 15) == 0) {
 #pragma unroll
     for (int q = 0; q < kWords<D> / 4; ++q) {
-      reinterpret_cast<uint4*>(out)[q] =
-          make_uint4(words[4 * q], words[4 * q + 1], words[4 * q + 2], words[4 * q + 3]);
+      reinterpret_cast<uint4*>(out)[q] = make_uint4(words.word[4 * q], words.word[4 * q + 1],
+                                                    words.word[4 * q + 2], words.word[4 * q + 3]);
     }
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    if (i >= count) break;
-    if constexpr (D == DType::kFloat32) {
-      reinterpret_cast<std::uint32_t*>(out)[i] = words[i];
-    } else {
-      reinterpret_cast<std::uint16_t*>(out)[i] =
-          static_cast<std::uint16_t>(words[i / 2] >> (16 * (i % 2)));
-    }
+  } else {
+    store_cast_piecewise<D>(words, out, count);
   }
 }
 
@@ -362,7 +397,7 @@ __device__ __forceinline__ unsigned stage_chunk(uint4 (&stage)[kTiles][K][32], u
   for (int u = 0; u < kTiles; ++u) {
     const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
     const auto* from = static_cast<const std::uint8_t*>(task.src) +
-                       (task.src_rows.row_start(at.row, uneven) + at.col) * kElementBytes<S>;
+                       (row_start(task.src_rows, at.row, uneven) + at.col) * kElementBytes<S>;
     if (whole(at) && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
       staged |= 1u << u;
       stage_vector(stage[u], lane, from);
@@ -402,10 +437,11 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
       const Raw<S> raw =
           staged >> u & 1u
               ? staged_raw<S, kPerLane>(stage[u], lane)
-              : load_raw<S>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col, count);
+              : load_raw<S>(task.src, row_start(task.src_rows, at.row, list.uneven) + at.col,
+                            count);
       store_cast<S, D>(raw,
                        static_cast<std::uint8_t*>(task.dst) +
-                           (task.dst_rows.row_start(at.row, list.uneven) + at.col) * dst_size,
+                           (row_start(task.dst_rows, at.row, list.uneven) + at.col) * dst_size,
                        count);
     }
   });
@@ -434,29 +470,26 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
   __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
-  for_each_chunk<kMxVectorsPerChunk<S>>(list, [&](const MxTask& task, std::uint64_t first) {
+  for_each_chunk<kMxVectorsPerChunk<S>>(list, [&](const MxTask& __restrict__ task,
+                                                  std::uint64_t first) {
     before_refilling_slots();
     const unsigned staged = stage_chunk<S, N>(stage, lane, task, first, list.uneven,
                                               [](const LaneVector& at) { return at.active; });
-    const bool round_up = task.round_up;
-    const std::uint8_t least_bits = task.least_bits;
-#pragma unroll 1
-    for (int u = 0; u < kTiles; ++u) {
-      wait_async_copies_at_most(kTiles - 1 - u);  // tile u's copies, not the later ones
+    const auto encode_tile = [&](int u) {
       const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
       const Raw<S, N> raw =
           staged >> u & 1u
               ? staged_raw<S, N>(stage[u], lane)
-              : load_raw<S, N>(task.src, task.src_rows.row_start(at.row, list.uneven) + at.col,
+              : load_raw<S, N>(task.src, row_start(task.src_rows, at.row, list.uneven) + at.col,
                                at.active ? N : 0);
       std::uint32_t m = magnitude_max<S>(raw);
 #pragma unroll
       for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
         m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
       }
-      if (!at.active) continue;
-      const std::uint8_t bits = scale_bits_of<S>(m, round_up, least_bits);
-      const std::int64_t scale_row = task.scale_rows.row_start(at.row, list.uneven);
+      if (!at.active) return;
+      const std::uint8_t bits = scale_bits_of<S>(m, task.round_up, task.least_bits);
+      const std::int64_t scale_row = row_start(task.scale_rows, at.row, list.uneven);
       if (lane % kLanesPerMxBlock == 0) {
         task.scale[task.col_tiles == 0
                        ? scale_row + at.col / kMxBlock
@@ -475,8 +508,16 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
                         << 16;
         }
       }
-      std::uint8_t* const out = task.data + task.data_rows.row_start(at.row, list.uneven) + at.col;
+      std::uint8_t* const out = task.data + row_start(task.data_rows, at.row, list.uneven) + at.col;
       store_16_bytes(out, make_uint4(word[0], word[1], word[2], word[3]));
+    };
+    // Two tiles at a time: their dependent chains (load, maximum, shuffle, scale, encoding,
+    // store) interleave.
+#pragma unroll 1
+    for (int u = 0; u < kTiles; u += 2) {
+      wait_async_copies_at_most(kTiles - 2 - u);  // tiles u and u + 1, not the later ones
+      encode_tile(u);
+      encode_tile(u + 1);
     }
   });
 }
@@ -866,10 +907,16 @@ unsigned grid_for(std::uint64_t units) {
   return static_cast<unsigned>(std::max<std::uint64_t>(1, std::min(units, most)));
 }
 
-// CTAs for `chunks` of the element-wise kernels: a warp's each, 8 warps a CTA.
-unsigned grid_for_chunks(std::uint64_t chunks) {
-  constexpr std::uint64_t kChunksPerCta = kThreads / 32;
-  return grid_for((chunks + kChunksPerCta - 1) / kChunksPerCta);
+// CTAs for the chunks of the element-wise kernels (a warp's each, 8 warps a CTA), and the chunks
+// each warp takes (for_each_chunk; a 64-bit division there cost a launch's every warp ~100
+// instructions).
+template <typename Task>
+unsigned chunked_grid(JobList<Task>& jobs) {
+  constexpr std::uint64_t kWarpsPerCta = kThreads / 32;
+  const unsigned grid = grid_for((jobs.items + kWarpsPerCta - 1) / kWarpsPerCta);
+  const std::uint64_t warps = std::uint64_t{grid} * kWarpsPerCta;
+  jobs.per_warp = (jobs.items + warps - 1) / warps;
+  return grid;
 }
 
 // Uploads `tasks` (with each one's first item) and launches `launch` on them.
@@ -1061,8 +1108,9 @@ void launch_casts(const TaskList<CastTask>& list, JobUpload& upload, cudaStream_
   run_tasks(
       list.tasks, list.uneven, upload, stream,
       [](const CastTask& task) { return chunks_of(task.span, kCastVectorsPerChunk<S>); },
-      [](const JobList<CastTask>& jobs, cudaStream_t s) {
-        cast_kernel<S, D><<<grid_for_chunks(jobs.items), kThreads, 0, s>>>(jobs);
+      [](JobList<CastTask> jobs, cudaStream_t s) {
+        const unsigned grid = chunked_grid(jobs);
+        cast_kernel<S, D><<<grid, kThreads, 0, s>>>(jobs);
       });
 }
 
@@ -1072,8 +1120,9 @@ void launch_mx(const TaskList<MxTask>& list, JobUpload& upload, cudaStream_t str
       list.tasks, list.uneven, upload, stream,
       [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk<S>); },
       // Whole warps only (256-thread CTAs), so the shuffles are legal.
-      [](const JobList<MxTask>& jobs, cudaStream_t s) {
-        mx_quantize_kernel<S><<<grid_for_chunks(jobs.items), kThreads, 0, s>>>(jobs);
+      [](JobList<MxTask> jobs, cudaStream_t s) {
+        const unsigned grid = chunked_grid(jobs);
+        mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(jobs);
       });
 }
 
@@ -1102,8 +1151,9 @@ void launch_swizzles(const TaskList<SwizzleTask>& list, JobUpload& upload, cudaS
   run_tasks(
       list.tasks, list.uneven, upload, stream,
       [](const SwizzleTask& task) { return chunks_of(task.span, kPerChunk); },
-      [](const JobList<SwizzleTask>& jobs, cudaStream_t s) {
-        swizzle_kernel<<<grid_for_chunks(jobs.items), kThreads, 0, s>>>(jobs);
+      [](JobList<SwizzleTask> jobs, cudaStream_t s) {
+        const unsigned grid = chunked_grid(jobs);
+        swizzle_kernel<<<grid, kThreads, 0, s>>>(jobs);
       });
 }
 

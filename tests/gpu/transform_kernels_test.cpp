@@ -122,6 +122,12 @@ TEST(TransformKernels, MxQuantizeMatchesTheReferenceBitForBit) {
       {{7, 608}, Box{2, {2, 64}, {5, 352}}, DType::kBFloat16, 0},  // rows not multiples of 256
       {kShape, kBlock, DType::kFloat16, 0},
       {{300, 32}, Box{2, {0, 0}, {300, 32}}, DType::kBFloat16, 0},  // a warp's tile spans 8 rows
+      // Whole tensors, their last tile partly filled, aligned or not.
+      {{129, 96}, Box{2, {0, 0}, {129, 96}}, DType::kFloat32, 4},
+      {{129, 96}, Box{2, {0, 0}, {129, 96}}, DType::kFloat16, 8},
+      {{1000, 64}, Box{2, {0, 0}, {1000, 64}}, DType::kBFloat16, 0},
+      {{1000, 64}, Box{2, {0, 0}, {1000, 64}}, DType::kBFloat16, 4},  // 8-byte aligned
+      {{4, 9, 160}, Box{3, {1, 0, 0}, {2, 9, 160}}, DType::kBFloat16, 0},
   };
   std::uint32_t seed = 7;
   for (const QuantizeCase& c : cases) {
