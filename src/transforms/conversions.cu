@@ -36,16 +36,12 @@ template <DType S>
 constexpr int kCastVectors = S == DType::kFloat32 ? 2 : 1;  // 16-byte loads of a lane's 8
 template <DType S>
 constexpr int kCastTiles = 8 / kCastVectors<S>;  // 4 KiB of source a warp
-template <DType S>
-constexpr int kCastVectorsPerChunk = 32 * kCastTiles<S>;
 // MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle):
 // half the work per element of finding rows and scales (0.77 -> 0.89 of the copy rate on one
 // H100, 2026-11-24).
 constexpr int kMxPerLane = 16;
 template <DType S>
 constexpr int kMxTiles = S == DType::kFloat32 ? 2 : 4;  // 4 KiB of source a warp
-template <DType S>
-constexpr int kMxVectorsPerChunk = 32 * kMxTiles<S>;
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
 struct VectorSpan {
@@ -416,14 +412,14 @@ __device__ __forceinline__ unsigned stage_chunk(uint4 (&stage)[kTiles][K][32], u
 // each sector came twice and the kernel ran at 0.63-0.72 of the copy rate. On one H100, 2026-11-25,
 // against the register kernel before: bf16 -> fp32 of skinny column blocks 0.77 -> 0.89-0.94, fp32
 // -> bf16 of large matrices 0.88 -> 0.94, of Llama-3-8B's 0.89 -> 0.94.
-template <DType S, DType D>
+template <DType S, DType D, int kTiles>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobList<CastTask> list) {
-  constexpr int kVectors = kCastVectors<S>, kTiles = kCastTiles<S>;
+  constexpr int kVectors = kCastVectors<S>;
   constexpr int dst_size = kElementBytes<D>;
   __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
-  for_each_chunk<kCastVectorsPerChunk<S>>(list, [&](const CastTask& task, std::uint64_t first) {
+  for_each_chunk<32 * kTiles>(list, [&](const CastTask& task, std::uint64_t first) {
     before_refilling_slots();
     const unsigned staged = stage_chunk<S, kPerLane>(
         stage, lane, task, first, list.uneven,
@@ -460,18 +456,16 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
 // The 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a block)
 // take its maximum with a shuffle, then each encodes its 16 elements. A block whose scale is not
 // NaN holds no NaN or infinity, so the encoding needs no special cases.
-template <DType S>
+template <DType S, int kTiles>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
     mx_quantize_kernel(JobList<MxTask> list) {
   constexpr int N = kMxPerLane;
   constexpr int kVectors = sizeof(Raw<S, N>) / sizeof(uint4);
-  constexpr int kTiles = kMxTiles<S>;
   constexpr int kLanesPerMxBlock = kMxBlock / N;
   __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
-  for_each_chunk<kMxVectorsPerChunk<S>>(list, [&](const MxTask& __restrict__ task,
-                                                  std::uint64_t first) {
+  for_each_chunk<32 * kTiles>(list, [&](const MxTask& __restrict__ task, std::uint64_t first) {
     before_refilling_slots();
     const unsigned staged = stage_chunk<S, N>(stage, lane, task, first, list.uneven,
                                               [](const LaneVector& at) { return at.active; });
@@ -512,12 +506,13 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
       store_16_bytes(out, make_uint4(word[0], word[1], word[2], word[3]));
     };
     // Two tiles at a time: their dependent chains (load, maximum, shuffle, scale, encoding,
-    // store) interleave.
+    // store) interleave (+0.01-0.02 of the copy rate on skinny matrices, one H100, 2026-11-25).
+    constexpr int kAtOnce = kTiles > 1 ? 2 : 1;
 #pragma unroll 1
-    for (int u = 0; u < kTiles; u += 2) {
-      wait_async_copies_at_most(kTiles - 2 - u);  // tiles u and u + 1, not the later ones
+    for (int u = 0; u < kTiles; u += kAtOnce) {
+      wait_async_copies_at_most(kTiles - kAtOnce - u);  // these tiles' copies, not the later ones
       encode_tile(u);
-      encode_tile(u + 1);
+      if constexpr (kAtOnce == 2) encode_tile(u + 1);
     }
   });
 }
@@ -898,13 +893,22 @@ __global__ void __launch_bounds__(kTileThreads, kTileCtasPerSm)
 
 // CTAs for `units` of work: at most what the GPU holds at once several times over (the kernels
 // walk their work in strides of the grid).
-unsigned grid_for(std::uint64_t units) {
+std::uint64_t multiprocessors() {
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
-  const std::uint64_t most = static_cast<std::uint64_t>(sms) * 16;
+  return static_cast<std::uint64_t>(sms);
+}
+
+unsigned grid_for(std::uint64_t units) {
+  const std::uint64_t most = multiprocessors() * 16;
   return static_cast<unsigned>(std::max<std::uint64_t>(1, std::min(units, most)));
+}
+
+// Warps of the staged element-wise kernels (casts, MXFP8) the GPU holds at once.
+std::uint64_t resident_staged_warps() {
+  return multiprocessors() * kStagedCtasPerSm * (kThreads / 32);
 }
 
 // CTAs for the chunks of the element-wise kernels (a warp's each, 8 warps a CTA), and the chunks
@@ -1102,27 +1106,44 @@ void queue(ConversionUploads& uploads, const BlockFp8Job& job) {
 
 namespace {
 
+// Launches the tasks of an element-wise kernel, in chunks of kTiles tiles (of 32 lane vectors)
+// or, where that leaves warps of the GPU idle, of half as many: in a launch of one wave each
+// warp's work is serial, so twice the warps, each with half of it, finish sooner.
+template <int kTiles, typename Task, typename Launch>
+void run_chunked(const TaskList<Task>& list, JobUpload& upload, cudaStream_t stream,
+                 Launch launch) {
+  std::uint64_t chunks = 0;
+  for (const Task& task : list.tasks) chunks += chunks_of(task.span, 32 * kTiles);
+  const auto run = [&](auto tiles) {
+    run_tasks(
+        list.tasks, list.uneven, upload, stream,
+        [](const Task& task) { return chunks_of(task.span, 32 * decltype(tiles)::value); },
+        [&](JobList<Task> jobs, cudaStream_t s) {
+          const unsigned grid = chunked_grid(jobs);
+          launch(tiles, grid, jobs, s);
+        });
+  };
+  if constexpr (kTiles > 1) {
+    if (chunks < resident_staged_warps()) return run(std::integral_constant<int, kTiles / 2>{});
+  }
+  run(std::integral_constant<int, kTiles>{});
+}
+
 // Launches `list`'s tasks: casts from S to D (launch_queued empties the lists after).
 template <DType S, DType D>
 void launch_casts(const TaskList<CastTask>& list, JobUpload& upload, cudaStream_t stream) {
-  run_tasks(
-      list.tasks, list.uneven, upload, stream,
-      [](const CastTask& task) { return chunks_of(task.span, kCastVectorsPerChunk<S>); },
-      [](JobList<CastTask> jobs, cudaStream_t s) {
-        const unsigned grid = chunked_grid(jobs);
-        cast_kernel<S, D><<<grid, kThreads, 0, s>>>(jobs);
+  run_chunked<kCastTiles<S>>(
+      list, upload, stream, [](auto tiles, unsigned grid, JobList<CastTask> jobs, cudaStream_t s) {
+        cast_kernel<S, D, decltype(tiles)::value><<<grid, kThreads, 0, s>>>(jobs);
       });
 }
 
 template <DType S>
 void launch_mx(const TaskList<MxTask>& list, JobUpload& upload, cudaStream_t stream) {
-  run_tasks(
-      list.tasks, list.uneven, upload, stream,
-      [](const MxTask& task) { return chunks_of(task.span, kMxVectorsPerChunk<S>); },
-      // Whole warps only (256-thread CTAs), so the shuffles are legal.
-      [](JobList<MxTask> jobs, cudaStream_t s) {
-        const unsigned grid = chunked_grid(jobs);
-        mx_quantize_kernel<S><<<grid, kThreads, 0, s>>>(jobs);
+  // Whole warps only (256-thread CTAs), so the shuffles are legal.
+  run_chunked<kMxTiles<S>>(
+      list, upload, stream, [](auto tiles, unsigned grid, JobList<MxTask> jobs, cudaStream_t s) {
+        mx_quantize_kernel<S, decltype(tiles)::value><<<grid, kThreads, 0, s>>>(jobs);
       });
 }
 

@@ -499,6 +499,54 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceNearRoundingTies) {
   EXPECT_EQ(d_scales.download(), host_scales);
 }
 
+// Launches large enough to fill the GPU with warps take the kernels' full chunks (smaller ones
+// take half chunks, which every other test here runs): MXFP8 and casts both ways over a column
+// block of a bf16 matrix holding twice the chunks the GPU's warps take at once.
+TEST(TransformKernels, LaunchesThatFillTheGpuMatchTheReference) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  constexpr std::int64_t kCols = 4096, kBlockCols = 3968;           // rows of 7936 bytes, 256 apart
+  const std::int64_t elements = 2 * std::int64_t{sms} * 32 * 2048;  // 4 KiB chunks of bf16
+  const std::int64_t rows = (elements + kBlockCols - 1) / kBlockCols;
+  const std::vector<std::int64_t> shape = {rows, kCols};
+  const Box block{2, {0, 64}, {rows, kBlockCols}};
+  const auto n = static_cast<std::size_t>(rows * kCols);
+  const auto src = salted_bf16(n, 17);
+  DeviceCopy d_src(src.data(), n * 2);
+
+  const auto [v, sv] = mx_views(shape, block);
+  std::vector<std::uint8_t> data(n, 0xab), scales(n / 32, 0xab);
+  mx_quantize({{const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, v},
+               {data.data(), DType::kFloat8E4M3, v},
+               {scales.data(), DType::kFloat8E8M0, sv},
+               MxScaleRounding::kOcp},
+              MemoryKind::kHost, nullptr);
+  DeviceCopy d_data(data.size()), d_scales(scales.size());
+  mx_quantize({{d_src.pointer, DType::kBFloat16, v},
+               {d_data.pointer, DType::kFloat8E4M3, v},
+               {d_scales.pointer, DType::kFloat8E8M0, sv},
+               MxScaleRounding::kOcp},
+              MemoryKind::kCuda, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(d_data.download() == data);
+  EXPECT_TRUE(d_scales.download() == scales);
+
+  const BoxView cv = view_of(block, shape, false);
+  std::vector<std::uint8_t> wide(n * 4, 0xab), back(n * 2, 0xab);
+  convert_block({const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, cv},
+                {wide.data(), DType::kFloat32, cv}, MemoryKind::kHost, nullptr);
+  convert_block({wide.data(), DType::kFloat32, cv}, {back.data(), DType::kBFloat16, cv},
+                MemoryKind::kHost, nullptr);
+  DeviceCopy d_wide(n * 4), d_back(n * 2);
+  convert_block({d_src.pointer, DType::kBFloat16, cv}, {d_wide.pointer, DType::kFloat32, cv},
+                MemoryKind::kCuda, nullptr);
+  convert_block({d_wide.pointer, DType::kFloat32, cv}, {d_back.pointer, DType::kBFloat16, cv},
+                MemoryKind::kCuda, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(d_wide.download() == wide);
+  EXPECT_TRUE(d_back.download() == back);
+}
+
 TEST(TransformKernels, CastsMatchTheReferenceBitForBit) {
   const auto src = salted_bf16(2 * 300 * 384, 13);
   const BoxView v = view_of(kBlock, kShape, false);
