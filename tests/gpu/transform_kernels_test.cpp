@@ -499,9 +499,10 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceNearRoundingTies) {
   EXPECT_EQ(d_scales.download(), host_scales);
 }
 
-// Launches large enough to fill the GPU with warps take the kernels' full chunks (smaller ones
-// take half chunks, which every other test here runs): MXFP8 and casts both ways over a column
-// block of a bf16 matrix holding twice the chunks the GPU's warps take at once.
+// Launches large enough to fill the GPU with warps take the kernels' full chunks (smaller MXFP8
+// and float32 cast launches take fewer tiles, as every other test here runs them): MXFP8 and
+// casts both ways over a column block of a bf16 matrix holding twice the chunks the GPU's warps
+// take at once.
 TEST(TransformKernels, LaunchesThatFillTheGpuMatchTheReference) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
