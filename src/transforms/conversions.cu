@@ -349,9 +349,10 @@ __device__ __forceinline__ int vector_count(const LaneVector& at, std::int64_t c
 
 // Stages a lane's vector of K 16-byte pieces at `from` into its slots (`slots[v][lane]`). Where
 // K > 1 the pieces are the parts of 32-byte sectors, so they go through L1 (cp.async.ca): through
-// L2 alone each sector came twice (0.63-0.72 of the copy rate on one H100, 2026-11-25; staging
+// L2 alone each sector came twice (0.63-0.72 of the copy rate on one H100, 2026-11-25). Staging
 // whole sectors instead, each copy instruction of a warp taking 512 consecutive bytes, ran at
-// 0.60-0.70: two lanes' work to find each vector).
+// 0.60-0.70, and 0.65-0.67 even for jobs whose vectors lie in one run (no row to find): lanes
+// whose copies land in slots 512 bytes apart throttle the shared-memory pipe (ncu).
 template <int K>
 __device__ __forceinline__ void stage_vector(uint4 (&slots)[K][32], unsigned lane,
                                              const std::uint8_t* from) {
