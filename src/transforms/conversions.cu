@@ -62,7 +62,10 @@ struct MxTask {
   std::uint32_t col_tiles;
   bool round_up;
   std::uint8_t least_bits;
-  std::uint16_t zero;  // where padding would be: job lists are compared byte for byte
+  // Source, data and scale rows all evenly spaced, scales not swizzled, and the row steps in
+  // bytes below 2^32: the kernel's common path (mx_quantize_even_chunk).
+  bool even;
+  std::uint8_t zero;  // where padding would be: job lists are compared byte for byte
 };
 
 struct SwizzleTask {
@@ -457,63 +460,153 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
 // The 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a block)
 // take its maximum with a shuffle, then each encodes its 16 elements. A block whose scale is not
 // NaN holds no NaN or infinity, so the encoding needs no special cases.
+// A lane's vector of an MX block in E4M3, its maximum taken with the block's other lane, the scale
+// stored at `scale` by the block's first lane; `active` false past the job's end (the lane then
+// only takes part in the shuffle).
+template <DType S>
+__device__ __forceinline__ void mx_encode_vector(const Raw<S, kMxPerLane>& raw, bool active,
+                                                 unsigned lane, bool round_up,
+                                                 std::uint8_t least_bits, std::uint8_t* scale,
+                                                 std::uint8_t* out) {
+  constexpr int N = kMxPerLane;
+  constexpr int kLanesPerMxBlock = kMxBlock / N;
+  std::uint32_t m = magnitude_max<S>(raw);
+#pragma unroll
+  for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
+    m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  }
+  if (!active) return;
+  const std::uint8_t bits = scale_bits_of<S>(m, round_up, least_bits);
+  if (lane % kLanesPerMxBlock == 0) *scale = bits;
+  std::uint32_t word[N / 4];
+#pragma unroll
+  for (int w = 0; w < N / 4; ++w) word[w] = 0x7f7f7f7fu;
+  if (bits != kE8m0Nan) {
+    const float factor = power_of_two(127 - static_cast<int>(bits));
+#pragma unroll
+    for (int w = 0; w < N / 4; ++w) {
+      word[w] = mx_encode_finite_pair(element(raw, 4 * w), element(raw, 4 * w + 1), factor) |
+                mx_encode_finite_pair(element(raw, 4 * w + 2), element(raw, 4 * w + 3), factor)
+                    << 16;
+    }
+  }
+  store_16_bytes(out, make_uint4(word[0], word[1], word[2], word[3]));
+}
+
+// Encodes a chunk's tiles two at a time, each pair after one wait for its copies (+0.01-0.02 of
+// the copy rate on skinny matrices against one wait per tile, one H100, 2026-11-25).
+template <int kTiles, typename EncodeTile>
+__device__ __forceinline__ void encode_tiles(EncodeTile encode_tile) {
+  constexpr int kAtOnce = kTiles > 1 ? 2 : 1;
+#pragma unroll 1
+  for (int u = 0; u < kTiles; u += kAtOnce) {
+    wait_async_copies_at_most(kTiles - kAtOnce - u);  // these tiles' copies, not the later ones
+    encode_tile(u);
+    if constexpr (kAtOnce == 2) encode_tile(u + 1);
+  }
+}
+
+// A chunk of an MXFP8 task whose rows are evenly spaced on all three sides, scales not swizzled
+// (MxTask::even): its places become byte pointers to the span's first row and 32-bit row steps
+// once per chunk, so a lane finds each vector's source, data and scale with a division by
+// multiply and three multiply-adds. (Through the RowWalks, each tile re-read a dozen of the
+// job's fields and tested which kind of walk each was: about 230 instructions a tile, 46 of them
+// the encoding.)
+template <DType S, int kTiles, int K>
+__device__ __forceinline__ void mx_quantize_even_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
+                                                       const MxTask& task, std::uint64_t first) {
+  constexpr int N = kMxPerLane;
+  constexpr int size = kElementBytes<S>;
+  const FastDivisor per_row = task.span.per_row;
+  const std::uint32_t vectors = task.span.vectors;
+  const std::int64_t first_row = task.span.first_row;
+  const auto* const src = static_cast<const std::uint8_t*>(task.src) +
+                          (task.src_rows.base + first_row * task.src_rows.stride) * size;
+  std::uint8_t* const data = task.data + task.data_rows.base + first_row * task.data_rows.stride;
+  std::uint8_t* const scale =
+      task.scale + task.scale_rows.base + first_row * task.scale_rows.stride;
+  const auto src_step = static_cast<std::uint32_t>(task.src_rows.stride * size);
+  const auto data_step = static_cast<std::uint32_t>(task.data_rows.stride);
+  const auto scale_step = static_cast<std::uint32_t>(task.scale_rows.stride);
+  const bool round_up = task.round_up;
+  const std::uint8_t least_bits = task.least_bits;
+  // Vector `v`'s row of the span and its index in the row (vector 0's past the span's end).
+  const auto place = [&](int u, std::uint32_t& row, std::uint32_t& in_row) {
+    const auto v = static_cast<std::uint32_t>(first) + 32 * u;
+    const std::uint32_t at = v < vectors ? v : 0;
+    row = per_row.divide(at);
+    in_row = at - row * per_row.divisor;
+    return v < vectors;
+  };
+  const auto source = [&](std::uint32_t row, std::uint32_t in_row) {
+    return src + static_cast<std::uint64_t>(row) * src_step +
+           static_cast<std::uint64_t>(in_row) * (N * size);
+  };
+  unsigned staged = 0;
+#pragma unroll
+  for (int u = 0; u < kTiles; ++u) {
+    std::uint32_t row, in_row;
+    const bool active = place(u, row, in_row);
+    const std::uint8_t* from = source(row, in_row);
+    if (active && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
+      staged |= 1u << u;
+      stage_vector(stage[u], lane, from);
+    }
+    commit_async_copies();
+  }
+  encode_tiles<kTiles>([&](int u) {
+    std::uint32_t row, in_row;
+    const bool active = place(u, row, in_row);
+    const Raw<S, N> raw = staged >> u & 1u ? staged_raw<S, N>(stage[u], lane)
+                                           : load_raw<S, N>(source(row, in_row), 0, active ? N : 0);
+    mx_encode_vector<S>(
+        raw, active, lane, round_up, least_bits,
+        scale + static_cast<std::uint64_t>(row) * scale_step + in_row / (kMxBlock / N),
+        data + static_cast<std::uint64_t>(row) * data_step +
+            static_cast<std::uint64_t>(in_row) * N);
+  });
+}
+
+// Any other chunk: rows through the RowWalks (those not evenly spaced through their views),
+// scales swizzled or not. Out of line: the common path's code stays short.
+template <DType S, int kTiles, int K>
+__device__ __noinline__ void mx_quantize_walked_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
+                                                      const MxTask& task, std::uint64_t first,
+                                                      const BoxView* uneven) {
+  constexpr int N = kMxPerLane;
+  const unsigned staged = stage_chunk<S, N>(stage, lane, task, first, uneven,
+                                            [](const LaneVector& at) { return at.active; });
+  encode_tiles<kTiles>([&](int u) {
+    const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
+    const Raw<S, N> raw =
+        staged >> u & 1u
+            ? staged_raw<S, N>(stage[u], lane)
+            : load_raw<S, N>(task.src, row_start(task.src_rows, at.row, uneven) + at.col,
+                             at.active ? N : 0);
+    const std::int64_t scale_row = row_start(task.scale_rows, at.row, uneven);
+    const std::int64_t block = at.col / kMxBlock;
+    std::uint8_t* const scale =
+        task.scale + (task.col_tiles == 0 ? scale_row + block
+                                          : swizzled_scale_offset(scale_row, task.first_col + block,
+                                                                  task.col_tiles));
+    mx_encode_vector<S>(raw, at.active, lane, task.round_up, task.least_bits, scale,
+                        task.data + row_start(task.data_rows, at.row, uneven) + at.col);
+  });
+}
+
 template <DType S, int kTiles>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
     mx_quantize_kernel(JobList<MxTask> list) {
-  constexpr int N = kMxPerLane;
-  constexpr int kVectors = sizeof(Raw<S, N>) / sizeof(uint4);
-  constexpr int kLanesPerMxBlock = kMxBlock / N;
+  constexpr int kVectors = sizeof(Raw<S, kMxPerLane>) / sizeof(uint4);
   __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
-  for_each_chunk<32 * kTiles>(list, [&](const MxTask& __restrict__ task, std::uint64_t first) {
+  for_each_chunk<32 * kTiles>(list, [&](const MxTask& task, std::uint64_t first) {
     before_refilling_slots();
-    const unsigned staged = stage_chunk<S, N>(stage, lane, task, first, list.uneven,
-                                              [](const LaneVector& at) { return at.active; });
-    const auto encode_tile = [&](int u) {
-      const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
-      const Raw<S, N> raw =
-          staged >> u & 1u
-              ? staged_raw<S, N>(stage[u], lane)
-              : load_raw<S, N>(task.src, row_start(task.src_rows, at.row, list.uneven) + at.col,
-                               at.active ? N : 0);
-      std::uint32_t m = magnitude_max<S>(raw);
-#pragma unroll
-      for (int offset = 1; offset < kLanesPerMxBlock; offset *= 2) {
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      }
-      if (!at.active) return;
-      const std::uint8_t bits = scale_bits_of<S>(m, task.round_up, task.least_bits);
-      const std::int64_t scale_row = row_start(task.scale_rows, at.row, list.uneven);
-      if (lane % kLanesPerMxBlock == 0) {
-        task.scale[task.col_tiles == 0
-                       ? scale_row + at.col / kMxBlock
-                       : swizzled_scale_offset(scale_row, task.first_col + at.col / kMxBlock,
-                                               task.col_tiles)] = bits;
-      }
-      std::uint32_t word[N / 4];
-#pragma unroll
-      for (int w = 0; w < N / 4; ++w) word[w] = 0x7f7f7f7fu;
-      if (bits != kE8m0Nan) {
-        const float factor = power_of_two(127 - static_cast<int>(bits));
-#pragma unroll
-        for (int w = 0; w < N / 4; ++w) {
-          word[w] = mx_encode_finite_pair(element(raw, 4 * w), element(raw, 4 * w + 1), factor) |
-                    mx_encode_finite_pair(element(raw, 4 * w + 2), element(raw, 4 * w + 3), factor)
-                        << 16;
-        }
-      }
-      std::uint8_t* const out = task.data + row_start(task.data_rows, at.row, list.uneven) + at.col;
-      store_16_bytes(out, make_uint4(word[0], word[1], word[2], word[3]));
-    };
-    // Two tiles at a time: their dependent chains (load, maximum, shuffle, scale, encoding,
-    // store) interleave (+0.01-0.02 of the copy rate on skinny matrices, one H100, 2026-11-25).
-    constexpr int kAtOnce = kTiles > 1 ? 2 : 1;
-#pragma unroll 1
-    for (int u = 0; u < kTiles; u += kAtOnce) {
-      wait_async_copies_at_most(kTiles - kAtOnce - u);  // these tiles' copies, not the later ones
-      encode_tile(u);
-      if constexpr (kAtOnce == 2) encode_tile(u + 1);
+    if (task.even) {
+      mx_quantize_even_chunk<S>(stage, lane, task, first);
+    } else {
+      mx_quantize_walked_chunk<S>(stage, lane, task, first, list.uneven);
     }
   });
 }
@@ -1041,6 +1134,20 @@ void queue(ConversionUploads& uploads, const ConvertJob& job) {
   ++uploads.jobs;
 }
 
+namespace {
+
+// MxTask::even.
+bool is_even(const MxTask& task, std::size_t element_bytes) {
+  const auto fits = [](const RowWalk& rows, std::size_t bytes) {
+    return rows.view < 0 && rows.stride >= 0 &&
+           static_cast<std::uint64_t>(rows.stride) * bytes < (std::uint64_t{1} << 32);
+  };
+  return task.col_tiles == 0 && fits(task.src_rows, element_bytes) && fits(task.data_rows, 1) &&
+         fits(task.scale_rows, 1);
+}
+
+}  // namespace
+
 void queue(ConversionUploads& uploads, const MxJob& job) {
   const int from = float_index(job.src.dtype);
   if (from < 0) refuse_dtype("MXFP8 conversion", job.src.dtype);
@@ -1063,6 +1170,7 @@ void queue(ConversionUploads& uploads, const MxJob& job) {
                task.span = span;
                task.round_up = rounds_up(job.rounding);
                task.least_bits = least_scale_bits(job.rounding);
+               task.even = is_even(task, dtype_size(job.src.dtype));
              });
   ++uploads.jobs;
 }
