@@ -81,10 +81,6 @@ struct CastTask {
   RowWalk src_rows, dst_rows;
   VectorSpan span;
   std::int64_t cols;
-  // Both sides' rows evenly spaced, their steps in bytes below 2^32: the kernel's common path
-  // (cast_even_chunk).
-  std::uint32_t even = 0;
-  std::uint32_t zero = 0;  // where padding would be: job lists are compared byte for byte
 };
 
 // Where rows are not evenly spaced (rare), their starts come from a function out of line: inlined,
@@ -420,102 +416,33 @@ __device__ __forceinline__ unsigned stage_chunk(uint4 (&stage)[kTiles][K][32], u
 // each sector came twice and the kernel ran at 0.63-0.72 of the copy rate. On one H100, 2026-11-25,
 // against the register kernel before: bf16 -> fp32 of skinny column blocks 0.77 -> 0.89-0.94, fp32
 // -> bf16 of large matrices 0.88 -> 0.94, of Llama-3-8B's 0.89 -> 0.94.
-// A chunk of a cast whose rows are evenly spaced on both sides (CastTask::even): byte pointers to
-// the span's first row and 32-bit row steps, set once per chunk (as mx_quantize_even_chunk).
-template <DType S, DType D, int kTiles, int K>
-__device__ __forceinline__ void cast_even_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
-                                                const CastTask& task, std::uint64_t first) {
-  constexpr int src_size = kElementBytes<S>, dst_size = kElementBytes<D>;
-  const FastDivisor per_row = task.span.per_row;
-  const std::uint32_t vectors = task.span.vectors;
-  const std::int64_t first_row = task.span.first_row;
-  const auto* const src = static_cast<const std::uint8_t*>(task.src) +
-                          (task.src_rows.base + first_row * task.src_rows.stride) * src_size;
-  auto* const dst = static_cast<std::uint8_t*>(task.dst) +
-                    (task.dst_rows.base + first_row * task.dst_rows.stride) * dst_size;
-  const auto src_step = static_cast<std::uint32_t>(task.src_rows.stride * src_size);
-  const auto dst_step = static_cast<std::uint32_t>(task.dst_rows.stride * dst_size);
-  const std::int64_t cols = task.cols;
-  // Tile u's vector of the lane: its row of the span, its index in the row, and its elements (8,
-  // fewer at a row's end, none past the span's end).
-  const auto place = [&](int u, std::uint32_t& row, std::uint32_t& in_row) {
-    const auto v = static_cast<std::uint32_t>(first) + 32 * u;
-    const std::uint32_t at = v < vectors ? v : 0;
-    row = per_row.divide(at);
-    in_row = at - row * per_row.divisor;
-    const std::int64_t left = cols - static_cast<std::int64_t>(in_row) * kPerLane;
-    return v < vectors ? static_cast<int>(min(static_cast<std::int64_t>(kPerLane), left)) : 0;
-  };
-  const auto source = [&](std::uint32_t row, std::uint32_t in_row) {
-    return src + static_cast<std::uint64_t>(row) * src_step +
-           static_cast<std::uint64_t>(in_row) * (kPerLane * src_size);
-  };
-  unsigned staged = 0;
-#pragma unroll
-  for (int u = 0; u < kTiles; ++u) {
-    std::uint32_t row, in_row;
-    const int count = place(u, row, in_row);
-    const std::uint8_t* from = source(row, in_row);
-    if (count == kPerLane && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
-      staged |= 1u << u;
-      stage_vector(stage[u], lane, from);
-    }
-    commit_async_copies();
-  }
-#pragma unroll 1
-  for (int u = 0; u < kTiles; ++u) {
-    wait_async_copies_at_most(kTiles - 1 - u);  // tile u's copies, not the later ones
-    std::uint32_t row, in_row;
-    const int count = place(u, row, in_row);
-    if (count == 0) continue;
-    const Raw<S> raw = staged >> u & 1u ? staged_raw<S, kPerLane>(stage[u], lane)
-                                        : load_raw<S>(source(row, in_row), 0, count);
-    store_cast<S, D>(raw,
-                     dst + static_cast<std::uint64_t>(row) * dst_step +
-                         static_cast<std::uint64_t>(in_row) * (kPerLane * dst_size),
-                     count);
-  }
-}
-
-// Any other cast chunk, rows through the RowWalks. Out of line: the common path's code stays
-// short.
-template <DType S, DType D, int kTiles, int K>
-__device__ __noinline__ void cast_walked_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
-                                               const CastTask& task, std::uint64_t first,
-                                               const BoxView* uneven) {
-  constexpr int dst_size = kElementBytes<D>;
-  const unsigned staged = stage_chunk<S, kPerLane>(
-      stage, lane, task, first, uneven,
-      [&](const LaneVector& at) { return vector_count(at, task.cols) == kPerLane; });
-#pragma unroll 1
-  for (int u = 0; u < kTiles; ++u) {
-    wait_async_copies_at_most(kTiles - 1 - u);  // tile u's copies, not the later ones
-    const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
-    const int count = vector_count(at, task.cols);
-    if (count == 0) continue;
-    const Raw<S> raw =
-        staged >> u & 1u
-            ? staged_raw<S, kPerLane>(stage[u], lane)
-            : load_raw<S>(task.src, row_start(task.src_rows, at.row, uneven) + at.col, count);
-    store_cast<S, D>(raw,
-                     static_cast<std::uint8_t*>(task.dst) +
-                         (row_start(task.dst_rows, at.row, uneven) + at.col) * dst_size,
-                     count);
-  }
-}
-
 template <DType S, DType D, int kTiles>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobList<CastTask> list) {
   constexpr int kVectors = kCastVectors<S>;
+  constexpr int dst_size = kElementBytes<D>;
   __shared__ uint4 stages[kThreads / 32][kTiles][kVectors][32];
   const unsigned lane = threadIdx.x % 32;
   auto& stage = stages[threadIdx.x / 32];
   for_each_chunk<32 * kTiles>(list, [&](const CastTask& task, std::uint64_t first) {
     before_refilling_slots();
-    if (task.even) {
-      cast_even_chunk<S, D>(stage, lane, task, first);
-    } else {
-      cast_walked_chunk<S, D>(stage, lane, task, first, list.uneven);
+    const unsigned staged = stage_chunk<S, kPerLane>(
+        stage, lane, task, first, list.uneven,
+        [&](const LaneVector& at) { return vector_count(at, task.cols) == kPerLane; });
+#pragma unroll 1
+    for (int u = 0; u < kTiles; ++u) {
+      wait_async_copies_at_most(kTiles - 1 - u);  // tile u's copies, not the later ones
+      const LaneVector at = lane_vector<kPerLane>(task.span, first + 32 * u);
+      const int count = vector_count(at, task.cols);
+      if (count == 0) continue;
+      const Raw<S> raw =
+          staged >> u & 1u
+              ? staged_raw<S, kPerLane>(stage[u], lane)
+              : load_raw<S>(task.src, row_start(task.src_rows, at.row, list.uneven) + at.col,
+                            count);
+      store_cast<S, D>(raw,
+                       static_cast<std::uint8_t*>(task.dst) +
+                           (row_start(task.dst_rows, at.row, list.uneven) + at.col) * dst_size,
+                       count);
     }
   });
 }
@@ -1189,17 +1116,6 @@ ConversionUploads* create_uploads() { return new ConversionUploads(); }
 void destroy_uploads(ConversionUploads* uploads) { delete uploads; }
 std::size_t queued_jobs(const ConversionUploads& uploads) { return uploads.jobs; }
 
-namespace {
-
-// Whether `rows` are evenly spaced with a step of fewer than 2^32 bytes (elements of
-// `element_bytes`): what the kernels' common paths need (CastTask::even, MxTask::even).
-bool evenly_spaced(const RowWalk& rows, std::size_t element_bytes) {
-  return rows.view < 0 && rows.stride >= 0 &&
-         static_cast<std::uint64_t>(rows.stride) * element_bytes < (std::uint64_t{1} << 32);
-}
-
-}  // namespace
-
 void queue(ConversionUploads& uploads, const ConvertJob& job) {
   const int from = float_index(job.src.dtype), to = float_index(job.dst.dtype);
   if (from < 0) refuse_dtype("cast", job.src.dtype);
@@ -1214,8 +1130,6 @@ void queue(ConversionUploads& uploads, const ConvertJob& job) {
                task.dst_rows = RowWalk::of(job.dst.view, list.uneven);
                task.span = span;
                task.cols = job.src.view.cols;
-               task.even = evenly_spaced(task.src_rows, dtype_size(job.src.dtype)) &&
-                           evenly_spaced(task.dst_rows, dtype_size(job.dst.dtype));
              });
   ++uploads.jobs;
 }
@@ -1224,8 +1138,12 @@ namespace {
 
 // MxTask::even.
 bool is_even(const MxTask& task, std::size_t element_bytes) {
-  return task.col_tiles == 0 && evenly_spaced(task.src_rows, element_bytes) &&
-         evenly_spaced(task.data_rows, 1) && evenly_spaced(task.scale_rows, 1);
+  const auto fits = [](const RowWalk& rows, std::size_t bytes) {
+    return rows.view < 0 && rows.stride >= 0 &&
+           static_cast<std::uint64_t>(rows.stride) * bytes < (std::uint64_t{1} << 32);
+  };
+  return task.col_tiles == 0 && fits(task.src_rows, element_bytes) && fits(task.data_rows, 1) &&
+         fits(task.scale_rows, 1);
 }
 
 }  // namespace
