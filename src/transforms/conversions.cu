@@ -447,19 +447,6 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
   });
 }
 
-// MXFP8: each chunk's source vectors (4 KiB a warp: 4 tiles of bf16, 2 of float32) go through
-// cp.async into the warp's slots of shared memory, all in flight before any is encoded, each tile
-// encoded once its own copies are in; a vector whose address is not 16-byte aligned is read from
-// global memory at encoding time instead. A
-// lane's vectors are 16-byte halves of 32-byte sectors, so they go through L1 (cp.async.ca):
-// through L2 alone each sector came twice and the kernel ran at 0.67-0.71 of the copy rate. On one
-// H100, 2026-11-25, against the register kernel before (2 tiles a warp, 80 registers, 3 CTAs per
-// SM): large matrices 0.86-0.89 -> 0.87-0.94, Llama-3-8B's 0.88-0.90 -> 0.92-0.93, 512 small
-// matrices 0.81 -> 0.88; skinny ones 0.74-0.82 -> 0.71-0.77 (both below 0.85). Lanes of 8
-// elements (a block on 4 lanes, 16-byte copies through L2) ran skinny matrices at 0.61-0.66.
-// The 2 lanes of an MX block (rows hold whole blocks, and a row's first vector starts a block)
-// take its maximum with a shuffle, then each encodes its 16 elements. A block whose scale is not
-// NaN holds no NaN or infinity, so the encoding needs no special cases.
 // A lane's vector of an MX block in E4M3, its maximum taken with the block's other lane, the scale
 // stored at `scale` by the block's first lane; `active` false past the job's end (the lane then
 // only takes part in the shuffle).
@@ -530,7 +517,8 @@ __device__ __forceinline__ void mx_quantize_even_chunk(uint4 (&stage)[kTiles][K]
   const auto scale_step = static_cast<std::uint32_t>(task.scale_rows.stride);
   const bool round_up = task.round_up;
   const std::uint8_t least_bits = task.least_bits;
-  // Vector `v`'s row of the span and its index in the row (vector 0's past the span's end).
+  // The lane's vector of tile u: its row of the span and its index in the row (vector 0's past
+  // the span's end), and whether it lies in the span.
   const auto place = [&](int u, std::uint32_t& row, std::uint32_t& in_row) {
     const auto v = static_cast<std::uint32_t>(first) + 32 * u;
     const std::uint32_t at = v < vectors ? v : 0;
@@ -594,6 +582,18 @@ __device__ __noinline__ void mx_quantize_walked_chunk(uint4 (&stage)[kTiles][K][
   });
 }
 
+// MXFP8: each chunk's source vectors (4 KiB a warp: 4 tiles of bf16, 2 of float32; half that in
+// launches that leave warps idle) go through cp.async into the warp's slots of shared memory, all
+// in flight before any is encoded, tiles encoded as their copies come in; a vector whose address
+// is not 16-byte aligned is read from global memory at encoding time instead. A lane's vectors
+// are 16-byte halves of 32-byte sectors, so they go through L1 (cp.async.ca): through L2 alone
+// each sector came twice and the kernel ran at 0.67-0.71 of the copy rate. On one H100,
+// 2026-11-25, against the register kernel before (2 tiles a warp, 80 registers, 3 CTAs per SM):
+// large matrices 0.86-0.89 -> 0.87-0.94, Llama-3-8B's 0.88-0.90 -> 0.92-0.93, 512 small matrices
+// 0.81 -> 0.88. Lanes of 8 elements (a block on 4 lanes, 16-byte copies through L2) ran skinny
+// matrices at 0.61-0.66. The 2 lanes of an MX block (rows hold whole blocks, and a row's first
+// vector starts a block) take its maximum with a shuffle, then each encodes its 16 elements. A
+// block whose scale is not NaN holds no NaN or infinity, so the encoding needs no special cases.
 template <DType S, int kTiles>
 __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
     mx_quantize_kernel(JobList<MxTask> list) {
