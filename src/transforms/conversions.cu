@@ -24,8 +24,9 @@ using namespace formats;
 // multiply (FastDivisor), not a division. (Tiles found one by one, each with its own lookup of the
 // job, ran MXFP8 at 0.62 of the copy rate on one H100, 2026-11-24.)
 //
-// A chunk's loads go through cp.async into the warp's slots of shared memory, 4 KiB a warp, where
-// they wait without holding registers: 64 registers, 4 CTAs of 256 threads per SM. (Before, the
+// A chunk's loads go through cp.async into the warp's slots of shared memory, 4 KiB a warp (half
+// that for MXFP8 and float32 casts in launches that leave warps idle: run_chunked), where they wait
+// without holding registers: 64 registers, 4 CTAs of 256 threads per SM. (Before, the
 // tiles were loaded into registers: 2-4 tiles a warp, 80 registers, 3 CTAs per SM; on one H100,
 // 2026-11-25, MXFP8 0.86-0.90 of the copy rate on large matrices against 0.87-0.94 now, casts
 // 0.77-0.89 against 0.85-0.95.)
@@ -35,13 +36,13 @@ constexpr int kStagedCtasPerSm = 4;
 template <DType S>
 constexpr int kCastVectors = S == DType::kFloat32 ? 2 : 1;  // 16-byte loads of a lane's 8
 template <DType S>
-constexpr int kCastTiles = 8 / kCastVectors<S>;  // 4 KiB of source a warp
+constexpr int kCastTiles = 8 / kCastVectors<S>;  // 4 KiB of source a chunk
 // MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle):
 // half the work per element of finding rows and scales (0.77 -> 0.89 of the copy rate on one
 // H100, 2026-11-24).
 constexpr int kMxPerLane = 16;
 template <DType S>
-constexpr int kMxTiles = S == DType::kFloat32 ? 2 : 4;  // 4 KiB of source a warp
+constexpr int kMxTiles = S == DType::kFloat32 ? 2 : 4;  // 4 KiB of source a chunk
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
 struct VectorSpan {
