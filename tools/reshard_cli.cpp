@@ -200,10 +200,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   convert_cmd
       ->add_option("-c,--conversions", convert.conversions,
-                   "mxfp8, mxfp8-round-up, fp8-block, cast-bf16-fp32, cast-fp32-bf16, pack, unpack")
+                   "mxfp8, mxfp8-round-up, mxfp8-megatron (Megatron-LM's scale rounding, scales "
+                   "swizzled as its buffers keep them), fp8-block, cast-bf16-fp32, cast-fp32-bf16, "
+                   "pack, unpack")
       ->delimiter(',')
-      ->check(CLI::IsMember({"mxfp8", "mxfp8-round-up", "fp8-block", "cast-bf16-fp32",
-                             "cast-fp32-bf16", "pack", "unpack"}));
+      ->check(CLI::IsMember({"mxfp8", "mxfp8-round-up", "mxfp8-megatron", "fp8-block",
+                             "cast-bf16-fp32", "cast-fp32-bf16", "pack", "unpack"}));
   convert_cmd
       ->add_option("--layouts", convert_layouts,
                    "contiguous (whole matrices) and/or column-block (their left half of the "

@@ -63,8 +63,8 @@ struct MxTask {
   std::uint32_t col_tiles;
   bool round_up;
   std::uint8_t least_bits;
-  // Source, data and scale rows all evenly spaced, scales not swizzled, and the row steps in
-  // bytes below 2^32: the kernel's common path (mx_quantize_even_chunk).
+  // Source, data and scale rows all evenly spaced, the row steps in bytes below 2^32 and, for
+  // swizzled scales, every scale offset too: the kernel's common path (mx_quantize_even_chunk).
   bool even;
   std::uint8_t zero;  // where padding would be: job lists are compared byte for byte
 };
@@ -494,13 +494,13 @@ __device__ __forceinline__ void encode_tiles(EncodeTile encode_tile) {
   }
 }
 
-// A chunk of an MXFP8 task whose rows are evenly spaced on all three sides, scales not swizzled
-// (MxTask::even): its places become byte pointers to the span's first row and 32-bit row steps
-// once per chunk, so a lane finds each vector's source, data and scale with a division by
-// multiply and three multiply-adds. (Through the RowWalks, each tile re-read a dozen of the
-// job's fields and tested which kind of walk each was: about 230 instructions a tile, 46 of them
-// the encoding.)
-template <DType S, int kTiles, int K>
+// A chunk of an MXFP8 task whose rows are evenly spaced on all three sides (MxTask::even): its
+// places become byte pointers to the span's first row and 32-bit row steps once per chunk, so a
+// lane finds each vector's source, data and scale with a division by multiply and three
+// multiply-adds, or for swizzled scales (kSwizzled) the layout's shifts in 32 bits. (Through the
+// RowWalks, each tile re-read a dozen of the job's fields and tested which kind of walk each was:
+// about 230 instructions a tile, 46 of them the encoding.)
+template <DType S, bool kSwizzled, int kTiles, int K>
 __device__ __forceinline__ void mx_quantize_even_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
                                                        const MxTask& task, std::uint64_t first) {
   constexpr int N = kMxPerLane;
@@ -512,10 +512,14 @@ __device__ __forceinline__ void mx_quantize_even_chunk(uint4 (&stage)[kTiles][K]
                           (task.src_rows.base + first_row * task.src_rows.stride) * size;
   std::uint8_t* const data = task.data + task.data_rows.base + first_row * task.data_rows.stride;
   std::uint8_t* const scale =
-      task.scale + task.scale_rows.base + first_row * task.scale_rows.stride;
+      task.scale + (kSwizzled ? 0 : task.scale_rows.base + first_row * task.scale_rows.stride);
   const auto src_step = static_cast<std::uint32_t>(task.src_rows.stride * size);
   const auto data_step = static_cast<std::uint32_t>(task.data_rows.stride);
   const auto scale_step = static_cast<std::uint32_t>(task.scale_rows.stride);
+  // Swizzled: the span's first row and the job's first block column in the scale matrix.
+  const auto scale_row = static_cast<std::uint32_t>(task.scale_rows.base + first_row);
+  const auto scale_col = static_cast<std::uint32_t>(task.first_col);
+  const std::uint32_t col_tiles = task.col_tiles;
   const bool round_up = task.round_up;
   const std::uint8_t least_bits = task.least_bits;
   // The lane's vector of tile u: its row of the span and its index in the row (vector 0's past
@@ -548,12 +552,22 @@ __device__ __forceinline__ void mx_quantize_even_chunk(uint4 (&stage)[kTiles][K]
     const bool active = place(u, row, in_row);
     const Raw<S, N> raw = staged >> u & 1u ? staged_raw<S, N>(stage[u], lane)
                                            : load_raw<S, N>(source(row, in_row), 0, active ? N : 0);
-    mx_encode_vector<S>(
-        raw, active, lane, round_up, least_bits,
-        scale + static_cast<std::uint64_t>(row) * scale_step + in_row / (kMxBlock / N),
-        data + static_cast<std::uint64_t>(row) * data_step +
-            static_cast<std::uint64_t>(in_row) * N);
+    const std::uint32_t block = in_row / (kMxBlock / N);
+    mx_encode_vector<S>(raw, active, lane, round_up, least_bits,
+                        kSwizzled ? scale + formats::swizzled_scale_offset<std::uint32_t>(
+                                                scale_row + row, scale_col + block, col_tiles)
+                                  : scale + static_cast<std::uint64_t>(row) * scale_step + block,
+                        data + static_cast<std::uint64_t>(row) * data_step +
+                            static_cast<std::uint64_t>(in_row) * N);
   });
+}
+
+// Swizzled scales (Megatron-LM's MXFP8 buffers) out of line: the common path's code stays short.
+template <DType S, int kTiles, int K>
+__device__ __noinline__ void mx_quantize_swizzled_chunk(uint4 (&stage)[kTiles][K][32],
+                                                        unsigned lane, const MxTask& task,
+                                                        std::uint64_t first) {
+  mx_quantize_even_chunk<S, true>(stage, lane, task, first);
 }
 
 // Any other chunk: rows through the RowWalks (those not evenly spaced through their views),
@@ -604,8 +618,10 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm)
   auto& stage = stages[threadIdx.x / 32];
   for_each_chunk<32 * kTiles>(list, [&](const MxTask& task, std::uint64_t first) {
     before_refilling_slots();
-    if (task.even) {
-      mx_quantize_even_chunk<S>(stage, lane, task, first);
+    if (task.even && task.col_tiles == 0) {
+      mx_quantize_even_chunk<S, false>(stage, lane, task, first);
+    } else if (task.even) {
+      mx_quantize_swizzled_chunk<S>(stage, lane, task, first);
     } else {
       mx_quantize_walked_chunk<S>(stage, lane, task, first, list.uneven);
     }
@@ -1143,8 +1159,20 @@ bool is_even(const MxTask& task, std::size_t element_bytes) {
     return rows.view < 0 && rows.stride >= 0 &&
            static_cast<std::uint64_t>(rows.stride) * bytes < (std::uint64_t{1} << 32);
   };
-  return task.col_tiles == 0 && fits(task.src_rows, element_bytes) && fits(task.data_rows, 1) &&
-         fits(task.scale_rows, 1);
+  if (!fits(task.src_rows, element_bytes) || !fits(task.data_rows, 1)) return false;
+  if (task.col_tiles == 0) return fits(task.scale_rows, 1);
+  // Swizzled: the span's scale rows and block columns inside the layout's col_tiles * 4 columns,
+  // and the last tile's end at most 2^32 bytes in.
+  const std::uint32_t vectors_per_row = task.span.per_row.divisor;
+  const std::int64_t rows =
+      (std::int64_t{task.span.vectors} + vectors_per_row - 1) / vectors_per_row;
+  const std::int64_t first_row = task.scale_rows.base + task.span.first_row;
+  const std::int64_t blocks = std::int64_t{vectors_per_row} * kMxPerLane / kMxBlock;
+  if (first_row < 0 || task.first_col < 0 ||
+      task.first_col + blocks > 4 * std::int64_t{task.col_tiles})
+    return false;
+  const std::uint64_t tile_rows = static_cast<std::uint64_t>(first_row + rows + 127) / 128;
+  return tile_rows * task.col_tiles * 512 <= (std::uint64_t{1} << 32);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gpu/host_device.hpp"
 
@@ -202,9 +203,11 @@ constexpr std::uint8_t kMegatronLeastScaleBits = 1;
 // cuBLAS's blocked layout of MXFP8 scales (what Megatron-LM and Transformer Engine keep for their
 // GEMMs): the [rows, cols] scale matrix in tiles of 128 rows x 4 columns, 512 bytes each, tiles
 // row-major (`col_tiles` = ceil(cols / 4) per tile row); inside a tile, rows r and r + 32, r + 64,
-// r + 96 sit side by side: byte (r % 32) * 16 + (r % 128 / 32) * 4 + c % 4.
-RESHARD_HD std::int64_t swizzled_scale_offset(std::int64_t row, std::int64_t col,
-                                              std::int64_t col_tiles) {
+// r + 96 sit side by side: byte (r % 32) * 16 + (r % 128 / 32) * 4 + c % 4. In 64 bits, or in
+// 32 (the GPU's common path) where the caller knows every offset fits.
+template <typename Int = std::int64_t>
+RESHARD_HD Int swizzled_scale_offset(std::type_identity_t<Int> row, std::type_identity_t<Int> col,
+                                     std::type_identity_t<Int> col_tiles) {
   return ((row >> 7) * col_tiles + (col >> 2)) * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 +
          (col & 3);
 }

@@ -500,9 +500,9 @@ TEST(TransformKernels, BlockQuantizeMatchesTheReferenceNearRoundingTies) {
 }
 
 // Launches large enough to fill the GPU with warps take the kernels' full chunks (smaller MXFP8
-// and float32 cast launches take fewer tiles, as every other test here runs them): MXFP8 and
-// casts both ways over a column block of a bf16 matrix holding twice the chunks the GPU's warps
-// take at once.
+// and float32 cast launches take fewer tiles, as every other test here runs them): MXFP8 (scales
+// row-major and swizzled) and casts both ways over a column block of a bf16 matrix holding twice
+// the chunks the GPU's warps take at once.
 TEST(TransformKernels, LaunchesThatFillTheGpuMatchTheReference) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -531,6 +531,28 @@ TEST(TransformKernels, LaunchesThatFillTheGpuMatchTheReference) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(d_data.download() == data);
   EXPECT_TRUE(d_scales.download() == scales);
+
+  // Again with Megatron-LM's scales: its rounding, swizzled (the block's first scale column is 2).
+  const SwizzledScales swizzled{0, block.offset[1] / 32, (kCols / 32 + 3) / 4};
+  const auto swizzled_bytes =
+      static_cast<std::size_t>(formats::swizzled_scale_bytes(rows, kCols / 32));
+  std::vector<std::uint8_t> swizzled_scales(swizzled_bytes, 0xab);
+  mx_quantize({{const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, v},
+               {data.data(), DType::kFloat8E4M3, v},
+               {swizzled_scales.data(), DType::kFloat8E8M0, sv},
+               MxScaleRounding::kMegatron,
+               swizzled},
+              MemoryKind::kHost, nullptr);
+  DeviceCopy d_swizzled(swizzled_scales.size());
+  mx_quantize({{d_src.pointer, DType::kBFloat16, v},
+               {d_data.pointer, DType::kFloat8E4M3, v},
+               {d_swizzled.pointer, DType::kFloat8E8M0, sv},
+               MxScaleRounding::kMegatron,
+               swizzled},
+              MemoryKind::kCuda, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(d_data.download() == data);
+  EXPECT_TRUE(d_swizzled.download() == swizzled_scales);
 
   const BoxView cv = view_of(block, shape, false);
   std::vector<std::uint8_t> wide(n * 4, 0xab), back(n * 2, 0xab);

@@ -184,8 +184,9 @@ struct ConvertBenchOptions {
                                      "65536x128",  "128x65536",  "256x1024x512"};
   std::string model = "llama3-8b";  // its weight matrices, all in one launch; "none" for none
   int layers = 16;
-  std::vector<std::string> conversions = {
-      "mxfp8", "mxfp8-round-up", "fp8-block", "cast-bf16-fp32", "cast-fp32-bf16", "pack", "unpack"};
+  std::vector<std::string> conversions = {"mxfp8",     "mxfp8-round-up", "mxfp8-megatron",
+                                          "fp8-block", "cast-bf16-fp32", "cast-fp32-bf16",
+                                          "pack",      "unpack"};
   // Whole matrices (false) and their left half of the columns (true: rows a full row apart).
   std::vector<bool> column_block = {false, true};
   int iterations = 20;

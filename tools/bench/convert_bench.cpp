@@ -22,6 +22,7 @@
 #include "execution/box_view.hpp"
 #include "reshard/error.hpp"
 #include "transforms/conversions.hpp"
+#include "transforms/number_formats.hpp"
 
 namespace reshard::bench {
 namespace {
@@ -153,7 +154,11 @@ struct Conversion {
   std::string name;
   DType src_dtype = DType::kBFloat16;
   DType out_dtype = DType::kBFloat16;
-  enum class Kind { kMx, kMxRoundUp, kBlock, kCast, kPack, kUnpack } kind;
+  enum class Kind { kMx, kMxRoundUp, kMxMegatron, kBlock, kCast, kPack, kUnpack } kind;
+
+  bool mx() const {
+    return kind == Kind::kMx || kind == Kind::kMxRoundUp || kind == Kind::kMxMegatron;
+  }
 
   std::size_t src_bytes(const Matrix& m) const {
     return static_cast<std::size_t>(m.rows * m.cols) * dtype_size(src_dtype);
@@ -162,8 +167,9 @@ struct Conversion {
     return static_cast<std::size_t>(m.rows * m.cols) * dtype_size(out_dtype);
   }
   std::size_t scale_bytes(const Matrix& m) const {
-    if (kind == Kind::kMx || kind == Kind::kMxRoundUp)
-      return static_cast<std::size_t>(m.rows * m.cols / 32);
+    if (kind == Kind::kMxMegatron)
+      return static_cast<std::size_t>(formats::swizzled_scale_bytes(m.rows, m.cols / 32));
+    if (mx()) return static_cast<std::size_t>(m.rows * m.cols / 32);
     if (kind == Kind::kBlock) return static_cast<std::size_t>(tiles(m.rows) * tiles(m.cols)) * 4;
     return 0;
   }
@@ -172,7 +178,7 @@ struct Conversion {
     const Box box = box_of(m, column_block);
     const double elements = static_cast<double>(box.extent[0] * box.extent[1]);
     double scales = 0;
-    if (kind == Kind::kMx || kind == Kind::kMxRoundUp) scales = elements / 32;
+    if (mx()) scales = elements / 32;
     if (kind == Kind::kBlock) scales = 4.0 * tiles(box.extent[0]) * tiles(box.extent[1]);
     return elements * (dtype_size(src_dtype) + dtype_size(out_dtype)) + scales;
   }
@@ -182,6 +188,8 @@ std::vector<Conversion> all_conversions() {
   using K = Conversion::Kind;
   return {{"mxfp8", DType::kBFloat16, DType::kFloat8E4M3, K::kMx},
           {"mxfp8-round-up", DType::kBFloat16, DType::kFloat8E4M3, K::kMxRoundUp},
+          // Megatron-LM's MXFP8 buffers: its scale rounding, scales in cuBLAS's swizzled layout.
+          {"mxfp8-megatron", DType::kBFloat16, DType::kFloat8E4M3, K::kMxMegatron},
           {"fp8-block", DType::kBFloat16, DType::kFloat8E4M3, K::kBlock},
           {"cast-bf16-fp32", DType::kBFloat16, DType::kFloat32, K::kCast},
           {"cast-fp32-bf16", DType::kFloat32, DType::kBFloat16, K::kCast},
@@ -207,7 +215,7 @@ Views views_of(const Conversion& c, const Matrix& m, bool column_block, std::int
     const Box dense{1, {0}, {box.extent[0] * box.extent[1]}};
     v.out = execution::view_of(dense, {dense.extent[0]}, true);
   }
-  if (c.kind == Conversion::Kind::kMx || c.kind == Conversion::Kind::kMxRoundUp) {
+  if (c.mx()) {  // row-major scales (swizzled ones are placed by the job, not a view)
     const Box scale_box{2, {0, 0}, {box.extent[0], box.extent[1] / 32}};
     v.scale = execution::view_of(scale_box, {part.rows, part.cols / 32}, false);
   }
@@ -218,20 +226,28 @@ Views views_of(const Conversion& c, const Matrix& m, bool column_block, std::int
   return v;
 }
 
-// Queues one matrix's conversion (device pointers) or runs it on the host (host pointers).
+// Queues one matrix's conversion (device pointers) or runs it on the host (host pointers), over
+// the matrix's first `rows` rows.
 void queue_one(execution::ConversionQueue& queue, const Conversion& c, const Views& v, void* src,
-               void* out, void* scale, std::int64_t rows, const Buffer& memory) {
+               void* out, void* scale, const Matrix& m, std::int64_t rows, const Buffer& memory) {
   using K = Conversion::Kind;
   switch (c.kind) {
     case K::kMx:
     case K::kMxRoundUp:
-      queue.mx_quantize(
-          {{src, c.src_dtype, v.src},
-           {out, DType::kFloat8E4M3, v.out},
-           {scale, DType::kFloat8E8M0, v.scale},
-           c.kind == K::kMxRoundUp ? MxScaleRounding::kRoundUp : MxScaleRounding::kOcp},
-          memory);
+    case K::kMxMegatron: {
+      const MxScaleRounding rounding = c.kind == K::kMxRoundUp    ? MxScaleRounding::kRoundUp
+                                       : c.kind == K::kMxMegatron ? MxScaleRounding::kMegatron
+                                                                  : MxScaleRounding::kOcp;
+      execution::SwizzledScales swizzled{};
+      if (c.kind == K::kMxMegatron) swizzled.col_tiles = (m.cols / 32 + 3) / 4;
+      queue.mx_quantize({{src, c.src_dtype, v.src},
+                         {out, DType::kFloat8E4M3, v.out},
+                         {scale, DType::kFloat8E8M0, v.scale},
+                         rounding,
+                         swizzled},
+                        memory);
       break;
+    }
     case K::kBlock:
       queue.block_quantize({{src, c.src_dtype, v.src},
                             {out, DType::kFloat8E4M3, v.out},
@@ -341,7 +357,7 @@ Result run_case(const Case& c, const Conversion& conv, bool column_block, cudaSt
       // Unpack reads the dense side: the source allocation holds it, the matrix is the output.
       queue_one(queue, conv, views[i], src.at(k * src_total + placed[i].src),
                 out.at(k * out_total + placed[i].out), scale.at(k * scale_total + placed[i].scale),
-                c.matrices[i].rows, memory);
+                c.matrices[i], c.matrices[i].rows, memory);
       queue.flush_if_full(stream);
     }
     queue.flush(stream);
@@ -386,7 +402,7 @@ Result run_case(const Case& c, const Conversion& conv, bool column_block, cudaSt
     auto host_src = download(src.at(placed[i].src), src_bytes);
     std::vector<std::byte> want_out(conv.out_bytes(part), std::byte{0xab});
     std::vector<std::byte> want_scale(conv.scale_bytes(part), std::byte{0xab});
-    queue_one(host_queue, conv, v, host_src.data(), want_out.data(), want_scale.data(), rows,
+    queue_one(host_queue, conv, v, host_src.data(), want_out.data(), want_scale.data(), m, rows,
               Buffer::host(host_src.data(), host_src.size()));
     host_queue.flush(nullptr);  // host packs and unpacks run at the flush
     const std::size_t out_checked = conv.kind == Conversion::Kind::kPack
