@@ -38,7 +38,7 @@ from ._core import (
     toy_model,
 )
 from .copy_service import CopyService, make_bootstrap, service_options
-from .execution import LocalTensor, execute_reshard_plan
+from .execution import LocalTensor, execute_reshard_plan, rerun_reshard_plan
 from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
 
 __version__ = "0.1.0"
@@ -73,6 +73,7 @@ __all__ = [
     "make_reshard_plan",
     "moe_1t_model",
     "qwen3_30b_a3b_model",
+    "rerun_reshard_plan",
     "service_options",
     "toy_model",
 ]

@@ -7,9 +7,9 @@ from typing import Any, Mapping, Optional, Union
 
 from . import _core
 from .copy_service import CopyService, StreamLike, _refusal, stream_handle
-from .transforms import ReshardTransform, native_transform
+from .transforms import ReshardTransform, bound_transform, native_transform
 
-__all__ = ["LocalTensor", "execute_reshard_plan"]
+__all__ = ["LocalTensor", "execute_reshard_plan", "rerun_reshard_plan"]
 
 
 @dataclass
@@ -80,6 +80,28 @@ def execute_reshard_plan(
         plan, _entries(src), _entries(dst), core, native_transform(transform, src, dst),
         stream_handle(stream), _budget_bytes(staging_budget), bool(quantize_colocated_on_sender)
     )
+
+
+def rerun_reshard_plan(
+    plan: "_core.ReshardPlan",
+    service: Union[CopyService, "_core.CopyService"],
+    transform: Optional[Union["_core.ReshardTransform", ReshardTransform]] = None,
+    stream: StreamLike = None,
+) -> "_core.ReshardReport":
+    """Runs the last refit of ``plan`` on ``service`` again, with the tensors it was given
+    (collective), as :meth:`CopyService.run` runs registered buffers.
+
+    Nothing is looked up, converted or compared: where :func:`execute_reshard_plan` takes the
+    tensors of every call, checks each against the schedule and has the ranks agree first (about
+    1 ms a refit for a MoE model of thousands of tensors in C++, more from Python), this call only
+    runs. So every rank must call it in the same refit, with ``transform`` as given to that
+    :func:`execute_reshard_plan`, and every tensor of that call must still be where it was (the
+    same storage; its values may change). Refused before any :func:`execute_reshard_plan` of the
+    plan on the service, and after ``clear_requests()``. Where tensors change, call
+    :func:`execute_reshard_plan` again.
+    """
+    core = service.core if isinstance(service, CopyService) else service
+    return _core.rerun_reshard_plan(plan, core, bound_transform(transform), stream_handle(stream))
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,

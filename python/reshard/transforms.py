@@ -210,6 +210,25 @@ def _megatron_adapter(hooks: Any) -> MegatronStyleTransform:
         return adapter
 
 
+def bound_transform(transform: Any) -> Optional["_core.ReshardTransform"]:
+    """The engine-side object a transform was last executed with, bound to that refit's
+    tensors; refused where the transform never was."""
+    if transform is None or isinstance(transform, _core.ReshardTransform):
+        return transform
+    if not isinstance(transform, ReshardTransform):
+        if not all(callable(getattr(transform, hook, None)) for hook in _MEGATRON_HOOKS):
+            raise TypeError(f"{type(transform).__name__} is not a reshard transform")
+        transform = _megatron_adapter(transform)
+    native = getattr(transform, "_native", None)
+    if native is None:
+        error = _core.ReshardError(
+            f"rerun_reshard_plan: transform {type(transform).__name__} was never passed to "
+            "execute_reshard_plan; execute the plan with it first")
+        error.code = "invalid state"
+        raise error
+    return native
+
+
 def native_transform(transform: Any, src: Mapping[str, Any],
                      dst: Mapping[str, Any]) -> Optional["_core.ReshardTransform"]:
     """The engine-side object of a transform (built-in, Python subclass, a transform written for

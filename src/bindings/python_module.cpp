@@ -811,6 +811,14 @@ void bind_execution(nb::module_& m) {
       },
       "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
       "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true);
+  m.def(
+      "rerun_reshard_plan",
+      [](const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,
+         std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream) {
+        nb::gil_scoped_release released;
+        return rerun_reshard_plan(plan, service, transform, stream_of(stream));
+      },
+      "plan"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none());
 }
 
 }  // namespace

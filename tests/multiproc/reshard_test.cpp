@@ -533,6 +533,13 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
       memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
     }
   }
+  // The last refit again, its tensors taken as they were: nothing scheduled, a built-in
+  // transform's conversions replayed, every byte written again.
+  const ReshardReport rerun = rerun_reshard_plan(plan, service, transform);
+  EXPECT_FALSE(rerun.rescheduled);
+  EXPECT_EQ(rerun.conversions_replayed, mode != Mode::kPlain);
+  EXPECT_EQ(rerun.locally_converted_bytes, locally_converted);
+  EXPECT_EQ(verify(*plan, me, generations.back(), expected), 0u) << "rerun";
   return result;
 }
 
@@ -846,6 +853,43 @@ TEST(ReshardErrors, ATensorOfTheWrongShapeIsRefusedBeforeAnyByteMoves) {
   expect_refusal(t.src_map, taller, "destination", taller[name].shape, t.dst_map[name].shape);
 
   execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
+  EXPECT_EQ(verify(*plan, me, t, expected), 0u);
+  // Once a refit ran, the same buffers under another shape are not taken for the same tensors:
+  // refused as before, and the correct refit runs again after it.
+  expect_refusal(transposed, t.dst_map, "source", source_shape, t.src_map[name].shape);
+  execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
+  EXPECT_EQ(verify(*plan, me, t, expected), 0u);
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// rerun_reshard_plan needs a refit of the plan executed on the service first: refused, naming
+// what to call, before one and after clear_requests() dropped it; the service stays usable.
+TEST(ReshardErrors, ARerunWithoutAnExecutedRefitIsRefused) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  const ModelSpec model = test_model(false);
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, {.replicas = n})));
+  const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors t = make_tensors(*plan, me, my_device(), expected, nullptr);
+  auto expect_refused = [&](const char* when) {
+    try {
+      rerun_reshard_plan(plan, *service);
+      ADD_FAILURE() << "a rerun " << when << " ran";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidState) << when;
+      EXPECT_NE(std::string(error.what()).find("call execute_reshard_plan"), std::string::npos)
+          << when << ": " << error.what();
+    }
+  };
+  expect_refused("before any refit");
+  execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
+  EXPECT_EQ(verify(*plan, me, t, expected), 0u);
+  service->clear_requests();
+  expect_refused("after clear_requests()");
+  execute_reshard_plan(plan, t.src_map, t.dst_map, *service);
+  rerun_reshard_plan(plan, *service);
   EXPECT_EQ(verify(*plan, me, t, expected), 0u);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }

@@ -382,6 +382,26 @@ def test_plain_refit_needs_no_staging_and_runs_within_a_budget_of_zero(service):
         np.testing.assert_array_equal(dst[name].data, src[name].data)
 
 
+def test_a_rerun_moves_the_new_values_of_the_tensors_it_was_given(service):
+    plan, src, dst = _one_pe_plan()
+    with pytest.raises(reshard.ReshardError, match="call execute_reshard_plan") as refused:
+        reshard.rerun_reshard_plan(plan, service)
+    assert refused.value.code == "invalid state"
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    for tensor in src.values():  # the trainer's next weights, in place
+        tensor.data[...] = np.arange(tensor.data.size, dtype=np.uint16).reshape(tensor.data.shape)
+    report = reshard.rerun_reshard_plan(plan, service)
+    assert not report.rescheduled
+    for name in src:
+        np.testing.assert_array_equal(dst[name].data, src[name].data)
+    # A transform it was never executed with is refused, as is a rerun after clear_requests().
+    with pytest.raises(reshard.ReshardError, match="never passed to execute_reshard_plan"):
+        reshard.rerun_reshard_plan(plan, service, _BrokenTransform(lambda s: [], lambda s: []))
+    service.clear_requests()
+    with pytest.raises(reshard.ReshardError, match="call execute_reshard_plan"):
+        reshard.rerun_reshard_plan(plan, service)
+
+
 def test_where_colocated_slices_are_quantized_is_a_keyword(service):
     # Host memory: no rank is on a GPU, so both ways quantize on arrival and write the same bits.
     model = reshard.toy_model(1, 64)

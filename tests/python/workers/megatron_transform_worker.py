@@ -1,8 +1,9 @@
 """One rank of a job running a transform written for Megatron-LM's execute_reshard_plan (its hooks:
 should_transform(param_name), prepare_send(param_name, src_slice, src_param), prepare_recv(
 param_name, dst_slice), finalize_recv(param_name, dst_slice, recv_buffers); new tensors at every
-call) through reshard's execute_reshard_plan, unchanged: torch tensors, 3 refits with new weights,
-every element checked, no refit after the first scheduling again.
+call) through reshard's execute_reshard_plan, unchanged: torch tensors, 4 refits with new weights
+(the last through rerun_reshard_plan), every element checked, no refit after the first scheduling
+again.
 
     megatron_transform_worker.py [cpu|cuda]
 
@@ -95,7 +96,9 @@ def main():
                    for name, t in dst.items() if t.dim() == 2}
         transform = HalfOnTheWire(dst, row_max)
         src = {}
-        for refit in range(3):
+        # The last refit through rerun_reshard_plan: the same tensors, their values changed in
+        # place, the transform's hooks run again.
+        for refit in range(4):
             # A trainer's weights change in place between refits.
             fulls = {p.name: full_weight(p, i, refit) for i, p in enumerate(plan.params)}
             for name in names:
@@ -104,7 +107,10 @@ def main():
                     src.setdefault(name, weights).copy_(weights)
             for t in row_max.values():
                 t.zero_()
-            report = reshard.execute_reshard_plan(plan, src, dst, svc, transform)
+            if refit < 3:
+                report = reshard.execute_reshard_plan(plan, src, dst, svc, transform)
+            else:
+                report = reshard.rerun_reshard_plan(plan, svc, transform)
             if report.rescheduled != (refit == 0):
                 print(f"rank {me}: {src_par} -> {dst_par}: refit {refit} rescheduled="
                       f"{report.rescheduled}", file=sys.stderr)
