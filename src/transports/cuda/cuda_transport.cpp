@@ -161,10 +161,7 @@ class CudaTransport final : public Transport {
                                                               bool first_phase, bool last_attempt);
   // Collective: one phase of a schedule.
   std::unique_ptr<PreparedRun> prepare_phase(const ExecutionPlan& plan, bool first_phase);
-  // `over_link[g]`: group g's copies cross to another GPU; the others stay in this GPU's memory
-  // (local copies, same-GPU peers, a leader's delegated copies).
-  void assign_ctas(std::vector<PeerGroup>& groups, const std::vector<bool>& over_link,
-                   std::uint32_t& total) const;
+  void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
   // Chooses each group's engine by `engine` (sm, ce or auto) and uploads the kernels' inputs.
   void lay_out(PreparedRun& prepared, const std::string& engine);
   // Collective: times each engine on the schedule and lays out the one slowest PE finds fastest.
@@ -691,15 +688,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   return groups;
 }
 
-void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, const std::vector<bool>& over_link,
-                                std::uint32_t& total) const {
-  // Where every copy stays in this GPU's memory (PEs sharing it, local copies), the groups share
-  // one thing, its memory: the wave below is split in proportion to their claims, so they end
-  // together. (Each capped at ctas_per_peer_, a leader's four groups of a colocated
-  // Qwen3-30B-A3B refit took 33 CTAs each while two of them held 1.24x the bytes of the other
-  // two.) Where some cross a link, each group's claim stays capped: a link saturates with
-  // ctas_per_peer_ CTAs, and local copies, faster per CTA, must not crowd the links' out.
-  const bool within_gpu = std::find(over_link.begin(), over_link.end(), true) == over_link.end();
+void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const {
   std::uint64_t wanted = 0;
   std::vector<std::uint64_t> want(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
@@ -707,8 +696,7 @@ void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, const std::vecto
     const std::uint64_t by_bytes = (groups[g].bytes + bytes_per_cta_ - 1) / bytes_per_cta_;
     const std::uint64_t by_pieces =
         (groups[g].descriptor_count + kPiecesPerCta - 1) / kPiecesPerCta;
-    want[g] = std::max<std::uint64_t>(1, std::max(by_bytes, by_pieces));
-    if (!within_gpu) want[g] = std::min<std::uint64_t>(want[g], ctas_per_peer_);
+    want[g] = std::clamp<std::uint64_t>(std::max(by_bytes, by_pieces), 1, ctas_per_peer_);
     wanted += want[g];
   }
   // One resident wave at most, leaving the rest of the GPU to the caller's kernels; with peers on
@@ -820,7 +808,7 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
     std::vector<PeerGroup> unstage_groups{staged.group};
     unstage_groups[0].descriptor_count = static_cast<std::uint32_t>(staged.descriptors.size());
     prepared->unstage_args = base;
-    assign_ctas(unstage_groups, {false}, prepared->unstage_args.cta_count);
+    assign_ctas(unstage_groups, prepared->unstage_args.cta_count);
     prepared->unstage_args.descriptors = prepared->unstage_descriptors.upload(staged.descriptors);
     prepared->unstage_args.groups = prepared->unstage_groups.upload(unstage_groups);
     prepared->unstage_args.group_count = 1;
@@ -844,7 +832,6 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
   prepared.copy_engine_batches.clear();
   prepared.copy_engine_bytes = 0;
   std::vector<PeerGroup> sm_groups, signal_groups, end_groups;
-  std::vector<bool> sm_over_link;  // per SM group (see assign_ctas)
   std::vector<CopyDescriptor> sm_descriptors;
   std::size_t copy_engine_groups = 0;
   for (GroupPlan& g : prepared.groups) {
@@ -886,12 +873,11 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
     g.group.descriptor_count = static_cast<std::uint32_t>(g.descriptors.size());
     sm_descriptors.insert(sm_descriptors.end(), g.descriptors.begin(), g.descriptors.end());
     sm_groups.push_back(g.group);
-    sm_over_link.push_back(g.group.peer >= 0 && !g.delegated && !same_device_[g.group.peer]);
   }
   prepared.fused = copy_engine_groups == 0;
 
   prepared.copy_args = prepared.base;
-  assign_ctas(sm_groups, sm_over_link, prepared.copy_args.cta_count);
+  assign_ctas(sm_groups, prepared.copy_args.cta_count);
   prepared.copy_args.descriptors = prepared.copy_descriptors.upload(sm_descriptors);
   prepared.copy_args.groups = prepared.copy_groups.upload(sm_groups);
   prepared.copy_args.group_count = static_cast<std::uint32_t>(sm_groups.size());
