@@ -392,6 +392,23 @@ TEST(Destinations, PoolAllocatedDestinationsArrive) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// Only PE 0's destinations are pool memory. Where PEs share a GPU and delegate, PE 0 leads: it
+// makes the others' copies to itself, which land in its bounce buffer like any peer's before its
+// unstage copy moves them (written straight to the destination, they were overwritten by it).
+TEST(Destinations, PoolAllocatedDestinationsOfTheLeadingPeArrive) {
+  auto service = make_service();
+  GpuWorkload w(*service, bench::make_workload("random", service->n_pes(), 1 << 20, 13),
+                /*pooled_destination=*/service->my_pe() == 0);
+  service->schedule();
+  for (std::uint32_t iteration = 0; iteration < 3; ++iteration) {
+    w.stage(iteration, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    service->run();
+    EXPECT_EQ(w.check(iteration, nullptr), 0u) << "iteration " << iteration;
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 TEST(Sources, PoolAllocatedSourcesArrive) {
   // Stream-ordered pool memory cannot be shared through CUDA IPC: PEs that share a GPU cannot
   // hand such sources to the process that makes their copies, and copy them themselves.

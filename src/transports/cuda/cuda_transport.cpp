@@ -18,6 +18,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "core/message.hpp"
 #include "core/transport.hpp"
@@ -376,6 +377,9 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     const CopySpan* destination;
   };
   std::vector<Staged> staged;
+  // Where each staged destination lands first (its place in the bounce buffer): a leader that
+  // makes a follower's copies to it must write there too, as the unstage copy moves it after.
+  std::unordered_map<const CopySpan*, unsigned char*> staged_at;
   for (const PlannedBatch& batch : plan.receives) {
     batches.push_back({batch.peer, batch.span_count});
     for (std::uint32_t s = 0; s < batch.span_count; ++s) {
@@ -401,9 +405,11 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       SharedSpan& span = spans[s.shared_span];
       span.handle = bounce->handle;
       span.offset += bounce->offset;
+      unsigned char* landing =
+          static_cast<unsigned char*>(prepared.bounce) + (span.offset - bounce->offset);
       unstage.push_back(
-          {static_cast<unsigned char*>(prepared.bounce) + (span.offset - bounce->offset),
-           reinterpret_cast<unsigned char*>(s.destination->data), span.bytes, 0});
+          {landing, reinterpret_cast<unsigned char*>(s.destination->data), span.bytes, 0});
+      staged_at.emplace(s.destination, landing);
     }
     RESHARD_LOG(kInfo, staged.size()
                            << " destination range(s), " << format_bytes(prepared.bounce_bytes)
@@ -628,8 +634,12 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
         unsigned char* destination = nullptr;
         std::uint64_t bytes = 0;
         if (to == me_) {
+          // This PE's own destination, or its bounce buffer where it is staged (else the unstage
+          // copy after the run would overwrite what lands here).
           const CopySpan& target = plan.spans.at(first + s);
-          destination = reinterpret_cast<unsigned char*>(target.data);
+          const auto landing = staged_at.find(&target);
+          destination = landing != staged_at.end() ? landing->second
+                                                   : reinterpret_cast<unsigned char*>(target.data);
           bytes = target.bytes;
         } else {
           const SharedSpan& target = exports[to].spans.at(first + s);
