@@ -227,6 +227,9 @@ class CopyService:
                                          device=device if bootstrap is not None else None)
         self._service = _core.CopyService(transport, self._bootstrap, options)
         self._registered: list = []
+        # The tensors of the last refit (execute_reshard_plan), which rerun_reshard_plan writes
+        # and reads again without being given them.
+        self._refit_tensors: list = []
 
     def init(self, log_level: Optional[str] = None) -> "CopyService":
         """Collective: sets up the transport. Logs at ``log_level`` where given (overridden by
@@ -373,11 +376,20 @@ class CopyService:
         """Forgets requests and plan; the service stays initialised."""
         self._service.clear_requests()
         self._registered.clear()
+        self._refit_tensors.clear()
 
     def finalize(self) -> None:
         """Releases everything; safe to call twice."""
         self._service.finalize()
         self._registered.clear()
+        self._refit_tensors.clear()
+
+    def _hold_refit_tensors(self, tensors: Any, replace: bool) -> None:
+        # A refit that failed part way may have prepared with its tensors or kept the last ones:
+        # both stay held until a refit succeeds.
+        if replace:
+            self._refit_tensors.clear()
+        self._refit_tensors.append(tensors)
 
     def __enter__(self) -> "CopyService":
         return self

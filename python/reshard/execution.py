@@ -76,10 +76,20 @@ def execute_reshard_plan(
     transform names. Every rank must pass the same.
     """
     core = service.core if isinstance(service, CopyService) else service
-    return _core.execute_reshard_plan(
-        plan, _entries(src), _entries(dst), core, native_transform(transform, src, dst),
-        stream_handle(stream), _budget_bytes(staging_budget), bool(quantize_colocated_on_sender)
-    )
+    tensors = (_entries(src), _entries(dst))
+    try:
+        report = _core.execute_reshard_plan(
+            plan, tensors[0], tensors[1], core, native_transform(transform, src, dst),
+            stream_handle(stream), _budget_bytes(staging_budget),
+            bool(quantize_colocated_on_sender)
+        )
+    except BaseException:
+        if isinstance(service, CopyService):
+            service._hold_refit_tensors(tensors, replace=False)
+        raise
+    if isinstance(service, CopyService):
+        service._hold_refit_tensors(tensors, replace=True)
+    return report
 
 
 def rerun_reshard_plan(
@@ -96,7 +106,10 @@ def rerun_reshard_plan(
     1 ms a refit for a MoE model of thousands of tensors in C++, more from Python), this call only
     runs. So every rank must call it in the same refit, with ``transform`` as given to that
     :func:`execute_reshard_plan`, and every tensor of that call must still be where it was (the
-    same storage; its values may change). Refused before any :func:`execute_reshard_plan` of the
+    same storage; its values may change). A :class:`CopyService` keeps the tensors of its last
+    refit alive for this until the next refit or ``clear_requests()``, so dropping them does not
+    hand their memory to other tensors under a rerun (the C++ service, ``service.core``, holds
+    none: there the caller keeps them). Refused before any :func:`execute_reshard_plan` of the
     plan on the service, and after ``clear_requests()``. Where tensors change, call
     :func:`execute_reshard_plan` again.
     """

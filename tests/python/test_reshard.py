@@ -2,11 +2,13 @@
 where present, PyTorch) tensors; multi-process jobs go through `python -m reshard.launch`. GPU
 cases skip unless CUDA and enough GPUs are present."""
 
+import gc
 import os
 import shutil
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -400,6 +402,28 @@ def test_a_rerun_moves_the_new_values_of_the_tensors_it_was_given(service):
     service.clear_requests()
     with pytest.raises(reshard.ReshardError, match="call execute_reshard_plan"):
         reshard.rerun_reshard_plan(plan, service)
+
+
+def test_the_service_keeps_the_tensors_of_its_last_refit_alive_for_reruns(service):
+    plan, src, dst = _one_pe_plan()
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    arrays = [t.data for t in (*src.values(), *dst.values())]
+    held = [weakref.ref(a) for a in arrays]
+    del src, dst, arrays
+    gc.collect()
+    # Dropped by the caller, they are what a rerun reads and writes: their memory must not be freed.
+    assert all(ref() is not None for ref in held)
+    reshard.rerun_reshard_plan(plan, service)
+    # A new refit takes the place of the old one's tensors; clear_requests() lets go of them all.
+    _, src, dst = _one_pe_plan()
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    gc.collect()
+    assert all(ref() is None for ref in held)
+    newer = [weakref.ref(t.data) for t in (*src.values(), *dst.values())]
+    del src, dst
+    service.clear_requests()
+    gc.collect()
+    assert all(ref() is None for ref in newer)
 
 
 def test_where_colocated_slices_are_quantized_is_a_keyword(service):
