@@ -566,6 +566,12 @@ def test_bench_plot_draws_the_records_it_is_given(tmp_path):
     assert sorted(p.name for p in written) == ["convert_nvidia-h100-80gb-hbm3.png",
                                                "copy_host_4pes.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
+    # Colocated refits of two kinds of GPU: one chart each, not one of both.
+    colocated = plot_results.load([results / "h100x1-colocated.jsonl",
+                                   results / "h200x1-colocated.jsonl"])
+    written = plot_results.plot_all(colocated, tmp_path / "colocated")
+    assert sorted(p.name for p in written) == ["colocated_nvidia-h100-80gb-hbm3.png",
+                                               "colocated_nvidia-h200.png"]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert plot_results.main([str(empty), "--out", str(tmp_path / "none")]) == 1

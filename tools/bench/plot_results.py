@@ -158,6 +158,15 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
 
 
 def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
+    # One chart per kind of GPU: records of an H100 and an H200 are not compared.
+    devices = sorted({r.get("device", "GPU") for r in records
+                      if r.get("bench") == "refit" and r.get("colocated")})
+    return [path for device in devices
+            for path in _plot_colocated_on(
+                [r for r in records if r.get("device", "GPU") == device], device, out, plt)]
+
+
+def _plot_colocated_on(records: List[dict], device: str, out: Path, plt) -> List[Path]:
     # Plain bf16 refits in the transport's own order, the last record of each model, PE count
     # and MPS setting (the files are appended to).
     refits = [r for r in records
@@ -171,25 +180,6 @@ def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
     for r in refits:
         latest[(r["model"], r.get("layers"), r["pes"], r.get("mps", False))] = r
     keys = sorted(latest, key=lambda k: (k[0], k[3], k[2]))
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5),
-                                         gridspec_kw={"width_ratios": [3, 1]})
-    width = 0.27
-    series = [("reshard", lambda r: r["median_s"]),
-              ("hand-written IPC copy loop", lambda r: r.get("baseline_median_s")),
-              ("one process copying the same bytes", lambda r: r.get("copy_ceiling_s"))]
-    for i, (name, value) in enumerate(series):
-        xs = [j + i * width for j, k in enumerate(keys) if value(latest[k])]
-        heights = [value(latest[k]) * 1e3 for k in keys if value(latest[k])]
-        left.bar(xs, heights, width, label=name)
-    left.set_xticks([j + width for j in range(len(keys))])
-    left.set_xticklabels([f"{m.split('-')[0]} {l}L\n{p} PEs, MPS {'on' if on else 'off'}"
-                          for m, l, p, on in keys], fontsize=7)
-    left.set_ylabel("ms per refit (lower is better)")
-    device = refits[-1].get("device", "GPU")
-    left.set_title(f"colocated bf16 refits (the newest of each), PEs sharing one {device}, "
-                   f"up to {newest_date}", fontsize=9)
-    left.legend(fontsize=7)
-    left.grid(True, axis="y", alpha=0.3)
     # The newest day's 4 KiB all-to-alls, the fastest same-device order of each PE count and MPS
     # setting (records before 2026-11-24 name the PE count "pes", later ones "gpus").
     shared = [r for r in records
@@ -202,15 +192,41 @@ def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
             continue
         key = (r.get("pes", r.get("gpus")), r.get("mps", False))
         small[key] = min(small.get(key, float("inf")), r["seconds"] * 1e6)
-    labels = sorted(small, key=lambda k: (k[1], k[0]))
-    right.bar(range(len(labels)), [small[k] for k in labels], color="tab:blue")
-    right.set_xticks(range(len(labels)))
-    right.set_xticklabels([f"{p} PEs\nMPS {'on' if on else 'off'}" for p, on in labels],
-                          fontsize=7)
-    right.set_yscale("log")
-    right.set_ylabel("us per 4 KiB all-to-all")
-    right.set_title("small all-to-all", fontsize=9)
-    right.grid(True, axis="y", alpha=0.3)
+    if small:
+        figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5),
+                                             gridspec_kw={"width_ratios": [3, 1]})
+    else:
+        figure, left = plt.subplots(figsize=(8.5, 4.5))
+    # Reruns (rerun_reshard_plan) where the records have them.
+    series = [("reshard", lambda r: r["median_s"]),
+              ("reshard, rerun_reshard_plan", lambda r: r.get("rerun_median_s")),
+              ("hand-written IPC copy loop", lambda r: r.get("baseline_median_s")),
+              ("one process copying the same bytes", lambda r: r.get("copy_ceiling_s"))]
+    series = [(name, value) for name, value in series
+              if any(value(latest[k]) for k in keys)]
+    width = 0.8 / len(series)
+    for i, (name, value) in enumerate(series):
+        xs = [j + i * width for j, k in enumerate(keys) if value(latest[k])]
+        heights = [value(latest[k]) * 1e3 for k in keys if value(latest[k])]
+        left.bar(xs, heights, width, label=name)
+    left.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(keys))])
+    left.set_xticklabels([f"{m.split('-')[0]} {l}L\n{p} PEs, MPS {'on' if on else 'off'}"
+                          for m, l, p, on in keys], fontsize=7)
+    left.set_ylabel("ms per refit (lower is better)")
+    left.set_title(f"colocated bf16 refits (the newest of each), PEs sharing one {device}, "
+                   f"up to {newest_date}", fontsize=9)
+    left.legend(fontsize=7)
+    left.grid(True, axis="y", alpha=0.3)
+    if small:
+        labels = sorted(small, key=lambda k: (k[1], k[0]))
+        right.bar(range(len(labels)), [small[k] for k in labels], color="tab:blue")
+        right.set_xticks(range(len(labels)))
+        right.set_xticklabels([f"{p} PEs\nMPS {'on' if on else 'off'}" for p, on in labels],
+                              fontsize=7)
+        right.set_yscale("log")
+        right.set_ylabel("us per 4 KiB all-to-all")
+        right.set_title("small all-to-all", fontsize=9)
+        right.grid(True, axis="y", alpha=0.3)
     path = out / f"colocated_{_slug(device)}.png"
     _save(plt, figure, path)
     return [path]
