@@ -376,12 +376,12 @@ TEST(VerifyMode, GpuRangesAreCheckedAndCorruptionIsNamedOnEveryPe) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
-// Stream-ordered pool memory cannot be shared through legacy CUDA IPC: the CUDA transport stages
-// those destinations through its bounce buffer, and the bytes must still arrive exactly.
-TEST(Destinations, PoolAllocatedDestinationsArrive) {
+// Three runs of a random workload, every byte checked, with destinations in pool memory on the PEs
+// `pooled_on` names.
+void expect_arrival_with_pooled_destinations(bool (*pooled_on)(PeId), std::uint64_t seed) {
   auto service = make_service();
-  GpuWorkload w(*service, bench::make_workload("random", service->n_pes(), 1 << 20, 11),
-                /*pooled_destination=*/true);
+  GpuWorkload w(*service, bench::make_workload("random", service->n_pes(), 1 << 20, seed),
+                pooled_on(service->my_pe()));
   service->schedule();
   for (std::uint32_t iteration = 0; iteration < 3; ++iteration) {
     w.stage(iteration, nullptr);
@@ -389,6 +389,12 @@ TEST(Destinations, PoolAllocatedDestinationsArrive) {
     service->run();
     EXPECT_EQ(w.check(iteration, nullptr), 0u) << "iteration " << iteration;
   }
+}
+
+// Stream-ordered pool memory cannot be shared through legacy CUDA IPC: the CUDA transport stages
+// those destinations through its bounce buffer, and the bytes must still arrive exactly.
+TEST(Destinations, PoolAllocatedDestinationsArrive) {
+  expect_arrival_with_pooled_destinations([](PeId) { return true; }, 11);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
@@ -396,16 +402,7 @@ TEST(Destinations, PoolAllocatedDestinationsArrive) {
 // makes the others' copies to itself, which land in its bounce buffer like any peer's before its
 // unstage copy moves them (written straight to the destination, they were overwritten by it).
 TEST(Destinations, PoolAllocatedDestinationsOfTheLeadingPeArrive) {
-  auto service = make_service();
-  GpuWorkload w(*service, bench::make_workload("random", service->n_pes(), 1 << 20, 13),
-                /*pooled_destination=*/service->my_pe() == 0);
-  service->schedule();
-  for (std::uint32_t iteration = 0; iteration < 3; ++iteration) {
-    w.stage(iteration, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    service->run();
-    EXPECT_EQ(w.check(iteration, nullptr), 0u) << "iteration " << iteration;
-  }
+  expect_arrival_with_pooled_destinations([](PeId pe) { return pe == 0; }, 13);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
