@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 
 #include "core/env.hpp"
 #include "launch/local_launcher.hpp"
@@ -40,8 +41,19 @@ namespace {
 using Array = nb::ndarray<>;                // memory reshard writes
 using ReadOnlyArray = nb::ndarray<nb::ro>;  // memory reshard only reads
 
+// What an error names: a string, or a function that makes one (only once something is wrong:
+// execute_reshard_plan converts thousands of tensors a call).
+template <typename Describe>
+std::string named(const Describe& what) {
+  if constexpr (std::is_invocable_v<const Describe&>)
+    return what();
+  else
+    return what;
+}
+
 // The element type of an array, as reshard names it.
-DType dtype_of(const nb::dlpack::dtype& type, const std::string& what) {
+template <typename Describe>
+DType dtype_of(const nb::dlpack::dtype& type, const Describe& what) {
   using Code = nb::dlpack::dtype_code;
   const auto code = static_cast<Code>(type.code);
   if (type.lanes == 1) {
@@ -59,26 +71,26 @@ DType dtype_of(const nb::dlpack::dtype& type, const std::string& what) {
   if (type.lanes == 1 && code == Code::UInt && type.bits == 16) {
     // NumPy has no bfloat16: its users hold bf16 weights as uint16.
     throw_error(ErrorCode::kInvalidArgument,
-                what +
+                named(what) +
                     " is uint16, which could hold bfloat16 or float16 bits: name the type, "
                     "e.g. LocalTensor(array, dtype=\"bfloat16\")");
   }
   throw_error(ErrorCode::kInvalidArgument,
-              what + ": unsupported element type (DLPack code " + std::to_string(type.code) + ", " +
-                  std::to_string(type.bits) +
+              named(what) + ": unsupported element type (DLPack code " + std::to_string(type.code) +
+                  ", " + std::to_string(type.bits) +
                   " bits): name the type, e.g. LocalTensor(array, dtype=\"float8_e4m3\")");
 }
 
 // The memory of a contiguous array. Non-contiguous arrays are refused rather than copied: reshard
 // reads and writes the caller's memory in place.
-template <typename AnyArray>
-Buffer buffer_of(const AnyArray& array, const std::string& what) {
+template <typename AnyArray, typename Describe>
+Buffer buffer_of(const AnyArray& array, const Describe& what) {
   std::int64_t expected = 1;
   for (std::size_t d = array.ndim(); d-- > 0;) {
     if (array.shape(d) != 1 && array.stride(d) != expected) {
       throw_error(ErrorCode::kInvalidArgument,
-                  what + " is not contiguous (dimension " + std::to_string(d) + " has stride " +
-                      std::to_string(array.stride(d)) + " elements, expected " +
+                  named(what) + " is not contiguous (dimension " + std::to_string(d) +
+                      " has stride " + std::to_string(array.stride(d)) + " elements, expected " +
                       std::to_string(expected) +
                       "); reshard moves memory in place: pass a contiguous array (.contiguous() "
                       "in PyTorch, numpy.ascontiguousarray in NumPy)");
@@ -95,7 +107,7 @@ Buffer buffer_of(const AnyArray& array, const std::string& what) {
       return Buffer::cuda(data, bytes, array.device_id());
     default:
       throw_error(ErrorCode::kInvalidArgument,
-                  what + " lives on a device reshard does not handle (DLPack device type " +
+                  named(what) + " lives on a device reshard does not handle (DLPack device type " +
                       std::to_string(array.device_type()) + "); use host or CUDA memory");
   }
 }
@@ -131,15 +143,17 @@ using TensorEntry =
 template <typename AnyArray>
 TensorMap tensor_map(const std::vector<TensorEntry<AnyArray>>& entries, const char* role) {
   TensorMap map;
+  map.reserve(entries.size());
   for (const auto& [name, data, scale, dtype] : entries) {
-    const std::string what = std::string(role) + " tensor '" + name + "'";
+    auto what = [&] { return std::string(role) + " tensor '" + name + "'"; };
     LocalTensor tensor;
     tensor.data = buffer_of(data, what);
     tensor.dtype = dtype ? parse_dtype(*dtype) : dtype_of(data.dtype(), what);
+    tensor.shape.reserve(data.ndim());
     for (std::size_t d = 0; d < data.ndim(); ++d)
       tensor.shape.push_back(static_cast<std::int64_t>(data.shape(d)));
-    if (scale) tensor.scale = buffer_of(*scale, what + " (scale)");
-    map[name] = tensor;
+    if (scale) tensor.scale = buffer_of(*scale, [&] { return what() + " (scale)"; });
+    map.insert_or_assign(name, std::move(tensor));
   }
   return map;
 }
