@@ -877,23 +877,34 @@ struct Resharder::Impl {
     // A built-in transform's conversions replay (recorded by the last refit), and without a
     // transform nothing reads the maps; a custom transform's hooks run again on the prepared
     // tensors, and must return the wire buffers they were scheduled with.
-    if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
-      TensorMap src, dst;
-      std::size_t i = 0;
-      for (const auto& [params, map] :
-           {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
-        for (const std::string* name : *params) map->emplace(*name, prepared.tensors[i++]);
+    try {
+      if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
+        TensorMap src, dst;
+        std::size_t i = 0;
+        for (const auto& [params, map] :
+             {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
+          for (const std::string* name : *params) map->emplace(*name, prepared.tensors[i++]);
+        }
+        if (!rerun_transforms(src, dst, stream)) {
+          throw_error(ErrorCode::kInvalidState,
+                      "rerun: transform '" + transform->name() +
+                          "' returned other wire buffers than the refit was scheduled with: "
+                          "execute the plan instead, on every rank, to schedule it again");
+        }
+        run_phases(src, dst, stream, cuda_stream, clock, report);
+      } else {
+        static const TensorMap kUnread;
+        run_phases(kUnread, kUnread, stream, cuda_stream, clock, report);
       }
-      if (!rerun_transforms(src, dst, stream)) {
-        throw_error(ErrorCode::kInvalidState,
-                    "rerun: transform '" + transform->name() +
-                        "' returned other wire buffers than the refit was scheduled with: "
-                        "execute the plan instead, on every rank, to schedule it again");
-      }
-      run_phases(src, dst, stream, cuda_stream, clock, report);
-    } else {
-      static const TensorMap kUnread;
-      run_phases(kUnread, kUnread, stream, cuda_stream, clock, report);
+    } catch (const Error& error) {
+      // Ranks agree on nothing before a rerun: one that executes the plan (or stops) while its
+      // peers rerun leaves them waiting for it. Say which calls must match.
+      if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
+      throw Error(error.code(),
+                  std::string(error.what()) +
+                      " [during rerun_reshard_plan: every rank must rerun the same refit together; "
+                      "where any rank executes the plan instead, every rank must]",
+                  error.tasks());
     }
     return report;
   }

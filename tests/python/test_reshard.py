@@ -589,6 +589,24 @@ def test_reshard_layout_changes_and_transforms(n):
     assert_ok(launch(n, WORKERS / "reshard_worker.py"))
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rerun_on_one_rank_while_the_others_execute_fails_in_bounded_time(n):
+    timeout = 3
+    result = launch(n, WORKERS / "rerun_mismatch_worker.py", timeout, timeout=120)
+    import re
+
+    ended = {int(m.group(1)): m.group(2)
+             for m in re.finditer(r"rank (\d+): (.*)$", result.stdout, re.MULTILINE)}
+    assert sorted(ended) == list(range(n)), result.stdout + result.stderr
+    assert "returned" not in ended.values(), result.stdout
+    code, _, rest = ended[0].partition(" after ")
+    assert code == "timeout", ended[0]
+    assert float(rest.split(" s: ")[0]) < timeout + 10, ended[0]
+    assert "every rank must rerun the same refit together" in rest, ended[0]
+    for rank in range(1, n):  # left waiting in the ranks' agreement, told that rank 0 went away
+        assert ended[rank].startswith("peer failure"), ended[rank]
+
+
 def test_example_refits_tp4_into_tp2():
     result = launch(4, EXAMPLES / "refit_tp4_to_tp2.py")
     assert_ok(result)
