@@ -877,25 +877,22 @@ struct Resharder::Impl {
     // A built-in transform's conversions replay (recorded by the last refit), and without a
     // transform nothing reads the maps; a custom transform's hooks run again on the prepared
     // tensors, and must return the wire buffers they were scheduled with.
-    try {
-      if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
-        TensorMap src, dst;
-        std::size_t i = 0;
-        for (const auto& [params, map] :
-             {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
-          for (const std::string* name : *params) map->emplace(*name, prepared.tensors[i++]);
-        }
-        if (!rerun_transforms(src, dst, stream)) {
-          throw_error(ErrorCode::kInvalidState,
-                      "rerun: transform '" + transform->name() +
-                          "' returned other wire buffers than the refit was scheduled with: "
-                          "execute the plan instead, on every rank, to schedule it again");
-        }
-        run_phases(src, dst, stream, cuda_stream, clock, report);
-      } else {
-        static const TensorMap kUnread;
-        run_phases(kUnread, kUnread, stream, cuda_stream, clock, report);
+    TensorMap src, dst;  // left empty where nothing reads them
+    if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
+      std::size_t i = 0;
+      for (const auto& [params, map] :
+           {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
+        for (const std::string* name : *params) map->emplace(*name, prepared.tensors[i++]);
       }
+      if (!rerun_transforms(src, dst, stream)) {
+        throw_error(ErrorCode::kInvalidState,
+                    "rerun: transform '" + transform->name() +
+                        "' returned other wire buffers than the refit was scheduled with: "
+                        "execute the plan instead, on every rank, to schedule it again");
+      }
+    }
+    try {
+      run_phases(src, dst, stream, cuda_stream, clock, report);
     } catch (const Error& error) {
       // Ranks agree on nothing before a rerun: one that executes the plan (or stops) while its
       // peers rerun leaves them waiting for it. Say which calls must match.

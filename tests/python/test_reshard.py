@@ -4,6 +4,7 @@ cases skip unless CUDA and enough GPUs are present."""
 
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -531,8 +532,6 @@ def test_tensor_of_the_wrong_shape_is_refused_naming_both_shapes(service):
 def test_every_test_the_docs_cite_exists():
     """Docs name GoogleTest cases as `Suite.Name` and pytest ones as `test_...`: each must exist."""
     root = HERE.parent.parent
-    import re
-
     sources = "\n".join(p.read_text() for p in (root / "tests").rglob("*.cpp"))
     python = "\n".join(p.read_text() for p in (root / "tests").rglob("*.py"))
     cited_gtest, cited_pytest = set(), set()
@@ -593,8 +592,6 @@ def test_reshard_layout_changes_and_transforms(n):
 def test_a_rerun_on_one_rank_while_the_others_execute_fails_in_bounded_time(n):
     timeout = 3
     result = launch(n, WORKERS / "rerun_mismatch_worker.py", timeout, timeout=120)
-    import re
-
     ended = {int(m.group(1)): m.group(2)
              for m in re.finditer(r"rank (\d+): (.*)$", result.stdout, re.MULTILINE)}
     assert sorted(ended) == list(range(n)), result.stdout + result.stderr

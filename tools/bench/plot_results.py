@@ -158,12 +158,12 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
 
 
 def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
-    # One chart per kind of GPU: records of an H100 and an H200 are not compared.
-    devices = sorted({r.get("device", "GPU") for r in records
-                      if r.get("bench") == "refit" and r.get("colocated")})
-    return [path for device in devices
-            for path in _plot_colocated_on(
-                [r for r in records if r.get("device", "GPU") == device], device, out, plt)]
+    # One chart per kind of GPU (as plot_convert): records of an H100 and an H200 are not compared.
+    by_device: Dict[str, List[dict]] = defaultdict(list)
+    for r in records:
+        by_device[r.get("device", "GPU")].append(r)
+    return [path for device, rows in sorted(by_device.items())
+            for path in _plot_colocated_on(rows, device, out, plt)]
 
 
 def _plot_colocated_on(records: List[dict], device: str, out: Path, plt) -> List[Path]:
