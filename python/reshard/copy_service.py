@@ -231,6 +231,13 @@ class CopyService:
         # and reads again without being given them.
         self._refit_tensors: list = []
 
+    def _choose_transport(self, transport: str) -> None:
+        """Before init(): sets up ``transport`` instead of the one asked for at construction
+        (``RESHARD_TRANSPORT`` still overrides it), on the same bootstrap and settings."""
+        if self._service.initialized:
+            raise _core.ReshardError("_choose_transport() after init()")
+        self._service = _core.CopyService(transport, self._bootstrap, self._service.options)
+
     def init(self, log_level: Optional[str] = None) -> "CopyService":
         """Collective: sets up the transport. Logs at ``log_level`` where given (overridden by
         ``RESHARD_LOG_LEVEL``), else at the service's ``log_level`` setting."""

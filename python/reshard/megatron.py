@@ -7,7 +7,9 @@ Needs PyTorch (Megatron hands it torch tensors). Where ``megatron.core`` is impo
 :class:`ReshardCopyService` is a subclass of Megatron's ``CopyService``, so
 ``swap_model_weights`` accepts it; constructed inside a ``torch.distributed`` job it bootstraps
 from the default process group (or ``group=``), and the ranks Megatron passes (global ranks) are
-translated to that group's ranks.
+translated to that group's ranks. Made with ``transport="auto"`` (the default), the service is set
+up at the first ``run()``, for the tensors handed over: the host transport where every rank's are
+CPU tensors (on a machine with GPUs, "auto" alone would choose the CUDA transport).
 
 Megatron submits every send and receive of a refit, then calls ``run()``; each refit it hands over
 fresh temporaries (``.contiguous()`` copies, new receive buffers). The first refit registers and
@@ -29,7 +31,7 @@ import hashlib
 import struct
 from typing import Any, List, Optional, Tuple
 
-from .copy_service import CopyService, make_bootstrap
+from .copy_service import CopyService, _refusal, make_bootstrap
 
 __all__ = ["ReshardCopyService", "RemoteCopyService", "MEGATRON_AVAILABLE"]
 
@@ -79,7 +81,10 @@ class ReshardCopyService(_MegatronCopyService):
     ``group``: the ``torch.distributed`` process group of the job (None: the default group);
     ``bootstrap``: anything :func:`reshard.make_bootstrap` accepts, instead of the process group;
     any other keyword is a setting of the service made here (``timeout=10``, ``cuda={"engine":
-    "ce"}``: see :class:`reshard.CopyService`).
+    "ce"}``: see :class:`reshard.CopyService`). On ``transport="auto"`` a service not yet set up
+    (``init()``) is set up at the first ``run()``: the host transport where every rank hands over
+    CPU tensors, else what "auto" picks; CPU tensors on some ranks and GPU tensors on others are
+    refused on every rank.
     """
 
     # What Megatron's refit loop asks of a copy service.
@@ -100,7 +105,12 @@ class ReshardCopyService(_MegatronCopyService):
         elif settings:
             raise TypeError(f"ReshardCopyService: settings {sorted(settings)} apply to the "
                             "service it makes; pass them to the CopyService given instead")
-        if not service.initialized:
+        self._log_level = log_level
+        # An unset-up service on "auto" is set up at the first run(), for the tensors handed over.
+        self._transport_from_tensors = (isinstance(service, CopyService)
+                                        and not service.initialized
+                                        and service.options.transport == "auto")
+        if not service.initialized and not self._transport_from_tensors:
             service.init(log_level)
         self.service = service
         self.rank = service.my_pe
@@ -157,6 +167,8 @@ class ReshardCopyService(_MegatronCopyService):
     def run(self) -> None:
         """Moves every submitted tensor, then forgets the submissions (as Megatron expects)."""
         torch = _torch()
+        if self._transport_from_tensors:
+            self._init_for_tensors()
         pattern = self._pattern()
         if not self._all_reuse(pattern == self._scheduled_pattern):
             self._register()
@@ -177,6 +189,19 @@ class ReshardCopyService(_MegatronCopyService):
         self.service.finalize()
 
     finalize = close
+
+    def _init_for_tensors(self) -> None:
+        """Collective: sets the service up for the tensors of the first refit. On a machine with
+        GPUs "auto" means the CUDA transport, which cannot read CPU tensors: where every rank
+        hands over CPU tensors (a model kept on the CPU), the host transport moves them."""
+        kinds = sorted({e.tensor.device.type for e in self._sends + self._recvs})
+        gathered = [part.decode().split(",") if part else []
+                    for part in self.service.all_gather(",".join(kinds).encode())]
+        transport = transport_for_tensor_devices(gathered)
+        if transport != "auto":
+            self.service._choose_transport(transport)
+        self.service.init(self._log_level)
+        self._transport_from_tensors = False
 
     # ---- planning once ----
 
@@ -206,6 +231,24 @@ class ReshardCopyService(_MegatronCopyService):
         svc.schedule()
         self.schedules += 1
         self._scheduled = (self._sends, self._recvs)
+
+
+def transport_for_tensor_devices(devices_by_rank: List[List[str]]) -> str:
+    """The transport for a refit whose rank ``r`` hands over tensors on the devices
+    ``devices_by_rank[r]`` (torch device types): "host" where they are all CPU tensors, "auto"
+    where none is. A refit with CPU tensors on some ranks and GPU tensors on others has no
+    transport that moves both: refused on every rank, naming them."""
+    cpu = [r for r, kinds in enumerate(devices_by_rank) if "cpu" in kinds]
+    other = {r: [k for k in kinds if k != "cpu"] for r, kinds in enumerate(devices_by_rank)}
+    other = {r: kinds for r, kinds in other.items() if kinds}
+    if cpu and other:
+        others = ", ".join(f"rank {r}: {'/'.join(kinds)}" for r, kinds in sorted(other.items()))
+        raise _refusal(f"ReshardCopyService: rank(s) {', '.join(map(str, cpu))} hand over CPU "
+                       f"tensors and others GPU tensors ({others}); one refit moves tensors of "
+                       "one kind (CPU tensors on the host transport, GPU tensors on the GPU "
+                       "transports): move them to the same kind of device, or give each kind "
+                       "its own service")
+    return "host" if cpu else "auto"
 
 
 def _copy_in(torch: Any, wire: Any, tensor: Any) -> None:

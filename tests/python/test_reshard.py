@@ -621,6 +621,34 @@ def test_a_transform_written_for_megatron_runs_unchanged(n):
     assert_ok(launch(n, WORKERS / "megatron_transform_worker.py", "cpu"))
 
 
+@pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
+@pytest.mark.parametrize("n", [2, 3])
+def test_megatron_service_without_a_transport_moves_cpu_tensors_on_the_host_transport(n):
+    result = launch(n, WORKERS / "megatron_transport_worker.py", "cpu")
+    assert_ok(result)
+    assert result.stdout.count("CPU tensors moved on the host transport") == n
+
+
+@pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
+def test_megatron_service_refuses_cpu_and_other_tensors_in_one_refit_on_every_rank():
+    result = launch(3, WORKERS / "megatron_transport_worker.py", "mixed", timeout=60)
+    assert_ok(result)
+    assert result.stdout.count("refused: ReshardCopyService: rank(s) 1, 2 hand over CPU") == 3
+
+
+def test_the_transport_for_a_refit_follows_its_tensors_devices():
+    from reshard.megatron import transport_for_tensor_devices as choose
+
+    assert choose([["cpu"], ["cpu"], []]) == "host"
+    assert choose([["cuda"], [], ["cuda"]]) == "auto"
+    assert choose([[], []]) == "auto"
+    for mixed, named in (([["cpu"], ["cuda"]], "rank 1: cuda"),
+                         ([["cpu", "cuda"], []], "rank 0: cuda")):
+        with pytest.raises(reshard.ReshardError, match=re.escape(named)) as refused:
+            choose(mixed)
+        assert "rank(s) 0 hand over CPU tensors" in str(refused.value)
+
+
 def has_megatron() -> bool:
     try:
         import megatron.core.resharding.refit  # noqa: F401
