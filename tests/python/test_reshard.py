@@ -571,6 +571,17 @@ def test_bench_plot_draws_the_records_it_is_given(tmp_path):
     written = plot_results.plot_all(colocated, tmp_path / "colocated")
     assert sorted(p.name for p in written) == ["colocated_nvidia-h100-80gb-hbm3.png",
                                                "colocated_nvidia-h200.png"]
+    # Refits: the newest day's runs, the last of each wins, each beside the baseline of its run.
+    refits = plot_results.load([results / "h200x4-refit.jsonl"])
+    bars = plot_results.latest_refits(refits)
+    llama = ("llama3-8b, 32 layers", "none")
+    assert bars[(*llama, "cuda (auto)")]["commit"] == "3288a98"
+    assert bars[(*llama, "nccl (same run)")]["median_s"] == [
+        r["baseline_median_s"] for r in refits if r.get("commit") == "3288a98"
+        and r["model"] == "llama3-8b" and r["transform"] == "none"][-1]
+    assert {r.get("date") for r in bars.values()} == {max(r["date"] for r in refits if "date" in r)}
+    written = plot_results.plot_all(refits, tmp_path / "refits")
+    assert [p.name for p in written] == ["refit_4x-nvidia-h200.png"]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert plot_results.main([str(empty), "--out", str(tmp_path / "none")]) == 1

@@ -111,20 +111,35 @@ def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
     return written
 
 
-def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
+def latest_refits(records: List[dict]) -> dict:
+    """The refit chart's bars: (model, transform, transport) -> record, from the newest date's
+    records (the last of each key wins), with each run's baseline (timed on the same tensors in
+    the same run) as a bar of its own."""
     refits = [r for r in records if r.get("bench") == "refit" and not r.get("colocated")]
     if not refits:
-        return []
-    # The newest date's records; the last of each (model, transform, transport, engine) wins.
+        return {}
     newest_date = max(r.get("date", "") for r in refits)
-    refits = [r for r in refits if r.get("date", "") == newest_date]
     latest = {}
     for r in refits:
+        if r.get("date", "") != newest_date:
+            continue
         if r["transport"] == "cuda" and "engine" not in r:
             continue  # early records that did not say which engine ran
         transport = r["transport"] + (f" ({r['engine']})" if r["transport"] == "cuda" else "")
         model = r["model"] + (f", {r['layers']} layers" if r.get("layers") else "")
         latest[(model, r["transform"], transport)] = r
+        if r.get("baseline") not in (None, "none") and r.get("baseline_median_s"):
+            latest[(model, r["transform"], f"{r['baseline']} (same run)")] = {
+                "median_s": r["baseline_median_s"], "date": newest_date}
+    return latest
+
+
+def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
+    latest = latest_refits(records)
+    if not latest:
+        return []
+    measured = [r for r in latest.values() if "pes" in r]
+    newest_date = measured[-1].get("date", "")
     workloads = sorted({(m, t) for m, t, _ in latest})
     transports = sorted({k[2] for k in latest})
     figure, axis = plt.subplots(figsize=(8, 4.5))
@@ -147,7 +162,7 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     axis.set_xticks([j + width * (len(transports) - 1) / 2 for j in range(len(workloads))])
     axis.set_xticklabels([f"{m}\n{t}" for m, t in workloads], fontsize=8)
     axis.set_ylabel("ms per refit (lower is better)")
-    device = f"{refits[-1].get('pes', '?')}x {refits[-1].get('device', 'GPUs')}"
+    device = f"{measured[-1].get('pes', '?')}x {measured[-1].get('device', 'GPUs')}"
     axis.set_title(f"refit through execute_reshard_plan, {device}, {newest_date}\n"
                    "(labels: busiest PE / copy-engine ceiling)")
     axis.legend(fontsize=8)
