@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On a GPU machine: whether this checkout is slower than an earlier commit. Builds both (this one
+# with scripts/gpu-build.sh, BASE's reshard program from `git archive BASE`), then times the
+# same benchmarks with each build in alternating runs on the same machine: the model refits
+# (bench-refit, NCCL or the hand loop timed in each run), then the all-to-all sweep (bench-gpu).
+# One PE per GPU, or PES_PER_GPU PEs sharing each (colocated; 2 on a one-GPU machine). Records go
+# to $OUT/ab.jsonl (commit fields tell the builds apart), logs to $OUT (default build-gpu/logs).
+#   scripts/gpu-ab.sh BASE
+# REFITS: "model:layers:transport:transform ..." (layers 0: the model's; default on several GPUs:
+# Llama and Qwen at full depth on cuda, Llama on nvshmem and with MXFP8; on one GPU: Llama 16 and
+# Qwen 12 layers, Llama with MXFP8); REPEATS: runs of each build (default 2); SIZES: bench-gpu
+# sizes ("" skips the sweep).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+base=${1:?usage: scripts/gpu-ab.sh BASE (a commit to compare this checkout with)}
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export OUT=${OUT:-build-gpu/logs}
+mkdir -p "$OUT"
+head=$(git rev-parse --short HEAD)
+base=$(git rev-parse --short "$base") || exit 1
+base_src="build-gpu/ab-base-src"
+rm -rf "$base_src" && mkdir -p "$base_src" && git archive "$base" | tar -x -C "$base_src" || exit 1
+args=(-DCMAKE_BUILD_TYPE=Release -DRESHARD_BUILD_TESTS=OFF)
+[[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
+command -v ninja >/dev/null && args+=(-G Ninja)
+bash scripts/gpu-build.sh &
+head_build=$!
+{ cmake -S "$base_src" -B "$base_src/build" "${args[@]}" >"$OUT/ab-base-configure.log" 2>&1 &&
+  cmake --build "$base_src/build" -j "$(nproc)" --target reshard-cli >"$OUT/ab-base-build.log" 2>&1; } ||
+  { tail -20 "$OUT/ab-base-build.log" "$OUT/ab-base-configure.log" 2>/dev/null; exit 1; }
+wait "$head_build" || exit 1
+gpus=$(nvidia-smi -L | wc -l)
+# One GPU: PEs share it (colocated), at the depths the colocated benchmarks use.
+if ((gpus == 1)); then
+  n=$((${PES_PER_GPU:-2}))
+  default_refits="llama3-8b:16:cuda:none qwen3-30b-a3b:12:cuda:none llama3-8b:16:cuda:mxfp8"
+else
+  n=$((gpus * ${PES_PER_GPU:-1}))
+  default_refits="llama3-8b:0:cuda:none qwen3-30b-a3b:0:cuda:none llama3-8b:0:nvshmem:none
+    llama3-8b:0:cuda:mxfp8"
+fi
+status=0
+bench() {  # build (head or base), then the reshard arguments
+  local build=$1 bin=build-gpu/reshard commit=$head
+  shift
+  [[ $build == base ]] && { bin=$base_src/build/reshard; commit=$base; }
+  echo "== $commit: reshard $*"
+  timeout 300 "$bin" "$@" --json "$OUT/ab.jsonl" --commit "$commit" >"$OUT/ab-last.txt" 2>&1 ||
+    { echo "   failed (exit $?): $OUT/ab-$build.txt"; status=1; }
+  cat "$OUT/ab-last.txt" >>"$OUT/ab-$build.txt"
+  grep -E "median of|baseline|ceiling in this run|per-peer|^\[rank 0\] [0-9]+ [KMG]iB" \
+    "$OUT/ab-last.txt" | sed 's/^\[rank 0\] */   /'
+}
+for refit in ${REFITS:-$default_refits}; do
+  IFS=: read -r model layers transport transform <<<"$refit"
+  for ((r = 0; r < ${REPEATS:-2}; ++r)); do
+    for build in head base; do
+      bench "$build" bench-refit -n "$n" -m "$model" --layers "$layers" -t "$transport" \
+        --transform "$transform" -i 10
+    done
+  done
+done
+read -ra sizes <<<"${SIZES-4KiB 64KiB 1MiB 16MiB 256MiB}"
+if ((${#sizes[@]})); then
+  for build in head base; do
+    bench "$build" bench-gpu -n "$n" -s "${sizes[@]}"
+  done
+fi
+exit $status
