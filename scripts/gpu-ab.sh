@@ -19,7 +19,11 @@ mkdir -p "$OUT"
 head=$(git rev-parse --short HEAD)
 base=$(git rev-parse --short "$base") || exit 1
 base_src="build-gpu/ab-base-src"
-rm -rf "$base_src" && mkdir -p "$base_src" && git archive "$base" | tar -x -C "$base_src" || exit 1
+# A later call for the same BASE keeps its build.
+if [[ $(cat "$base_src/.commit" 2>/dev/null) != "$base" ]]; then
+  rm -rf "$base_src" && mkdir -p "$base_src" && git archive "$base" | tar -x -C "$base_src" &&
+    echo "$base" >"$base_src/.commit" || exit 1
+fi
 args=(-DCMAKE_BUILD_TYPE=Release -DRESHARD_BUILD_TESTS=OFF)
 [[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
 command -v ninja >/dev/null && args+=(-G Ninja)
@@ -46,7 +50,7 @@ bench() {  # build (head or base), then the reshard arguments
   [[ $build == base ]] && { bin=$base_src/build/reshard; commit=$base; }
   echo "== $commit: reshard $*"
   timeout 300 "$bin" "$@" --json "$OUT/ab.jsonl" --commit "$commit" >"$OUT/ab-last.txt" 2>&1 ||
-    { echo "   failed (exit $?): $OUT/ab-$build.txt"; status=1; }
+    { echo "   failed (exit $?): $OUT/ab-$build.txt"; tail -2 "$OUT/ab-last.txt"; status=1; }
   cat "$OUT/ab-last.txt" >>"$OUT/ab-$build.txt"
   grep -E "median of|baseline|ceiling in this run|per-peer|^\[rank 0\] [0-9]+ [KMG]iB" \
     "$OUT/ab-last.txt" | sed 's/^\[rank 0\] */   /'
