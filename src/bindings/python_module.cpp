@@ -135,24 +135,81 @@ void* stream_of(std::optional<std::uintptr_t> stream) {
   return stream ? reinterpret_cast<void*>(*stream) : nullptr;
 }
 
-// One entry of a tensor map: (name, data, scale or None, dtype name or None).
-template <typename AnyArray>
-using TensorEntry =
-    std::tuple<std::string, AnyArray, std::optional<AnyArray>, std::optional<std::string>>;
+// What `object` exports through DLPack. PyTorch's Tensor.__dlpack__ is Python code (checks, then
+// the export: about 2 us a tensor), where torch.utils.dlpack.to_dlpack is the export alone (0.4
+// us); a refit of a MoE model passes thousands of tensors a call, so plain tensors and
+// parameters (requires_grad too, which __dlpack__ refuses) are exported directly. Subclasses
+// (DTensor, ...) keep their own __dlpack__.
+nb::object dlpack_source(nb::handle object) {
+  struct Torch {
+    PyTypeObject* tensor;
+    PyTypeObject* parameter;
+    nb::object to_dlpack;
+  };
+  static Torch* torch = nullptr;  // once PyTorch is imported; kept until the process ends
+  if (torch == nullptr) {
+    PyObject* module = PyImport_GetModule(nb::str("torch").ptr());
+    if (module == nullptr) {
+      PyErr_Clear();
+      return nb::borrow(object);  // no PyTorch in this process: no torch tensors either
+    }
+    nb::object torch_module = nb::steal(module);
+    torch =
+        new Torch{reinterpret_cast<PyTypeObject*>(torch_module.attr("Tensor").ptr()),
+                  reinterpret_cast<PyTypeObject*>(torch_module.attr("nn").attr("Parameter").ptr()),
+                  nb::module_::import_("torch.utils.dlpack").attr("to_dlpack")};
+  }
+  const PyTypeObject* type = Py_TYPE(object.ptr());
+  if (type != torch->tensor && type != torch->parameter) return nb::borrow(object);
+  return torch->to_dlpack(object);
+}
+
+// `object` as an array of reshard's (DLPack or the buffer protocol), or an error naming it.
+template <typename AnyArray, typename Describe>
+AnyArray array_of(nb::handle object, const Describe& what) {
+  AnyArray array;
+  std::string why;
+  try {
+    if (nb::try_cast(dlpack_source(object), array, false)) return array;
+  } catch (const nb::python_error& error) {
+    why = std::string(" (") + error.what() + ")";
+  }
+  if constexpr (!std::is_same_v<AnyArray, ReadOnlyArray>) {
+    ReadOnlyArray read_only;
+    if (why.empty() && nb::try_cast(dlpack_source(object), read_only, false)) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  named(what) +
+                      " is read-only, and reshard writes into it in place: pass a "
+                      "writable array");
+    }
+  }
+  throw_error(ErrorCode::kInvalidArgument,
+              named(what) + ": " + nb::type_name(object.type()).c_str() +
+                  " is not an array reshard can read" + why +
+                  "; it takes DLPack or buffer-protocol arrays (PyTorch, NumPy, CuPy, JAX)");
+}
+
+// One entry of a tensor map: (name, data, scale or None, dtype name or None); the arrays are
+// read by tensor_map, which names the tensor where one is not an array.
+using TensorEntry = std::tuple<std::string, nb::handle, nb::handle, std::optional<std::string>>;
 
 template <typename AnyArray>
-TensorMap tensor_map(const std::vector<TensorEntry<AnyArray>>& entries, const char* role) {
+TensorMap tensor_map(const std::vector<TensorEntry>& entries, const char* role) {
   TensorMap map;
   map.reserve(entries.size());
-  for (const auto& [name, data, scale, dtype] : entries) {
+  for (const auto& [name, object, scale_object, dtype] : entries) {
     auto what = [&] { return std::string(role) + " tensor '" + name + "'"; };
+    const auto data = array_of<AnyArray>(object, what);
     LocalTensor tensor;
     tensor.data = buffer_of(data, what);
     tensor.dtype = dtype ? parse_dtype(*dtype) : dtype_of(data.dtype(), what);
     tensor.shape.reserve(data.ndim());
     for (std::size_t d = 0; d < data.ndim(); ++d)
       tensor.shape.push_back(static_cast<std::int64_t>(data.shape(d)));
-    if (scale) tensor.scale = buffer_of(*scale, [&] { return what() + " (scale)"; });
+    if (!scale_object.is_none()) {
+      auto scale_what = [&] { return what() + " (scale)"; };
+      tensor.scale = buffer_of(array_of<AnyArray>(scale_object, scale_what), scale_what);
+    }
     map.insert_or_assign(name, std::move(tensor));
   }
   return map;
@@ -809,13 +866,12 @@ void bind_execution(nb::module_& m) {
 
   m.def(
       "execute_reshard_plan",
-      [](const std::shared_ptr<const ReshardPlan>& plan,
-         const std::vector<TensorEntry<ReadOnlyArray>>& src,
-         const std::vector<TensorEntry<Array>>& dst, CopyService& service,
+      [](const std::shared_ptr<const ReshardPlan>& plan, const std::vector<TensorEntry>& src,
+         const std::vector<TensorEntry>& dst, CopyService& service,
          std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
          std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender) {
-        const TensorMap src_map = tensor_map(src, "source");
-        const TensorMap dst_map = tensor_map(dst, "destination");
+        const TensorMap src_map = tensor_map<ReadOnlyArray>(src, "source");
+        const TensorMap dst_map = tensor_map<Array>(dst, "destination");
         ReshardOptions options;
         options.staging_budget = staging_budget;
         options.quantize_colocated_on_sender = quantize_colocated_on_sender;

@@ -529,6 +529,49 @@ def test_tensor_of_the_wrong_shape_is_refused_naming_both_shapes(service):
     np.testing.assert_array_equal(dst[param.name].data, values.reshape(rows, cols))
 
 
+@pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
+def test_torch_tensors_parameters_and_subclasses_refit_byte_for_byte(service):
+    import torch
+
+    class Marked(torch.Tensor):  # a subclass keeps its own __dlpack__
+        pass
+
+    plan, _, _ = _one_pe_plan()
+    generator = torch.Generator().manual_seed(5)
+    src, dst = {}, {}
+    for i, p in enumerate(plan.params):
+        values = torch.randn(p.shape, generator=generator).to(torch.bfloat16)
+        # Parameters require gradients, which torch's own __dlpack__ refuses.
+        src[p.name] = (torch.nn.Parameter(values), values, values.as_subclass(Marked))[i % 3]
+        dst[p.name] = (torch.zeros_like(values), torch.nn.Parameter(torch.zeros_like(values)),
+                       torch.zeros_like(values).as_subclass(Marked))[(i + 1) % 3]
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    for name in src:
+        assert torch.equal(dst[name].detach().view(torch.int16),
+                           src[name].detach().view(torch.int16)), name
+
+
+def test_entries_that_are_no_arrays_are_refused_naming_the_tensor(service):
+    plan, src, dst = _one_pe_plan()
+    name = plan.params[0].name
+    for side, value, message in (
+            ("src", "weights", rf"source tensor '{name}': str is not an array reshard can read"),
+            ("dst", 5, rf"destination tensor '{name}': int is not an array reshard can read"),
+            ("dst", reshard.LocalTensor(np.zeros(plan.params[0].shape, np.uint16),
+                                        dtype="bfloat16", scale="scales"),
+             rf"destination tensor '{name}' \(scale\): str is not an array")):
+        maps = {"src": dict(src), "dst": dict(dst)}
+        maps[side][name] = value
+        with pytest.raises(reshard.ReshardError, match=message) as refused:
+            reshard.execute_reshard_plan(plan, maps["src"], maps["dst"], service)
+        assert refused.value.code == "invalid argument"
+    frozen = np.zeros(plan.params[0].shape, np.uint16)
+    frozen.flags.writeable = False
+    with pytest.raises(reshard.ReshardError, match=rf"destination tensor '{name}' is read-only"):
+        reshard.execute_reshard_plan(plan, src, {**dst, name: reshard.LocalTensor(
+            frozen, dtype="bfloat16")}, service)
+
+
 def test_every_test_the_docs_cite_exists():
     """Docs name GoogleTest cases as `Suite.Name` and pytest ones as `test_...`: each must exist."""
     root = HERE.parent.parent

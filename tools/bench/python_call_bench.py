@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""The host time a Python call of ``execute_reshard_plan`` spends on its tensors.
+
+    python3 tools/bench/python_call_bench.py [--layers 48] [--experts 128] [--kind torch]
+
+One PE on the host transport, a toy MoE of thousands of small tensors refitted onto the same
+layout: each call of ``execute_reshard_plan`` converts every source and destination tensor and
+checks it against the schedule, where ``rerun_reshard_plan`` runs the same refit with nothing
+converted or checked. The difference, per tensor, is what a Python caller pays per parameter and
+refit. ``--kind``: ``torch`` (plain tensors), ``parameter`` (``torch.nn.Parameter``, which
+require gradients), ``numpy`` (uint16 arrays as ``LocalTensor(..., dtype="bfloat16")``).
+``--json FILE`` appends the result as a JSON line.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+import reshard
+
+
+def tensors(layout, plan, kind):
+    out = {}
+    for param in plan.params:
+        shape = layout.local_shape(0, param.name)
+        if kind == "numpy":
+            out[param.name] = reshard.LocalTensor(np.zeros(shape, np.uint16), dtype="bfloat16")
+            continue
+        import torch
+
+        tensor = torch.zeros(shape, dtype=torch.bfloat16)
+        out[param.name] = torch.nn.Parameter(tensor) if kind == "parameter" else tensor
+    return out
+
+
+def median_ms(call, calls):
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--kind", choices=["torch", "parameter", "numpy"], default="torch")
+    parser.add_argument("--calls", type=int, default=21)
+    parser.add_argument("--json", help="append the result to this JSON-lines file")
+    parser.add_argument("--commit", help="source revision recorded in the JSON line")
+    args = parser.parse_args()
+
+    service = reshard.CopyService(transport="host").init("WARN")
+    layout = reshard.build_layout(reshard.toy_model(args.layers, 64, args.experts),
+                                  reshard.Parallelism())
+    plan = reshard.make_reshard_plan(layout, layout)
+    src, dst = tensors(layout, plan, args.kind), tensors(layout, plan, args.kind)
+    for _ in range(3):  # the first call schedules
+        reshard.execute_reshard_plan(plan, src, dst, service)
+    execute = median_ms(lambda: reshard.execute_reshard_plan(plan, src, dst, service), args.calls)
+    rerun = median_ms(lambda: reshard.rerun_reshard_plan(plan, service), args.calls)
+    count = len(plan.params)
+    per_tensor_us = (execute - rerun) / count * 1e3
+    print(f"{count} tensors ({args.kind}), median of {args.calls} calls: execute_reshard_plan "
+          f"{execute:.2f} ms, rerun_reshard_plan {rerun:.2f} ms: {per_tensor_us:.2f} us a tensor")
+    service.finalize()
+    if args.json:
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                               capture_output=True, text=True).stdout.strip()
+        record = {"bench": "python_call", "date": datetime.date.today().isoformat(),
+                  "commit": commit, "kind": args.kind, "tensors": count, "calls": args.calls,
+                  "execute_ms": execute, "rerun_ms": rerun, "per_tensor_us": per_tensor_us}
+        with open(args.json, "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
