@@ -189,26 +189,45 @@ AnyArray array_of(nb::handle object, const Describe& what) {
                   "; it takes DLPack or buffer-protocol arrays (PyTorch, NumPy, CuPy, JAX)");
 }
 
-// One entry of a tensor map: (name, data, scale or None, dtype name or None); the arrays are
-// read by tensor_map, which names the tensor where one is not an array.
-using TensorEntry = std::tuple<std::string, nb::handle, nb::handle, std::optional<std::string>>;
+// A tensor map as four lists: names, arrays, and the scales and dtype names (each None, or a list
+// with None where a tensor has none). The arrays are read by tensor_map, which names the tensor
+// where one is not an array.
+using TensorLists = std::tuple<nb::list, nb::list, nb::object, nb::object>;
 
 template <typename AnyArray>
-TensorMap tensor_map(const std::vector<TensorEntry>& entries, const char* role) {
+TensorMap tensor_map(const TensorLists& lists, const char* role) {
+  const auto& [names, arrays, scales, dtypes] = lists;
+  const std::size_t count = nb::len(names);
+  // Lists of one item per name (scales and dtype names may be None instead).
+  auto sized = [&](nb::handle list, const char* what) -> PyObject* {
+    if (list.is_none() && list.ptr() != arrays.ptr()) return nullptr;
+    if (!nb::isinstance<nb::list>(list) || nb::len(list) != count) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  std::string(role) + " tensors: the " + what + " are not a list of one per name");
+    }
+    return list.ptr();
+  };
+  sized(arrays, "arrays");
+  PyObject* scale_list = sized(scales, "scales");
+  PyObject* dtype_list = sized(dtypes, "dtype names");
   TensorMap map;
-  map.reserve(entries.size());
-  for (const auto& [name, object, scale_object, dtype] : entries) {
+  map.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto name = nb::cast<std::string>(names[i]);
     auto what = [&] { return std::string(role) + " tensor '" + name + "'"; };
-    const auto data = array_of<AnyArray>(object, what);
+    const auto data = array_of<AnyArray>(arrays[i], what);
+    nb::handle dtype = dtype_list ? PyList_GET_ITEM(dtype_list, i) : Py_None;
+    nb::handle scale = scale_list ? PyList_GET_ITEM(scale_list, i) : Py_None;
     LocalTensor tensor;
     tensor.data = buffer_of(data, what);
-    tensor.dtype = dtype ? parse_dtype(*dtype) : dtype_of(data.dtype(), what);
+    tensor.dtype =
+        dtype.is_none() ? dtype_of(data.dtype(), what) : parse_dtype(nb::cast<std::string>(dtype));
     tensor.shape.reserve(data.ndim());
     for (std::size_t d = 0; d < data.ndim(); ++d)
       tensor.shape.push_back(static_cast<std::int64_t>(data.shape(d)));
-    if (!scale_object.is_none()) {
+    if (!scale.is_none()) {
       auto scale_what = [&] { return what() + " (scale)"; };
-      tensor.scale = buffer_of(array_of<AnyArray>(scale_object, scale_what), scale_what);
+      tensor.scale = buffer_of(array_of<AnyArray>(scale, scale_what), scale_what);
     }
     map.insert_or_assign(name, std::move(tensor));
   }
@@ -866,10 +885,10 @@ void bind_execution(nb::module_& m) {
 
   m.def(
       "execute_reshard_plan",
-      [](const std::shared_ptr<const ReshardPlan>& plan, const std::vector<TensorEntry>& src,
-         const std::vector<TensorEntry>& dst, CopyService& service,
-         std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
-         std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender) {
+      [](const std::shared_ptr<const ReshardPlan>& plan, const TensorLists& src,
+         const TensorLists& dst, CopyService& service, std::shared_ptr<ReshardTransform> transform,
+         std::optional<std::uintptr_t> stream, std::optional<std::uint64_t> staging_budget,
+         bool quantize_colocated_on_sender) {
         const TensorMap src_map = tensor_map<ReadOnlyArray>(src, "source");
         const TensorMap dst_map = tensor_map<Array>(dst, "destination");
         ReshardOptions options;
