@@ -6,14 +6,15 @@
 One PE on the host transport, a toy MoE of thousands of small tensors refitted onto the same
 layout: each call of ``execute_reshard_plan`` converts every source and destination tensor and
 checks it against the schedule, where ``rerun_reshard_plan`` runs the same refit with nothing
-converted or checked. The difference, per tensor, is what a Python caller pays per parameter and
-refit. ``--kind``: ``torch`` (plain tensors), ``parameter`` (``torch.nn.Parameter``, which
+converted or checked. The difference of the means, per tensor, is what a Python caller pays per
+parameter and refit; the time Python's garbage collector ran during the calls is part of it. ``--kind``: ``torch`` (plain tensors), ``parameter`` (``torch.nn.Parameter``, which
 require gradients), ``numpy`` (uint16 arrays as ``LocalTensor(..., dtype="bfloat16")``).
 ``--json FILE`` appends the result as a JSON line.
 """
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import subprocess
@@ -38,13 +39,37 @@ def tensors(layout, plan, kind):
     return out
 
 
-def median_ms(call, calls):
+class GarbageCollectorClock:
+    """Time spent in Python's garbage collector while it is entered (gc.callbacks)."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def timed_ms(call, calls):
+    """Mean and median of `calls` calls, and the collector's time a call, in ms. The mean counts
+    the collections that a median of calls can leave out (they land on some calls only)."""
     times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    with GarbageCollectorClock() as collector:
+        for _ in range(calls):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+    return (statistics.mean(times) * 1e3, statistics.median(times) * 1e3,
+            collector.seconds / calls * 1e3)
 
 
 def main():
@@ -64,19 +89,24 @@ def main():
     src, dst = tensors(layout, plan, args.kind), tensors(layout, plan, args.kind)
     for _ in range(3):  # the first call schedules
         reshard.execute_reshard_plan(plan, src, dst, service)
-    execute = median_ms(lambda: reshard.execute_reshard_plan(plan, src, dst, service), args.calls)
-    rerun = median_ms(lambda: reshard.rerun_reshard_plan(plan, service), args.calls)
+    execute, execute_median, collector = timed_ms(
+        lambda: reshard.execute_reshard_plan(plan, src, dst, service), args.calls)
+    rerun, rerun_median, _ = timed_ms(lambda: reshard.rerun_reshard_plan(plan, service), args.calls)
     count = len(plan.params)
     per_tensor_us = (execute - rerun) / count * 1e3
-    print(f"{count} tensors ({args.kind}), median of {args.calls} calls: execute_reshard_plan "
-          f"{execute:.2f} ms, rerun_reshard_plan {rerun:.2f} ms: {per_tensor_us:.2f} us a tensor")
+    print(f"{count} tensors ({args.kind}), mean of {args.calls} calls (median): "
+          f"execute_reshard_plan {execute:.2f} ms ({execute_median:.2f}), of it {collector:.2f} ms "
+          f"in the garbage collector; rerun_reshard_plan {rerun:.2f} ms ({rerun_median:.2f}): "
+          f"{per_tensor_us:.2f} us a tensor")
     service.finalize()
     if args.json:
         commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                capture_output=True, text=True).stdout.strip()
         record = {"bench": "python_call", "date": datetime.date.today().isoformat(),
                   "commit": commit, "kind": args.kind, "tensors": count, "calls": args.calls,
-                  "execute_ms": execute, "rerun_ms": rerun, "per_tensor_us": per_tensor_us}
+                  "execute_ms": execute, "execute_median_ms": execute_median,
+                  "collector_ms": collector, "rerun_ms": rerun, "rerun_median_ms": rerun_median,
+                  "per_tensor_us": per_tensor_us}
         with open(args.json, "a") as out:
             out.write(json.dumps(record) + "\n")
 
