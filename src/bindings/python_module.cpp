@@ -148,7 +148,8 @@ nb::object dlpack_source(nb::handle object) {
   };
   static Torch* torch = nullptr;  // once PyTorch is imported; kept until the process ends
   if (torch == nullptr) {
-    PyObject* module = PyImport_GetModule(nb::str("torch").ptr());
+    static PyObject* const name = PyUnicode_InternFromString("torch");
+    PyObject* module = PyImport_GetModule(name);
     if (module == nullptr) {
       PyErr_Clear();
       return nb::borrow(object);  // no PyTorch in this process: no torch tensors either
