@@ -27,6 +27,7 @@ size, src_pe)``), so code written against it runs by changing the import.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 from typing import Any, List, Optional, Tuple
@@ -63,15 +64,22 @@ def _torch():
     return torch
 
 
-class _Entry:
-    """One submitted tensor and, once scheduled, the contiguous tensor registered for it."""
+class _Submitted:
+    """The tensors of one direction of a refit, in submission order, as parallel lists: a refit
+    submits thousands, and an object each set off Python's garbage collector over the whole heap
+    (more than half of a refit's time, 10,000 tensors with Megatron imported)."""
 
-    __slots__ = ("task", "tensor", "peer", "nbytes", "wire")
+    __slots__ = ("tasks", "tensors", "peers")
 
-    def __init__(self, task: int, tensor: Any, peer: int) -> None:
-        self.task, self.tensor, self.peer = task, tensor, peer
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.wire = None
+    def __init__(self) -> None:
+        self.tasks: List[int] = []
+        self.tensors: List[Any] = []
+        self.peers: List[int] = []
+
+    def add(self, task: int, tensor: Any, peer: int) -> None:
+        self.tasks.append(task)
+        self.tensors.append(tensor)
+        self.peers.append(peer)
 
 
 class ReshardCopyService(_MegatronCopyService):
@@ -115,9 +123,9 @@ class ReshardCopyService(_MegatronCopyService):
         self.service = service
         self.rank = service.my_pe
         self.world_size = service.n_pes
-        self._sends: List[_Entry] = []
-        self._recvs: List[_Entry] = []
-        self._scheduled: Optional[Tuple[List[_Entry], List[_Entry]]] = None
+        self._sends, self._recvs = _Submitted(), _Submitted()
+        # The contiguous tensors registered by the last schedule, per direction.
+        self._scheduled: Optional[Tuple[List[Any], List[Any]]] = None
         self._scheduled_pattern: Optional[bytes] = None
         self._implicit_counts: dict = {}
         self._explicit_counts: dict = {}
@@ -151,12 +159,12 @@ class ReshardCopyService(_MegatronCopyService):
     def submit_send(self, src_tensor: Any, dest_rank: int, task_id: Optional[int] = None) -> None:
         """Registers ``src_tensor`` (all of it) to go to ``dest_rank``."""
         peer = self._peer(dest_rank)
-        self._sends.append(_Entry(self._task(task_id, self.rank, peer, True), src_tensor, peer))
+        self._sends.add(self._task(task_id, self.rank, peer, True), src_tensor, peer)
 
     def submit_recv(self, dest_tensor: Any, src_rank: int, task_id: Optional[int] = None) -> None:
         """Registers ``dest_tensor`` (all of it) to be filled from ``src_rank``."""
         peer = self._peer(src_rank)
-        self._recvs.append(_Entry(self._task(task_id, peer, self.rank, False), dest_tensor, peer))
+        self._recvs.add(self._task(task_id, peer, self.rank, False), dest_tensor, peer)
 
     def submit_send_with_id(self, task_id: int, src_tensor: Any, dest_rank: int) -> None:
         self.submit_send(src_tensor, dest_rank, task_id=task_id)
@@ -174,13 +182,14 @@ class ReshardCopyService(_MegatronCopyService):
             self._register()
             self._scheduled_pattern = pattern
         sends, recvs = self._scheduled
-        for entry, now in zip(sends, self._sends):
-            _copy_in(torch, entry.wire, now.tensor)
-        on_gpu = any(e.tensor.is_cuda for e in self._sends + self._recvs)
+        for wire, now in zip(sends, self._sends.tensors):
+            _copy_in(torch, wire, now)
+        on_gpu = any(t.is_cuda for t in self._sends.tensors) or \
+            any(t.is_cuda for t in self._recvs.tensors)
         self.service.run(torch.cuda.current_stream() if on_gpu else None)
-        for entry, now in zip(recvs, self._recvs):
-            _copy_out(torch, now.tensor, entry.wire)
-        self._sends, self._recvs = [], []
+        for wire, now in zip(recvs, self._recvs.tensors):
+            _copy_out(torch, now, wire)
+        self._sends, self._recvs = _Submitted(), _Submitted()
         self._implicit_counts.clear()
         self._explicit_counts.clear()
 
@@ -194,7 +203,7 @@ class ReshardCopyService(_MegatronCopyService):
         """Collective: sets the service up for the tensors of the first refit. On a machine with
         GPUs "auto" means the CUDA transport, which cannot read CPU tensors: where every rank
         hands over CPU tensors (a model kept on the CPU), the host transport moves them."""
-        kinds = sorted({e.tensor.device.type for e in self._sends + self._recvs})
+        kinds = sorted({t.device.type for t in self._sends.tensors + self._recvs.tensors})
         gathered = [part.decode().split(",") if part else []
                     for part in self.service.all_gather(",".join(kinds).encode())]
         transport = transport_for_tensor_devices(gathered)
@@ -207,10 +216,11 @@ class ReshardCopyService(_MegatronCopyService):
 
     def _pattern(self) -> bytes:
         digest = hashlib.blake2b(digest_size=16)
-        for entries in (self._sends, self._recvs):
-            digest.update(struct.pack("<q", len(entries)))
-            for e in entries:
-                digest.update(struct.pack("<Qqq", e.task, e.peer, e.nbytes))
+        for submitted in (self._sends, self._recvs):
+            digest.update(struct.pack("<q", len(submitted.tasks)))
+            digest.update(array.array("Q", submitted.tasks).tobytes())
+            digest.update(array.array("q", submitted.peers).tobytes())
+            digest.update(array.array("q", map(_nbytes, submitted.tensors)).tobytes())
         return digest.digest()
 
     def _all_reuse(self, mine: bool) -> bool:
@@ -221,16 +231,17 @@ class ReshardCopyService(_MegatronCopyService):
         torch = _torch()
         svc = self.service
         svc.clear_requests()
-        for entries, register in ((self._sends, svc.register_send),
-                                  (self._recvs, svc.register_receive)):
-            for e in entries:
-                tensor = e.tensor.detach()
+        scheduled: Tuple[List[Any], List[Any]] = ([], [])
+        for submitted, register, wires in ((self._sends, svc.register_send, scheduled[0]),
+                                           (self._recvs, svc.register_receive, scheduled[1])):
+            for task, tensor, peer in zip(submitted.tasks, submitted.tensors, submitted.peers):
+                tensor = tensor.detach()
                 wire = tensor if tensor.is_contiguous() else tensor.contiguous()
-                e.wire = wire.reshape(-1).view(torch.uint8)
-                register(e.task, e.wire, 0, e.nbytes, e.peer)
+                wires.append(wire.reshape(-1).view(torch.uint8))
+                register(task, wires[-1], 0, _nbytes(tensor), peer)
         svc.schedule()
         self.schedules += 1
-        self._scheduled = (self._sends, self._recvs)
+        self._scheduled = scheduled
 
 
 def transport_for_tensor_devices(devices_by_rank: List[List[str]]) -> str:
@@ -249,6 +260,10 @@ def transport_for_tensor_devices(devices_by_rank: List[List[str]]) -> str:
                        "transports): move them to the same kind of device, or give each kind "
                        "its own service")
     return "host" if cpu else "auto"
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _copy_in(torch: Any, wire: Any, tensor: Any) -> None:
