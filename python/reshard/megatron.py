@@ -126,6 +126,7 @@ class ReshardCopyService(_MegatronCopyService):
         self._sends, self._recvs = _Submitted(), _Submitted()
         # The contiguous tensors registered by the last schedule, per direction.
         self._scheduled: Optional[Tuple[List[Any], List[Any]]] = None
+        self._on_gpu = False
         self._scheduled_pattern: Optional[bytes] = None
         self._implicit_counts: dict = {}
         self._explicit_counts: dict = {}
@@ -184,9 +185,7 @@ class ReshardCopyService(_MegatronCopyService):
         sends, recvs = self._scheduled
         for wire, now in zip(sends, self._sends.tensors):
             _copy_in(torch, wire, now)
-        on_gpu = any(t.is_cuda for t in self._sends.tensors) or \
-            any(t.is_cuda for t in self._recvs.tensors)
-        self.service.run(torch.cuda.current_stream() if on_gpu else None)
+        self.service.run(torch.cuda.current_stream() if self._on_gpu else None)
         for wire, now in zip(recvs, self._recvs.tensors):
             _copy_out(torch, now, wire)
         self._sends, self._recvs = _Submitted(), _Submitted()
@@ -242,6 +241,8 @@ class ReshardCopyService(_MegatronCopyService):
         svc.schedule()
         self.schedules += 1
         self._scheduled = scheduled
+        # Later refits copy into these tensors, so they say where the runs go.
+        self._on_gpu = any(w.is_cuda for wires in scheduled for w in wires)
 
 
 def transport_for_tensor_devices(devices_by_rank: List[List[str]]) -> str:
@@ -263,7 +264,7 @@ def transport_for_tensor_devices(devices_by_rank: List[List[str]]) -> str:
 
 
 def _nbytes(tensor: Any) -> int:
-    return tensor.numel() * tensor.element_size()
+    return tensor.nbytes
 
 
 def _copy_in(torch: Any, wire: Any, tensor: Any) -> None:
