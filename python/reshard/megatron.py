@@ -176,21 +176,24 @@ class ReshardCopyService(_MegatronCopyService):
     def run(self) -> None:
         """Moves every submitted tensor, then forgets the submissions (as Megatron expects)."""
         torch = _torch()
-        if self._transport_from_tensors:
-            self._init_for_tensors()
-        pattern = self._pattern()
-        if not self._all_reuse(pattern == self._scheduled_pattern):
-            self._register()
-            self._scheduled_pattern = pattern
-        sends, recvs = self._scheduled
-        for wire, now in zip(sends, self._sends.tensors):
-            _copy_in(torch, wire, now)
-        self.service.run(torch.cuda.current_stream() if self._on_gpu else None)
-        for wire, now in zip(recvs, self._recvs.tensors):
-            _copy_out(torch, now, wire)
-        self._sends, self._recvs = _Submitted(), _Submitted()
-        self._implicit_counts.clear()
-        self._explicit_counts.clear()
+        try:
+            if self._transport_from_tensors:
+                self._init_for_tensors()
+            pattern = self._pattern()
+            if not self._all_reuse(pattern == self._scheduled_pattern):
+                self._register()
+                self._scheduled_pattern = pattern
+            sends, recvs = self._scheduled
+            for wire, now in zip(sends, self._sends.tensors):
+                _copy_in(torch, wire, now)
+            self.service.run(torch.cuda.current_stream() if self._on_gpu else None)
+            for wire, now in zip(recvs, self._recvs.tensors):
+                _copy_out(torch, now, wire)
+        finally:
+            # Forgotten whether the refit moved or failed: the next one is submitted afresh.
+            self._sends, self._recvs = _Submitted(), _Submitted()
+            self._implicit_counts.clear()
+            self._explicit_counts.clear()
 
     def close(self) -> None:
         """Releases the service."""
@@ -229,6 +232,8 @@ class ReshardCopyService(_MegatronCopyService):
     def _register(self) -> None:
         torch = _torch()
         svc = self.service
+        # Nothing is scheduled until this succeeds: a refit that fails here plans again next time.
+        self._scheduled = self._scheduled_pattern = None
         svc.clear_requests()
         scheduled: Tuple[List[Any], List[Any]] = ([], [])
         for submitted, register, wires in ((self._sends, svc.register_send, scheduled[0]),
@@ -237,7 +242,12 @@ class ReshardCopyService(_MegatronCopyService):
                 tensor = tensor.detach()
                 wire = tensor if tensor.is_contiguous() else tensor.contiguous()
                 wires.append(wire.reshape(-1).view(torch.uint8))
-                register(task, wires[-1], 0, _nbytes(tensor), peer)
+                try:
+                    register(task, wires[-1], 0, _nbytes(tensor), peer)
+                except Exception as error:  # say it in Megatron's terms
+                    sending = submitted is self._sends
+                    raise _refusal(f"ReshardCopyService: {_described(task, sending, peer)}: "
+                                   f"{error}", [task]) from error
         svc.schedule()
         self.schedules += 1
         self._scheduled = scheduled
@@ -261,6 +271,16 @@ def transport_for_tensor_devices(devices_by_rank: List[List[str]]) -> str:
                        "transports): move them to the same kind of device, or give each kind "
                        "its own service")
     return "host" if cpu else "auto"
+
+
+def _described(task: int, sending: bool, peer: int) -> str:
+    """A submitted tensor as Megatron's caller knows it (its task id, or its place in order)."""
+    what = f"the tensor {'sent to' if sending else 'received from'} rank {peer}"
+    if task & _IMPLICIT_TASK:
+        return f"{what} without a task id, number {(task & ((1 << 21) - 1)) + 1} of that pair"
+    index = task & ((1 << _SUB_BITS) - 1)
+    return f"{what} under task id {task >> _SUB_BITS}" + (
+        f" (number {index + 1} under that id)" if index else "")
 
 
 def _nbytes(tensor: Any) -> int:

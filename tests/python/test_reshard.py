@@ -690,6 +690,31 @@ def test_megatron_service_refuses_cpu_and_other_tensors_in_one_refit_on_every_ra
     assert result.stdout.count("refused: ReshardCopyService: rank(s) 1, 2 hand over CPU") == 3
 
 
+@pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
+def test_megatron_service_recovers_from_a_refused_refit():
+    import torch
+    from reshard.megatron import ReshardCopyService
+
+    service = ReshardCopyService(transport="host")  # one PE, outside any launcher
+    weights = [torch.arange(300, dtype=torch.float32) + i for i in range(3)]
+    for refit in range(4):
+        refused = refit == 1  # a tensor reshard cannot read: the refit is refused, named
+        sent = weights[:2] + [torch.empty(400, device="meta")] if refused else weights
+        received = [torch.zeros(t.shape) for t in sent]
+        for i, (w, r) in enumerate(zip(sent, received)):
+            service.submit_send(w, 0, task_id=i)
+            service.submit_recv(r, 0, task_id=i)
+        if refused:
+            with pytest.raises(reshard.ReshardError, match="the tensor sent to rank 0 under "
+                               "task id 2: register_send of task 512: Tensor is not an array"):
+                service.run()
+            continue
+        service.run()  # forgot the refused refit's submissions, planned again
+        assert all(torch.equal(w, r) for w, r in zip(weights, received)), refit
+    assert service.schedules == 2
+    service.close()
+
+
 def test_the_transport_for_a_refit_follows_its_tensors_devices():
     from reshard.megatron import transport_for_tensor_devices as choose
 
