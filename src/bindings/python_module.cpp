@@ -199,30 +199,46 @@ template <typename AnyArray>
 TensorMap tensor_map(const TensorLists& lists, const char* role) {
   const auto& [names, arrays, scales, dtypes] = lists;
   const std::size_t count = nb::len(names);
+  auto refuse = [&](const std::string& what) {
+    throw_error(ErrorCode::kInvalidArgument, std::string(role) + " tensors: " + what);
+  };
   // Lists of one item per name (scales and dtype names may be None instead).
   auto sized = [&](nb::handle list, const char* what) -> PyObject* {
-    if (list.is_none() && list.ptr() != arrays.ptr()) return nullptr;
-    if (!nb::isinstance<nb::list>(list) || nb::len(list) != count) {
-      throw_error(ErrorCode::kInvalidArgument,
-                  std::string(role) + " tensors: the " + what + " are not a list of one per name");
-    }
+    if (list.is_none()) return nullptr;
+    if (!nb::isinstance<nb::list>(list) || nb::len(list) != count)
+      refuse(std::string("the ") + what + " are not a list of one per name");
     return list.ptr();
   };
-  sized(arrays, "arrays");
+  PyObject* array_list = sized(arrays, "arrays");
   PyObject* scale_list = sized(scales, "scales");
   PyObject* dtype_list = sized(dtypes, "dtype names");
+  // Checked each time: an array's own export (Python code) could change the lists.
+  auto item = [&](PyObject* list, std::size_t i) -> nb::handle {
+    if (list == nullptr) return nb::none();
+    PyObject* value = PyList_GetItem(list, static_cast<Py_ssize_t>(i));
+    if (value == nullptr) {
+      PyErr_Clear();
+      refuse("a list changed while it was read");
+    }
+    return value;
+  };
+  auto text = [&](nb::handle value, const char* what) {
+    if (!nb::isinstance<nb::str>(value))
+      refuse(std::string(what) + " " + nb::repr(value).c_str() + " is not a string");
+    return nb::cast<std::string>(value);
+  };
   TensorMap map;
   map.reserve(count);
   for (std::size_t i = 0; i < count; ++i) {
-    const auto name = nb::cast<std::string>(names[i]);
+    const std::string name = text(item(names.ptr(), i), "the name");
     auto what = [&] { return std::string(role) + " tensor '" + name + "'"; };
-    const auto data = array_of<AnyArray>(arrays[i], what);
-    nb::handle dtype = dtype_list ? PyList_GET_ITEM(dtype_list, i) : Py_None;
-    nb::handle scale = scale_list ? PyList_GET_ITEM(scale_list, i) : Py_None;
+    const auto data = array_of<AnyArray>(item(array_list, i), what);
+    const nb::handle dtype = item(dtype_list, i);
+    const nb::handle scale = item(scale_list, i);
     LocalTensor tensor;
     tensor.data = buffer_of(data, what);
     tensor.dtype =
-        dtype.is_none() ? dtype_of(data.dtype(), what) : parse_dtype(nb::cast<std::string>(dtype));
+        dtype.is_none() ? dtype_of(data.dtype(), what) : parse_dtype(text(dtype, "the dtype name"));
     tensor.shape.reserve(data.ndim());
     for (std::size_t d = 0; d < data.ndim(); ++d)
       tensor.shape.push_back(static_cast<std::int64_t>(data.shape(d)));

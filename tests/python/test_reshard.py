@@ -565,6 +565,8 @@ def test_entries_that_are_no_arrays_are_refused_naming_the_tensor(service):
         with pytest.raises(reshard.ReshardError, match=message) as refused:
             reshard.execute_reshard_plan(plan, maps["src"], maps["dst"], service)
         assert refused.value.code == "invalid argument"
+    with pytest.raises(reshard.ReshardError, match="source tensors: the name 7 is not a string"):
+        reshard.execute_reshard_plan(plan, {**src, 7: src[name]}, dst, service)
     frozen = np.zeros(plan.params[0].shape, np.uint16)
     frozen.flags.writeable = False
     with pytest.raises(reshard.ReshardError, match=rf"destination tensor '{name}' is read-only"):
