@@ -6,7 +6,10 @@
 #include "reshard/reshard.hpp"
 
 int main() {
-  reshard::CopyService service;  // bootstraps from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+  // Host memory goes over the host transport. (The default, kAuto, takes the GPU transports
+  // where every PE has a GPU, and those refuse host buffers.) Bootstraps from RANK / WORLD_SIZE /
+  // MASTER_ADDR / MASTER_PORT.
+  reshard::CopyService service(reshard::TransportKind::kHost);
   service.init("INFO");
   const int me = service.my_pe(), n = service.n_pes();
   const int next = (me + 1) % n, previous = (me + n - 1) % n;

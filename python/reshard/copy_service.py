@@ -185,7 +185,7 @@ def service_options(**settings: Any) -> "_core.CopyServiceOptions":
 class CopyService:
     """Moves registered byte ranges between the job's processes (PEs).
 
-    >>> svc = CopyService(transport="auto")    # bootstrap from torchrun variables by default
+    >>> svc = CopyService(transport="host")    # CPU arrays; "auto": GPU transports where all PEs have GPUs
     >>> svc.init(log_level="INFO")
     >>> svc.register_send(task_id, src_tensor, src_pos, size, dest_pe)  # bytes
     >>> svc.register_receive(task_id, dst_tensor, dst_pos, size, src_pe)
