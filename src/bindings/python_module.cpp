@@ -190,6 +190,18 @@ AnyArray array_of(nb::handle object, const Describe& what) {
                   "; it takes DLPack or buffer-protocol arrays (PyTorch, NumPy, CuPy, JAX)");
 }
 
+// The memory of a registered array (as execute_reshard_plan reads tensors: PyTorch's exported
+// directly), or an error naming the task.
+template <typename AnyArray>
+Buffer registered_buffer(nb::handle object, TaskId task, const char* side) {
+  const auto what = [&] { return std::string(side) + " buffer of task " + std::to_string(task); };
+  try {
+    return buffer_of(array_of<AnyArray>(object, what), what);
+  } catch (const Error& error) {
+    throw Error(error.code(), error.what(), {task});
+  }
+}
+
 // A tensor map as four lists: names, arrays, and the scales and dtype names (each None, or a list
 // with None where a tensor has none). The arrays are read by tensor_map, which names the tensor
 // where one is not an array.
@@ -483,21 +495,20 @@ void bind_copy_service(nb::module_& m) {
                    [](const CopyService& self) { return execution::ServiceSlot::generation(self); })
       .def(
           "register_send",
-          [](CopyService& self, TaskId task, const ReadOnlyArray& src, std::size_t pos,
-             std::size_t size, PeId dest, const std::vector<std::uint64_t>& rows,
+          [](CopyService& self, TaskId task, nb::handle src, std::size_t pos, std::size_t size,
+             PeId dest, const std::vector<std::uint64_t>& rows,
              const std::vector<std::uint64_t>& pitches) {
-            self.register_send(task, buffer_of(src, "send buffer of task " + std::to_string(task)),
+            self.register_send(task, registered_buffer<ReadOnlyArray>(src, task, "send"),
                                strided_range(task, pos, size, rows, pitches), dest);
           },
           "task_id"_a, "src"_a, "src_pos"_a, "size"_a, "dest_pe"_a,
           "rows"_a = std::vector<std::uint64_t>{}, "pitches"_a = std::vector<std::uint64_t>{})
       .def(
           "register_receive",
-          [](CopyService& self, TaskId task, const Array& dst, std::size_t pos, std::size_t size,
+          [](CopyService& self, TaskId task, nb::handle dst, std::size_t pos, std::size_t size,
              PeId src, const std::vector<std::uint64_t>& rows,
              const std::vector<std::uint64_t>& pitches) {
-            self.register_receive(task,
-                                  buffer_of(dst, "receive buffer of task " + std::to_string(task)),
+            self.register_receive(task, registered_buffer<Array>(dst, task, "receive"),
                                   strided_range(task, pos, size, rows, pitches), src);
           },
           "task_id"_a, "dst"_a, "dst_pos"_a, "size"_a, "src_pe"_a,

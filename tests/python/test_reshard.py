@@ -209,6 +209,21 @@ def test_jax_arrays_cross_through_dlpack_without_copies(service):
     np.testing.assert_array_equal(np.asarray(dst_jax), np.arange(16, dtype=np.float32))
 
 
+def test_registered_torch_parameters_move_and_non_arrays_are_refused_naming_the_task(service):
+    torch = pytest.importorskip("torch")
+    src = torch.nn.Parameter(torch.arange(32, dtype=torch.float32))  # requires gradients
+    dst = torch.zeros(32)
+    service.register_send(5, src, 0, 128, 0)
+    service.register_receive(5, dst, 0, 128, 0)
+    service.schedule()
+    service.run()
+    assert torch.equal(dst, src.detach())
+    with pytest.raises(reshard.ReshardError, match="send buffer of task 6: list is not an array "
+                       "reshard can read") as refused:
+        service.register_send(6, [1, 2, 3], 0, 3, 0)
+    assert refused.value.tasks == [6]
+
+
 def test_range_outside_the_buffer_is_refused_naming_the_task(service):
     with pytest.raises(reshard.ReshardError, match="task 3") as error:
         service.register_send(3, np.zeros(16, np.uint8), 10, 8, 0)
@@ -708,7 +723,8 @@ def test_megatron_service_recovers_from_a_refused_refit():
             service.submit_recv(r, 0, task_id=i)
         if refused:
             with pytest.raises(reshard.ReshardError, match="the tensor sent to rank 0 under "
-                               "task id 2: register_send of task 512: Tensor is not an array"):
+                               "task id 2: .*send buffer of task 512: torch.Tensor is not an "
+                               "array reshard can read"):
                 service.run()
             continue
         service.run()  # forgot the refused refit's submissions, planned again
