@@ -326,9 +326,7 @@ class CopyService:
                 except (TypeError, ValueError):
                     raise _refusal(f"{name} of task {task_id}: the {what} {value!r} is not a "
                                    "non-negative integer", [task_id]) from None
-            raise _refusal(f"{name} of task {task_id}: {type(tensor).__name__} is not an array "
-                           "reshard can read (it takes DLPack or buffer-protocol arrays: NumPy, "
-                           "PyTorch, CuPy, JAX)", [task_id]) from None
+            raise  # arrays are read by the binding, which names the task where one is not
 
     def all_gather(self, data: bytes) -> list:
         """Collective: every PE's ``data``, in PE order, over the service's bootstrap (for small

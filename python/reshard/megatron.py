@@ -50,6 +50,9 @@ except ImportError:  # no Megatron (or no torch): a plain base with the same met
 # Task ids Megatron leaves out are numbered per (source, destination) pair in submission order,
 # in a range of their own so they cannot meet an explicit id.
 _IMPLICIT_TASK = 1 << 63
+# Without a task id, the k-th tensor from rank s to rank d travels as
+# _IMPLICIT_TASK | s << 2 * _PAIR_BITS | d << _PAIR_BITS | k.
+_PAIR_BITS = 21
 # An explicit task id's k-th tensor travels as (task_id << _SUB_BITS) | k.
 _SUB_BITS = 8
 _MAX_EXPLICIT_TASK = (1 << (63 - _SUB_BITS)) - 1
@@ -144,7 +147,7 @@ class ReshardCopyService(_MegatronCopyService):
         if task_id is None:
             index = self._implicit_counts.get((src, dst), 0)
             self._implicit_counts[(src, dst)] = index + 1
-            return _IMPLICIT_TASK | (src << 42) | (dst << 21) | index
+            return _IMPLICIT_TASK | (src << 2 * _PAIR_BITS) | (dst << _PAIR_BITS) | index
         task_id = int(task_id)
         if not 0 <= task_id <= _MAX_EXPLICIT_TASK:
             raise ValueError(f"task id {task_id} is outside 0..{_MAX_EXPLICIT_TASK}")
@@ -277,7 +280,8 @@ def _described(task: int, sending: bool, peer: int) -> str:
     """A submitted tensor as Megatron's caller knows it (its task id, or its place in order)."""
     what = f"the tensor {'sent to' if sending else 'received from'} rank {peer}"
     if task & _IMPLICIT_TASK:
-        return f"{what} without a task id, number {(task & ((1 << 21) - 1)) + 1} of that pair"
+        return f"{what} without a task id, number {(task & ((1 << _PAIR_BITS) - 1)) + 1} of " \
+            "that pair"
     index = task & ((1 << _SUB_BITS) - 1)
     return f"{what} under task id {task >> _SUB_BITS}" + (
         f" (number {index + 1} under that id)" if index else "")

@@ -29,17 +29,14 @@ import reshard
 
 
 def tensors(layout, plan, kind):
-    out = {}
-    for param in plan.params:
-        shape = layout.local_shape(0, param.name)
-        if kind == "numpy":
-            out[param.name] = reshard.LocalTensor(np.zeros(shape, np.uint16), dtype="bfloat16")
-            continue
-        import torch
+    shapes = {param.name: layout.local_shape(0, param.name) for param in plan.params}
+    if kind == "numpy":
+        return {name: reshard.LocalTensor(np.zeros(shape, np.uint16), dtype="bfloat16")
+                for name, shape in shapes.items()}
+    import torch
 
-        tensor = torch.zeros(shape, dtype=torch.bfloat16)
-        out[param.name] = torch.nn.Parameter(tensor) if kind == "parameter" else tensor
-    return out
+    wrap = torch.nn.Parameter if kind == "parameter" else (lambda tensor: tensor)
+    return {name: wrap(torch.zeros(shape, dtype=torch.bfloat16)) for name, shape in shapes.items()}
 
 
 class GarbageCollectorClock:
