@@ -125,13 +125,24 @@ __device__ __forceinline__ std::uint32_t job_of(const JobList<Task>& list, std::
 // the grid by chunked_grid), `first` being the lane's vector in the chunk's first tile. Each warp
 // walks consecutive chunks: mostly of one job, whose fields stay cached, so the job is searched
 // for only where the run enters the next.
+//
+// With `per_warp` 0 the warps take every chunk one grid's worth of warps apart instead
+// (interleaved): the grid then works through the launch's data together, front to back.
 template <int VectorsPerChunk, typename Task, typename Body>
 __device__ __forceinline__ void for_each_chunk(const JobList<Task>& list, Body body) {
   const unsigned lane = threadIdx.x % 32;
   const unsigned warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const std::uint64_t per_warp = list.per_warp;
-  const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
   std::uint32_t job = 0;
+  if (per_warp == 0) {
+    const std::uint64_t warps = std::uint64_t{gridDim.x} * (blockDim.x / 32);
+    for (std::uint64_t chunk = warp; chunk < list.items; chunk += warps) {
+      job = job_of(list, chunk, job);
+      body(list.jobs[job], (chunk - list.first[job]) * VectorsPerChunk + lane);
+    }
+    return;
+  }
+  const std::uint64_t end = min(list.items, (warp + 1) * per_warp);
   for (std::uint64_t chunk = warp * per_warp; chunk < end; ++chunk) {
     job = job_of(list, chunk, job);
     body(list.jobs[job], (chunk - list.first[job]) * VectorsPerChunk + lane);
@@ -1250,6 +1261,20 @@ namespace {
 // 2026-11-25, half chunks took MXFP8 on 65536 x 128 from 0.78 to 0.84 of the copy rate (its
 // column blocks 0.72 -> 0.78), fp32 -> bf16 on those column blocks 0.80 -> 0.88, but bf16 -> fp32
 // there 0.93 -> 0.83: casts from 16-bit types keep their chunks.
+//
+// Where the jobs are large (on average a quarter as many chunks as the grid has warps, so a step
+// of a grid's warps crosses a few jobs at most), the warps take the chunks interleaved
+// (for_each_chunk): the grid then works through the data front to back, and what a job writes in
+// scattered bytes is complete while it is still in L2. Megatron-LM's swizzled
+// MXFP8 scales are such bytes: a 32-byte sector of them holds the blocks of rows r, r + 1, r + 32,
+// ... r + 97, which warps walking runs of rows reach at times far apart, so the sector left L2
+// partly written, again and again (whole Llama-3-8B, 16 layers, 0.63 of the copy rate; one
+// H200, 2026-11-27). Interleaved, on that H200, A/B in alternating runs: Llama-3-8B's matrices
+// with swizzled scales 0.63 -> 0.76 (their column blocks 0.69 -> 0.83); one large matrix, MXFP8
+// 0.90 -> 0.93-0.95, with swizzled scales 0.86-0.88 -> 0.90-0.91, float32 -> bfloat16 0.94-0.96 ->
+// 0.96-0.98, bfloat16 -> float32 0.80-0.82 -> 0.83-0.84. Small jobs keep the runs: a chunk's job
+// is searched for where a warp enters another, which interleaved would be at nearly every chunk
+// (512 matrices of 256 x 1024, MXFP8 0.86-0.87 -> 0.79-0.80).
 template <int kTiles, int kFewerTiles, typename Task, typename Launch>
 void run_chunked(const TaskList<Task>& list, JobUpload& upload, cudaStream_t stream,
                  Launch launch) {
@@ -1261,6 +1286,8 @@ void run_chunked(const TaskList<Task>& list, JobUpload& upload, cudaStream_t str
         [](const Task& task) { return chunks_of(task.span, 32 * decltype(tiles)::value); },
         [&](JobList<Task> jobs, cudaStream_t s) {
           const unsigned grid = chunked_grid(jobs);
+          const std::uint64_t warps = std::uint64_t{grid} * (kThreads / 32);
+          if (4 * jobs.items >= jobs.count * warps) jobs.per_warp = 0;  // interleaved
           launch(tiles, grid, jobs, s);
         });
   };

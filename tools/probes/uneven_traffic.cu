@@ -1,0 +1,133 @@
+// Probe: what fraction of a device-to-device copy's rate can a kernel reach when it writes more
+// (or fewer) bytes than it reads, as a bfloat16 -> float32 cast does (2 bytes read, 4 written)?
+//
+// A plain streaming kernel (16-byte loads, several in flight per thread, grid-stride, one resident
+// wave) runs at three read:write ratios: 1:1 (a copy), 1:2 (widening: each 16 bytes read become
+// 32 written, as bf16 -> fp32) and 2:1 (narrowing, as fp32 -> bf16), on buffers far larger than
+// L2. Each rate counts bytes read + written, and is given as a fraction of cudaMemcpyAsync's rate
+// (device to device, the same bytes read + written) timed in the same run. The conversion kernels'
+// fractions in `reshard bench-convert` are measured against the same copy: where this probe's
+// widening kernel stays below a fraction, no cast kernel can do better there.
+//
+// Build and run on a GPU machine:
+//   nvcc -O3 -arch=sm_90 -o /tmp/uneven tools/probes/uneven_traffic.cu
+//   /tmp/uneven [MiB read by the 1:1 copy = 1024] [repeats = 20]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(call)                                                   \
+  do {                                                                \
+    const cudaError_t e = (call);                                     \
+    if (e != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e)); \
+      std::exit(1);                                                   \
+    }                                                                 \
+  } while (0)
+
+constexpr int kThreads = 256;
+constexpr int kInFlight = 4;
+
+// `reads` 16-byte vectors in, each written out `Out` times as many 16-byte vectors (Out = 2:
+// widening) or every `In` input vectors folded into one output vector (In = 2: narrowing).
+template <int In, int Out>
+__global__ void __launch_bounds__(kThreads)
+    stream_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, std::size_t groups) {
+  const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
+  for (std::size_t g0 = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; g0 < groups;
+       g0 += stride * kInFlight) {
+    uint4 v[kInFlight][In];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const std::size_t g = g0 + k * stride;
+#pragma unroll
+      for (int i = 0; i < In; ++i) v[k][i] = g < groups ? src[g * In + i] : uint4{};
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const std::size_t g = g0 + k * stride;
+      if (g >= groups) continue;
+      uint4 folded = v[k][0];
+#pragma unroll
+      for (int i = 1; i < In; ++i) {
+        folded.x ^= v[k][i].x, folded.y ^= v[k][i].y, folded.z ^= v[k][i].z, folded.w ^= v[k][i].w;
+      }
+#pragma unroll
+      for (int o = 0; o < Out; ++o) {
+        dst[g * Out + o] = make_uint4(folded.x + o, folded.y, folded.z, folded.w);
+      }
+    }
+  }
+}
+
+template <typename Body>
+double median_seconds(int repeats, Body body) {
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  body();  // warm-up
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    CHECK(cudaEventRecord(start));
+    body();
+    CHECK(cudaEventRecord(stop));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms / 1e3);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  const std::size_t mib = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1024;
+  const int repeats = argc > 2 ? std::atoi(argv[2]) : 20;
+  const std::size_t bytes = mib << 20;  // read by the 1:1 copy
+  void *a = nullptr, *b = nullptr;
+  CHECK(cudaMalloc(&a, 2 * bytes));
+  CHECK(cudaMalloc(&b, 2 * bytes));
+  CHECK(cudaMemset(a, 1, 2 * bytes));
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_kernel<1, 2>, kThreads, 0));
+  const unsigned grid = static_cast<unsigned>(prop.multiProcessorCount * per_sm);
+  const double memcpy_s = median_seconds(
+      repeats, [&] { CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+  const double memcpy_rate = 2.0 * bytes / memcpy_s;
+  std::printf("%s: cudaMemcpyAsync of %zu MiB: %.0f GB/s read + written\n", prop.name, mib,
+              memcpy_rate / 1e9);
+  std::printf("%-28s %10s %12s %8s\n", "kernel (read : written)", "time", "GB/s r+w", "of copy");
+  const auto report = [&](const char* name, double seconds, double moved) {
+    std::printf("%-28s %8.1f us %12.0f %8.2f\n", name, seconds * 1e6, moved / seconds / 1e9,
+                moved / seconds / memcpy_rate);
+  };
+  const std::size_t vectors = bytes / 16;
+  report("copy (1 : 1)",
+         median_seconds(repeats,
+                        [&] {
+                          stream_kernel<1, 1><<<grid, kThreads>>>(static_cast<const uint4*>(a),
+                                                                  static_cast<uint4*>(b), vectors);
+                        }),
+         2.0 * bytes);
+  report("widening (1 : 2, bf16->fp32)",
+         median_seconds(repeats,
+                        [&] {
+                          stream_kernel<1, 2><<<grid, kThreads>>>(static_cast<const uint4*>(a),
+                                                                  static_cast<uint4*>(b), vectors);
+                        }),
+         3.0 * bytes);
+  report("narrowing (2 : 1, fp32->bf16)",
+         median_seconds(repeats,
+                        [&] {
+                          stream_kernel<2, 1><<<grid, kThreads>>>(static_cast<const uint4*>(a),
+                                                                  static_cast<uint4*>(b), vectors);
+                        }),
+         3.0 * bytes);
+  CHECK(cudaGetLastError());
+  return 0;
+}
