@@ -7,7 +7,8 @@
 // L2. Each rate counts bytes read + written, and is given as a fraction of cudaMemcpyAsync's rate
 // (device to device, the same bytes read + written) timed in the same run. The conversion kernels'
 // fractions in `reshard bench-convert` are measured against the same copy: where this probe's
-// widening kernel stays below a fraction, no cast kernel can do better there.
+// widening kernel stays below a fraction, no cast kernel can do better there. A column-block copy
+// (half of each row read, written dense) shows what reading a TP slice in place costs.
 //
 // Build and run on a GPU machine:
 //   nvcc -O3 -arch=sm_90 -o /tmp/uneven tools/probes/uneven_traffic.cu
@@ -29,11 +30,10 @@
   } while (0)
 
 constexpr int kThreads = 256;
-constexpr int kInFlight = 4;
 
-// `reads` 16-byte vectors in, each written out `Out` times as many 16-byte vectors (Out = 2:
-// widening) or every `In` input vectors folded into one output vector (In = 2: narrowing).
-template <int In, int Out>
+// `groups` of `In` 16-byte vectors read, each group written as `Out` vectors (In 1, Out 2:
+// widening; In 2, Out 1: narrowing); kInFlight groups loaded before any is stored.
+template <int In, int Out, int kInFlight = 4, bool kWarpStores = false>
 __global__ void __launch_bounds__(kThreads)
     stream_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, std::size_t groups) {
   const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
@@ -57,8 +57,35 @@ __global__ void __launch_bounds__(kThreads)
       }
 #pragma unroll
       for (int o = 0; o < Out; ++o) {
-        dst[g * Out + o] = make_uint4(folded.x + o, folded.y, folded.z, folded.w);
+        // kWarpStores: each store instruction of the warp covers 32 consecutive vectors (the
+        // warp's groups being consecutive); else each thread stores its Out vectors in a row.
+        const std::size_t at =
+            kWarpStores ? (g - threadIdx.x % 32) * Out + o * 32 + threadIdx.x % 32 : g * Out + o;
+        dst[at] = make_uint4(folded.x + o, folded.y, folded.z, folded.w);
       }
+    }
+  }
+}
+
+// A column block: the first `row_vectors` 16-byte vectors of each source row, rows
+// `stride_vectors` apart, copied densely (as a conversion reads a row-parallel weight's TP slice).
+__global__ void __launch_bounds__(kThreads)
+    column_block_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, std::size_t vectors,
+                        unsigned row_vectors, unsigned stride_vectors) {
+  constexpr int kInFlight = 4;
+  const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
+  for (std::size_t v0 = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; v0 < vectors;
+       v0 += stride * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const std::size_t i = v0 + k * stride;
+      v[k] = i < vectors ? src[i / row_vectors * stride_vectors + i % row_vectors] : uint4{};
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const std::size_t i = v0 + k * stride;
+      if (i < vectors) dst[i] = v[k];
     }
   }
 }
@@ -128,6 +155,34 @@ int main(int argc, char** argv) {
                                                                   static_cast<uint4*>(b), vectors);
                         }),
          3.0 * bytes);
+  report("widening, warp-wide stores",
+         median_seconds(repeats,
+                        [&] {
+                          stream_kernel<1, 2, 4, true><<<grid, kThreads>>>(
+                              static_cast<const uint4*>(a), static_cast<uint4*>(b), vectors);
+                        }),
+         3.0 * bytes);
+  report("widening, 8 loads in flight",
+         median_seconds(repeats,
+                        [&] {
+                          stream_kernel<1, 2, 8><<<grid, kThreads>>>(
+                              static_cast<const uint4*>(a), static_cast<uint4*>(b), vectors);
+                        }),
+         3.0 * bytes);
+  // Column blocks: half of each row read (rows of 4 KiB in 8 KiB, as the left half of a
+  // 4096-column bfloat16 matrix; rows of 128 bytes in 256, as of a 128-column one), written dense.
+  for (const unsigned row_bytes : {4096u, 128u}) {
+    char name[64];
+    std::snprintf(name, sizeof name, "column block, rows %u of %u B", row_bytes, 2 * row_bytes);
+    report(name,
+           median_seconds(repeats,
+                          [&] {
+                            column_block_kernel<<<grid, kThreads>>>(
+                                static_cast<const uint4*>(a), static_cast<uint4*>(b), vectors,
+                                row_bytes / 16, 2 * row_bytes / 16);
+                          }),
+           2.0 * bytes);
+  }
   CHECK(cudaGetLastError());
   return 0;
 }
