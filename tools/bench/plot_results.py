@@ -254,11 +254,12 @@ def plot_convert(records: List[dict], out: Path, plt) -> List[Path]:
             by_device[r.get("device", "GPU")].append(r)
     written = []
     for device, rows in sorted(by_device.items()):
-        newest = rows[-1].get("commit", "")  # files are appended to: the last run is the newest
+        # Files are appended to: each case's last record is its newest (a run that timed only
+        # some conversions leaves the others' as they were).
         latest = {}
         for r in rows:
-            if r.get("commit", "") == newest:
-                latest[(r["tensors"], r["layout"], r["conversion"])] = r
+            latest[(r["tensors"], r["layout"], r["conversion"])] = r
+        commits = ", ".join(dict.fromkeys(r.get("commit", "?") for r in latest.values()))
         cases = list(dict.fromkeys((t, layout) for t, layout, _ in latest))
         conversions = list(dict.fromkeys(c for _, _, c in latest))
         figure, axis = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 4.5))
@@ -277,7 +278,7 @@ def plot_convert(records: List[dict], out: Path, plt) -> List[Path]:
                              fontsize=7)
         axis.set_ylabel("fraction of the device copy rate")
         date = rows[-1].get("date", "")
-        axis.set_title(f"conversion kernels, {device}, {date}, commit {newest or '?'}", fontsize=9)
+        axis.set_title(f"conversion kernels, {device}, up to {date}, commits {commits}", fontsize=9)
         axis.legend(fontsize=7, ncol=4)
         axis.grid(True, axis="y", alpha=0.3)
         path = out / f"convert_{_slug(device)}.png"
