@@ -134,41 +134,18 @@ int main(int argc, char** argv) {
                 moved / seconds / memcpy_rate);
   };
   const std::size_t vectors = bytes / 16;
-  report("copy (1 : 1)",
-         median_seconds(repeats,
-                        [&] {
-                          stream_kernel<1, 1><<<grid, kThreads>>>(static_cast<const uint4*>(a),
-                                                                  static_cast<uint4*>(b), vectors);
-                        }),
-         2.0 * bytes);
-  report("widening (1 : 2, bf16->fp32)",
-         median_seconds(repeats,
-                        [&] {
-                          stream_kernel<1, 2><<<grid, kThreads>>>(static_cast<const uint4*>(a),
-                                                                  static_cast<uint4*>(b), vectors);
-                        }),
-         3.0 * bytes);
-  report("narrowing (2 : 1, fp32->bf16)",
-         median_seconds(repeats,
-                        [&] {
-                          stream_kernel<2, 1><<<grid, kThreads>>>(static_cast<const uint4*>(a),
-                                                                  static_cast<uint4*>(b), vectors);
-                        }),
-         3.0 * bytes);
-  report("widening, warp-wide stores",
-         median_seconds(repeats,
-                        [&] {
-                          stream_kernel<1, 2, 4, true><<<grid, kThreads>>>(
-                              static_cast<const uint4*>(a), static_cast<uint4*>(b), vectors);
-                        }),
-         3.0 * bytes);
-  report("widening, 8 loads in flight",
-         median_seconds(repeats,
-                        [&] {
-                          stream_kernel<1, 2, 8><<<grid, kThreads>>>(
-                              static_cast<const uint4*>(a), static_cast<uint4*>(b), vectors);
-                        }),
-         3.0 * bytes);
+  const auto* src = static_cast<const uint4*>(a);
+  auto* dst = static_cast<uint4*>(b);
+  // One stream_kernel variant: `groups` of its reads, `moved` bytes read + written.
+  const auto run = [&](const char* name, auto kernel, double moved) {
+    report(name, median_seconds(repeats, [&] { kernel<<<grid, kThreads>>>(src, dst, vectors); }),
+           moved);
+  };
+  run("copy (1 : 1)", stream_kernel<1, 1>, 2.0 * bytes);
+  run("widening (1 : 2, bf16->fp32)", stream_kernel<1, 2>, 3.0 * bytes);
+  run("narrowing (2 : 1, fp32->bf16)", stream_kernel<2, 1>, 3.0 * bytes);
+  run("widening, warp-wide stores", stream_kernel<1, 2, 4, true>, 3.0 * bytes);
+  run("widening, 8 loads in flight", stream_kernel<1, 2, 8>, 3.0 * bytes);
   // Column blocks: half of each row read (rows of 4 KiB in 8 KiB, as the left half of a
   // 4096-column bfloat16 matrix; rows of 128 bytes in 256, as of a 128-column one), written dense.
   for (const unsigned row_bytes : {4096u, 128u}) {
@@ -178,8 +155,7 @@ int main(int argc, char** argv) {
            median_seconds(repeats,
                           [&] {
                             column_block_kernel<<<grid, kThreads>>>(
-                                static_cast<const uint4*>(a), static_cast<uint4*>(b), vectors,
-                                row_bytes / 16, 2 * row_bytes / 16);
+                                src, dst, vectors, row_bytes / 16, 2 * row_bytes / 16);
                           }),
            2.0 * bytes);
   }
