@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <string>
 
@@ -296,6 +297,74 @@ TEST(TransformKernels, MxQueueOfManyJobsMatchesTheReferenceBitForBit) {
   }
 }
 
+// Swizzled scales in whole 128 x 128 tiles of the layout (their chunks write whole sectors) queued
+// with blocks that are not (rows from 64, columns from block 2, a ragged last tile), from bfloat16
+// and float32, in one launch per source type, against the host. (Full-size bfloat16 launches:
+// LaunchesThatFillTheGpuMatchTheReference.)
+TEST(TransformKernels, MxWholeTilesOfSwizzledScalesMatchTheReference) {
+  struct Case {
+    DType dtype;
+    std::vector<std::int64_t> shape;
+    Box box;
+  };
+  const std::vector<Case> cases = {
+      {DType::kBFloat16, {256, 512}, {2, {0, 0}, {256, 512}}},       // whole tiles
+      {DType::kBFloat16, {512, 1024}, {2, {128, 128}, {256, 512}}},  // whole tiles, inside
+      {DType::kBFloat16, {384, 640}, {2, {64, 0}, {256, 640}}},      // rows from 64
+      {DType::kBFloat16, {256, 1024}, {2, {0, 64}, {256, 512}}},     // columns from block 2
+      {DType::kBFloat16, {200, 384}, {2, {0, 0}, {200, 384}}},       // a ragged last tile row
+      {DType::kFloat32, {256, 384}, {2, {0, 0}, {256, 384}}},        // whole tiles
+      {DType::kFloat32, {384, 512}, {2, {128, 128}, {256, 256}}},    // whole tiles, inside
+      {DType::kFloat32, {256, 256}, {2, {0, 32}, {256, 128}}},       // columns from block 1
+      // Enough float32 for the launch's full chunks (2 tiles; smaller launches take 1).
+      {DType::kFloat32, {4352, 1024}, {2, {0, 0}, {4352, 1024}}},
+  };
+  for (const MxScaleRounding rounding : kRoundings) {
+    for (const DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+      ConversionQueue queue;
+      std::vector<std::vector<std::uint8_t>> want_data, want_scales;
+      std::deque<DeviceCopy> sources, datas, scaleses;  // a deque: they stay where they are
+      std::vector<const Case*> used;
+      for (const Case& c : cases) {
+        if (c.dtype != dtype) continue;
+        const auto n = static_cast<std::size_t>(elements_of(c.shape));
+        const auto src = salted_tensor(n, dtype, 53 + static_cast<std::uint32_t>(used.size()));
+        const auto [v, sv] = mx_views(c.shape, c.box);
+        const SwizzledScales swizzled{c.box.offset[0], c.box.offset[1] / 32,
+                                      (c.shape[1] / 32 + 3) / 4};
+        const auto scale_bytes =
+            static_cast<std::size_t>(formats::swizzled_scale_bytes(c.shape[0], c.shape[1] / 32));
+        want_data.emplace_back(n, 0xab);
+        want_scales.emplace_back(scale_bytes, 0xab);
+        mx_quantize({{const_cast<std::uint8_t*>(src.data()), dtype, v},
+                     {want_data.back().data(), DType::kFloat8E4M3, v},
+                     {want_scales.back().data(), DType::kFloat8E8M0, sv},
+                     rounding,
+                     swizzled},
+                    MemoryKind::kHost, nullptr);
+        sources.emplace_back(src.data(), src.size());
+        datas.emplace_back(n);
+        scaleses.emplace_back(scale_bytes);
+        queue.mx_quantize({{sources.back().pointer, dtype, v},
+                           {datas.back().pointer, DType::kFloat8E4M3, v},
+                           {scaleses.back().pointer, DType::kFloat8E8M0, sv},
+                           rounding,
+                           swizzled},
+                          Buffer::cuda(sources.back().pointer, sources.back().bytes, 0));
+        used.push_back(&c);
+      }
+      queue.flush(nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      for (std::size_t i = 0; i < used.size(); ++i) {
+        EXPECT_TRUE(datas[i].download() == want_data[i])
+            << "data of " << used[i]->box.str() << " of " << dtype_name(dtype);
+        EXPECT_TRUE(scaleses[i].download() == want_scales[i])
+            << "swizzled scales of " << used[i]->box.str() << " of " << dtype_name(dtype);
+      }
+    }
+  }
+}
+
 // Dense scale blocks scattered into swizzled scale matrices, many in one launch, against the
 // host and against the layout's definition (cuBLAS's 128 x 4 tiles).
 TEST(TransformKernels, SwizzleQueueMatchesTheLayoutByteForByte) {
@@ -553,6 +622,30 @@ TEST(TransformKernels, LaunchesThatFillTheGpuMatchTheReference) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(d_data.download() == data);
   EXPECT_TRUE(d_swizzled.download() == swizzled_scales);
+
+  // And a block of whole 128 x 128 tiles of that layout (rows from 0 in 128s, columns from 128):
+  // its chunks write whole sectors of scales.
+  const Box tiles{2, {0, 128}, {rows / 128 * 128, 3840}};
+  const auto [tv, tsv] = mx_views(shape, tiles);
+  const SwizzledScales whole{0, tiles.offset[1] / 32, (kCols / 32 + 3) / 4};
+  std::fill(swizzled_scales.begin(), swizzled_scales.end(), 0xab);
+  mx_quantize({{const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, tv},
+               {data.data(), DType::kFloat8E4M3, tv},
+               {swizzled_scales.data(), DType::kFloat8E8M0, tsv},
+               MxScaleRounding::kMegatron,
+               whole},
+              MemoryKind::kHost, nullptr);
+  DeviceCopy d_whole(swizzled_scales.size());
+  ASSERT_EQ(cudaMemset(d_whole.pointer, 0xab, d_whole.bytes), cudaSuccess);
+  mx_quantize({{d_src.pointer, DType::kBFloat16, tv},
+               {d_data.pointer, DType::kFloat8E4M3, tv},
+               {d_whole.pointer, DType::kFloat8E8M0, tsv},
+               MxScaleRounding::kMegatron,
+               whole},
+              MemoryKind::kCuda, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(d_data.download() == data);
+  EXPECT_TRUE(d_whole.download() == swizzled_scales);
 
   const BoxView cv = view_of(block, shape, false);
   std::vector<std::uint8_t> wide(n * 4, 0xab), back(n * 2, 0xab);
