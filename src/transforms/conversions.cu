@@ -448,7 +448,9 @@ __device__ __forceinline__ bool widen_tile_warp_wide(const uint4 (&slots)[32], u
                   (row_start(task.dst_rows, at.row, uneven) + at.col) * 4;
   const auto from0 = __shfl_sync(0xffffffffu, from, 0);
   const auto to0 = __shfl_sync(0xffffffffu, to, 0);
-  if (!__all_sync(0xffffffffu, mine && from == from0 + 16 * lane && to == to0 + 32 * lane)) {
+  // (16-byte stores: the destination's run must start 16-byte aligned.)
+  if (!__all_sync(0xffffffffu,
+                  mine && from == from0 + 16 * lane && to == to0 + 32 * lane && (to0 & 15) == 0)) {
     return false;
   }
   __syncwarp();  // every lane's copies are in (each waited for its own)
@@ -1336,8 +1338,8 @@ bool is_banded(const MxTask& task) {
   const std::uint32_t per_row = task.span.per_row.divisor;
   const std::int64_t first_row = task.scale_rows.base + task.span.first_row;
   return task.col_tiles > 0 && per_row % 8 == 0 && per_row >= 16 &&
-         task.span.vectors % (128 * per_row) == 0 && task.span.vectors / per_row >= 256 &&
-         first_row % 128 == 0 && task.first_col % 4 == 0 &&
+         task.span.vectors % (std::uint64_t{128} * per_row) == 0 &&
+         task.span.vectors / per_row >= 256 && first_row % 128 == 0 && task.first_col % 4 == 0 &&
          reinterpret_cast<std::uintptr_t>(task.scale) % 4 == 0;
 }
 

@@ -687,6 +687,34 @@ TEST(TransformKernels, CastsMatchTheReferenceBitForBit) {
   }
 }
 
+// Widening casts whose rows are long enough for warp-wide stores (256 and more elements), dense
+// and as a column block, into float32 destinations 16-byte aligned and 4 bytes past that (the
+// warp-wide path must leave those to the lanes' own stores), from bfloat16 and float16.
+TEST(TransformKernels, WideningCastsMatchTheReferenceAtAnyDestinationAlignment) {
+  const std::vector<std::int64_t> shape = {96, 1024};
+  const auto n = static_cast<std::size_t>(elements_of(shape));
+  for (const DType from : {DType::kBFloat16, DType::kFloat16}) {
+    const auto src = salted_tensor(n, from, 61);
+    DeviceCopy d_src(src.data(), src.size());
+    for (const Box& box : {Box{2, {0, 0}, {96, 1024}}, Box{2, {8, 256}, {80, 512}}}) {
+      const BoxView v = view_of(box, shape, false);
+      for (const std::size_t skew : {std::size_t{0}, std::size_t{4}}) {
+        std::vector<std::uint8_t> want(n * 4 + skew, 0xab);
+        convert_block({const_cast<std::uint8_t*>(src.data()), from, v},
+                      {want.data() + skew, DType::kFloat32, v}, MemoryKind::kHost, nullptr);
+        DeviceCopy d_out(want.size());
+        convert_block({d_src.pointer, from, v},
+                      {static_cast<std::uint8_t*>(d_out.pointer) + skew, DType::kFloat32, v},
+                      MemoryKind::kCuda, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(d_out.download() == want)
+            << dtype_name(from) << " -> float32, block " << box.str() << ", destination " << skew
+            << " bytes past 16-byte alignment";
+      }
+    }
+  }
+}
+
 // Many casts in one flush, as a refit queues them: every pair of float32, bfloat16 and float16,
 // blocks of 1-3 dimensions with rows of 1 to 300 elements (most not a multiple of 8) cut from
 // larger tensors, sources and destinations at any element offset, so lanes take the vector and
