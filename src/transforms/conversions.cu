@@ -67,8 +67,9 @@ struct MxTask {
   // swizzled scales, every scale offset too: the kernel's common path (mx_quantize_even_chunk).
   bool even;
   // Swizzled scales whose span covers whole 128 x 128 tiles of the layout (rows from a multiple of
-  // 128, in multiples of 128, and whole groups of 4 block columns from a multiple of 4): the
-  // chunks take them in bands, each scale sector written whole (mx_quantize_banded_chunk).
+  // 128, in multiples of 128, and whole groups of 4 block columns from a multiple of 4; at least
+  // 256 rows and 256 columns): the chunks take them in bands, each scale sector written whole
+  // (mx_quantize_banded_chunk, is_banded).
   bool banded;
 };
 
@@ -1423,16 +1424,13 @@ namespace {
 // Where the jobs are large (on average a quarter as many chunks as the grid has warps, so a step
 // of a grid's warps crosses a few jobs at most), the warps take the chunks interleaved
 // (for_each_chunk): the grid then works through the data front to back, and what a job writes in
-// scattered bytes is complete while it is still in L2. Megatron-LM's swizzled
-// MXFP8 scales are such bytes: a 32-byte sector of them holds the blocks of rows r, r + 1, r + 32,
-// ... r + 97, which warps walking runs of rows reach at times far apart, so the sector left L2
-// partly written, again and again (whole Llama-3-8B, 16 layers, 0.63 of the copy rate; one
-// H200, 2026-11-27). Interleaved, on that H200, A/B in alternating runs: Llama-3-8B's matrices
-// with swizzled scales 0.63 -> 0.76 (their column blocks 0.69 -> 0.83); one large matrix, MXFP8
-// 0.90 -> 0.93-0.95, with swizzled scales 0.86-0.88 -> 0.90-0.91, float32 -> bfloat16 0.94-0.96 ->
-// 0.96-0.98, bfloat16 -> float32 0.80-0.82 -> 0.83-0.84. Small jobs keep the runs: a chunk's job
-// is searched for where a warp enters another, which interleaved would be at nearly every chunk
-// (512 matrices of 256 x 1024, MXFP8 0.86-0.87 -> 0.79-0.80).
+// scattered bytes is written close together in time. On one H200, 2026-11-27, A/B in alternating
+// runs: one large matrix, MXFP8 0.90 -> 0.93-0.95, with Megatron-LM's swizzled scales 0.86-0.88 ->
+// 0.90-0.91, float32 -> bfloat16 0.94-0.96 -> 0.96-0.98, bfloat16 -> float32 0.80-0.82 ->
+// 0.83-0.84; Llama-3-8B's 66 matrices with swizzled scales 0.63 -> 0.76 (the rest of that loss was
+// the scales' partial sector writes: mx_quantize_banded_chunk). Small jobs keep the runs: a
+// chunk's job is searched for where a warp enters another, which interleaved would be at nearly
+// every chunk (512 matrices of 256 x 1024, MXFP8 0.86-0.87 -> 0.79-0.80).
 template <int kTiles, int kFewerTiles, typename Task, typename Launch>
 void run_chunked(const TaskList<Task>& list, JobUpload& upload, cudaStream_t stream,
                  Launch launch) {
