@@ -908,8 +908,8 @@ struct Resharder::Impl {
 
   // The prepared refit's phases on `stream` (the caller's `cuda_stream`, or this executor's own,
   // then waited for).
-  void run_phases(const TensorMap& src, const TensorMap& dst, void* stream, void* cuda_stream,
-                  PhaseClock& clock, ReshardReport& report) {
+  void run_phases(const TensorMap& src, const TensorMap& dst, void* stream,
+                  [[maybe_unused]] void* cuda_stream, PhaseClock& clock, ReshardReport& report) {
     // A built-in transform's conversions: recorded by the first refit of a preparation, replayed
     // by the next ones.
     const bool replay = ranged != nullptr && prepared.conversions_recorded;
