@@ -601,51 +601,35 @@ TEST(TransformKernels, LaunchesThatFillTheGpuMatchTheReference) {
   EXPECT_TRUE(d_data.download() == data);
   EXPECT_TRUE(d_scales.download() == scales);
 
-  // Again with Megatron-LM's scales: its rounding, swizzled (the block's first scale column is 2).
-  const SwizzledScales swizzled{0, block.offset[1] / 32, (kCols / 32 + 3) / 4};
+  // Again with Megatron-LM's scales: its rounding, swizzled, on the host and on the GPU into
+  // scales of the whole matrix.
   const auto swizzled_bytes =
       static_cast<std::size_t>(formats::swizzled_scale_bytes(rows, kCols / 32));
-  std::vector<std::uint8_t> swizzled_scales(swizzled_bytes, 0xab);
-  mx_quantize({{const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, v},
-               {data.data(), DType::kFloat8E4M3, v},
-               {swizzled_scales.data(), DType::kFloat8E8M0, sv},
-               MxScaleRounding::kMegatron,
-               swizzled},
-              MemoryKind::kHost, nullptr);
-  DeviceCopy d_swizzled(swizzled_scales.size());
-  mx_quantize({{d_src.pointer, DType::kBFloat16, v},
-               {d_data.pointer, DType::kFloat8E4M3, v},
-               {d_swizzled.pointer, DType::kFloat8E8M0, sv},
-               MxScaleRounding::kMegatron,
-               swizzled},
-              MemoryKind::kCuda, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(d_data.download() == data);
-  EXPECT_TRUE(d_swizzled.download() == swizzled_scales);
-
-  // And a block of whole 128 x 128 tiles of that layout (rows from 0 in 128s, columns from 128):
-  // its chunks write whole sectors of scales.
-  const Box tiles{2, {0, 128}, {rows / 128 * 128, 3840}};
-  const auto [tv, tsv] = mx_views(shape, tiles);
-  const SwizzledScales whole{0, tiles.offset[1] / 32, (kCols / 32 + 3) / 4};
-  std::fill(swizzled_scales.begin(), swizzled_scales.end(), 0xab);
-  mx_quantize({{const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, tv},
-               {data.data(), DType::kFloat8E4M3, tv},
-               {swizzled_scales.data(), DType::kFloat8E8M0, tsv},
-               MxScaleRounding::kMegatron,
-               whole},
-              MemoryKind::kHost, nullptr);
-  DeviceCopy d_whole(swizzled_scales.size());
-  ASSERT_EQ(cudaMemset(d_whole.pointer, 0xab, d_whole.bytes), cudaSuccess);
-  mx_quantize({{d_src.pointer, DType::kBFloat16, tv},
-               {d_data.pointer, DType::kFloat8E4M3, tv},
-               {d_whole.pointer, DType::kFloat8E8M0, tsv},
-               MxScaleRounding::kMegatron,
-               whole},
-              MemoryKind::kCuda, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(d_data.download() == data);
-  EXPECT_TRUE(d_whole.download() == swizzled_scales);
+  const auto quantize_swizzled = [&](const Box& box) {
+    const auto [bv, bsv] = mx_views(shape, box);
+    const SwizzledScales swizzled{box.offset[0], box.offset[1] / 32, (kCols / 32 + 3) / 4};
+    std::vector<std::uint8_t> want(swizzled_bytes, 0xab);
+    mx_quantize({{const_cast<std::uint16_t*>(src.data()), DType::kBFloat16, bv},
+                 {data.data(), DType::kFloat8E4M3, bv},
+                 {want.data(), DType::kFloat8E8M0, bsv},
+                 MxScaleRounding::kMegatron,
+                 swizzled},
+                MemoryKind::kHost, nullptr);
+    DeviceCopy got(swizzled_bytes);
+    mx_quantize({{d_src.pointer, DType::kBFloat16, bv},
+                 {d_data.pointer, DType::kFloat8E4M3, bv},
+                 {got.pointer, DType::kFloat8E8M0, bsv},
+                 MxScaleRounding::kMegatron,
+                 swizzled},
+                MemoryKind::kCuda, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(d_data.download() == data) << box.str();
+    EXPECT_TRUE(got.download() == want) << box.str();
+  };
+  quantize_swizzled(block);  // the block's first scale column is 2
+  // A block of whole 128 x 128 tiles of that layout (rows from 0 in 128s, columns from 128): its
+  // chunks write whole sectors of scales.
+  quantize_swizzled(Box{2, {0, 128}, {rows / 128 * 128, 3840}});
 
   const BoxView cv = view_of(block, shape, false);
   std::vector<std::uint8_t> wide(n * 4, 0xab), back(n * 2, 0xab);
