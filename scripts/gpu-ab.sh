@@ -16,10 +16,7 @@ base=${1:?usage: scripts/gpu-ab.sh BASE (a commit to compare this checkout with)
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export OUT=${OUT:-build-gpu/logs}
 mkdir -p "$OUT"
-# This checkout's label: RESHARD_COMMIT, else HEAD, marked "+changes" where the tree differs from
-# it (a copy of a working tree can carry an older .git).
-head=${RESHARD_COMMIT:-$(git rev-parse --short HEAD)}
-[[ -z "${RESHARD_COMMIT:-}" ]] && ! git diff --quiet HEAD -- && head+="+changes"
+head=$(bash scripts/commit-label.sh)
 base=$(git rev-parse --short "$base") || exit 1
 base_src="build-gpu/ab-base-src"
 # A later call for the same BASE keeps its build.

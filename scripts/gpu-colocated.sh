@@ -14,9 +14,7 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export OUT=${OUT:-build-gpu/logs}
 bash scripts/gpu-build.sh
-# The records' commit: HEAD, marked "+changes" where the tree that was built differs from it.
-commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-[[ -z "${RESHARD_COMMIT:-}" ]] && ! git diff --quiet HEAD -- 2>/dev/null && commit+="+changes"
+commit=$(bash scripts/commit-label.sh)
 gpus=$(nvidia-smi -L | wc -l)
 status=0
 if [[ "${1:-}" == "--tests" ]]; then

@@ -21,9 +21,7 @@ if [[ -d build-gpu/python/reshard ]]; then
   PYTHONPATH=build-gpu/python python3 -m pytest tests/python -q -rs >"$OUT/pytest.log" 2>&1 || status=1
   tail -3 "$OUT/pytest.log"
 fi
-# The records' commit: HEAD, marked "+changes" where the tree that was built differs from it.
-commit=${RESHARD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-[[ -z "${RESHARD_COMMIT:-}" ]] && ! git diff --quiet HEAD -- 2>/dev/null && commit+="+changes"
+commit=$(bash scripts/commit-label.sh)
 if [[ "${1:-}" == "--refit" ]]; then
   shift
   gpus=$(nvidia-smi -L | wc -l)
