@@ -405,26 +405,37 @@ __device__ __forceinline__ Raw<S, N> staged_raw(const uint4 (&slots)[K][32], uns
   return raw;
 }
 
-// Stages the calling lane's vector of N elements in each tile of a chunk (`first`: its vector in
-// the first tile), one cp.async group per tile, and returns which tiles it staged (bit u): those
-// whose vector `whole(at)` says is whole and whose source is 16-byte aligned.
-template <DType S, int N, int kTiles, int K, typename Task, typename Whole>
-__device__ __forceinline__ unsigned stage_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
-                                                const Task& task, std::uint64_t first,
-                                                const BoxView* uneven, Whole whole) {
+// Stages the calling lane's vector in each tile of a chunk, one cp.async group per tile, where
+// `source(u)` (the vector's first byte in tile u, or null where the lane has none there) is
+// 16-byte aligned, and returns which tiles it staged (bit u); the others are read at encoding.
+template <int kTiles, int K, typename Source>
+__device__ __forceinline__ unsigned stage_tiles(uint4 (&stage)[kTiles][K][32], unsigned lane,
+                                                Source source) {
   unsigned staged = 0;
 #pragma unroll
   for (int u = 0; u < kTiles; ++u) {
-    const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
-    const auto* from = static_cast<const std::uint8_t*>(task.src) +
-                       (row_start(task.src_rows, at.row, uneven) + at.col) * kElementBytes<S>;
-    if (whole(at) && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
+    const std::uint8_t* from = source(u);
+    if (from != nullptr && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
       staged |= 1u << u;
       stage_vector(stage[u], lane, from);
     }
     commit_async_copies();
   }
   return staged;
+}
+
+// stage_tiles for a chunk whose rows the task's RowWalks find (`first`: the lane's vector of N
+// elements in the first tile): the vectors that `whole(at)` says are whole.
+template <DType S, int N, int kTiles, int K, typename Task, typename Whole>
+__device__ __forceinline__ unsigned stage_chunk(uint4 (&stage)[kTiles][K][32], unsigned lane,
+                                                const Task& task, std::uint64_t first,
+                                                const BoxView* uneven, Whole whole) {
+  return stage_tiles(stage, lane, [&](int u) -> const std::uint8_t* {
+    const LaneVector at = lane_vector<N>(task.span, first + 32 * u);
+    if (!whole(at)) return nullptr;
+    return static_cast<const std::uint8_t*>(task.src) +
+           (row_start(task.src_rows, at.row, uneven) + at.col) * kElementBytes<S>;
+  });
 }
 
 // A widening cast's tile (16-bit elements to float32) with warp-wide stores, where the tile's 32
@@ -604,18 +615,12 @@ __device__ __forceinline__ void mx_quantize_even_chunk(uint4 (&stage)[kTiles][K]
     return src + static_cast<std::uint64_t>(row) * src_step +
            static_cast<std::uint64_t>(in_row) * (N * size);
   };
-  unsigned staged = 0;
-#pragma unroll
-  for (int u = 0; u < kTiles; ++u) {
+  const unsigned staged = stage_tiles(stage, lane, [&](int u) -> const std::uint8_t* {
     std::uint32_t row, in_row;
     const bool active = place(u, row, in_row);
     const std::uint8_t* from = source(row, in_row);
-    if (active && (reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
-      staged |= 1u << u;
-      stage_vector(stage[u], lane, from);
-    }
-    commit_async_copies();
-  }
+    return active ? from : nullptr;
+  });
   encode_tiles<kTiles>([&](int u) {
     std::uint32_t row, in_row;
     const bool active = place(u, row, in_row);
@@ -678,16 +683,7 @@ __device__ __noinline__ void mx_quantize_banded_chunk(uint4 (&stage)[kTiles][K][
   const auto source = [&](std::uint32_t row) {
     return src + row * src_step + static_cast<std::uint64_t>(in_row) * (N * size);
   };
-  unsigned staged = 0;
-#pragma unroll
-  for (int u = 0; u < kTiles; ++u) {
-    const std::uint8_t* from = source(row_of(u));
-    if ((reinterpret_cast<std::uintptr_t>(from) & 15) == 0) {
-      staged |= 1u << u;
-      stage_vector(stage[u], lane, from);
-    }
-    commit_async_copies();
-  }
+  const unsigned staged = stage_tiles(stage, lane, [&](int u) { return source(row_of(u)); });
   std::uint32_t scales = 0;  // tile u's block scale in byte u (lanes 2c and 2c + 1: block c)
   encode_tiles<kTiles>([&](int u) {
     const std::uint32_t row = row_of(u);

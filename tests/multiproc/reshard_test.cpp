@@ -627,6 +627,61 @@ TEST(ReshardBatches, ManySmallWeightsAreConvertedInBatches) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// Thousands of tensors a rank, which a refit checks against its schedule in shares on helper
+// threads: one tensor given new storage, first, last or between in the plan, on either side and on
+// one rank alone, makes every rank schedule again, and its bytes land in the new storage.
+TEST(ReshardReuse, OneNewTensorAmongThousandsIsScheduledAgain) {
+  auto service = make_service();
+  const int n = service->n_pes();
+  const PeId me = service->my_pe();
+  const ModelSpec model = toy_model(2, 16, 768);  // 3,072 small expert weights
+  const Case c{"ep " + std::to_string(n) + " -> tp 1 x " + std::to_string(n),
+               {.dp = n, .ep = n},
+               {.replicas = n}};
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
+  const auto expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors tensors = make_tensors(*plan, me, my_device(), expected, nullptr);
+  ASSERT_GT(tensors.dst_map.size(), 3000u);
+  EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
+  // The plan's first parameter, one a third in, its last; each side in turn, changed on
+  // one rank that holds it (in turn, where several do).
+  const std::size_t count = plan->params().size();
+  int change = 0;
+  std::vector<std::unique_ptr<TestMemory>> replaced;  // alive to the end: no address comes back
+  for (const std::size_t at : {std::size_t{0}, count / 3, count - 1}) {
+    const auto p = static_cast<std::uint32_t>(at);
+    const std::string& name = plan->params()[p].name;
+    for (const bool source : {true, false}) {
+      SCOPED_TRACE(name + (source ? " (source)" : " (destination)"));
+      const Layout& layout = source ? plan->src_layout() : plan->dst_layout();
+      std::vector<PeId> holders;
+      for (PeId pe = 0; pe < n; ++pe) {
+        if (layout.find_shard(pe, p) != nullptr) holders.push_back(pe);
+      }
+      ASSERT_FALSE(holders.empty());
+      if (me == holders[change++ % holders.size()]) {
+        auto& memory = source ? tensors.src : tensors.dst;
+        auto fresh = std::make_unique<TestMemory>(memory.at(name)->download().size(), my_device());
+        if (source) fresh->upload(memory.at(name)->download());
+        (source ? tensors.src_map : tensors.dst_map).at(name).data = fresh->buffer();
+        replaced.push_back(std::exchange(memory.at(name), std::move(fresh)));
+      }
+      for (auto& [dst_name, dst_memory] : tensors.dst) {  // every byte must be written again
+        dst_memory->upload(std::vector<std::byte>(dst_memory->download().size(), std::byte{0xee}));
+      }
+      EXPECT_TRUE(
+          execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+      EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "the refit after the change";
+      EXPECT_FALSE(
+          execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+      EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "the refit after that";
+    }
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 // The error this PE's refit of `t` is refused with; a test failure where the refit ran.
 std::optional<Error> refusal_of(CopyService& service,
                                 const std::shared_ptr<const ReshardPlan>& plan,
