@@ -9,12 +9,9 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
-#include <future>
 #include <map>
 #include <span>
 #include <sstream>
-#include <system_error>
-#include <thread>
 #include <tuple>
 
 #include "core/env.hpp"
@@ -539,42 +536,24 @@ struct Resharder::Impl {
   }
 
   // Whether `src` and `dst` hold, for every tensor this rank's ops touch, what the prepared
-  // refit was prepared for: one lookup each, nothing copied. A MoE refit checks thousands at
-  // every refit (Qwen3-30B-A3B, 12 layers: 4,782 a rank, 0.7-1.0 ms of the GPU machine's host
-  // against a transfer of 8-11 ms; rerun() skips them). The lookups wait on cache misses in the
-  // caller's map, so above kTensorsPerCheckThread tensors helper threads take shares of them.
+  // refit was prepared for: one lookup each, nothing copied. (A MoE refit checks thousands at
+  // every refit: Qwen3-30B-A3B, 12 layers, 4,782 a rank, 0.7-1.0 ms of the GPU machine's host
+  // against a transfer of 11.5 ms; rerun() skips them. Shares of them on helper threads made no
+  // difference on one H100 with 4 PEs, 2026-11-27.)
   bool same_tensors_as_prepared(const TensorMap& src, const TensorMap& dst) const {
     static const LocalTensor kAbsent{};
-    const std::size_t sends = send_params.size(), total = sends + recv_params.size();
-    if (prepared.tensors.size() != total) return false;
-    const auto same_in = [&](std::size_t begin, std::size_t end) {
-      for (std::size_t i = begin; i < end; ++i) {
-        const TensorMap& map = i < sends ? src : dst;
-        const auto it = map.find(i < sends ? *send_params[i] : *recv_params[i - sends]);
-        if (!same_tensor(it == map.end() ? kAbsent : it->second, prepared.tensors[i])) return false;
+    std::size_t i = 0;
+    for (const auto& [params, map] :
+         {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
+      for (const std::string* name : *params) {
+        if (i == prepared.tensors.size()) return false;
+        auto it = map->find(*name);
+        if (!same_tensor(it == map->end() ? kAbsent : it->second, prepared.tensors[i++]))
+          return false;
       }
-      return true;
-    };
-    const std::size_t shares =
-        std::min<std::size_t>({total / kTensorsPerCheckThread, kMostCheckThreads,
-                               std::max(1u, std::thread::hardware_concurrency())});
-    if (shares <= 1) return same_in(0, total);
-    std::vector<std::future<bool>> helpers;
-    try {
-      for (std::size_t k = 1; k < shares; ++k) {
-        helpers.push_back(
-            std::async(std::launch::async, same_in, total * k / shares, total * (k + 1) / shares));
-      }
-    } catch (const std::system_error&) {  // no thread to be had: all of it here
-      return same_in(0, total);
     }
-    bool same = same_in(0, total / shares);
-    for (std::future<bool>& helper : helpers) same = helper.get() && same;
-    return same;
+    return i == prepared.tensors.size();
   }
-  // Starting a thread costs tens of microseconds; a share of 1,024 lookups is 0.1-0.2 ms.
-  static constexpr std::size_t kTensorsPerCheckThread = 1024;
-  static constexpr std::size_t kMostCheckThreads = 4;
 
   // Whether a transform's hooks returned the wire buffers a side was scheduled with.
   static bool same_wire(const std::vector<execution::WireRange>& a,
@@ -589,7 +568,7 @@ struct Resharder::Impl {
   // buffers than those scheduled (the refit is then prepared again). A built-in transform's
   // send hooks run phase by phase instead (convert_sends), and its buffers are the pool's.
   bool rerun_transforms(const TensorMap& src, const TensorMap& dst, void* stream) {
-    if (ranged != nullptr) return true;
+    if (ranged != nullptr || transform == nullptr) return true;
     for (auto [sides, map, sending] :
          {std::tuple{&prepared.sends, &src, true}, std::tuple{&prepared.receives, &dst, false}}) {
       for (Side& side : *sides) {
