@@ -2,8 +2,8 @@
 # On a GPU machine: builds reshard and measures colocated runs, PEs sharing each GPU as RL jobs run
 # trainer and engine: the small all-to-all sweep and model refits at 2 and 4 PEs per GPU, with the
 # same-device orders (RESHARD_CUDA_SAME_DEVICE: delegate, the default without MPS; stream; kernel),
-# without and with MPS. --tests runs the GPU tests first (and the CUDA suites at 4 PEs per GPU again
-# under MPS, where every PE's kernel must be resident at once).
+# without and with MPS. --tests runs the GPU tests first (and the CUDA and NVSHMEM suites again under
+# MPS, where every PE's kernel must be resident at once).
 # Logs and JSON lines go to $OUT (default build-gpu/logs). Usage: gpu-colocated.sh [--tests];
 # MPS="off on" (none: no benchmarks), ORDERS="delegate stream kernel", PES="2 4" (PEs per GPU), TESTS (a
 # ctest -R pattern) and FAULTS (a gtest filter of the dead-peer tests) narrow the sweep;
@@ -41,9 +41,10 @@ for mps in ${MPS:-off on}; do
   [[ $mps == none ]] && continue  # MPS=none: the tests only
   [[ $mps == on ]] && mps_on
   if [[ $mps == on && -n "${MPS_TESTS:-}" ]]; then
-    # Under MPS the PEs' kernels must all be resident at once (the CUDA transport shares the GPU's
-    # wave among them): the CUDA suites at 4 PEs per GPU show it.
-    ctest --test-dir build-gpu -L gpu -R "gpu_reshard_cuda_4|gpu_cuda_(sm|ce|auto)_4_pes" \
+    # Under MPS the PEs' kernels must all be resident at once (the CUDA and NVSHMEM transports
+    # share the GPU's wave among them): the CUDA and NVSHMEM suites show it.
+    ctest --test-dir build-gpu -L gpu \
+      -R "gpu_reshard_cuda_4|gpu_cuda_(sm|ce|auto)_4_pes|gpu_(reshard_)?nvshmem_(2|4)_pes" \
       --output-on-failure --timeout 300 >"$OUT/gpu-tests-mps.log" 2>&1 || status=$?
     grep -E "Test +#|tests passed" "$OUT/gpu-tests-mps.log" | tail -8
   fi

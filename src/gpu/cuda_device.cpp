@@ -181,6 +181,20 @@ std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
   return pids;
 }
 
+int pes_on_this_gpu(Bootstrap& bootstrap, int device) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  char bus[32] = {};
+  RESHARD_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, device));
+  message::Writer mine;
+  mine.put_string(std::string(host) + "/" + bus);
+  const auto all = bootstrap.all_gather(mine.bytes());
+  const std::string me = message::Reader(all[bootstrap.rank()]).get_string();
+  int count = 0;
+  for (const auto& part : all) count += message::Reader(part).get_string() == me;
+  return count;
+}
+
 std::string stuck_behind_clause(const volatile DeviceStatus& status) {
   if (status.code != kStatusTimeout || status.stuck_behind == status.peer) return {};
   return "; PE " + std::to_string(status.peer) + " is itself stuck waiting, behind PE " +

@@ -50,6 +50,9 @@ int first_exited_process(std::span<const pid_t> pids, bool count_zombies = false
 // Collective: every PE's process id where it shares this host (0 for this PE and for PEs on other
 // hosts), so a waiting PE can tell a peer that died from one that is slow.
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
+// Collective: how many PEs (this one included) run on this PE's GPU `device`, told apart by host
+// and PCI bus id: colocated processes sharing it.
+int pes_on_this_gpu(Bootstrap& bootstrap, int device);
 // Index of the first process in `pids` that is stopped (SIGSTOP, a debugger), or -1.
 int first_stopped_process(std::span<const pid_t> pids);
 // "; PE p is itself stuck waiting, behind PE q" for a timed-out device wait whose peer p was

@@ -373,8 +373,17 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
   // for the peers' sends: each gets at most half of what the GPU holds at once, so both are
   // always resident together and a PE's sends are never starved of SMs by its own waiting
   // receive. At 64 registers a thread an SM holds 2 CTAs, so the cap stays at one per SM.
-  const int resident = sm_count_ * std::max(1, ctas_per_sm_);
+  // PEs sharing the GPU (colocated processes) divide it among them: under MPS their kernels run
+  // side by side, each waiting on the others', and kernels that did not all fit spun until the
+  // timeout (one H100, 2026-11-27: 2 PEs at 16 MiB per peer, 4 PEs at 1 MiB). Without MPS the
+  // processes take turns on the whole GPU, so the share costs nothing there that the turns did not.
+  const int sharing = cuda::pes_on_this_gpu(bootstrap, device_);
+  const int resident = sm_count_ * std::max(1, ctas_per_sm_) / sharing;
   max_ctas_ = std::max(1, std::min(sm_count_, two_streams() ? resident / 2 : resident));
+  if (sharing > 1) {
+    RESHARD_LOG(kDebug, sharing << " PEs share CUDA device " << device_ << ": at most " << max_ctas_
+                                << " CTAs per launch");
+  }
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
   nodes_ = map_nodes(bootstrap, options.node_size);
