@@ -181,13 +181,17 @@ std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap) {
   return pids;
 }
 
-int pes_on_this_gpu(Bootstrap& bootstrap, int device) {
+std::string physical_gpu(int device) {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   char bus[32] = {};
   RESHARD_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, device));
+  return std::string(host) + "/" + bus;
+}
+
+int pes_on_this_gpu(Bootstrap& bootstrap, int device) {
   message::Writer mine;
-  mine.put_string(std::string(host) + "/" + bus);
+  mine.put_string(physical_gpu(device));
   const auto all = bootstrap.all_gather(mine.bytes());
   const std::string me = message::Reader(all[bootstrap.rank()]).get_string();
   int count = 0;

@@ -50,8 +50,11 @@ int first_exited_process(std::span<const pid_t> pids, bool count_zombies = false
 // Collective: every PE's process id where it shares this host (0 for this PE and for PEs on other
 // hosts), so a waiting PE can tell a peer that died from one that is slow.
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
-// Collective: how many PEs (this one included) run on this PE's GPU `device`, told apart by host
-// and PCI bus id: colocated processes sharing it.
+// The GPU `device` as every process names it, whatever CUDA_VISIBLE_DEVICES each sees (so device
+// ordinals may differ, or name different GPUs): the host's name and the GPU's PCI bus id.
+std::string physical_gpu(int device);
+// Collective: how many PEs (this one included) run on this PE's GPU `device` (physical_gpu):
+// colocated processes sharing it.
 int pes_on_this_gpu(Bootstrap& bootstrap, int device);
 // Index of the first process in `pids` that is stopped (SIGSTOP, a debugger), or -1.
 int first_stopped_process(std::span<const pid_t> pids);

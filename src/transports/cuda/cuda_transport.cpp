@@ -288,7 +288,10 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   const bool delegates = stream_ordered && same_device_mode != "stream";
   message::Writer mine;
   mine.put<std::int32_t>(::getpid());
-  mine.put<std::int32_t>(device_);
+  // Same GPU by host and PCI bus id, not by ordinal: processes may see different
+  // CUDA_VISIBLE_DEVICES (one GPU each, as Ray gives its workers, or all of them).
+  const std::string my_gpu = cuda::physical_gpu(device_);
+  mine.put_string(my_gpu);
   mine.put(handle);
   mine.put<std::uint8_t>(engine_ == "autotune");
   mine.put<std::uint8_t>(stream_ordered);
@@ -303,7 +306,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     message::Reader reader(all[pe]);
     const auto pid = reader.get<std::int32_t>();
     pids_[pe] = pe == me_ ? 0 : pid;  // only peers are watched
-    const int peer_device = reader.get<std::int32_t>();
+    const std::string peer_gpu = reader.get_string();
     const auto peer_handle = reader.get<cudaIpcMemHandle_t>();
     // Autotune runs the schedule at schedule() time: a PE that does not would leave it waiting.
     if ((reader.get<std::uint8_t>() != 0) != (engine_ == "autotune")) {
@@ -319,7 +322,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
       peer_signals_[pe] = signals_;
       continue;
     }
-    if (peer_device == device_) {
+    if (peer_gpu == my_gpu) {
       same_device_[pe] = stream_ordered && peer_stream_ordered;
       if (!same_device_[pe]) ++kernel_ordered_on_device;
       if (same_device_[pe]) every_one_delegates = every_one_delegates && peer_delegates;

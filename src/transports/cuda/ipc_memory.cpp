@@ -102,11 +102,12 @@ unsigned char* IpcImports::map(int peer, const HandleBytes& handle, bool may_fai
       mappings_.erase({peer, handle});
       cudaGetLastError();
       if (may_fail) return nullptr;
-      throw_error(
-          ErrorCode::kSystem,
-          "cannot map PE " + std::to_string(peer) +
-              "'s memory through CUDA IPC (cudaIpcOpenMemHandle: " + cudaGetErrorString(status) +
-              "); the cuda transport needs peer access between the PEs' GPUs");
+      throw_error(ErrorCode::kSystem, "cannot map PE " + std::to_string(peer) +
+                                          "'s memory through CUDA IPC (cudaIpcOpenMemHandle: " +
+                                          cudaGetErrorString(status) +
+                                          "); the cuda transport needs peer access between the "
+                                          "PEs' GPUs, each of them visible to "
+                                          "every PE of the node (CUDA_VISIBLE_DEVICES)");
     }
     live_mappings.fetch_add(1);
   }
