@@ -8,7 +8,9 @@
 // (device to device, the same bytes read + written) timed in the same run. The conversion kernels'
 // fractions in `reshard bench-convert` are measured against the same copy: where this probe's
 // widening kernel stays below a fraction, no cast kernel can do better there. A column-block copy
-// (half of each row read, written dense) shows what reading a TP slice in place costs.
+// (half of each row read, written dense) shows what reading a TP slice in place costs, and an
+// MXFP8-shaped one (the same reads; FP8 data and scales written into the same block of their
+// matrices) the most an MXFP8 conversion of such blocks can reach.
 //
 // Build and run on a GPU machine:
 //   nvcc -O3 -arch=sm_90 -o /tmp/uneven tools/probes/uneven_traffic.cu
@@ -90,6 +92,39 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// MXFP8's traffic over a column block with none of its arithmetic: each 16-byte vector of the
+// block (`row_vectors` of each bfloat16 source row, rows twice that apart) becomes 8 bytes in the
+// same block of a byte matrix (rows 16 row_vectors bytes apart), and every 64 bytes read one byte
+// in the same block of the scale matrix (rows row_vectors / 2 bytes apart): the bytes an MXFP8
+// conversion of that block reads and writes, where it writes them.
+__global__ void __launch_bounds__(kThreads)
+    mx_column_block_kernel(const uint4* __restrict__ src, uint2* __restrict__ data,
+                           unsigned char* __restrict__ scale, std::size_t vectors,
+                           unsigned row_vectors) {
+  constexpr int kInFlight = 4;
+  const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
+  for (std::size_t v0 = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; v0 < vectors;
+       v0 += stride * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const std::size_t i = v0 + k * stride;
+      v[k] = i < vectors ? src[i / row_vectors * 2 * row_vectors + i % row_vectors] : uint4{};
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const std::size_t i = v0 + k * stride;
+      if (i >= vectors) continue;
+      const std::size_t row = i / row_vectors, in_row = i % row_vectors;
+      // The high byte of each bfloat16 (a stand-in for its FP8 encoding).
+      const unsigned lo = __byte_perm(v[k].x, v[k].y, 0x7531),
+                     hi = __byte_perm(v[k].z, v[k].w, 0x7531);
+      data[row * 2 * row_vectors + in_row] = make_uint2(lo, hi);
+      if (in_row % 4 == 0) scale[row * (2 * row_vectors / 4) + in_row / 4] = lo & 0xff;
+    }
+  }
+}
+
 template <typename Body>
 double median_seconds(int repeats, Body body) {
   cudaEvent_t start, stop;
@@ -158,6 +193,21 @@ int main(int argc, char** argv) {
                                 src, dst, vectors, row_bytes / 16, 2 * row_bytes / 16);
                           }),
            2.0 * bytes);
+  }
+  // MXFP8's traffic on the same column blocks (read, FP8 data and scales written in place): the
+  // most a conversion of them can reach, beside bench-convert's mxfp8 column-block rows.
+  auto* data = static_cast<uint2*>(b);
+  auto* scales = static_cast<unsigned char*>(b) + bytes;  // the second half of b
+  for (const unsigned row_bytes : {4096u, 128u}) {
+    char name[64];
+    std::snprintf(name, sizeof name, "MXFP8-shaped, rows %u of %u B", row_bytes, 2 * row_bytes);
+    report(name,
+           median_seconds(repeats,
+                          [&] {
+                            mx_column_block_kernel<<<grid, kThreads>>>(src, data, scales, vectors,
+                                                                       row_bytes / 16);
+                          }),
+           bytes + bytes / 2 + bytes / 64.0);
   }
   CHECK(cudaGetLastError());
   return 0;
