@@ -69,11 +69,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// A column block: the first `row_vectors` 16-byte vectors of each source row, rows
-// `stride_vectors` apart, copied densely (as a conversion reads a row-parallel weight's TP slice).
-__global__ void __launch_bounds__(kThreads)
-    column_block_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, std::size_t vectors,
-                        unsigned row_vectors, unsigned stride_vectors) {
+// Calls store(i, vector) for each vector i of a column block (the first `row_vectors` 16-byte
+// vectors of each source row, rows `stride_vectors` apart), kInFlight loaded before any is stored.
+template <typename Store>
+__device__ __forceinline__ void for_each_column_block_vector(const uint4* __restrict__ src,
+                                                             std::size_t vectors,
+                                                             unsigned row_vectors,
+                                                             unsigned stride_vectors, Store store) {
   constexpr int kInFlight = 4;
   const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
   for (std::size_t v0 = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; v0 < vectors;
@@ -87,9 +89,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kInFlight; ++k) {
       const std::size_t i = v0 + k * stride;
-      if (i < vectors) dst[i] = v[k];
+      if (i < vectors) store(i, v[k]);
     }
   }
+}
+
+// A column block copied densely (as a conversion reads a row-parallel weight's TP slice).
+__global__ void __launch_bounds__(kThreads)
+    column_block_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, std::size_t vectors,
+                        unsigned row_vectors, unsigned stride_vectors) {
+  for_each_column_block_vector(src, vectors, row_vectors, stride_vectors,
+                               [&](std::size_t i, const uint4& v) { dst[i] = v; });
 }
 
 // MXFP8's traffic over a column block with none of its arithmetic: each 16-byte vector of the
@@ -101,28 +111,14 @@ __global__ void __launch_bounds__(kThreads)
     mx_column_block_kernel(const uint4* __restrict__ src, uint2* __restrict__ data,
                            unsigned char* __restrict__ scale, std::size_t vectors,
                            unsigned row_vectors) {
-  constexpr int kInFlight = 4;
-  const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
-  for (std::size_t v0 = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; v0 < vectors;
-       v0 += stride * kInFlight) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      const std::size_t i = v0 + k * stride;
-      v[k] = i < vectors ? src[i / row_vectors * 2 * row_vectors + i % row_vectors] : uint4{};
-    }
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      const std::size_t i = v0 + k * stride;
-      if (i >= vectors) continue;
-      const std::size_t row = i / row_vectors, in_row = i % row_vectors;
-      // The high byte of each bfloat16 (a stand-in for its FP8 encoding).
-      const unsigned lo = __byte_perm(v[k].x, v[k].y, 0x7531),
-                     hi = __byte_perm(v[k].z, v[k].w, 0x7531);
-      data[row * 2 * row_vectors + in_row] = make_uint2(lo, hi);
-      if (in_row % 4 == 0) scale[row * (2 * row_vectors / 4) + in_row / 4] = lo & 0xff;
-    }
-  }
+  for_each_column_block_vector(
+      src, vectors, row_vectors, 2 * row_vectors, [&](std::size_t i, const uint4& v) {
+        const std::size_t row = i / row_vectors, in_row = i % row_vectors;
+        // The high byte of each bfloat16 (a stand-in for its FP8 encoding).
+        const unsigned lo = __byte_perm(v.x, v.y, 0x7531), hi = __byte_perm(v.z, v.w, 0x7531);
+        data[row * 2 * row_vectors + in_row] = make_uint2(lo, hi);
+        if (in_row % 4 == 0) scale[row * (2 * row_vectors / 4) + in_row / 4] = lo & 0xff;
+      });
 }
 
 template <typename Body>
@@ -182,30 +178,28 @@ int main(int argc, char** argv) {
   run("widening, warp-wide stores", stream_kernel<1, 2, 4, true>, 3.0 * bytes);
   run("widening, 8 loads in flight", stream_kernel<1, 2, 8>, 3.0 * bytes);
   // Column blocks: half of each row read (rows of 4 KiB in 8 KiB, as the left half of a
-  // 4096-column bfloat16 matrix; rows of 128 bytes in 256, as of a 128-column one), written dense.
+  // 4096-column bfloat16 matrix; rows of 128 bytes in 256, as of a 128-column one), written dense;
+  // then MXFP8's traffic on the same blocks (FP8 data and scales written in place), the most a
+  // conversion of them can reach, beside bench-convert's mxfp8 column-block rows.
+  auto* data = static_cast<uint2*>(b);
+  auto* scales = static_cast<unsigned char*>(b) + bytes;  // the second half of b
   for (const unsigned row_bytes : {4096u, 128u}) {
+    const unsigned row_vectors = row_bytes / 16;
     char name[64];
     std::snprintf(name, sizeof name, "column block, rows %u of %u B", row_bytes, 2 * row_bytes);
     report(name,
            median_seconds(repeats,
                           [&] {
-                            column_block_kernel<<<grid, kThreads>>>(
-                                src, dst, vectors, row_bytes / 16, 2 * row_bytes / 16);
+                            column_block_kernel<<<grid, kThreads>>>(src, dst, vectors, row_vectors,
+                                                                    2 * row_vectors);
                           }),
            2.0 * bytes);
-  }
-  // MXFP8's traffic on the same column blocks (read, FP8 data and scales written in place): the
-  // most a conversion of them can reach, beside bench-convert's mxfp8 column-block rows.
-  auto* data = static_cast<uint2*>(b);
-  auto* scales = static_cast<unsigned char*>(b) + bytes;  // the second half of b
-  for (const unsigned row_bytes : {4096u, 128u}) {
-    char name[64];
     std::snprintf(name, sizeof name, "MXFP8-shaped, rows %u of %u B", row_bytes, 2 * row_bytes);
     report(name,
            median_seconds(repeats,
                           [&] {
                             mx_column_block_kernel<<<grid, kThreads>>>(src, data, scales, vectors,
-                                                                       row_bytes / 16);
+                                                                       row_vectors);
                           }),
            bytes + bytes / 2 + bytes / 64.0);
   }
