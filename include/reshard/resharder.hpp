@@ -64,6 +64,11 @@ struct ReshardReport {
   // it), unpacking and receive-side transforms.
   double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;
   double issue_seconds = 0;  // of those, the host's own time queuing the work
+  // Host time execute() spent before any work: checking each tensor (and a custom transform's
+  // hooks) against the prepared refit, and the ranks agreeing whether it still holds; rerun()
+  // does neither (both 0 there). A MoE refit of thousands of tensors spends most of its host time
+  // here.
+  double check_seconds = 0, agree_seconds = 0;
 };
 
 class Resharder {

@@ -907,6 +907,8 @@ void bind_execution(nb::module_& m) {
       .def_ro("staging_bytes", &ReshardReport::staging_bytes)
       .def_ro("phases", &ReshardReport::phases)
       .def_ro("conversions_replayed", &ReshardReport::conversions_replayed)
+      .def_ro("check_seconds", &ReshardReport::check_seconds)
+      .def_ro("agree_seconds", &ReshardReport::agree_seconds)
       .def_ro("prepare_seconds", &ReshardReport::prepare_seconds)
       .def_ro("transfer_seconds", &ReshardReport::transfer_seconds)
       .def_ro("finalize_seconds", &ReshardReport::finalize_seconds);

@@ -44,6 +44,46 @@ struct LocalSide {
   OpSlice from, to;  // the op's source and destination slices on this rank
 };
 
+// What a prepared refit depends on of one tensor (its buffers, dtype and shape), without the
+// heap: the per-refit check of thousands of tensors reads these and the names in turn and waits
+// only on the caller's map. (Against the plan's names and LocalTensor copies, each shape on the
+// heap: 4,734 tensors with cold caches 0.98-1.23 -> 0.66-0.87 ms, warm 0.23 -> 0.19 ms, a copy of
+// the loop on the 2-core development machine, 2026-11-27.)
+struct TensorIdentity {
+  const void* data = nullptr;
+  const void* scale = nullptr;
+  std::size_t bytes = 0, scale_bytes = 0;
+  std::int32_t device = -1, scale_device = -1;
+  MemoryKind kind = MemoryKind::kHost, scale_kind = MemoryKind::kHost;
+  DType dtype = DType::kBFloat16;
+  std::uint32_t shape_at = 0, dims = 0;  // in Prepared::shapes
+
+  // `tensor`'s, its shape appended to `shapes`.
+  static TensorIdentity of(const LocalTensor& tensor, std::vector<std::int64_t>& shapes) {
+    TensorIdentity id{tensor.data.data,
+                      tensor.scale.data,
+                      tensor.data.bytes,
+                      tensor.scale.bytes,
+                      tensor.data.device,
+                      tensor.scale.device,
+                      tensor.data.kind,
+                      tensor.scale.kind,
+                      tensor.dtype,
+                      static_cast<std::uint32_t>(shapes.size()),
+                      static_cast<std::uint32_t>(tensor.shape.size())};
+    shapes.insert(shapes.end(), tensor.shape.begin(), tensor.shape.end());
+    return id;
+  }
+  // Whether `tensor` is the one this was taken of (the same buffers, dtype and shape).
+  bool matches(const LocalTensor& tensor, const std::vector<std::int64_t>& shapes) const {
+    return tensor.data.data == data && tensor.data.bytes == bytes && tensor.dtype == dtype &&
+           tensor.data.kind == kind && tensor.data.device == device && tensor.scale.data == scale &&
+           tensor.scale.bytes == scale_bytes && tensor.scale.kind == scale_kind &&
+           tensor.scale.device == scale_device && tensor.shape.size() == dims &&
+           std::equal(tensor.shape.begin(), tensor.shape.end(), shapes.begin() + shape_at);
+  }
+};
+
 std::string where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
   text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (rank " << op.src_rank
@@ -78,6 +118,9 @@ struct Resharder::Impl {
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
   std::vector<const std::string*> send_params, recv_params;  // each once, in op order
+  // Their names again, sources then destinations, side by side in memory: the per-refit check
+  // reads them in turn (same_tensors_as_prepared).
+  std::vector<std::string> checked_names;
   // How many of this rank's ops send each source slice (parameter, then the box's offsets and
   // extents): more than one where replicas receive it.
   std::map<std::vector<std::int64_t>, int> sends_of_slice;
@@ -92,6 +135,9 @@ struct Resharder::Impl {
     std::vector<bool> converted_locally;  // by op index in the plan
     std::vector<std::unique_ptr<Phase>> phases;
     std::vector<LocalTensor> tensors;
+    // The same, flat (TensorIdentity, shapes one after the other), for the per-refit check.
+    std::vector<TensorIdentity> identities;
+    std::vector<std::int64_t> shapes;
     ReshardReport report;                             // the byte counts, the same at every refit
     execution::ConversionRecording locals_converted;  // as the phases' recordings
     // The first refit since the preparation ran to the end, recording the built-in transform's
@@ -143,6 +189,9 @@ struct Resharder::Impl {
         seen[op->param] = true;
         names->push_back(&plan->params()[op->param].name);
       }
+    }
+    for (const auto* names : {&send_params, &recv_params}) {
+      for (const std::string* name : *names) checked_names.push_back(*name);
     }
     check_same_plan_everywhere();
   }
@@ -526,33 +575,23 @@ struct Resharder::Impl {
     return used;
   }
 
-  // Whether `x` is the tensor `y` was: the same buffers, dtype and shape.
-  static bool same_tensor(const LocalTensor& x, const LocalTensor& y) {
-    auto same_buffer = [](const Buffer& p, const Buffer& q) {
-      return p.data == q.data && p.bytes == q.bytes && p.kind == q.kind && p.device == q.device;
-    };
-    return x.dtype == y.dtype && same_buffer(x.data, y.data) && same_buffer(x.scale, y.scale) &&
-           x.shape == y.shape;
-  }
-
   // Whether `src` and `dst` hold, for every tensor this rank's ops touch, what the prepared
-  // refit was prepared for: one lookup each, nothing copied. (A MoE refit checks thousands at
-  // every refit: Qwen3-30B-A3B, 12 layers, 4,782 a rank, 0.7-1.0 ms of the GPU machine's host
-  // against a transfer of 11.5 ms; rerun() skips them. Shares of them on helper threads made no
-  // difference on one H100 with 4 PEs, 2026-11-27.)
+  // refit was prepared for: one lookup each, nothing copied. A MoE refit checks thousands at
+  // every refit (Qwen3-30B-A3B, 12 layers: 4,782 a rank, 0.7-1.0 ms of the GPU machine's host
+  // against a transfer of 8-11 ms; rerun() skips them), waiting on cache misses in the caller's
+  // map: names and identities are read in turn from memory of their own. (Shares of the lookups
+  // on helper threads made no difference on one H100 with 4 PEs, 2026-11-27.)
   bool same_tensors_as_prepared(const TensorMap& src, const TensorMap& dst) const {
     static const LocalTensor kAbsent{};
-    std::size_t i = 0;
-    for (const auto& [params, map] :
-         {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
-      for (const std::string* name : *params) {
-        if (i == prepared.tensors.size()) return false;
-        auto it = map->find(*name);
-        if (!same_tensor(it == map->end() ? kAbsent : it->second, prepared.tensors[i++]))
-          return false;
-      }
+    const std::size_t sends = send_params.size();
+    if (prepared.identities.size() != checked_names.size()) return false;
+    for (std::size_t i = 0; i < checked_names.size(); ++i) {
+      const TensorMap& map = i < sends ? src : dst;
+      const auto it = map.find(checked_names[i]);
+      if (!prepared.identities[i].matches(it == map.end() ? kAbsent : it->second, prepared.shapes))
+        return false;
     }
-    return i == prepared.tensors.size();
+    return true;
   }
 
   // Whether a transform's hooks returned the wire buffers a side was scheduled with.
@@ -787,6 +826,10 @@ struct Resharder::Impl {
     register_and_schedule(prepared.sends, prepared.receives);
     registered_generation = execution::ServiceSlot::generation(service);
     report.rescheduled = true;
+    prepared.identities.clear();
+    prepared.shapes.clear();
+    for (const LocalTensor& tensor : tensors)
+      prepared.identities.push_back(TensorIdentity::of(tensor, prepared.shapes));
     prepared.tensors = std::move(tensors);
     prepared.valid = true;
   }
@@ -839,21 +882,29 @@ struct Resharder::Impl {
   }
 
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
+    using Clock = std::chrono::steady_clock;
     if (ranged != nullptr) ranged->set_placement(placement);
     ReshardReport report;
-    void* stream = stream_on(device_of(src, dst), cuda_stream);
-    PhaseClock clock{.enabled = service.options().debug.phase_timing,
-                     .stream = stream,
-                     .issued = &report.issue_seconds};
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
     // the transforms' hooks run again.
-    const bool reusable = prepared.valid &&
-                          execution::ServiceSlot::generation(service) == registered_generation &&
-                          same_tensors_as_prepared(src, dst) && rerun_transforms(src, dst, stream);
+    const auto started = Clock::now();
+    const bool same = prepared.valid &&
+                      execution::ServiceSlot::generation(service) == registered_generation &&
+                      same_tensors_as_prepared(src, dst);
+    // The same tensors are on the prepared refit's GPU (device_of walks every tensor of host maps).
+    void* stream = stream_on(same ? prepared.device : device_of(src, dst), cuda_stream);
+    const bool reusable = same && rerun_transforms(src, dst, stream);
+    const auto checked = Clock::now();
+    report.check_seconds = std::chrono::duration<double>(checked - started).count();
     // Scheduling is collective: a rank given new tensors alone must not schedule alone (its peers
     // would run the old schedule and both sides time out), so the ranks agree, in one small
     // all-gather per refit, and all prepare again where any one must.
-    if (!all_ranks_agree(reusable)) {
+    const bool agreed = all_ranks_agree(reusable);
+    report.agree_seconds = std::chrono::duration<double>(Clock::now() - checked).count();
+    PhaseClock clock{.enabled = service.options().debug.phase_timing,
+                     .stream = stream,
+                     .issued = &report.issue_seconds};
+    if (!agreed) {
       prepared.valid = false;
       prepare(src, dst, tensors_used(src, dst), stream, report);
     }

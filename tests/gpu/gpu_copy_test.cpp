@@ -9,10 +9,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "bench/workloads.hpp"
+#include "gpu/cuda_device.hpp"
 #include "reshard/reshard.hpp"
 #include "service/test_hooks.hpp"
 #include "support/gpu_pes.hpp"
@@ -136,6 +139,29 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Workloads,
 // dimensions, gaps between rows); every row lands in place and no gap byte is written, run on the
 // caller's stream after its own work with no host sync in between. NCCL sends each row as a
 // message of its own, so it gets fewer and shorter rows.
+// PEs sharing a GPU are told by the GPU's host and PCI bus id, whatever ordinal each process sees
+// it under (the NVSHMEM transport divides the GPU among them, the CUDA transport orders them by
+// their streams). Here every PE sees every GPU, so they are the PEs of this PE's ordinal.
+TEST(GpuIdentity, PesSharingThisGpuAreThoseOfItsOrdinal) {
+  auto service = make_service();
+  const int device = service->device();
+  int same_ordinal = 0;
+  for (const auto& part : bootstrap()->all_gather(std::as_bytes(std::span(&device, 1)))) {
+    int theirs = -1;
+    std::memcpy(&theirs, part.data(), sizeof theirs);
+    same_ordinal += theirs == device;
+  }
+  EXPECT_EQ(cuda::pes_on_this_gpu(*bootstrap(), device), same_ordinal);
+  const std::string me = cuda::physical_gpu(device);
+  EXPECT_NE(me.find('/'), std::string::npos) << me;
+  int count = 0;
+  CUDA_OK(cudaGetDeviceCount(&count));
+  for (int other = 0; other < count; ++other) {
+    EXPECT_EQ(cuda::physical_gpu(other) == me, other == device) << "device " << other;
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 TEST(StridedRanges, EveryRowLandsInPlaceAndNoGapIsWritten) {
   auto service = make_service();
   const PeId me = service->my_pe();

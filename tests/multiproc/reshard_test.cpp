@@ -500,6 +500,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     const ReshardReport report = execute_reshard_plan(plan, tensors.src_map, tensors.dst_map,
                                                       service, transform, nullptr, options);
     EXPECT_EQ(report.rescheduled, refit != 1) << "refit " << refit;
+    EXPECT_GT(report.agree_seconds, 0.0) << "refit " << refit << ": the PEs agree at every execute";
     // The second refit, with the tensors of the first, replays the built-in transform's
     // conversions as the first queued them (and the byte checks below hold it to them).
     EXPECT_EQ(report.conversions_replayed, mode != Mode::kPlain && refit == 1) << "refit " << refit;
@@ -537,6 +538,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   // transform's conversions replayed, every byte written again.
   const ReshardReport rerun = rerun_reshard_plan(plan, service, transform);
   EXPECT_FALSE(rerun.rescheduled);
+  EXPECT_EQ(rerun.check_seconds + rerun.agree_seconds, 0.0) << "a rerun checks nothing";
   EXPECT_EQ(rerun.conversions_replayed, mode != Mode::kPlain);
   EXPECT_EQ(rerun.locally_converted_bytes, locally_converted);
   EXPECT_EQ(verify(*plan, me, generations.back(), expected), 0u) << "rerun";

@@ -406,10 +406,14 @@ def test_a_rerun_moves_the_new_values_of_the_tensors_it_was_given(service):
         reshard.rerun_reshard_plan(plan, service)
     assert refused.value.code == "invalid state"
     reshard.execute_reshard_plan(plan, src, dst, service)
+    # The second execute checks the tensors and agrees (host time it reports); a rerun does neither.
+    executed = reshard.execute_reshard_plan(plan, src, dst, service)
+    assert not executed.rescheduled and executed.check_seconds > 0 and executed.agree_seconds > 0
     for tensor in src.values():  # the trainer's next weights, in place
         tensor.data[...] = np.arange(tensor.data.size, dtype=np.uint16).reshape(tensor.data.shape)
     report = reshard.rerun_reshard_plan(plan, service)
     assert not report.rescheduled
+    assert report.check_seconds == report.agree_seconds == 0
     for name in src:
         np.testing.assert_array_equal(dst[name].data, src[name].data)
     # A transform it was never executed with is refused, as is a rerun after clear_requests().

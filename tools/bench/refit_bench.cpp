@@ -308,9 +308,16 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     std::sort(times.begin(), times.end());
     return times[times.size() / 2];
   };
+  // Host time each timed execute spent checking its tensors and agreeing (ReshardReport), the
+  // slowest PE's of each refit.
+  std::vector<double> check_times, agree_times;
   auto time_refits = [&](CopyService& on) {
+    check_times.clear();
+    agree_times.clear();
     return time_each([&] {
       report = execute_reshard_plan(plan, src, dst, on, transform, nullptr, reshard_options);
+      check_times.push_back(report.check_seconds);
+      agree_times.push_back(report.agree_seconds);
     });
   };
   // Device memory the refits hold beyond the tensors: free memory of each PE's GPU before the
@@ -333,6 +340,17 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   };
   const std::int64_t free_before = free_device_bytes();
   const double median = time_refits(service);
+  // The slowest PE's check and agreement in each timed refit, their medians.
+  const auto slowest_median = [&](std::vector<double> times) {
+    times.erase(times.begin(),
+                times.begin() + std::min<std::ptrdiff_t>(static_cast<std::ptrdiff_t>(times.size()),
+                                                         options.warmup));
+    for (double& t : times) t = max_over_pes(*bootstrap, t);
+    std::sort(times.begin(), times.end());
+    return times.empty() ? 0.0 : times[times.size() / 2];
+  };
+  const double check_median = slowest_median(check_times);
+  const double agree_median = slowest_median(agree_times);
   const std::int64_t extra_device_bytes =
       max_over_pes(*bootstrap, free_before - free_device_bytes());
   const ReshardReport measured = report;
@@ -455,6 +473,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         options.iterations, rerun_median * 1e3);
     if (baseline_median > 0) std::printf(", %.2fx the baseline", baseline_median / rerun_median);
     std::printf("\n");
+    std::printf(
+        "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "
+        "the tensors %.3f ms, the PEs agreeing %.3f ms\n",
+        check_median * 1e3, agree_median * 1e3);
     if (copy_ceiling_s > 0) {
       std::printf(
           "  %d PEs share one GPU (MPS %s): one process copying the same bytes at the "
@@ -500,6 +522,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << (transform ? transform->name() : "none") << "\","
            << (transform && !only.empty() ? "\"transform_only\":\"" + only + "\"," : "")
            << "\"median_s\":" << median << ",\"rerun_median_s\":" << rerun_median
+           << ",\"check_median_s\":" << check_median << ",\"agree_median_s\":" << agree_median
            << ",\"total_bytes\":" << stats.total_bytes << ",\"local_bytes\":" << stats.local_bytes
            << ",\"locally_converted_bytes_pe0\":" << report.locally_converted_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
