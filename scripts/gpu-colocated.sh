@@ -48,12 +48,15 @@ for mps in ${MPS:-off on}; do
       --output-on-failure --timeout 300 >"$OUT/gpu-tests-mps.log" 2>&1 || status=$?
     grep -E "Test +#|tests passed" "$OUT/gpu-tests-mps.log" | tail -8
   fi
+  # Under MPS NVSHMEM's kernels run side by side too (without MPS it takes time slices: slow).
+  engines=(sm ce)
+  [[ $mps == on ]] && engines+=(nvshmem)
   for order in ${ORDERS:-delegate stream kernel}; do
     for pes in ${PES:-2 4}; do
       n=$((pes * gpus))
       echo "== all-to-all, $n PEs on $gpus GPU(s), MPS $mps, same-device order $order"
       RESHARD_CUDA_SAME_DEVICE=$order timeout 200 build-gpu/reshard bench-gpu --np "$n" \
-        -e sm ce -s 4KiB 64KiB 1MiB 16MiB --json "$OUT/bench-gpu.jsonl" --commit "$commit" 2>&1 |
+        -e "${engines[@]}" -s 4KiB 64KiB 1MiB 16MiB --json "$OUT/bench-gpu.jsonl" --commit "$commit" 2>&1 |
         tee -a "$OUT/bench-gpu-$mps-$order.txt" | grep -vE "^\s*$" | tail -12 || status=1
       for model in "llama3-8b 16" "qwen3-30b-a3b 12"; do
         set -- $model
