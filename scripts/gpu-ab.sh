@@ -9,7 +9,8 @@
 # REFITS: "model:layers:transport:transform ..." (layers 0: the model's; default on several GPUs:
 # Llama and Qwen at full depth on cuda, Llama on nvshmem and with MXFP8; on one GPU: Llama 16 and
 # Qwen 12 layers, Llama with MXFP8); REPEATS: runs of each build (default 2); SIZES: bench-gpu
-# sizes ("" skips the sweep).
+# sizes ("" skips the sweep); CONVERT: bench-convert arguments ("all" for the whole sweep, or e.g.
+# "-c mxfp8 --layouts column-block") to time the conversion kernels too.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 base=${1:?usage: scripts/gpu-ab.sh BASE (a commit to compare this checkout with)}
@@ -69,5 +70,28 @@ if ((${#sizes[@]})); then
   for build in head base; do
     bench "$build" bench-gpu -n "$n" -s "${sizes[@]}"
   done
+fi
+# The conversion kernels (one GPU), REPEATS alternating runs of each build, then each case's
+# fraction of the copy rate per build, side by side.
+if [[ -n "${CONVERT:-}" ]]; then
+  read -ra convert_args <<<"${CONVERT#all}"
+  for ((r = 0; r < ${REPEATS:-2}; ++r)); do
+    for build in head base; do
+      bench "$build" bench-convert "${convert_args[@]}"
+    done
+  done
+  python3 - "$OUT/ab.jsonl" "$head" "$base" <<'PY'
+import collections, json, sys
+path, *builds = sys.argv[1:]
+runs = collections.defaultdict(list)
+for line in open(path):
+    r = json.loads(line)
+    if r.get("bench") == "convert" and r["commit"] in builds:
+        runs[(r["tensors"], r["layout"], r["conversion"])].append((r["commit"], r["fraction_of_copy"]))
+print(f"{'tensors':34} {'layout':13} {'conversion':15} " + "  ".join(f"{b:>20}" for b in builds))
+for case, results in runs.items():
+    cells = ["/".join(f"{f:.3f}" for c, f in results if c == b) for b in builds]
+    print(f"{case[0]:34} {case[1]:13} {case[2]:15} " + "  ".join(f"{c:>20}" for c in cells))
+PY
 fi
 exit $status
