@@ -2,7 +2,6 @@
 // only packs, runs and unpacks at every refit.
 #include "reshard/resharder.hpp"
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -18,6 +17,9 @@
 #include "core/message.hpp"
 #include "execution/staging.hpp"
 #include "execution/task_ids.hpp"
+#ifdef RESHARD_WITH_CUDA
+#include "gpu/cuda_device.hpp"
+#endif
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "service/service_slot.hpp"
@@ -257,16 +259,13 @@ struct Resharder::Impl {
     throw_error(ErrorCode::kValidation, text.str());
   }
 
-  // This rank's GPU as every process on the machine names it (host name and PCI bus id, hashed);
+  // This rank's GPU as every process on the machine names it (cuda::physical_gpu, hashed);
   // 0 on the host transport.
   std::uint64_t gpu_identity() const {
     const int device = service.device();
     if (device < 0) return 0;
 #ifdef RESHARD_WITH_CUDA
-    char host[256] = {};
-    ::gethostname(host, sizeof host - 1);
-    const std::uint64_t id =
-        std::hash<std::string>{}(std::string(host) + "/" + execution::cuda::pci_bus_id(device));
+    const std::uint64_t id = std::hash<std::string>{}(cuda::physical_gpu(device));
     return id == 0 ? 1 : id;
 #else
     return 0;

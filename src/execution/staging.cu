@@ -235,12 +235,6 @@ void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void*
   list.mark_used(static_cast<cudaStream_t>(stream));
 }
 
-std::string pci_bus_id(int device) {
-  char id[32] = {};
-  RESHARD_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof id, device));
-  return id;
-}
-
 void* create_stream(int device, bool high_priority) {
   DeviceScope scope(device);
   int least = 0, greatest = 0;

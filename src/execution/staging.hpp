@@ -160,9 +160,6 @@ void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void*
                       void* stream);
 // A non-blocking stream on `device`; with `high_priority`, of the device's greatest priority.
 void* create_stream(int device, bool high_priority = false);
-// The GPU's PCI bus id ("0000:1b:00.0"): the same GPU in every process of the machine, whatever
-// its CUDA_VISIBLE_DEVICES.
-std::string pci_bus_id(int device);
 void destroy_stream(int device, void* stream);
 void synchronize_stream(void* stream);
 // `own` (from create_stream) waits for the work queued on the legacy default stream so far: what a
