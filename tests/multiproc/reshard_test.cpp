@@ -684,6 +684,36 @@ TEST(ReshardReuse, OneNewTensorAmongThousandsIsScheduledAgain) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// An FP8 destination given a new scale buffer alone (the same data buffer) on one rank: every
+// rank schedules again, and the scales land in the new buffer.
+TEST(ReshardReuse, ANewScaleBufferAloneIsScheduledAgain) {
+  auto service = make_service();
+  const int n = service->n_pes();
+  const PeId me = service->my_pe();
+  const ModelSpec model = test_model(false);
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, {.dp = n}), build_layout(model, {.replicas = n})));
+  auto transform = transform_for(Mode::kMxReceiver);
+  const auto expected = expectations(*plan, Mode::kMxReceiver, transform.get());
+  RankTensors tensors = make_tensors(*plan, me, my_device(), expected, transform.get());
+  ASSERT_FALSE(tensors.dst_scale.empty());
+  execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service, transform);
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
+  const std::string name = tensors.dst_scale.rbegin()->first;
+  std::unique_ptr<TestMemory> old_scale;  // alive to the end: its address does not come back
+  if (me == n - 1) {
+    auto& scale = tensors.dst_scale.at(name);
+    auto fresh = std::make_unique<TestMemory>(scale->download().size(), my_device());
+    tensors.dst_map.at(name).scale = fresh->buffer();
+    old_scale = std::exchange(scale, std::move(fresh));
+  }
+  const ReshardReport report =
+      execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service, transform);
+  EXPECT_TRUE(report.rescheduled);
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "the scales of '" << name << "'";
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 // The error this PE's refit of `t` is refused with; a test failure where the refit ran.
 std::optional<Error> refusal_of(CopyService& service,
                                 const std::shared_ptr<const ReshardPlan>& plan,
