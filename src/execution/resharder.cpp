@@ -2,7 +2,6 @@
 // only packs, runs and unpacks at every refit.
 #include "reshard/resharder.hpp"
 
-
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -119,10 +118,11 @@ struct Resharder::Impl {
   PeId me;
   bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
-  std::vector<const std::string*> send_params, recv_params;  // each once, in op order
-  // Their names again, sources then destinations, side by side in memory: the per-refit check
+  // The parameters this rank's ops touch, each once in op order: the sources (the first
+  // `source_params`), then the destinations. Copies, side by side in memory: the per-refit check
   // reads them in turn (same_tensors_as_prepared).
-  std::vector<std::string> checked_names;
+  std::vector<std::string> param_names;
+  std::size_t source_params = 0;
   // How many of this rank's ops send each source slice (parameter, then the box's offsets and
   // extents): more than one where replicas receive it.
   std::map<std::vector<std::int64_t>, int> sends_of_slice;
@@ -183,17 +183,14 @@ struct Resharder::Impl {
       }
       if (op.dst_rank == me) recv_ops.push_back(&op);
     }
-    for (auto [ops, names] :
-         {std::pair{&send_ops, &send_params}, std::pair{&recv_ops, &recv_params}}) {
+    for (const auto* ops : {&send_ops, &recv_ops}) {
       std::vector<bool> seen(plan->params().size());
       for (const TransferOp* op : *ops) {
         if (seen[op->param]) continue;
         seen[op->param] = true;
-        names->push_back(&plan->params()[op->param].name);
+        param_names.push_back(plan->params()[op->param].name);
       }
-    }
-    for (const auto* names : {&send_params, &recv_params}) {
-      for (const std::string* name : *names) checked_names.push_back(*name);
+      if (ops == &send_ops) source_params = param_names.size();
     }
     check_same_plan_everywhere();
   }
@@ -560,16 +557,20 @@ struct Resharder::Impl {
     return text.str();
   }
 
-  // What a prepared refit depends on: every tensor this rank's ops touch, in op order.
+  // Where param_names[i] is looked up: `src` for the sources, `dst` for the destinations.
+  template <typename Map>
+  Map& map_of(std::size_t i, Map& src, Map& dst) const {
+    return i < source_params ? src : dst;
+  }
+
+  // What a prepared refit depends on: every tensor this rank's ops touch (param_names' order).
   std::vector<LocalTensor> tensors_used(const TensorMap& src, const TensorMap& dst) const {
     std::vector<LocalTensor> used;
-    used.reserve(send_params.size() + recv_params.size());
-    for (const auto& [params, map] :
-         {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
-      for (const std::string* name : *params) {
-        auto it = map->find(*name);
-        used.push_back(it == map->end() ? LocalTensor{} : it->second);
-      }
+    used.reserve(param_names.size());
+    for (std::size_t i = 0; i < param_names.size(); ++i) {
+      const TensorMap& map = map_of(i, src, dst);
+      auto it = map.find(param_names[i]);
+      used.push_back(it == map.end() ? LocalTensor{} : it->second);
     }
     return used;
   }
@@ -582,11 +583,10 @@ struct Resharder::Impl {
   // on helper threads made no difference on one H100 with 4 PEs, 2026-11-27.)
   bool same_tensors_as_prepared(const TensorMap& src, const TensorMap& dst) const {
     static const LocalTensor kAbsent{};
-    const std::size_t sends = send_params.size();
-    if (prepared.identities.size() != checked_names.size()) return false;
-    for (std::size_t i = 0; i < checked_names.size(); ++i) {
-      const TensorMap& map = i < sends ? src : dst;
-      const auto it = map.find(checked_names[i]);
+    if (prepared.identities.size() != param_names.size()) return false;
+    for (std::size_t i = 0; i < param_names.size(); ++i) {
+      const TensorMap& map = map_of(i, src, dst);
+      const auto it = map.find(param_names[i]);
       if (!prepared.identities[i].matches(it == map.end() ? kAbsent : it->second, prepared.shapes))
         return false;
     }
@@ -930,11 +930,8 @@ struct Resharder::Impl {
     // tensors, and must return the wire buffers they were scheduled with.
     TensorMap src, dst;  // left empty where nothing reads them
     if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
-      std::size_t i = 0;
-      for (const auto& [params, map] :
-           {std::pair{&send_params, &src}, std::pair{&recv_params, &dst}}) {
-        for (const std::string* name : *params) map->emplace(*name, prepared.tensors[i++]);
-      }
+      for (std::size_t i = 0; i < param_names.size(); ++i)
+        map_of(i, src, dst).emplace(param_names[i], prepared.tensors[i]);
       if (!rerun_transforms(src, dst, stream)) {
         throw_error(ErrorCode::kInvalidState,
                     "rerun: transform '" + transform->name() +
