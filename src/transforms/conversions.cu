@@ -527,9 +527,9 @@ __global__ void __launch_bounds__(kThreads, kStagedCtasPerSm) cast_kernel(JobLis
 }
 
 // A lane's vector of an MX block in E4M3, its maximum taken with the block's other lane, the scale
-// stored at `scale` by the block's first lane; `active` false past the job's end (the lane then
-// only takes part in the shuffle).
-// Returns the block's scale bits (where `scale` is null the caller stores them).
+// stored at `scale` by the block's first lane (where `scale` is null, by the caller: it gets the
+// scale bits back); `active` false past the job's end (the lane then only takes part in the
+// shuffle).
 template <DType S>
 __device__ __forceinline__ std::uint8_t mx_encode_vector(const Raw<S, kMxPerLane>& raw, bool active,
                                                          unsigned lane, bool round_up,
