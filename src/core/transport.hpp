@@ -49,6 +49,11 @@ class Transport {
   // what only its plans used, such as mappings of peers' memory, so that the peers may free that
   // memory and share what they allocate in its place. Local: no peer takes part.
   virtual void forget_schedule() {}
+  // Where two GPU transports run side by side (the mixed transport's parts), each one's kernels
+  // that wait on other kernels may hold at most 1 / `parts` of what the GPU holds at once (parts:
+  // the PEs sharing the GPU times the transports each of them runs), so that every such kernel of
+  // every PE can be resident together. Local; called before the first prepare().
+  virtual void limit_gpu_share(int /*parts*/) {}
   // Tells peers this PE has failed, so they stop waiting for it at once.
   virtual void abort(const std::string& reason) noexcept = 0;
   virtual void finalize() noexcept = 0;

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -141,17 +142,19 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Workloads,
 // message of its own, so it gets fewer and shorter rows.
 // PEs sharing a GPU are told by the GPU's host and PCI bus id, whatever ordinal each process sees
 // it under (the NVSHMEM transport divides the GPU among them, the CUDA transport orders them by
-// their streams). Here every PE sees every GPU, so they are the PEs of this PE's ordinal.
-TEST(GpuIdentity, PesSharingThisGpuAreThoseOfItsOrdinal) {
+// their streams). The test counts them by the GPU's UUID instead (every PE runs on this host);
+// under tests/gpu/rotated_gpus.sh the PEs on one GPU see it under different ordinals.
+TEST(GpuIdentity, PesSharingThisGpuAreThoseWithItsUuid) {
   auto service = make_service();
   const int device = service->device();
-  int same_ordinal = 0;
-  for (const auto& part : bootstrap()->all_gather(std::as_bytes(std::span(&device, 1)))) {
-    int theirs = -1;
-    std::memcpy(&theirs, part.data(), sizeof theirs);
-    same_ordinal += theirs == device;
+  cudaDeviceProp properties{};
+  CUDA_OK(cudaGetDeviceProperties(&properties, device));
+  const std::span<const std::byte> uuid = std::as_bytes(std::span(properties.uuid.bytes));
+  int same_gpu = 0;
+  for (const auto& part : bootstrap()->all_gather(uuid)) {
+    same_gpu += std::equal(part.begin(), part.end(), uuid.begin(), uuid.end());
   }
-  EXPECT_EQ(cuda::pes_on_this_gpu(*bootstrap(), device), same_ordinal);
+  EXPECT_EQ(cuda::pes_on_this_gpu(*bootstrap(), device), same_gpu);
   const std::string me = cuda::physical_gpu(device);
   EXPECT_NE(me.find('/'), std::string::npos) << me;
   int count = 0;

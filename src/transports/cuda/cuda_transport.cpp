@@ -140,6 +140,12 @@ class CudaTransport final : public Transport {
   const char* name() const override { return "cuda"; }
   TransportCaps caps() const override { return {kUnbounded, n_pes_, kUnbounded}; }
   int device() const override { return device_; }
+  void limit_gpu_share(int parts) override {
+    const std::uint64_t share =
+        std::max<std::uint64_t>(1, static_cast<std::uint64_t>(sm_count_) *
+                                       std::max(1, fused_copy_ctas_per_sm()) / std::max(1, parts));
+    resident_cta_share_ = resident_cta_share_ == 0 ? share : std::min(resident_cta_share_, share);
+  }
   void check_buffer(const Buffer& buffer) const override {
     check_device_buffer(buffer, device_, "cuda");
   }
@@ -222,7 +228,8 @@ class CudaTransport final : public Transport {
   std::vector<bool> same_device_;
   // Where peers on this GPU are ordered by the kernels (MPS: the processes' kernels run side by
   // side and wait on each other's flags), every one of those kernels must be resident at once:
-  // the CTAs of one resident wave each may take, shared among them (assign_ctas).
+  // the CTAs of one resident wave each may take, shared among them (assign_ctas); less where
+  // another GPU transport runs beside this one (limit_gpu_share).
   std::uint64_t resident_cta_share_ = 0;
   bool previous_launch_large_ = false;  // more than half the share (early_launch_for)
   // Where every PE on this GPU delegates (see exchange_destinations): the lowest of them leads.

@@ -31,6 +31,16 @@ class MixedTransport final : public Transport {
     inter_ = inter(bootstrap);
     name_ = std::string(intra_->name()) + "+" + inter_->name();
 #ifdef RESHARD_WITH_CUDA
+    if (intra_->device() >= 0 && inter_->device() >= 0) {
+      // Both parts may wait on the GPU for other PEs' kernels at once (the CUDA transport's flags,
+      // NVSHMEM's or NCCL's): each gets its half of this PE's share of the GPU, counted over every
+      // PE of the job (the node's bootstrap alone misses colocated PEs of other nodes). Without it,
+      // four PEs sharing one GPU under MPS asked for three GPUs' worth of resident CTAs and spun
+      // until the timeout (one H200, 2026-11-27).
+      const int parts = 2 * cuda::pes_on_this_gpu(bootstrap, intra_->device());
+      intra_->limit_gpu_share(parts);
+      inter_->limit_gpu_share(parts);
+    }
     if (intra_->device() >= 0) {
       cuda::DeviceScope scope(intra_->device());
       RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));

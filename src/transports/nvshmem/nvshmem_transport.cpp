@@ -227,6 +227,10 @@ class NvshmemTransport final : public Transport {
     return {rt_.chunk, limit == 0 ? n_pes_ : std::min(limit, n_pes_), rt_.chunk};
   }
   int device() const override { return device_; }
+  void limit_gpu_share(int parts) override {
+    const int resident = sm_count_ * std::max(1, ctas_per_sm_) / std::max(1, parts);
+    max_ctas_ = std::max(1, std::min(sm_count_, two_streams() ? resident / 2 : resident));
+  }
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nvshmem");
   }
@@ -378,8 +382,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
   // timeout (one H100, 2026-11-27: 2 PEs at 16 MiB per peer, 4 PEs at 1 MiB). Without MPS the
   // processes take turns on the whole GPU, so the share costs nothing there that the turns did not.
   const int sharing = cuda::pes_on_this_gpu(bootstrap, device_);
-  const int resident = sm_count_ * std::max(1, ctas_per_sm_) / sharing;
-  max_ctas_ = std::max(1, std::min(sm_count_, two_streams() ? resident / 2 : resident));
+  limit_gpu_share(sharing);
   if (sharing > 1) {
     RESHARD_LOG(kDebug, sharing << " PEs share CUDA device " << device_ << ": at most " << max_ctas_
                                 << " CTAs per launch");
