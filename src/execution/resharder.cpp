@@ -10,6 +10,8 @@
 #include <map>
 #include <span>
 #include <sstream>
+#include <string>
+#include <string_view>
 #include <tuple>
 
 #include "core/env.hpp"
@@ -85,6 +87,47 @@ struct TensorIdentity {
   }
 };
 
+// A tensor map's entries in the map's own order, as one refit gave them: the next refit's map
+// holding the same entries in the same order (the caller's map unchanged, or built again the same
+// way, as the Python binding builds it at every call) is checked by walking both, with no name
+// looked up. A lookup per name hashed it, then read the bucket, the node and its key from wherever
+// the caller's map put them; walking reads the nodes in turn and the names recorded here, one
+// after the other.
+class MapWalk {
+ public:
+  void record(const TensorMap& map) {
+    names_.clear();
+    name_ends_.clear();
+    identities_.clear();
+    shapes_.clear();
+    for (const auto& [name, tensor] : map) {
+      names_ += name;
+      name_ends_.push_back(names_.size());
+      identities_.push_back(TensorIdentity::of(tensor, shapes_));
+    }
+    recorded_ = true;
+  }
+  void forget() { recorded_ = false; }
+  // Whether `map` holds exactly the recorded entries, in the recorded order.
+  bool matches(const TensorMap& map) const {
+    if (!recorded_ || map.size() != name_ends_.size()) return false;
+    std::size_t i = 0, start = 0;
+    for (const auto& [name, tensor] : map) {
+      const std::string_view recorded(names_.data() + start, name_ends_[i] - start);
+      if (name != recorded || !identities_[i].matches(tensor, shapes_)) return false;
+      start = name_ends_[i++];
+    }
+    return true;
+  }
+
+ private:
+  bool recorded_ = false;
+  std::string names_;  // the names one after the other
+  std::vector<std::size_t> name_ends_;
+  std::vector<TensorIdentity> identities_;
+  std::vector<std::int64_t> shapes_;
+};
+
 std::string where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
   text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (rank " << op.src_rank
@@ -140,6 +183,9 @@ struct Resharder::Impl {
     // The same, flat (TensorIdentity, shapes one after the other), for the per-refit check.
     std::vector<TensorIdentity> identities;
     std::vector<std::int64_t> shapes;
+    // The maps as given, where each holds only tensors this rank's ops touch (a map of more is
+    // checked by name: walking it would read tensors the refit does not use).
+    MapWalk src_walk, dst_walk;
     ReshardReport report;                             // the byte counts, the same at every refit
     execution::ConversionRecording locals_converted;  // as the phases' recordings
     // The first refit since the preparation ran to the end, recording the built-in transform's
@@ -584,6 +630,7 @@ struct Resharder::Impl {
   bool same_tensors_as_prepared(const TensorMap& src, const TensorMap& dst) const {
     static const LocalTensor kAbsent{};
     if (prepared.identities.size() != param_names.size()) return false;
+    if (prepared.src_walk.matches(src) && prepared.dst_walk.matches(dst)) return true;
     for (std::size_t i = 0; i < param_names.size(); ++i) {
       const TensorMap& map = map_of(i, src, dst);
       const auto it = map.find(param_names[i]);
@@ -829,6 +876,15 @@ struct Resharder::Impl {
     prepared.shapes.clear();
     for (const LocalTensor& tensor : tensors)
       prepared.identities.push_back(TensorIdentity::of(tensor, prepared.shapes));
+    for (auto [walk, map, used] :
+         {std::tuple{&prepared.src_walk, &src, source_params},
+          std::tuple{&prepared.dst_walk, &dst, param_names.size() - source_params}}) {
+      if (map->size() == used) {
+        walk->record(*map);
+      } else {
+        walk->forget();
+      }
+    }
     prepared.tensors = std::move(tensors);
     prepared.valid = true;
   }

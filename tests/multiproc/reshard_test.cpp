@@ -629,9 +629,9 @@ TEST(ReshardBatches, ManySmallWeightsAreConvertedInBatches) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
-// Thousands of tensors a rank, which a refit checks against its schedule in shares on helper
-// threads: one tensor given new storage, first, last or between in the plan, on either side and on
-// one rank alone, makes every rank schedule again, and its bytes land in the new storage.
+// Thousands of tensors a rank, which a refit checks against its schedule: one tensor given new
+// storage, first, last or between in the plan, on either side and on one rank alone, makes every
+// rank schedule again, and its bytes land in the new storage.
 TEST(ReshardReuse, OneNewTensorAmongThousandsIsScheduledAgain) {
   auto service = make_service();
   const int n = service->n_pes();
@@ -711,6 +711,63 @@ TEST(ReshardReuse, ANewScaleBufferAloneIsScheduledAgain) {
       execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service, transform);
   EXPECT_TRUE(report.rescheduled);
   EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "the scales of '" << name << "'";
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// A refit's maps built again, as the Python binding builds them at every call: with the same
+// entries, in their order or in another, or with a tensor the plan does not use beside them, every
+// rank runs its schedule again; with one entry given new storage on one rank, every rank schedules
+// again, and then reuses that. Every byte lands each time.
+TEST(ReshardReuse, MapsBuiltAgainAreCheckedEntryByEntry) {
+  auto service = make_service();
+  const int n = service->n_pes();
+  const PeId me = service->my_pe();
+  const ModelSpec model = toy_model(2, 8, 240);
+  const Case c{"ep " + std::to_string(n) + " -> tp 1 x " + std::to_string(n),
+               {.dp = n, .ep = n},
+               {.replicas = n}};
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
+  const auto expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors tensors = make_tensors(*plan, me, my_device(), expected, nullptr);
+  EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
+  const auto refit = [&](const TensorMap& src, const TensorMap& dst, const char* what) {
+    SCOPED_TRACE(what);
+    for (auto& [name, memory] : tensors.dst) {  // every byte must be written again
+      memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
+    }
+    const bool rescheduled = execute_reshard_plan(plan, src, dst, *service).rescheduled;
+    EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
+    return rescheduled;
+  };
+  const auto built_again = [](const TensorMap& map, bool reversed) {
+    std::vector<std::pair<std::string, LocalTensor>> entries(map.begin(), map.end());
+    if (reversed) std::reverse(entries.begin(), entries.end());
+    TensorMap copy;
+    for (const auto& entry : entries) copy.insert(entry);
+    return copy;
+  };
+  EXPECT_FALSE(refit(tensors.src_map, tensors.dst_map, "the same maps"));
+  EXPECT_FALSE(refit(built_again(tensors.src_map, false), built_again(tensors.dst_map, false),
+                     "built again"));
+  EXPECT_FALSE(refit(built_again(tensors.src_map, true), built_again(tensors.dst_map, true),
+                     "built again in the other order"));
+  TensorMap more = tensors.src_map;
+  more.emplace("not.in.the.plan", tensors.src_map.begin()->second);
+  EXPECT_FALSE(refit(more, tensors.dst_map, "with a tensor the plan does not use"));
+  // The last destination, new storage on the last rank, in a map built again.
+  TensorMap changed = built_again(tensors.dst_map, false);
+  const std::string name = tensors.dst.rbegin()->first;
+  std::unique_ptr<TestMemory> old;  // alive to the end: its address does not come back
+  if (me == n - 1) {
+    auto& memory = tensors.dst.at(name);
+    auto fresh = std::make_unique<TestMemory>(memory->download().size(), my_device());
+    changed.at(name).data = fresh->buffer();
+    old = std::exchange(memory, std::move(fresh));
+  }
+  EXPECT_TRUE(refit(tensors.src_map, changed, "one destination in new storage"));
+  EXPECT_FALSE(refit(tensors.src_map, changed, "the same maps after that"));
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
