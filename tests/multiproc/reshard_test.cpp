@@ -629,6 +629,12 @@ TEST(ReshardBatches, ManySmallWeightsAreConvertedInBatches) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// The experts spread over the n PEs (the rest of the weights on each) -> a whole replica on each.
+std::shared_ptr<const ReshardPlan> experts_to_replicas(const ModelSpec& model, int n) {
+  return std::make_shared<const ReshardPlan>(make_reshard_plan(
+      build_layout(model, {.dp = n, .ep = n}), build_layout(model, {.replicas = n})));
+}
+
 // Thousands of tensors a rank, which a refit checks against its schedule: one tensor given new
 // storage, first, last or between in the plan, on either side and on one rank alone, makes every
 // rank schedule again, and its bytes land in the new storage.
@@ -637,11 +643,7 @@ TEST(ReshardReuse, OneNewTensorAmongThousandsIsScheduledAgain) {
   const int n = service->n_pes();
   const PeId me = service->my_pe();
   const ModelSpec model = toy_model(2, 16, 768);  // 3,072 small expert weights
-  const Case c{"ep " + std::to_string(n) + " -> tp 1 x " + std::to_string(n),
-               {.dp = n, .ep = n},
-               {.replicas = n}};
-  auto plan = std::make_shared<const ReshardPlan>(
-      make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
+  const auto plan = experts_to_replicas(model, n);
   const auto expected = expectations(*plan, Mode::kPlain, nullptr);
   RankTensors tensors = make_tensors(*plan, me, my_device(), expected, nullptr);
   ASSERT_GT(tensors.dst_map.size(), 3000u);
@@ -723,11 +725,7 @@ TEST(ReshardReuse, MapsBuiltAgainAreCheckedEntryByEntry) {
   const int n = service->n_pes();
   const PeId me = service->my_pe();
   const ModelSpec model = toy_model(2, 8, 240);
-  const Case c{"ep " + std::to_string(n) + " -> tp 1 x " + std::to_string(n),
-               {.dp = n, .ep = n},
-               {.replicas = n}};
-  auto plan = std::make_shared<const ReshardPlan>(
-      make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
+  const auto plan = experts_to_replicas(model, n);
   const auto expected = expectations(*plan, Mode::kPlain, nullptr);
   RankTensors tensors = make_tensors(*plan, me, my_device(), expected, nullptr);
   EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
