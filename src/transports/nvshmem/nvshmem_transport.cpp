@@ -228,7 +228,8 @@ class NvshmemTransport final : public Transport {
   }
   int device() const override { return device_; }
   void limit_gpu_share(int parts) override {
-    const int resident = sm_count_ * std::max(1, ctas_per_sm_) / std::max(1, parts);
+    gpu_parts_ = std::max(gpu_parts_, parts);
+    const int resident = sm_count_ * std::max(1, ctas_per_sm_) / gpu_parts_;
     max_ctas_ = std::max(1, std::min(sm_count_, two_streams() ? resident / 2 : resident));
   }
   void check_buffer(const Buffer& buffer) const override {
@@ -273,7 +274,8 @@ class NvshmemTransport final : public Transport {
   cuda::DeviceStatus* status_device_ = nullptr;
   // Device memory, nonzero once a wait failed or the run was aborted: copy kernels skip.
   unsigned int* failure_ = nullptr;
-  int max_ctas_ = 1;  // CTAs of one flagged launch
+  int max_ctas_ = 1;   // CTAs of one flagged launch
+  int gpu_parts_ = 1;  // the GPU's share this PE's launches keep to (limit_gpu_share)
   // Calls body(first, last) for each flagged launch that carries batches [0, count) of a wave's
   // list: as many per launch as one launch holds, each batch needing a CTA at least. Sharing the
   // CTAs at schedule() and launching at run() split the list the same way through it.
