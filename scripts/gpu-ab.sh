@@ -6,6 +6,10 @@
 # One PE per GPU, or PES_PER_GPU PEs sharing each (colocated; 2 on a one-GPU machine). Records go
 # to $OUT/ab.jsonl (commit fields tell the builds apart), logs to $OUT (default build-gpu/logs).
 #   scripts/gpu-ab.sh BASE
+# BASE is a commit, or a tarball of one (`git archive BASE | gzip > base-BASE.tgz`, labelled
+# "BASE" from its name) for machines whose copy of the checkout lacks that history: the GPU
+# machines get the working tree, and its .git may be older than the tree (label the head with
+# RESHARD_COMMIT there).
 # REFITS: "model:layers:transport:transform ..." (layers 0: the model's; default on several GPUs:
 # Llama and Qwen at full depth on cuda, Llama on nvshmem and with MXFP8; on one GPU: Llama 16 and
 # Qwen 12 layers, Llama with MXFP8); REPEATS: runs of each build (default 2); SIZES: bench-gpu
@@ -18,12 +22,22 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export OUT=${OUT:-build-gpu/logs}
 mkdir -p "$OUT"
 head=$(bash scripts/commit-label.sh)
-base=$(git rev-parse --short "$base") || exit 1
 base_src="build-gpu/ab-base-src"
+if [[ -f $base ]]; then
+  tarball=$base
+  base=$(basename "$tarball")
+  base=${base%.tgz}
+  base=${base%.tar.gz}
+  base=${base#base-}
+  extract() { tar -xzf "$tarball" -C "$base_src"; }
+else
+  base=$(git rev-parse --short "$base") || exit 1
+  extract() { git archive "$base" | tar -x -C "$base_src"; }
+fi
 # A later call for the same BASE keeps its build.
 if [[ $(cat "$base_src/.commit" 2>/dev/null) != "$base" ]]; then
-  rm -rf "$base_src" && mkdir -p "$base_src" && git archive "$base" | tar -x -C "$base_src" &&
-    echo "$base" >"$base_src/.commit" || exit 1
+  rm -rf "$base_src" && mkdir -p "$base_src" && extract && echo "$base" >"$base_src/.commit" ||
+    exit 1
 fi
 args=(-DCMAKE_BUILD_TYPE=Release -DRESHARD_BUILD_TESTS=OFF)
 [[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
