@@ -10,11 +10,11 @@
 # "BASE" from its name) for machines whose copy of the checkout lacks that history: the GPU
 # machines get the working tree, and its .git may be older than the tree (label the head with
 # RESHARD_COMMIT there).
-# REFITS: "model:layers:transport:transform ..." (layers 0: the model's; default on several GPUs:
-# Llama and Qwen at full depth on cuda, Llama on nvshmem and with MXFP8; on one GPU: Llama 16 and
-# Qwen 12 layers, Llama with MXFP8); REPEATS: runs of each build (default 2); SIZES: bench-gpu
-# sizes ("" skips the sweep); CONVERT: bench-convert arguments ("all" for the whole sweep, or e.g.
-# "-c mxfp8 --layouts column-block") to time the conversion kernels too.
+# REFITS: "model:layers:transport:transform ..." or "none" (layers 0: the model's; default on
+# several GPUs: Llama and Qwen at full depth on cuda, Llama on nvshmem and with MXFP8; on one GPU:
+# Llama 16 and Qwen 12 layers, Llama with MXFP8); REPEATS: runs of each build (default 2); SIZES:
+# bench-gpu sizes ("" skips the sweep); CONVERT: bench-convert arguments ("all" for the whole
+# sweep, or e.g. "-c mxfp8 --layouts column-block") to time the conversion kernels too.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 base=${1:?usage: scripts/gpu-ab.sh BASE (a commit to compare this checkout with)}
@@ -70,7 +70,9 @@ bench() {  # build (head or base), then the reshard arguments
   grep -E "median of|baseline|ceiling in this run|per-peer|^\[rank 0\] [0-9]+ [KMG]iB" \
     "$OUT/ab-last.txt" | sed 's/^\[rank 0\] */   /'
 }
-for refit in ${REFITS:-$default_refits}; do
+refits=${REFITS:-$default_refits}
+[[ $refits == none ]] && refits=""
+for refit in $refits; do
   IFS=: read -r model layers transport transform <<<"$refit"
   for ((r = 0; r < ${REPEATS:-2}; ++r)); do
     for build in head base; do
