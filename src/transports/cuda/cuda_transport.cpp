@@ -341,9 +341,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
   }
   if (kernel_ordered_on_device > 0) {
-    resident_cta_share_ = std::max<std::uint64_t>(1, static_cast<std::uint64_t>(sm_count_) *
-                                                         std::max(1, fused_copy_ctas_per_sm()) /
-                                                         (kernel_ordered_on_device + 1));
+    limit_gpu_share(kernel_ordered_on_device + 1);
     RESHARD_LOG(kDebug, kernel_ordered_on_device << " PE(s) share CUDA device " << device_
                                                  << " with kernels that wait on this PE's: at most "
                                                  << resident_cta_share_ << " CTAs per launch");
