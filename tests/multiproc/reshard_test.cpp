@@ -371,6 +371,18 @@ int my_device() {
   return -1;
 }
 
+// The UUID of this PE's GPU as bytes (empty where the test runs on host memory).
+std::string my_gpu_uuid() {
+#ifdef RESHARD_WITH_CUDA
+  if (on_gpu()) {
+    cudaDeviceProp properties{};
+    if (cudaGetDeviceProperties(&properties, my_device()) == cudaSuccess)
+      return std::string(properties.uuid.bytes, sizeof properties.uuid.bytes);
+  }
+#endif
+  return {};
+}
+
 // Whether `box` is one contiguous run of a row-major tensor of `shape`: every dimension after
 // the first one it spans more than once of is spanned whole.
 bool contiguous_in(const Box& box, const std::vector<std::int64_t>& shape) {
@@ -428,18 +440,16 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   // otherwise: the cases alternate, so both ways run (every PE calls run_case in the same order).
   static int calls = 0;
   options.quantize_colocated_on_sender = calls++ % 2 == 0;
-  // Which PEs share a GPU (device ordinals name one GPU on this one machine; -1: host memory).
-  const int device = my_device();
-  std::vector<int> device_of_pe;
-  for (const auto& part : service.all_gather(std::as_bytes(std::span(&device, 1)))) {
-    int d = -1;
-    std::memcpy(&d, part.data(), sizeof d);
-    device_of_pe.push_back(d);
-  }
+  // Which PEs share a GPU, by its UUID (processes may see one GPU under different ordinals, or
+  // different GPUs under one; empty: host memory).
+  const std::string gpu = my_gpu_uuid();
+  std::vector<std::string> gpu_of_pe;
+  for (const auto& part : service.all_gather(std::as_bytes(std::span(gpu))))
+    gpu_of_pe.emplace_back(reinterpret_cast<const char*>(part.data()), part.size());
   auto sender_quantizes = [&](const TransferOp& op) {
     if (mode == Mode::kMxSender) return true;
     return mode == Mode::kMxReceiver && options.quantize_colocated_on_sender &&
-           device_of_pe[op.src_rank] >= 0 && device_of_pe[op.src_rank] == device_of_pe[op.dst_rank];
+           !gpu_of_pe[op.src_rank].empty() && gpu_of_pe[op.src_rank] == gpu_of_pe[op.dst_rank];
   };
   CaseResult result;
   // Bounded: phases are needed exactly where some rank's refit needs more staging than the
@@ -468,8 +478,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   // sender quantizes a slice that other ops send too (replicas): by the sender-side variant, or
   // on a PE whose GPU other PEs share (quantized by itself, as its other slices, unless told not
   // to). Those go through the wire, converted once for all.
-  const bool gpu_shared =
-      device >= 0 && std::count(device_of_pe.begin(), device_of_pe.end(), device) > 1;
+  const bool gpu_shared = !gpu.empty() && std::count(gpu_of_pe.begin(), gpu_of_pe.end(), gpu) > 1;
   const bool scaled = mode != Mode::kPlain && mode != Mode::kCastFp32 && mode != Mode::kFp32Wire;
   const bool sender_converts = mode == Mode::kMxSender || mode == Mode::kBlockSender ||
                                (gpu_shared && options.quantize_colocated_on_sender);

@@ -116,11 +116,12 @@ struct PreparedRun {
   std::uint64_t copy_engine_bytes = 0;
   void* bounce = nullptr;
   std::uint64_t bounce_bytes = 0;
-  SameDeviceOrder same_device;  // this phase's same-GPU peers
-  // Delegated same-GPU copies (see CudaTransport::exchange_destinations): `delegated` when this
-  // phase's copies among the PEs of this GPU are made by its leader. A follower's local copies
-  // are the leader's then too, and a follower with no peer on another GPU runs no kernel at all
-  // (kernel_idle): the leader's kernel advances its run count (`follower_runs`, on the leader).
+  SameDeviceOrder same_device;  // this phase's peers ordered by the streams
+  // Delegated copies (see CudaTransport::exchange_destinations): `delegated` when this phase's
+  // sends of the PEs of this GPU to the peers their streams order are made by its leader. A
+  // follower's local copies are the leader's then too, and a follower with no peer its kernels
+  // order runs no kernel at all (kernel_idle): the leader's kernel advances its run count
+  // (`follower_runs`, on the leader).
   bool delegated = false;
   bool local_copies_delegated = false;
   bool kernel_idle = false;
@@ -224,8 +225,14 @@ class CudaTransport final : public Transport {
   IpcImports signal_imports_;  // peers' flags, for the transport's lifetime
   IpcImports imports_;         // peers' destinations, for the current schedule
   std::vector<std::unique_ptr<PreparedRun>> prepared_;  // per phase
-  // Same-GPU peers (colocated processes) are ordered by the stream, not by the kernels.
+  // Same-GPU peers (colocated processes) ordered by the streams, not by the kernels.
   std::vector<bool> same_device_;
+  // Peers ordered by the streams: those of same_device_, and every peer on another GPU where this
+  // PE's GPU or the peer's is shared that way. Without MPS a kernel that waits on a GPU shared by
+  // processes holds it for a whole time slice, and with peers on other GPUs the waits chain from
+  // GPU to GPU (4 H200s, 2 PEs each: a 4 KiB all-to-all took 4.8 ms with the kernels waiting
+  // across GPUs). Flags raised and waited for by the streams let the other processes' work run.
+  std::vector<bool> stream_ordered_;
   // Where peers on this GPU are ordered by the kernels (MPS: the processes' kernels run side by
   // side and wait on each other's flags), every one of those kernels must be resident at once:
   // the CTAs of one resident wave each may take, shared among them (assign_ctas); less where
@@ -309,6 +316,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   peer_signals_.assign(n_pes_, nullptr);
   pids_.assign(n_pes_, 0);
   same_device_.assign(n_pes_, false);
+  std::vector<std::string> gpus(n_pes_);
+  std::vector<bool> streams(n_pes_, false);  // whether each PE would order by its stream
   for (int pe = 0; pe < n_pes_; ++pe) {
     message::Reader reader(all[pe]);
     const auto pid = reader.get<std::int32_t>();
@@ -325,6 +334,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     }
     const bool peer_stream_ordered = reader.get<std::uint8_t>() != 0;
     const bool peer_delegates = reader.get<std::uint8_t>() != 0;
+    gpus[pe] = peer_gpu;
+    streams[pe] = peer_stream_ordered;
     if (pe == me_) {
       peer_signals_[pe] = signals_;
       continue;
@@ -339,6 +350,23 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     HandleBytes bytes;
     std::memcpy(bytes.data(), &peer_handle, sizeof peer_handle);
     peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
+  }
+  // A GPU is shared through the streams where two of its PEs would both order by them; a pair on
+  // two GPUs is ordered by the streams where either GPU is (and both PEs can).
+  std::vector<bool> on_shared_gpu(n_pes_, false);
+  for (int a = 0; a < n_pes_; ++a)
+    for (int b = a + 1; b < n_pes_; ++b)
+      if (gpus[a] == gpus[b] && streams[a] && streams[b])
+        on_shared_gpu[a] = on_shared_gpu[b] = true;
+  stream_ordered_.assign(n_pes_, false);
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (pe == me_) continue;
+    stream_ordered_[pe] = same_device_[pe] || (gpus[pe] != my_gpu && streams[me_] && streams[pe] &&
+                                               (on_shared_gpu[me_] || on_shared_gpu[pe]));
+    if (stream_ordered_[pe] && !same_device_[pe])
+      RESHARD_LOG(kDebug, "PE " << pe
+                                << " (another GPU): runs ordered by the streams, as a GPU "
+                                   "of the pair is shared by processes");
   }
   if (kernel_ordered_on_device > 0) {
     limit_gpu_share(kernel_ordered_on_device + 1);
@@ -364,7 +392,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                               << " PEs on CUDA device " << device_);
   }
   same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_);
-  if (std::find(same_device_.begin(), same_device_.end(), true) != same_device_.end()) {
+  if (std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end()) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
     watchdog_ = std::thread([this] { watch_same_device_runs(); });
   }
@@ -426,16 +454,18 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
                               "bounce buffer");
   }
 
-  // Delegation (see SameDeviceOrder): a follower hands its GPU's leader its sends to PEs on this
-  // GPU and its local copies, as (allocation, offset) of its own memory; the leader maps them.
+  // Delegation (see SameDeviceOrder): a follower hands its GPU's leader its sends to the PEs its
+  // stream orders (on this GPU, or on another where a GPU is shared) and its local copies, as
+  // (allocation, offset) of its own memory; the leader maps them. A follower left with no other
+  // peer runs no kernel, so its GPU runs one process's kernel a run and is never handed over.
   // A follower whose memory cannot all be exported (or mapped, by the retry) keeps the whole
   // group to pairwise order for this phase.
   const bool follower = delegate_ && leader_ != me_;
   std::uint8_t delegable = follower ? 1 : 0;
-  std::uint8_t other_device_work = 0;
+  std::uint8_t kernel_ordered_work = 0;
   for (const auto* batches_of : {&plan.sends, &plan.receives})
     for (const PlannedBatch& batch : *batches_of)
-      if (!same_device_[batch.peer]) other_device_work = 1;
+      if (!stream_ordered_[batch.peer]) kernel_ordered_work = 1;
   std::vector<WireBatch> delegated_batches;
   std::vector<SharedSpan> delegated_spans, local_sources, local_destinations;
   auto export_span = [&](const void* pointer, std::uint64_t bytes, std::vector<SharedSpan>& into) {
@@ -448,7 +478,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   };
   if (follower) {
     for (const PlannedBatch& batch : plan.sends) {
-      if (!same_device_[batch.peer]) continue;
+      if (!stream_ordered_[batch.peer]) continue;
       delegated_batches.push_back({batch.peer, batch.span_count});
       for (std::uint32_t s = 0; s < batch.span_count; ++s) {
         const CopySpan& span = plan.spans[batch.first_span + s];
@@ -472,7 +502,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   mine.put_array(std::span<const WireBatch>(batches));
   mine.put_array(std::span<const SharedSpan>(spans));
   mine.put<std::uint8_t>(delegable);
-  mine.put<std::uint8_t>(other_device_work);
+  mine.put<std::uint8_t>(kernel_ordered_work);
   mine.put_array(std::span<const WireBatch>(delegated_batches));
   mine.put_array(std::span<const SharedSpan>(delegated_spans));
   mine.put_array(std::span<const SharedSpan>(local_sources));
@@ -488,7 +518,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     std::vector<WireBatch> batches;
     std::vector<SharedSpan> spans;
     bool delegable = false;
-    bool other_device_work = false;
+    bool kernel_ordered_work = false;
     std::vector<WireBatch> delegated_batches;
     std::vector<SharedSpan> delegated_spans, local_sources, local_destinations;
   };
@@ -500,7 +530,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
     e.batches = reader.get_array<WireBatch>();
     e.spans = reader.get_array<SharedSpan>();
     e.delegable = reader.get<std::uint8_t>() != 0;
-    e.other_device_work = reader.get<std::uint8_t>() != 0;
+    e.kernel_ordered_work = reader.get<std::uint8_t>() != 0;
     e.delegated_batches = reader.get_array<WireBatch>();
     e.delegated_spans = reader.get_array<SharedSpan>();
     e.local_sources = reader.get_array<SharedSpan>();
@@ -511,7 +541,7 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   const bool leads = delegated && leader_ == me_;
   // What this PE copies itself: a follower leaves its sends to its GPU's PEs to the leader.
   auto copies_to = [&](int pe) {
-    return pe != me_ && !sends_to[pe].empty() && !(delegated && follower && same_device_[pe]);
+    return pe != me_ && !sends_to[pe].empty() && !(delegated && follower && stream_ordered_[pe]);
   };
 
   // The batches `receiver` expects from `sender`, in its plan order (which meets the sender's
@@ -555,8 +585,10 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
       for (const auto* list :
            {&from.delegated_spans, &from.local_sources, &from.local_destinations})
         for (const SharedSpan& span : *list) need_handle(f, span.handle);
-      for (int pe : followers_)
-        if (pe != f) need_destinations(pe, f);
+      std::set<int> destinations;
+      for (const WireBatch& batch : from.delegated_batches)
+        if (batch.peer != me_) destinations.insert(batch.peer);
+      for (int pe : destinations) need_destinations(pe, f);
     }
   }
   // Mappings this schedule does not use are closed before any new one opens: a peer that freed a
@@ -682,13 +714,13 @@ std::optional<std::vector<GroupPlan>> CudaTransport::exchange_destinations(
   if (leads) {
     for (int f : followers_) {
       add_delegated_copies(f);
-      if (!exports[f].other_device_work)
+      if (!exports[f].kernel_ordered_work)
         idle_followers.push_back(SignalLayout::run_count(peer_signals_[f], n_pes_));
     }
   }
   prepared.delegated = delegated;
   prepared.local_copies_delegated = delegated && follower;
-  prepared.kernel_idle = delegated && follower && other_device_work == 0;
+  prepared.kernel_idle = delegated && follower && kernel_ordered_work == 0;
   prepared.follower_run_count = static_cast<std::uint32_t>(idle_followers.size());
   prepared.follower_runs.upload(idle_followers);
   // Every PE learns which of its allocations a peer could not map, and all retry together.
@@ -781,13 +813,20 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
     auto order = [&](int peer) { return peer < 0 ? n_pes_ : (peer - me_ + n_pes_) % n_pes_; };
     return order(a.group.peer) < order(b.group.peer);
   });
-  std::vector<int> same_device_destinations, same_device_sources;  // see SameDeviceOrder
+  // Pairs the streams order (SameDeviceOrder); where this GPU's copies are delegated, its leader
+  // orders those among its PEs instead.
+  std::vector<int> stream_destinations, stream_sources;
+  auto pairwise = [&](int peer) { return !(prepared->delegated && same_device_[peer]); };
+  // A follower's sends that its leader makes are ordered by its own stream all the same.
+  for (const PlannedBatch& batch : plan.sends) {
+    const int peer = batch.peer;
+    if (stream_ordered_[peer] && pairwise(peer) &&
+        std::find(stream_destinations.begin(), stream_destinations.end(), peer) ==
+            stream_destinations.end())
+      stream_destinations.push_back(peer);
+  }
   for (GroupPlan& g : groups) {
-    if (g.group.peer < 0 || g.delegated) continue;
-    if (same_device_[g.group.peer]) {
-      same_device_destinations.push_back(g.group.peer);
-      continue;  // no flags: the stream orders it (SameDeviceOrder)
-    }
+    if (g.group.peer < 0 || g.delegated || stream_ordered_[g.group.peer]) continue;
     g.group.remote_done = SignalLayout::done(peer_signals_[g.group.peer], n_pes_, me_);
     g.group.local_ready = SignalLayout::ready(signals_, n_pes_, g.group.peer);
   }
@@ -795,7 +834,8 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
   std::vector<int> sources;
   std::vector<std::uint64_t*> source_ready;
   for (const PlannedBatch& batch : plan.receives) {
-    std::vector<int>& list = same_device_[batch.peer] ? same_device_sources : sources;
+    if (stream_ordered_[batch.peer] && !pairwise(batch.peer)) continue;
+    std::vector<int>& list = stream_ordered_[batch.peer] ? stream_sources : sources;
     if (std::find(list.begin(), list.end(), batch.peer) == list.end()) list.push_back(batch.peer);
   }
   std::sort(sources.begin(), sources.end());
@@ -833,12 +873,11 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
   }
   // Every launch of the phase, autotune's included, orders the same peers.
   prepared->same_device = SameDeviceOrder(signals_, peer_signals_, me_);
-  if (!prepared->delegated)
-    prepared->same_device.order_pairs(same_device_destinations, same_device_sources);
-  else if (leader_ == me_)
+  if (prepared->delegated && leader_ == me_)
     prepared->same_device.lead(followers_);
-  else
+  else if (prepared->delegated)
     prepared->same_device.follow(leader_);
+  prepared->same_device.order_pairs(stream_destinations, stream_sources);
   if (engine_ == "autotune")
     autotune(*prepared);
   else
@@ -999,8 +1038,8 @@ bool CudaTransport::early_launch_for(std::uint32_t ctas) {
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
   p.same_device.begin(stream);
   if (p.kernel_idle) {
-    // A follower with no peer on another GPU: its GPU's leader makes its copies and counts its run
-    // (KernelArgs::follower_runs); a kernel here would hand the GPU over twice.
+    // A follower with no peer its kernels order: its GPU's leader makes its copies and counts its
+    // run (KernelArgs::follower_runs); a kernel here would hand the GPU over twice.
   } else if (p.fused) {
     launch_fused_copy(p.copy_args, stream, early_launch_for(p.copy_args.cta_count));
   } else {

@@ -82,38 +82,40 @@ SameDeviceOrder::SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64
                                  int me)
     : signals_(signals), peer_signals_(std::move(peer_signals)), me_(me) {}
 
+namespace {
+
+void add(std::vector<int>& into, const std::vector<int>& from) {
+  into.insert(into.end(), from.begin(), from.end());
+  std::sort(into.begin(), into.end());
+  into.erase(std::unique(into.begin(), into.end()), into.end());
+}
+
+}  // namespace
+
 void SameDeviceOrder::order_pairs(const std::vector<int>& destinations,
                                   const std::vector<int>& sources) {
-  // Raise before waiting: two PEs that write into each other each wait for the other's flag.
-  raise_ready_ = sources;
-  wait_ready_ = destinations;
-  raise_done_ = destinations;
-  wait_done_ = sources;
+  // Every flag is raised before any is waited for (begin, end): two PEs that write into each
+  // other each wait for the other's.
+  add(raise_ready_, sources);
+  add(wait_ready_, destinations);
+  add(raise_done_, destinations);
+  add(wait_done_, sources);
   collect_peers();
 }
 
 void SameDeviceOrder::follow(int leader) {
-  raise_ready_ = {leader};
-  wait_ready_.clear();
-  raise_done_.clear();
-  wait_done_ = {leader};
+  leader_ = leader;
   collect_peers();
 }
 
 void SameDeviceOrder::lead(const std::vector<int>& followers) {
-  raise_ready_.clear();
-  wait_ready_ = followers;
-  raise_done_ = followers;
-  wait_done_.clear();
+  add(wait_ready_, followers);
+  add(raise_done_, followers);
   collect_peers();
 }
 
 void SameDeviceOrder::merge(const SameDeviceOrder& other) {
-  auto add = [](std::vector<int>& into, const std::vector<int>& from) {
-    into.insert(into.end(), from.begin(), from.end());
-    std::sort(into.begin(), into.end());
-    into.erase(std::unique(into.begin(), into.end()), into.end());
-  };
+  if (other.leader_ >= 0) leader_ = other.leader_;
   add(raise_ready_, other.raise_ready_);
   add(wait_ready_, other.wait_ready_);
   add(raise_done_, other.raise_done_);
@@ -125,6 +127,7 @@ void SameDeviceOrder::collect_peers() {
   peers_.clear();
   for (const auto* list : {&raise_ready_, &wait_ready_, &raise_done_, &wait_done_})
     peers_.insert(peers_.end(), list->begin(), list->end());
+  if (leader_ >= 0) peers_.push_back(leader_);
   std::sort(peers_.begin(), peers_.end());
   peers_.erase(std::unique(peers_.begin(), peers_.end()), peers_.end());
 }
@@ -135,10 +138,15 @@ void SameDeviceOrder::begin(cudaStream_t stream) const {
     raise_flag(stream, SignalLayout::same_device_ready(peer_signals_[pe], n, me_));
   for (int pe : wait_ready_)
     wait_and_reset(stream, SignalLayout::same_device_ready(signals_, n, pe));
+  // Only now may the leader write this PE's destinations (on other GPUs too).
+  if (leader_ >= 0)
+    raise_flag(stream, SignalLayout::same_device_ready(peer_signals_[leader_], n, me_));
 }
 
 void SameDeviceOrder::end(cudaStream_t stream) const {
   const int n = static_cast<int>(peer_signals_.size());
+  // The leader's copies of this PE's sends have landed before this PE says so.
+  if (leader_ >= 0) wait_and_reset(stream, SignalLayout::same_device_done(signals_, n, leader_));
   for (int pe : raise_done_)
     raise_flag(stream, SignalLayout::same_device_done(peer_signals_[pe], n, me_));
   for (int pe : wait_done_) wait_and_reset(stream, SignalLayout::same_device_done(signals_, n, pe));

@@ -1,4 +1,6 @@
-// Orders a run with the peers that share this PE's GPU (colocated trainer and engine processes).
+// Orders a run with the peers that share this PE's GPU (colocated trainer and engine processes),
+// and with peers on other GPUs where a GPU of the pair is shared that way (see CudaTransport's
+// stream_ordered_: a kernel's wait for another GPU would hold a shared GPU, and chain).
 //
 // Between GPUs the copy kernels wait for their peers' flags on the GPU. A kernel that spins for a
 // kernel of another process on the *same* GPU waits a whole time slice (about 4.5 ms on an H100)
@@ -41,12 +43,13 @@ class SameDeviceOrder {
   // `signals`: this PE's SignalLayout; `peer_signals[p]`: PE p's, mapped here.
   SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64_t*> peer_signals, int me);
 
-  // Pairwise order: this PE's own kernels write into `destinations`, and `sources` write into
-  // this PE.
+  // Adds pairwise order: this PE's own kernels write into `destinations`, and `sources` write
+  // into this PE (peers on this GPU or another). Adds to follow() or lead().
   void order_pairs(const std::vector<int>& destinations, const std::vector<int>& sources);
   // Delegated order (see CudaTransport): `leader`, a process on this GPU, moves every byte this PE
-  // sends to or receives from the PEs on its GPU, and its local copies; this PE's stream only
-  // tells the leader that its memory may be used and waits until the leader is done with it.
+  // sends to the PEs its stream orders and receives from the PEs on its GPU, and its local copies;
+  // this PE's stream tells the leader that its memory may be used (once its own destinations are
+  // ready: begin) and waits until the leader is done with it (before its own done flags: end).
   void follow(int leader);
   // The leader's side: waits until every follower's memory may be used, and after the copies
   // tells each that its bytes have landed and its sources were read.
@@ -74,6 +77,7 @@ class SameDeviceOrder {
   // PEs whose same_device_ready flag for this PE it raises before the copies, whose flags it
   // waits for before the copies, and the same for same_device_done after them.
   std::vector<int> raise_ready_, wait_ready_, raise_done_, wait_done_;
+  int leader_ = -1;  // follow()
   std::vector<int> peers_;
   void collect_peers();
 };
