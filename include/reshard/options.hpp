@@ -87,6 +87,10 @@ struct DebugOptions {
   // The SM engine's kernel is launched with programmatic dependent launch (on the GPU when the
   // stream's previous kernel ends); false: launched plainly. RESHARD_CUDA_EARLY_LAUNCH.
   bool cuda_early_launch = true;
+  // The stream memory operations that order PEs sharing a GPU (and their pairs with other GPUs)
+  // go to each stream in one cuStreamBatchMemOp call per run's begin and end, instead of one
+  // driver call each (tens of calls a run at 8 PEs). RESHARD_CUDA_BATCH_MEMOPS.
+  bool cuda_batch_memops = false;
   // false: the NVSHMEM transport puts through its outbox even to peers it could write directly,
   // the path a peer on another node takes. RESHARD_NVSHMEM_DIRECT.
   bool nvshmem_direct = true;

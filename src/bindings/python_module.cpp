@@ -399,6 +399,7 @@ void bind_options(nb::module_& m) {
       .def_rw("cuda_ce_streams", &DebugOptions::cuda_ce_streams)
       .def_rw("cuda_unroll", &DebugOptions::cuda_unroll)
       .def_rw("cuda_early_launch", &DebugOptions::cuda_early_launch)
+      .def_rw("cuda_batch_memops", &DebugOptions::cuda_batch_memops)
       .def_rw("nvshmem_direct", &DebugOptions::nvshmem_direct)
       .def_rw("nvshmem_send_stream", &DebugOptions::nvshmem_send_stream)
       .def_rw("nvshmem_peers_per_round", &DebugOptions::nvshmem_peers_per_round);

@@ -40,6 +40,7 @@ constexpr Variable kVariables[] = {
     {"debug.cuda_ce_streams", "RESHARD_CUDA_CE_STREAMS"},
     {"debug.cuda_unroll", "RESHARD_CUDA_UNROLL"},
     {"debug.cuda_early_launch", "RESHARD_CUDA_EARLY_LAUNCH"},
+    {"debug.cuda_batch_memops", "RESHARD_CUDA_BATCH_MEMOPS"},
     {"debug.nvshmem_direct", "RESHARD_NVSHMEM_DIRECT"},
     {"debug.nvshmem_send_stream", "RESHARD_NVSHMEM_SEND_STREAM"},
     {"debug.nvshmem_peers_per_round", "RESHARD_NVSHMEM_PEERS_PER_ROUND"},
@@ -203,6 +204,7 @@ CopyServiceOptions CopyServiceOptions::from_environment() {
   read("debug.cuda_ce_streams", o.debug.cuda_ce_streams);
   read("debug.cuda_unroll", o.debug.cuda_unroll);
   read("debug.cuda_early_launch", o.debug.cuda_early_launch);
+  read("debug.cuda_batch_memops", o.debug.cuda_batch_memops);
   read("debug.nvshmem_direct", o.debug.nvshmem_direct);
   read("debug.nvshmem_send_stream", o.debug.nvshmem_send_stream);
   read("debug.nvshmem_peers_per_round", o.debug.nvshmem_peers_per_round);

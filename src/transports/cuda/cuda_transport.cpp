@@ -206,6 +206,7 @@ class CudaTransport final : public Transport {
   std::uint64_t bytes_per_cta_ = 64 << 10;
   int unroll_ = 8;
   bool early_launch_ = true;
+  bool batch_memops_ = false;             // SameDeviceOrder's batch
   std::uint64_t* ready_epoch_ = nullptr;  // SignalLayout::ready_epoch of this PE
   std::chrono::milliseconds timeout_{};   // CopyServiceOptions::timeout
   std::uint64_t timeout_ns_ = 0;
@@ -265,6 +266,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   bytes_per_cta_ = options.cuda.bytes_per_cta;
   unroll_ = options.debug.cuda_unroll;
   early_launch_ = options.debug.cuda_early_launch;
+  batch_memops_ = options.debug.cuda_batch_memops;
   timeout_ = options.timeout;
   timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
@@ -391,7 +393,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     RESHARD_LOG(kDebug, "PE " << leader_ << " makes the copies among the " << group.size()
                               << " PEs on CUDA device " << device_);
   }
-  same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_);
+  same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
   if (std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end()) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
     watchdog_ = std::thread([this] { watch_same_device_runs(); });
@@ -771,7 +773,7 @@ void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
   if (run_pending_) wait_for(last_run_, "the previous schedule's runs");
   throw_device_failure();
   prepared_.clear();
-  SameDeviceOrder every_phase(signals_, peer_signals_, me_);
+  SameDeviceOrder every_phase(signals_, peer_signals_, me_, batch_memops_);
   for (std::size_t p = 0; p < phases.size(); ++p) {
     prepared_.push_back(prepare_phase(phases[p], p == 0));
     every_phase.merge(prepared_.back()->same_device);
@@ -872,7 +874,7 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
     prepared->unstage_args.group_count = 1;
   }
   // Every launch of the phase, autotune's included, orders the same peers.
-  prepared->same_device = SameDeviceOrder(signals_, peer_signals_, me_);
+  prepared->same_device = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
   if (prepared->delegated && leader_ == me_)
     prepared->same_device.lead(followers_);
   else if (prepared->delegated)
@@ -1230,7 +1232,7 @@ void CudaTransport::forget_schedule() {
   prepared_.clear();
   {
     std::lock_guard lock(watch_mutex_);
-    same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_);
+    same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
   }
   // A follower's sources are mapped by its leader too: without this, a follower that frees them
   // and shares new memory from the same driver allocation would find it "already mapped" here.

@@ -39,9 +39,20 @@ class SameDeviceOrder {
   // H100: 5.4 us against 19.2; without MPS 4,498 us against 302).
   static bool mps_server_found();
 
+  // One stream memory operation of a run: wait until `*flag` >= 1, or write `value` into it.
+  struct MemoryOp {
+    std::uint64_t* flag;
+    std::uint64_t value;
+    bool wait;
+    bool operator==(const MemoryOp&) const = default;
+  };
+
   SameDeviceOrder() = default;
-  // `signals`: this PE's SignalLayout; `peer_signals[p]`: PE p's, mapped here.
-  SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64_t*> peer_signals, int me);
+  // `signals`: this PE's SignalLayout; `peer_signals[p]`: PE p's, mapped here. `batch`: a run's
+  // operations go to the stream in one cuStreamBatchMemOp call per begin() and end() (where the
+  // driver has it) instead of one call each (CopyServiceOptions::debug.cuda_batch_memops).
+  SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64_t*> peer_signals, int me,
+                  bool batch = false);
 
   // Adds pairwise order: this PE's own kernels write into `destinations`, and `sources` write
   // into this PE (peers on this GPU or another). Adds to follow() or lead().
@@ -69,6 +80,9 @@ class SameDeviceOrder {
   // Raises every flag this PE's stream could be waiting on (a peer died or did not answer in
   // time): queued on `side`, a stream of its own, and waited for.
   void release(cudaStream_t side) const noexcept;
+  // What begin() and end() queue, in order.
+  const std::vector<MemoryOp>& begin_ops() const { return begin_ops_; }
+  const std::vector<MemoryOp>& end_ops() const { return end_ops_; }
 
  private:
   std::uint64_t* signals_ = nullptr;
@@ -78,8 +92,12 @@ class SameDeviceOrder {
   // waits for before the copies, and the same for same_device_done after them.
   std::vector<int> raise_ready_, wait_ready_, raise_done_, wait_done_;
   int leader_ = -1;  // follow()
+  bool batch_ = false;
   std::vector<int> peers_;
-  void collect_peers();
+  std::vector<MemoryOp> begin_ops_, end_ops_;
+  // Collects peers_ and the operations of begin() and end().
+  void build();
+  void queue(cudaStream_t stream, const std::vector<MemoryOp>& ops) const;
 };
 
 }  // namespace reshard::cuda
