@@ -143,7 +143,7 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Workloads,
 // PEs sharing a GPU are told by the GPU's host and PCI bus id, whatever ordinal each process sees
 // it under (the NVSHMEM transport divides the GPU among them, the CUDA transport orders them by
 // their streams). The test counts them by the GPU's UUID instead (every PE runs on this host);
-// under tests/gpu/rotated_gpus.sh the PEs on one GPU see it under different ordinals.
+// under tests/gpu/place_pes.sh rotated the PEs on one GPU see it under different ordinals.
 TEST(GpuIdentity, PesSharingThisGpuAreThoseWithItsUuid) {
   auto service = make_service();
   const int device = service->device();
