@@ -42,11 +42,6 @@ class DeviceScope {
 };
 // Throws kInvalidArgument unless `buffer` is CUDA memory of `device`, and says what it is instead.
 void check_device_buffer(const Buffer& buffer, int device, const char* transport);
-// Index of the first process in `pids` that no longer exists (entries <= 0 are not checked), or -1.
-// With `count_zombies`, also one that has exited and awaits its parent's wait (reads /proc: for
-// slow paths), whose sockets are already closed: a peer's "connection refused" arrives before
-// kill() says it is gone.
-int first_exited_process(std::span<const pid_t> pids, bool count_zombies = false);
 // Collective: every PE's process id where it shares this host (0 for this PE and for PEs on other
 // hosts), so a waiting PE can tell a peer that died from one that is slow.
 std::vector<pid_t> local_peer_pids(Bootstrap& bootstrap);
@@ -56,8 +51,6 @@ std::string physical_gpu(int device);
 // Collective: how many PEs (this one included) run on this PE's GPU `device` (physical_gpu):
 // colocated processes sharing it.
 int pes_on_this_gpu(Bootstrap& bootstrap, int device);
-// Index of the first process in `pids` that is stopped (SIGSTOP, a debugger), or -1.
-int first_stopped_process(std::span<const pid_t> pids);
 // "; PE p is itself stuck waiting, behind PE q" for a timed-out device wait whose peer p was
 // itself stuck (see SignalLayout::waiting_on), else empty.
 std::string stuck_behind_clause(const volatile DeviceStatus& status);

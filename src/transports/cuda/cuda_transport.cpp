@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "core/message.hpp"
+#include "core/processes.hpp"
 #include "core/transport.hpp"
 #include "gpu/copy_kernels.hpp"
 #include "gpu/cuda_check.hpp"

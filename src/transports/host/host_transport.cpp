@@ -18,6 +18,7 @@
 #include "core/env.hpp"
 #include "core/host_copy.hpp"
 #include "core/message.hpp"
+#include "core/processes.hpp"
 #include "core/transport.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
@@ -236,7 +237,9 @@ void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
             std::string(peer_header.abort_reason,
                         strnlen(peer_header.abort_reason, sizeof peer_header.abort_reason)));
   }
-  if (::kill(peer_header.pid, 0) != 0 && errno == ESRCH) {
+  // A zombie counts as exited: a launcher that polls its children may reap it seconds later.
+  const pid_t pid = peer_header.pid;
+  if (first_exited_process(std::span(&pid, 1), /*count_zombies=*/true) == 0) {
     throw_error(ErrorCode::kPeerFailure,
                 "PE " + std::to_string(peer) + " (pid " + std::to_string(peer_header.pid) +
                     ") exited while PE " + std::to_string(my_pe_) + " was waiting " + waiting_for);

@@ -52,7 +52,7 @@ ShmSegment ShmSegment::open(const std::string& name, std::size_t bytes) {
   if (fd < 0) throw_system_error("cannot open a peer's shared memory " + name);
   // Touching a mapping past the file's end raises SIGBUS: a segment its owner has not sized yet
   // (or one left by another step of a job whose PEs went out of step) is refused instead.
-  struct stat status {};
+  struct stat status{};
   if (::fstat(fd, &status) != 0 || static_cast<std::size_t>(status.st_size) < bytes) {
     const auto found = static_cast<long long>(status.st_size);
     ::close(fd);

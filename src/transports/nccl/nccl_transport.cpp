@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/message.hpp"
+#include "core/processes.hpp"
 #include "core/transport.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
@@ -213,7 +214,7 @@ void NcclTransport::fail_run(const Failure& failure) {
     // NCCL's own error (a refused connection) can arrive a moment before the peer's exit shows:
     // look for a dead local PE for a while, to name it.
     int dead = -1;
-    for (int i = 0; i < 50 && (dead = cuda::first_exited_process(local_pids_, true)) < 0; ++i)
+    for (int i = 0; i < 50 && (dead = first_exited_process(local_pids_, true)) < 0; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (dead >= 0) {
       named.text = "PE " + std::to_string(dead) + " (pid " + std::to_string(local_pids_[dead]) +
