@@ -13,7 +13,8 @@ Draws, from the newest run of each engine (files are appended to, so later lines
 * ``refit_<device>.png`` — refit time per model, transform and transport/engine on the newest
   date's records, with the busiest PE's rate as a fraction of the copy-engine ceiling where the
   run measured it;
-* ``colocated_<device>.png`` — PEs sharing one GPU (records with ``colocated`` / ``pes_per_gpu``):
+* ``colocated_<device>.png`` — PEs sharing one GPU (records with ``colocated`` / ``pes_per_gpu``;
+  ``colocated_<n>x-<device>.png`` where they shared each of n GPUs):
   refit time of reshard, of the hand-written IPC copy loop and of one process copying the same
   bytes, per model, PEs per GPU and MPS off/on; and the 4 KiB all-to-all time;
 * ``convert_<device>.png`` — ``reshard bench-convert``: each conversion's rate as a fraction of the
@@ -172,16 +173,24 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     return [path]
 
 
+def _gpus_of(r: dict) -> int:
+    """How many GPUs a run's PEs shared (one where a record does not say)."""
+    pes = r.get("pes", r.get("gpus", 1))  # all-to-all records name their PE count "gpus"
+    return max(1, pes // r["pes_per_gpu"]) if r.get("pes_per_gpu") else 1
+
+
 def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
-    # One chart per kind of GPU (as plot_convert): records of an H100 and an H200 are not compared.
-    by_device: Dict[str, List[dict]] = defaultdict(list)
+    # One chart per kind of GPU (as plot_convert) and number of them: records of an H100 and an
+    # H200, or of one GPU and four, are not compared.
+    by_machine: Dict[tuple, List[dict]] = defaultdict(list)
     for r in records:
-        by_device[r.get("device", "GPU")].append(r)
-    return [path for device, rows in sorted(by_device.items())
-            for path in _plot_colocated_on(rows, device, out, plt)]
+        by_machine[(r.get("device", "GPU"), _gpus_of(r))].append(r)
+    return [path for (device, gpus), rows in sorted(by_machine.items())
+            for path in _plot_colocated_on(rows, device, gpus, out, plt)]
 
 
-def _plot_colocated_on(records: List[dict], device: str, out: Path, plt) -> List[Path]:
+def _plot_colocated_on(records: List[dict], device: str, gpus: int, out: Path,
+                       plt) -> List[Path]:
     # Plain bf16 refits in the transport's own order, the last record of each model, PE count
     # and MPS setting (the files are appended to).
     refits = [r for r in records
@@ -228,7 +237,8 @@ def _plot_colocated_on(records: List[dict], device: str, out: Path, plt) -> List
     left.set_xticklabels([f"{m.split('-')[0]} {l}L\n{p} PEs, MPS {'on' if on else 'off'}"
                           for m, l, p, on in keys], fontsize=7)
     left.set_ylabel("ms per refit (lower is better)")
-    left.set_title(f"colocated bf16 refits (the newest of each), PEs sharing one {device}, "
+    where = f"one {device}" if gpus == 1 else f"each of {gpus} {device}s"
+    left.set_title(f"colocated bf16 refits (the newest of each), PEs sharing {where}, "
                    f"up to {newest_date}", fontsize=9)
     left.legend(fontsize=7)
     left.grid(True, axis="y", alpha=0.3)
@@ -242,7 +252,7 @@ def _plot_colocated_on(records: List[dict], device: str, out: Path, plt) -> List
         right.set_ylabel("us per 4 KiB all-to-all")
         right.set_title("small all-to-all", fontsize=9)
         right.grid(True, axis="y", alpha=0.3)
-    path = out / f"colocated_{_slug(device)}.png"
+    path = out / f"colocated_{_slug(device) if gpus == 1 else f'{gpus}x-' + _slug(device)}.png"
     _save(plt, figure, path)
     return [path]
 
