@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "gpu/device_work.hpp"
@@ -105,6 +107,71 @@ TEST(SameDeviceOrder, MergedPhasesWatchEveryPeerOfEither) {
   all.merge(second);
   EXPECT_EQ(all.peers(), (std::vector<int>{0, 4}));
   EXPECT_TRUE(SameDeviceOrder(flags.pointers()[me], flags.pointers(), me).empty());
+}
+
+// Which pairs the streams order: `gpus` names each PE's GPU, `streams` whether it would.
+std::vector<std::vector<bool>> relation(const std::vector<std::string>& gpus,
+                                        const std::vector<bool>& streams) {
+  std::vector<std::vector<bool>> all;
+  for (int me = 0; me < static_cast<int>(gpus.size()); ++me)
+    all.push_back(stream_ordered_peers(gpus, streams, me));
+  return all;
+}
+
+TEST(StreamOrderedPeers, PesSharingOneGpuOrderEveryPairByTheStreams) {
+  const auto r = relation({"a", "a", "a"}, {true, true, true});
+  EXPECT_EQ(r[0], (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(r[2], (std::vector<bool>{true, true, false}));
+}
+
+TEST(StreamOrderedPeers, PairsAcrossGpusFollowWhereEitherGpuIsShared) {
+  // GPU a holds PEs 0 and 1 (trainer and engine); b and c one PE each.
+  const auto r = relation({"a", "a", "b", "c"}, {true, true, true, true});
+  EXPECT_EQ(r[0], (std::vector<bool>{false, true, true, true}));
+  // PEs 2 and 3 alone on their GPUs keep the kernels' flags between them, and stream to a's PEs.
+  EXPECT_EQ(r[2], (std::vector<bool>{true, true, false, false}));
+  EXPECT_EQ(r[3], (std::vector<bool>{true, true, false, false}));
+  // One PE per GPU: the kernels' flags everywhere.
+  for (const auto& row : relation({"a", "b", "c"}, {true, true, true}))
+    EXPECT_EQ(row, (std::vector<bool>(3, false)));
+}
+
+TEST(StreamOrderedPeers, APeerThatCannotStreamKeepsTheKernelsFlags) {
+  // GPU a runs under MPS (its PEs order by their kernels); GPU b's PEs would stream.
+  const auto r = relation({"a", "a", "b", "b"}, {false, false, true, true});
+  EXPECT_EQ(r[0], (std::vector<bool>(4, false)));
+  EXPECT_EQ(r[2], (std::vector<bool>{false, false, false, true}));
+}
+
+TEST(StreamOrderedPeers, EveryPairIsSeenAlikeFromBothEndsOverRandomJobs) {
+  std::mt19937 random(20261127);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int n = 1 + static_cast<int>(random() % 12),
+              gpus_count = 1 + static_cast<int>(random() % 5);
+    std::vector<std::string> gpus;
+    std::vector<bool> streams;
+    for (int pe = 0; pe < n; ++pe) {
+      gpus.push_back(std::to_string(random() % gpus_count));
+      streams.push_back(random() % 5 != 0);
+    }
+    const auto r = relation(gpus, streams);
+    for (int p = 0; p < n; ++p) {
+      EXPECT_FALSE(r[p][p]);
+      for (int q = 0; q < n; ++q) {
+        ASSERT_EQ(r[p][q], r[q][p]) << "trial " << trial << ", PEs " << p << " and " << q;
+        const bool both = streams[p] && streams[q];
+        if (p != q && gpus[p] == gpus[q]) EXPECT_EQ(r[p][q], both);  // same GPU: whenever both can
+        if (!both) EXPECT_FALSE(r[p][q]);
+        // A pair between GPUs that hold no other streaming PE keeps the kernels' flags.
+        auto shared = [&](int pe) {
+          for (int o = 0; o < n; ++o)
+            if (o != pe && gpus[o] == gpus[pe] && streams[o] && streams[pe]) return true;
+          return false;
+        };
+        if (gpus[p] != gpus[q]) EXPECT_EQ(r[p][q], both && (shared(p) || shared(q)));
+      }
+    }
+  }
 }
 
 }  // namespace

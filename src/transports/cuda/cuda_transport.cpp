@@ -354,18 +354,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     std::memcpy(bytes.data(), &peer_handle, sizeof peer_handle);
     peer_signals_[pe] = reinterpret_cast<std::uint64_t*>(signal_imports_.map(pe, bytes));
   }
-  // A GPU is shared through the streams where two of its PEs would both order by them; a pair on
-  // two GPUs is ordered by the streams where either GPU is (and both PEs can).
-  std::vector<bool> on_shared_gpu(n_pes_, false);
-  for (int a = 0; a < n_pes_; ++a)
-    for (int b = a + 1; b < n_pes_; ++b)
-      if (gpus[a] == gpus[b] && streams[a] && streams[b])
-        on_shared_gpu[a] = on_shared_gpu[b] = true;
-  stream_ordered_.assign(n_pes_, false);
+  stream_ordered_ = stream_ordered_peers(gpus, streams, me_);
   for (int pe = 0; pe < n_pes_; ++pe) {
-    if (pe == me_) continue;
-    stream_ordered_[pe] = same_device_[pe] || (gpus[pe] != my_gpu && streams[me_] && streams[pe] &&
-                                               (on_shared_gpu[me_] || on_shared_gpu[pe]));
     if (stream_ordered_[pe] && !same_device_[pe])
       RESHARD_LOG(kDebug, "PE " << pe
                                 << " (another GPU): runs ordered by the streams, as a GPU "

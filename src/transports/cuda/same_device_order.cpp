@@ -73,6 +73,19 @@ void add(std::vector<int>& into, const std::vector<int>& from) {
 
 }  // namespace
 
+std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
+                                       const std::vector<bool>& streams, int me) {
+  const int n = static_cast<int>(gpus.size());
+  std::vector<bool> shared(n, false);  // on a GPU shared through the streams
+  for (int a = 0; a < n; ++a)
+    for (int b = a + 1; b < n; ++b)
+      if (gpus[a] == gpus[b] && streams[a] && streams[b]) shared[a] = shared[b] = true;
+  std::vector<bool> ordered(n, false);
+  for (int pe = 0; pe < n; ++pe)
+    ordered[pe] = pe != me && streams[me] && streams[pe] && (shared[me] || shared[pe]);
+  return ordered;
+}
+
 bool SameDeviceOrder::supported(int device) {
   const auto get_attribute =
       reinterpret_cast<DeviceAttribute>(driver_entry_point("cuDeviceGetAttribute"));

@@ -24,9 +24,19 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace reshard::cuda {
+
+// Which of `me`'s peers its stream orders runs with (true), the others being ordered by the
+// kernels' flags: given each PE's GPU (`gpus`, as physical_gpu names it) and whether it would
+// order by its stream (`streams`: no MPS server, the driver's stream memory operations, the
+// same-device mode), a pair is ordered by the streams where both PEs would and a GPU of the pair
+// holds another PE that would too (a GPU shared without MPS). Every PE computes the same relation
+// from the same inputs, so both ends of a pair agree.
+std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
+                                       const std::vector<bool>& streams, int me);
 
 class SameDeviceOrder {
  public:
