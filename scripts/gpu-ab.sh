@@ -9,7 +9,8 @@
 # BASE is a commit, or a tarball of one (`git archive BASE | gzip > base-BASE.tgz`, labelled
 # "BASE" from its name) for machines whose copy of the checkout lacks that history: the GPU
 # machines get the working tree, and its .git may be older than the tree (label the head with
-# RESHARD_COMMIT there).
+# RESHARD_COMMIT there). Or "env:VAR=VALUE[,VAR=VALUE...]": this build against itself run with
+# those variables set (an option's A/B without a second build), labelled "HEAD+VAR=VALUE...".
 # REFITS: "model:layers:transport:transform ..." or "none" (layers 0: the model's; default on
 # several GPUs: Llama and Qwen at full depth on cuda, Llama on nvshmem and with MXFP8; on one GPU:
 # Llama 16 and Qwen 12 layers, Llama with MXFP8); REPEATS: runs of each build (default 2); SIZES:
@@ -23,7 +24,11 @@ export OUT=${OUT:-build-gpu/logs}
 mkdir -p "$OUT"
 head=$(bash scripts/commit-label.sh)
 base_src="build-gpu/ab-base-src"
-if [[ -f $base ]]; then
+base_env=()
+if [[ $base == env:* ]]; then
+  IFS=, read -ra base_env <<<"${base#env:}"
+  base="$head+$(IFS=+; echo "${base_env[*]}")"
+elif [[ -f $base ]]; then
   tarball=$base
   base=$(basename "$tarball")
   base=${base%.tgz}
@@ -34,19 +39,21 @@ else
   base=$(git rev-parse --short "$base") || exit 1
   extract() { git archive "$base" | tar -x -C "$base_src"; }
 fi
-# A later call for the same BASE keeps its build.
-if [[ $(cat "$base_src/.commit" 2>/dev/null) != "$base" ]]; then
-  rm -rf "$base_src" && mkdir -p "$base_src" && extract && echo "$base" >"$base_src/.commit" ||
-    exit 1
-fi
-args=(-DCMAKE_BUILD_TYPE=Release -DRESHARD_BUILD_TESTS=OFF)
-[[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
-command -v ninja >/dev/null && args+=(-G Ninja)
 bash scripts/gpu-build.sh &
 head_build=$!
-{ cmake -S "$base_src" -B "$base_src/build" "${args[@]}" >"$OUT/ab-base-configure.log" 2>&1 &&
-  cmake --build "$base_src/build" -j "$(nproc)" --target reshard-cli >"$OUT/ab-base-build.log" 2>&1; } ||
-  { tail -20 "$OUT/ab-base-build.log" "$OUT/ab-base-configure.log" 2>/dev/null; exit 1; }
+if ((${#base_env[@]} == 0)); then
+  # A later call for the same BASE keeps its build.
+  if [[ $(cat "$base_src/.commit" 2>/dev/null) != "$base" ]]; then
+    rm -rf "$base_src" && mkdir -p "$base_src" && extract && echo "$base" >"$base_src/.commit" ||
+      exit 1
+  fi
+  args=(-DCMAKE_BUILD_TYPE=Release -DRESHARD_BUILD_TESTS=OFF)
+  [[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
+  command -v ninja >/dev/null && args+=(-G Ninja)
+  { cmake -S "$base_src" -B "$base_src/build" "${args[@]}" >"$OUT/ab-base-configure.log" 2>&1 &&
+    cmake --build "$base_src/build" -j "$(nproc)" --target reshard-cli >"$OUT/ab-base-build.log" 2>&1; } ||
+    { tail -20 "$OUT/ab-base-build.log" "$OUT/ab-base-configure.log" 2>/dev/null; exit 1; }
+fi
 wait "$head_build" || exit 1
 gpus=$(nvidia-smi -L | wc -l)
 # One GPU: PEs share it (colocated), at the depths the colocated benchmarks use.
@@ -60,11 +67,15 @@ else
 fi
 status=0
 bench() {  # build (head or base), then the reshard arguments
-  local build=$1 bin=build-gpu/reshard commit=$head
+  local build=$1 bin=build-gpu/reshard commit=$head environment=()
   shift
-  [[ $build == base ]] && { bin=$base_src/build/reshard; commit=$base; }
+  if [[ $build == base ]]; then
+    commit=$base
+    if ((${#base_env[@]})); then environment=("${base_env[@]}"); else bin=$base_src/build/reshard; fi
+  fi
   echo "== $commit: reshard $*"
-  timeout 300 "$bin" "$@" --json "$OUT/ab.jsonl" --commit "$commit" >"$OUT/ab-last.txt" 2>&1 ||
+  env "${environment[@]}" timeout 300 "$bin" "$@" --json "$OUT/ab.jsonl" --commit "$commit" \
+    >"$OUT/ab-last.txt" 2>&1 ||
     { echo "   failed (exit $?): $OUT/ab-$build.txt"; tail -2 "$OUT/ab-last.txt"; status=1; }
   cat "$OUT/ab-last.txt" >>"$OUT/ab-$build.txt"
   grep -E "median of|baseline|ceiling in this run|per-peer|^\[rank 0\] [0-9]+ [KMG]iB" \
