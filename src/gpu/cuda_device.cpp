@@ -1,12 +1,9 @@
 #include "gpu/cuda_device.hpp"
 
 #include <cuda.h>
-#include <signal.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
-#include <fstream>
 #include <thread>
 
 #include "core/message.hpp"

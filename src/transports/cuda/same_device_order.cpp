@@ -51,7 +51,7 @@ CUstreamBatchMemOpParams batch_param(const SameDeviceOrder::MemoryOp& op) {
   if (op.wait) {
     param.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
     param.waitValue.address = address(op.flag);
-    param.waitValue.value64 = 1;
+    param.waitValue.value64 = op.value;
     param.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
   } else {
     param.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -190,7 +190,7 @@ void SameDeviceOrder::queue(cudaStream_t stream, const std::vector<MemoryOp>& op
   }
   for (const MemoryOp& op : ops) {
     if (op.wait) {
-      check(memory_ops().wait(stream, address(op.flag), 1, CU_STREAM_WAIT_VALUE_GEQ),
+      check(memory_ops().wait(stream, address(op.flag), op.value, CU_STREAM_WAIT_VALUE_GEQ),
             "cuStreamWaitValue64");
     } else {
       check(memory_ops().write(stream, address(op.flag), op.value, CU_STREAM_WRITE_VALUE_DEFAULT),
