@@ -87,7 +87,7 @@ TEST(Options, EveryVariableLandsInItsField) {
       {"RESHARD_CUDA_CE_STREAMS", "3", [](auto& o) { return o.debug.cuda_ce_streams == 3; }},
       {"RESHARD_CUDA_UNROLL", "4", [](auto& o) { return o.debug.cuda_unroll == 4; }},
       {"RESHARD_CUDA_EARLY_LAUNCH", "0", [](auto& o) { return !o.debug.cuda_early_launch; }},
-      {"RESHARD_CUDA_BATCH_MEMOPS", "1", [](auto& o) { return o.debug.cuda_batch_memops; }},
+      {"RESHARD_CUDA_BATCH_MEMOPS", "0", [](auto& o) { return !o.debug.cuda_batch_memops; }},
       {"RESHARD_NVSHMEM_DIRECT", "0", [](auto& o) { return !o.debug.nvshmem_direct; }},
       {"RESHARD_NVSHMEM_SEND_STREAM", "0", [](auto& o) { return !o.debug.nvshmem_send_stream; }},
       {"RESHARD_NVSHMEM_PEERS_PER_ROUND", "2",

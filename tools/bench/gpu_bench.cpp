@@ -280,7 +280,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
     colocation = ",\"pes_per_gpu\":" + std::to_string((n + visible_gpus - 1) / visible_gpus) +
                  ",\"mps\":" + (cuda::SameDeviceOrder::mps_server_found() ? "true" : "false") +
                  ",\"same_device_order\":\"" + base.cuda.same_device + "\"" +
-                 (base.debug.cuda_batch_memops ? ",\"batch_memops\":true" : "");
+                 ",\"batch_memops\":" + (base.debug.cuda_batch_memops ? "true" : "false");
   }
   std::ofstream json;
   if (me == 0 && !options.json_path.empty()) json.open(options.json_path, std::ios::app);

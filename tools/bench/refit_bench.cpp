@@ -530,7 +530,8 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       if (shares_gpu) {
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
              << ",\"same_device_order\":\"" << service.options().cuda.same_device << "\"";
-        if (service.options().debug.cuda_batch_memops) json << ",\"batch_memops\":true";
+        json << ",\"batch_memops\":"
+             << (service.options().debug.cuda_batch_memops ? "true" : "false");
       }
       if (copy_ceiling_s > 0) json << ",\"copy_ceiling_s\":" << copy_ceiling_s;
       if (gpu) {
