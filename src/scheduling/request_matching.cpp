@@ -66,7 +66,12 @@ void check_pes(std::span<const RequestClaim> claims, int n_pes, const char* side
 void check_duplicates(const std::vector<RequestClaim>& sorted, const char* side,
                       ProblemList& problems) {
   for (std::size_t i = 1; i < sorted.size(); ++i) {
-    if (sorted[i].task == sorted[i - 1].task) {
+    if (sorted[i].task != sorted[i - 1].task) continue;
+    if (sorted[i].owner == sorted[i - 1].owner) {
+      problems.add_for(sorted[i].task, "task ", sorted[i].task, " has more than one ", side,
+                       " (PE ", sorted[i].owner,
+                       " registered it twice; each range needs its own task id)");
+    } else {
       problems.add_for(sorted[i].task, "task ", sorted[i].task, " has more than one ", side,
                        " (on PE ", sorted[i - 1].owner, " and PE ", sorted[i].owner, ")");
     }

@@ -67,7 +67,7 @@ TEST(RequestMatching, NamesDuplicateTaskIds) {
             std::string::npos);
   EXPECT_EQ(tasks, std::vector<TaskId>{5});
   EXPECT_NE(refusal({{6, 0, 1, 1}}, {{6, 1, 0, 1}, {6, 1, 0, 1}})
-                .find("task 6 has more than one receive"),
+                .find("task 6 has more than one receive (PE 1 registered it twice"),
             std::string::npos);
 }
 
