@@ -10,7 +10,8 @@
 // widening kernel stays below a fraction, no cast kernel can do better there. A column-block copy
 // (half of each row read, written dense) shows what reading a TP slice in place costs, and an
 // MXFP8-shaped one (the same reads; FP8 data and scales written into the same block of their
-// matrices) the most an MXFP8 conversion of such blocks can reach.
+// matrices) the most an MXFP8 conversion of such blocks can reach; the copy engine's pitched copy
+// of each column block (cudaMemcpy2DAsync) says whether the pattern, not the kernel, sets that.
 //
 // Build and run on a GPU machine:
 //   nvcc -O3 -arch=sm_90 -o /tmp/uneven tools/probes/uneven_traffic.cu
@@ -192,6 +193,17 @@ int main(int argc, char** argv) {
                           [&] {
                             column_block_kernel<<<grid, kThreads>>>(src, dst, vectors, row_vectors,
                                                                     2 * row_vectors);
+                          }),
+           2.0 * bytes);
+    // The copy engine on the same block (a pitched copy): whether another engine reads such
+    // rows faster than a kernel can, or the access pattern itself costs what the kernel loses.
+    std::snprintf(name, sizeof name, "  copy engine, rows %u of %u B", row_bytes, 2 * row_bytes);
+    const std::size_t rows = bytes / row_bytes;
+    report(name,
+           median_seconds(repeats,
+                          [&] {
+                            CHECK(cudaMemcpy2DAsync(b, row_bytes, a, 2 * row_bytes, row_bytes, rows,
+                                                    cudaMemcpyDeviceToDevice));
                           }),
            2.0 * bytes);
     std::snprintf(name, sizeof name, "MXFP8-shaped, rows %u of %u B", row_bytes, 2 * row_bytes);
