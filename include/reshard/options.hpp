@@ -64,6 +64,11 @@ struct NvshmemTransportOptions {
   // Symmetric staging each PE allocates: two inbox slots per peer and two outbox slots.
   // RESHARD_NVSHMEM_STAGING_BYTES.
   std::uint64_t staging_bytes = 512ull << 20;
+  // Where a PE waits for its peers' signals: "kernel" (the copy kernels spin on them), "stream"
+  // (the stream's front end waits, stream memory operations, before kernels that do not wait),
+  // or "auto": the stream where processes share this PE's GPU without MPS (a kernel spinning there
+  // for another process holds the GPU a time slice), else the kernels. RESHARD_NVSHMEM_WAITS.
+  std::string waits = "auto";
 };
 
 // Switches for diagnosis and A/B measurements. The defaults are what the measurements chose;

@@ -391,7 +391,8 @@ void bind_options(nb::module_& m) {
       .def_rw("nonblocking", &NcclTransportOptions::nonblocking)
       .def_rw("group_spans", &NcclTransportOptions::group_spans);
   nb::class_<NvshmemTransportOptions>(m, "NvshmemTransportOptions")
-      .def_rw("staging_bytes", &NvshmemTransportOptions::staging_bytes);
+      .def_rw("staging_bytes", &NvshmemTransportOptions::staging_bytes)
+      .def_rw("waits", &NvshmemTransportOptions::waits);
   nb::class_<DebugOptions>(m, "DebugOptions")
       .def_rw("cuda_trace", &DebugOptions::cuda_trace)
       .def_rw("nvshmem_trace", &DebugOptions::nvshmem_trace)

@@ -34,6 +34,7 @@ constexpr Variable kVariables[] = {
     {"nccl.nonblocking", "RESHARD_NCCL_NONBLOCKING"},
     {"nccl.group_spans", "RESHARD_NCCL_GROUP_SPANS"},
     {"nvshmem.staging_bytes", "RESHARD_NVSHMEM_STAGING_BYTES"},
+    {"nvshmem.waits", "RESHARD_NVSHMEM_WAITS"},
     {"debug.cuda_trace", "RESHARD_CUDA_TRACE"},
     {"debug.nvshmem_trace", "RESHARD_NVSHMEM_TRACE"},
     {"debug.phase_timing", "RESHARD_PHASE_TIMING"},
@@ -167,6 +168,7 @@ void Checker::check(const CopyServiceOptions& o) const {
     refuse("cuda.bytes_per_cta", std::to_string(o.cuda.bytes_per_cta), "is below 4 KiB");
   if (o.nccl.group_spans < 1) refuse("nccl.group_spans", "0", "must be at least 1");
   if (o.nvshmem.staging_bytes == 0) refuse("nvshmem.staging_bytes", "0", "must be positive");
+  one_of("nvshmem.waits", o.nvshmem.waits, {"auto", "stream", "kernel"});
   if (o.host.staging_bytes == 0) refuse("host.staging_bytes", "0", "must be positive");
   within("debug.cuda_ce_streams", o.debug.cuda_ce_streams, 1, DebugOptions::kMaxCudaCeStreams);
   if (o.debug.cuda_unroll != 4 && o.debug.cuda_unroll != 8)
@@ -198,6 +200,7 @@ CopyServiceOptions CopyServiceOptions::from_environment() {
   read("nccl.nonblocking", o.nccl.nonblocking);
   read("nccl.group_spans", o.nccl.group_spans);
   read("nvshmem.staging_bytes", o.nvshmem.staging_bytes);
+  read("nvshmem.waits", o.nvshmem.waits);
   read("debug.cuda_trace", o.debug.cuda_trace);
   read("debug.nvshmem_trace", o.debug.nvshmem_trace);
   read("debug.phase_timing", o.debug.phase_timing);

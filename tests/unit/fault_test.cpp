@@ -149,6 +149,7 @@ TEST(Faults, PeKilledInAMixedScheduleFailsEveryNode) {
 struct GpuFaultCase {
   std::string transport;
   int pes;
+  std::string nvshmem_waits = "auto";  // RESHARD_NVSHMEM_WAITS: "stream" on every GPU too
 };
 
 class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
@@ -168,8 +169,12 @@ class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
     ::setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off on shared machines
     ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
     if (GetParam().transport == "auto") ::setenv("RESHARD_NODE_SIZE", "2", 1);
+    ::setenv("RESHARD_NVSHMEM_WAITS", GetParam().nvshmem_waits.c_str(), 1);
   }
-  void TearDown() override { ::unsetenv("RESHARD_NODE_SIZE"); }
+  void TearDown() override {
+    ::unsetenv("RESHARD_NODE_SIZE");
+    ::unsetenv("RESHARD_NVSHMEM_WAITS");
+  }
 
   // Every survivor's report: a failed PE named (PE 1, or a survivor that failed before it
   // noticed PE 1), a bounded teardown, no IPC mapping left.
@@ -237,16 +242,17 @@ TEST_P(GpuFaults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, GpuFaults,
-                         testing::Values(GpuFaultCase{"cuda", 2}, GpuFaultCase{"nccl", 2},
-                                         GpuFaultCase{"nvshmem", 2}, GpuFaultCase{"cuda", 4},
-                                         GpuFaultCase{"nccl", 4}, GpuFaultCase{"nvshmem", 4},
-                                         GpuFaultCase{"auto", 4}),
-                         [](const auto& info) {
-                           const std::string name =
-                               info.param.transport == "auto" ? "mixed" : info.param.transport;
-                           return name + "_" + std::to_string(info.param.pes) + "_pes";
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Transports, GpuFaults,
+    testing::Values(GpuFaultCase{"cuda", 2}, GpuFaultCase{"nccl", 2}, GpuFaultCase{"nvshmem", 2},
+                    GpuFaultCase{"cuda", 4}, GpuFaultCase{"nccl", 4}, GpuFaultCase{"nvshmem", 4},
+                    GpuFaultCase{"auto", 4}, GpuFaultCase{"nvshmem", 4, "stream"},
+                    GpuFaultCase{"auto", 4, "stream"}),
+    [](const auto& info) {
+      const std::string name = info.param.transport == "auto" ? "mixed" : info.param.transport;
+      const std::string waits = info.param.nvshmem_waits == "stream" ? "_stream_waits" : "";
+      return name + waits + "_" + std::to_string(info.param.pes) + "_pes";
+    });
 
 TEST(Launcher, PrefixesOutputAndSetsTheTorchrunVariables) {
   const Outcome outcome = launch(

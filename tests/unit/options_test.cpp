@@ -38,6 +38,7 @@ TEST(Options, WithoutVariablesTheEnvironmentGivesTheDefaults) {
   EXPECT_EQ(read.nccl.nonblocking, defaults.nccl.nonblocking);
   EXPECT_EQ(read.nccl.group_spans, defaults.nccl.group_spans);
   EXPECT_EQ(read.nvshmem.staging_bytes, defaults.nvshmem.staging_bytes);
+  EXPECT_EQ(read.nvshmem.waits, defaults.nvshmem.waits);
   EXPECT_EQ(read.debug.cuda_trace, defaults.debug.cuda_trace);
   EXPECT_EQ(read.debug.nvshmem_trace, defaults.debug.nvshmem_trace);
   EXPECT_EQ(read.debug.phase_timing, defaults.debug.phase_timing);
@@ -81,6 +82,7 @@ TEST(Options, EveryVariableLandsInItsField) {
       {"RESHARD_NCCL_GROUP_SPANS", "9", [](auto& o) { return o.nccl.group_spans == 9u; }},
       {"RESHARD_NVSHMEM_STAGING_BYTES", "32MiB",
        [](auto& o) { return o.nvshmem.staging_bytes == (32u << 20); }},
+      {"RESHARD_NVSHMEM_WAITS", "stream", [](auto& o) { return o.nvshmem.waits == "stream"; }},
       {"RESHARD_CUDA_TRACE", "1", [](auto& o) { return o.debug.cuda_trace; }},
       {"RESHARD_NVSHMEM_TRACE", "1", [](auto& o) { return o.debug.nvshmem_trace; }},
       {"RESHARD_PHASE_TIMING", "1", [](auto& o) { return o.debug.phase_timing; }},
@@ -117,6 +119,7 @@ TEST(Options, OutOfRangeValuesAreRefusedNamingTheField) {
       {"nccl.group_spans", [](auto& o) { o.nccl.group_spans = 0; }},
       {"host.staging_bytes", [](auto& o) { o.host.staging_bytes = 0; }},
       {"nvshmem.staging_bytes", [](auto& o) { o.nvshmem.staging_bytes = 0; }},
+      {"nvshmem.waits", [](auto& o) { o.nvshmem.waits = "spin"; }},
       {"debug.cuda_ce_streams", [](auto& o) { o.debug.cuda_ce_streams = 9; }},
       {"debug.cuda_unroll", [](auto& o) { o.debug.cuda_unroll = 6; }},
       {"debug.nvshmem_peers_per_round", [](auto& o) { o.debug.nvshmem_peers_per_round = -1; }},

@@ -17,8 +17,8 @@
 #include "bench/bench_cuda.hpp"
 #include "bench/workloads.hpp"
 #include "core/env.hpp"
+#include "gpu/stream_memory_ops.hpp"
 #include "reshard/error.hpp"
-#include "transports/cuda/same_device_order.hpp"
 
 namespace reshard::bench {
 namespace {
@@ -278,7 +278,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
   std::string colocation;
   if (n > visible_gpus) {
     colocation = ",\"pes_per_gpu\":" + std::to_string((n + visible_gpus - 1) / visible_gpus) +
-                 ",\"mps\":" + (cuda::SameDeviceOrder::mps_server_found() ? "true" : "false") +
+                 ",\"mps\":" + (cuda::mps_server_found() ? "true" : "false") +
                  ",\"same_device_order\":\"" + base.cuda.same_device + "\"" +
                  ",\"batch_memops\":" + (base.debug.cuda_batch_memops ? "true" : "false");
   }

@@ -17,7 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "bench/ipc_copy_loop.hpp"
-#include "transports/cuda/same_device_order.hpp"
+#include "gpu/stream_memory_ops.hpp"
 #endif
 
 namespace reshard::bench {
@@ -440,7 +440,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       one_gpu && ceiling > 0 ? plan->stats().total_bytes / (ceiling * 1e9) : 0;
   bool mps = false;
 #ifdef RESHARD_WITH_CUDA
-  mps = shares_gpu && cuda::SameDeviceOrder::mps_server_found();
+  mps = shares_gpu && cuda::mps_server_found();
 #endif
 
   const PlanStats& stats = plan->stats();

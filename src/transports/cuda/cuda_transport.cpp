@@ -300,8 +300,9 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   // MPS runs both processes' kernels side by side (see SameDeviceOrder). Both PEs of a pair must
   // order it the same way: each says what it would do, and a pair streams only if both would.
   const std::string& same_device_mode = options.cuda.same_device;
-  const bool stream_ordered = same_device_mode != "kernel" && SameDeviceOrder::supported(device_) &&
-                              (same_device_mode != "auto" || !SameDeviceOrder::mps_server_found());
+  const bool stream_ordered = same_device_mode != "kernel" &&
+                              stream_memory_ops_supported(device_) &&
+                              (same_device_mode != "auto" || !mps_server_found());
   const bool delegates = stream_ordered && same_device_mode != "stream";
   message::Writer mine;
   mine.put<std::int32_t>(::getpid());

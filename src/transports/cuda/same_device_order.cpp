@@ -1,69 +1,14 @@
 #include "transports/cuda/same_device_order.hpp"
 
-#include <cuda.h>
-#include <sys/stat.h>
-
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
 #include "gpu/device_work.hpp"
-#include "reshard/error.hpp"
+#include "gpu/stream_memory_ops.hpp"
 
 namespace reshard::cuda {
 namespace {
-
-using WaitValue = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-using WriteValue = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
-using DeviceAttribute = CUresult (*)(int*, CUdevice_attribute, CUdevice);
-
-struct MemoryOps {
-  WaitValue wait = reinterpret_cast<WaitValue>(driver_entry_point("cuStreamWaitValue64"));
-  WriteValue write = reinterpret_cast<WriteValue>(driver_entry_point("cuStreamWriteValue64"));
-  BatchMemOp batch = reinterpret_cast<BatchMemOp>(driver_entry_point("cuStreamBatchMemOp"));
-};
-
-const MemoryOps& memory_ops() {
-  static const MemoryOps ops;
-  return ops;
-}
-
-void check(CUresult status, const char* call) {
-  if (status == CUDA_SUCCESS) return;
-  const char* name = "unknown";
-  const auto get_name =
-      reinterpret_cast<CUresult (*)(CUresult, const char**)>(driver_entry_point("cuGetErrorName"));
-  if (get_name != nullptr) get_name(status, &name);
-  throw_error(ErrorCode::kSystem, std::string(call) + " failed: " + name);
-}
-
-CUdeviceptr address(const std::uint64_t* flag) { return reinterpret_cast<CUdeviceptr>(flag); }
-
-// Writes keep the default flags, which put a memory barrier before the write: the copies before
-// a raised flag are visible to the peer that sees it. (CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
-// would spare the barrier of a reset, but the driver's v2 entry points refuse it:
-// CUDA_ERROR_INVALID_VALUE.)
-CUstreamBatchMemOpParams batch_param(const SameDeviceOrder::MemoryOp& op) {
-  CUstreamBatchMemOpParams param{};
-  if (op.wait) {
-    param.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-    param.waitValue.address = address(op.flag);
-    param.waitValue.value64 = op.value;
-    param.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-  } else {
-    param.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    param.writeValue.address = address(op.flag);
-    param.writeValue.value64 = op.value;
-    param.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  }
-  return param;
-}
-
-// The most operations one cuStreamBatchMemOp call takes ("must be less than 256").
-constexpr std::size_t kMaxBatch = 255;
 
 void add(std::vector<int>& into, const std::vector<int>& from) {
   into.insert(into.end(), from.begin(), from.end());
@@ -84,26 +29,6 @@ std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
   for (int pe = 0; pe < n; ++pe)
     ordered[pe] = pe != me && streams[me] && streams[pe] && (shared[me] || shared[pe]);
   return ordered;
-}
-
-bool SameDeviceOrder::supported(int device) {
-  const auto get_attribute =
-      reinterpret_cast<DeviceAttribute>(driver_entry_point("cuDeviceGetAttribute"));
-  if (get_attribute == nullptr || memory_ops().wait == nullptr || memory_ops().write == nullptr)
-    return false;
-  int can = 0;
-  return get_attribute(&can, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) ==
-             CUDA_SUCCESS &&
-         can != 0;
-}
-
-bool SameDeviceOrder::mps_server_found() {
-  const char* directory = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
-  const std::string control =
-      std::string(directory != nullptr && *directory != 0 ? directory : "/tmp/nvidia-mps") +
-      "/control";
-  struct stat info{};
-  return ::stat(control.c_str(), &info) == 0 && (S_ISSOCK(info.st_mode) || S_ISFIFO(info.st_mode));
 }
 
 SameDeviceOrder::SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64_t*> peer_signals,
@@ -178,25 +103,7 @@ void SameDeviceOrder::build() {
 }
 
 void SameDeviceOrder::queue(cudaStream_t stream, const std::vector<MemoryOp>& ops) const {
-  if (batch_ && memory_ops().batch != nullptr) {
-    std::vector<CUstreamBatchMemOpParams> params;
-    params.reserve(ops.size());
-    for (const MemoryOp& op : ops) params.push_back(batch_param(op));
-    for (std::size_t first = 0; first < params.size(); first += kMaxBatch) {
-      const auto count = static_cast<unsigned int>(std::min(kMaxBatch, params.size() - first));
-      check(memory_ops().batch(stream, count, params.data() + first, 0), "cuStreamBatchMemOp");
-    }
-    return;
-  }
-  for (const MemoryOp& op : ops) {
-    if (op.wait) {
-      check(memory_ops().wait(stream, address(op.flag), op.value, CU_STREAM_WAIT_VALUE_GEQ),
-            "cuStreamWaitValue64");
-    } else {
-      check(memory_ops().write(stream, address(op.flag), op.value, CU_STREAM_WRITE_VALUE_DEFAULT),
-            "cuStreamWriteValue64");
-    }
-  }
+  queue_stream_memory_ops(stream, ops, batch_);
 }
 
 void SameDeviceOrder::begin(cudaStream_t stream) const { queue(stream, begin_ops_); }
@@ -205,10 +112,10 @@ void SameDeviceOrder::end(cudaStream_t stream) const { queue(stream, end_ops_); 
 
 void SameDeviceOrder::release(cudaStream_t side) const noexcept {
   const int n = static_cast<int>(peer_signals_.size());
-  if (signals_ == nullptr || memory_ops().write == nullptr) return;
+  if (signals_ == nullptr) return;
   for (int pe = 0; pe < n; ++pe) {
-    memory_ops().write(side, address(SignalLayout::same_device_ready(signals_, n, pe)), 1, 0);
-    memory_ops().write(side, address(SignalLayout::same_device_done(signals_, n, pe)), 1, 0);
+    write_value_noexcept(side, SignalLayout::same_device_ready(signals_, n, pe), 1);
+    write_value_noexcept(side, SignalLayout::same_device_done(signals_, n, pe), 1);
   }
   cudaStreamSynchronize(side);
   cudaGetLastError();

@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "gpu/stream_memory_ops.hpp"
+
 namespace reshard::cuda {
 
 // Which of `me`'s peers its stream orders runs with (true), the others being ordered by the
@@ -40,22 +42,8 @@ std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
 
 class SameDeviceOrder {
  public:
-  // False where the driver lacks 64-bit stream memory operations: the kernels' flags order
-  // same-GPU peers then, as they order every other peer.
-  static bool supported(int device);
-  // Whether an MPS server runs for this process (its control socket exists where the CUDA
-  // driver looks for it): then kernels of different processes run side by side, and the kernels'
-  // own flags order same-GPU peers faster than the streams (4 KiB all-to-all of 2 PEs on one
-  // H100: 5.4 us against 19.2; without MPS 4,498 us against 302).
-  static bool mps_server_found();
-
-  // One stream memory operation of a run: wait until `*flag` >= `value`, or write `value` into it.
-  struct MemoryOp {
-    std::uint64_t* flag;
-    std::uint64_t value;
-    bool wait;
-    bool operator==(const MemoryOp&) const = default;
-  };
+  // One stream memory operation of a run (no flush: the flags and data are on this machine).
+  using MemoryOp = StreamMemoryOp;
 
   SameDeviceOrder() = default;
   // `signals`: this PE's SignalLayout; `peer_signals[p]`: PE p's, mapped here. `batch`: a run's

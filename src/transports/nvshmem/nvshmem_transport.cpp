@@ -14,26 +14,36 @@
 // (nvshmemx_putmem_signal_on_stream). RESHARD_NVSHMEM_DIRECT=0 sends every peer the put way, as
 // across nodes.
 // Everything is queued on the stream: no per-round host synchronisation, no global barrier.
+// Where processes share this PE's GPU without MPS, the waits move out of the kernels into the
+// stream's front end (stream memory operations before kernels that do not wait): a kernel
+// spinning there for another process holds the GPU for a whole time slice, and across nodes
+// the spins chain from GPU to GPU (2 PEs on each of 4 GPUs, two declared nodes: a Llama-3-8B
+// refit took 158 ms against 20 ms on the CUDA transport alone). A watchdog thread then bounds
+// those waits, as the kernels' own timeouts bound theirs.
 // The host API only (nvshmemx_hostlib_init_attr): no relocatable device code, no device library.
 #include <nvshmem_host.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "core/message.hpp"
 #include "core/nodes.hpp"
+#include "core/processes.hpp"
 #include "core/transport.hpp"
 #include "gpu/copy_kernels.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
 #include "gpu/device_array.hpp"
+#include "gpu/stream_memory_ops.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 
@@ -250,6 +260,13 @@ class NvshmemTransport final : public Transport {
   KernelArgs launch_args() const;
   void send_wave(const Wave& wave, cudaStream_t stream);
   void receive_wave(const Wave& wave, cudaStream_t stream);
+  void to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits);
+  void queue_waits(cudaStream_t stream, std::vector<cuda::StreamMemoryOp>& waits);
+  void watch_stream_waits() noexcept;
+  void fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept;
+  std::pair<int, unsigned int> first_unmet_wait() noexcept;
+  void stop_watching() noexcept;
+  void throw_device_failure();
 
   Runtime& rt_ = runtime();
   int me_ = 0;
@@ -327,6 +344,27 @@ class NvshmemTransport final : public Transport {
     trace_seconds_[kind] += std::chrono::duration<double>(Clock::now() - start).count();
     ++trace_count_[kind];
   }
+  // Waits in the stream's front end instead of the kernels (NvshmemTransportOptions::waits).
+  bool stream_waits_ = false;
+  bool batch_memops_ = true;  // DebugOptions::cuda_batch_memops
+  bool can_flush_ = false;    // CU_STREAM_WAIT_VALUE_FLUSH, for data that NICs write
+  // The stream waits of the runs in flight, in the order queued, and since when the oldest of
+  // those runs is in flight (zero: none), for the watchdog; guarded by watch_mutex_.
+  struct StreamWait {
+    const std::uint64_t* flag;
+    std::uint64_t value;
+    int peer;
+    unsigned int phase;
+  };
+  std::vector<StreamWait> run_waits_;  // the run being queued
+  std::vector<StreamWait> watched_waits_;
+  std::chrono::steady_clock::time_point watched_since_{};
+  bool watch_stop_ = false;
+  bool watch_failed_ = false;  // the watchdog released this run's waits; it keeps them released
+  std::mutex watch_mutex_;
+  std::condition_variable watch_wake_;
+  std::thread watchdog_;
+  cudaStream_t release_stream_ = nullptr;
   bool prepared_ = false;
   bool aborted_ = false;
   bool finalized_ = false;
@@ -392,6 +430,24 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
   nodes_ = map_nodes(bootstrap, options.node_size);
+  batch_memops_ = options.debug.cuda_batch_memops;
+  const std::string& waits = options.nvshmem.waits;
+  const bool can_stream = cuda::stream_memory_ops_supported(device_);
+  if (waits == "stream" && !can_stream) {
+    throw_error(ErrorCode::kUnsupported,
+                "nvshmem.waits (RESHARD_NVSHMEM_WAITS) is \"stream\" but the driver has no 64-bit "
+                "stream memory operations for device " +
+                    std::to_string(device_));
+  }
+  stream_waits_ = waits == "stream" ||
+                  (waits == "auto" && can_stream && sharing > 1 && !cuda::mps_server_found());
+  can_flush_ = cuda::can_flush_remote_writes(device_);
+  if (stream_waits_) {
+    RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
+    RESHARD_LOG(kDebug, "nvshmem transport on PE "
+                            << me_ << ": waits on the stream"
+                            << (can_flush_ ? " (remote writes flushed)" : ""));
+  }
   timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000;
   std::vector<const std::uint64_t*> waiting_on(n_pes_, nullptr);
   for (int pe = 0; pe < n_pes_; ++pe) {
@@ -399,6 +455,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
       waiting_on[pe] = static_cast<const std::uint64_t*>(nvshmem_ptr(rt_.waiting_on(), pe));
   }
   peer_waiting_on_.upload(waiting_on);
+  if (stream_waits_) watchdog_ = std::thread([this] { watch_stream_waits(); });
 }
 
 KernelArgs NvshmemTransport::launch_args() const {
@@ -612,6 +669,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     rt_.last_put[batch.peer][*slot] = *sequence;
     return flags;
   };
+  std::vector<cuda::StreamMemoryOp> waits;
   for_each_launch(wave.mapped_sends, [&](std::size_t first, std::size_t last) {
     cuda::FlaggedLaunch launch;
     for (std::size_t k = first; k < last; ++k) {
@@ -620,19 +678,27 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
       int slot = 0;
       cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
       flags.raise = remote_data_[batch.peer][slot];
+      to_stream(flags, waits);
       add_to_launch(launch, batch.group[slot], at_->groups[batch.group[slot]].cta_count, flags);
     }
-    step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
+    step(0, stream, [&] {
+      queue_waits(stream, waits);
+      cuda::launch_flagged_copies(args, launch, stream);
+    });
   });
   for (std::size_t k = wave.mapped_sends; k < wave.sends.size(); ++k) {
     const StagedBatch& batch = at_->sends[wave.sends[k]];
     std::uint64_t sequence = 0;
     int slot = 0;
-    const cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
+    cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
+    to_stream(flags, waits);
     const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
     cuda::FlaggedLaunch launch;
     add_to_launch(launch, batch.group[outbox], at_->groups[batch.group[outbox]].cta_count, flags);
-    step(0, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
+    step(0, stream, [&] {
+      queue_waits(stream, waits);
+      cuda::launch_flagged_copies(args, launch, stream);
+    });
     // Put with signal: NVSHMEM delivers the signal only after the data, with no quiet between
     // (a quiet waits for every put of this PE to complete), and the stream moves on once the
     // outbox slot may be filled again.
@@ -650,6 +716,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
 void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
   const KernelArgs args = launch_args();
   std::vector<std::pair<int, std::uint64_t>> acks;  // (peer, value) after the kernel
+  std::vector<cuda::StreamMemoryOp> waits;
   for_each_launch(wave.receives.size(), [&](std::size_t first, std::size_t last) {
     cuda::FlaggedLaunch launch;
     acks.clear();
@@ -668,9 +735,13 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
       } else {
         acks.emplace_back(peer, cuda::done_mark(sequence + 1));
       }
+      to_stream(flags, waits);
       add_to_launch(launch, batch.group[slot], at_->groups[batch.group[slot]].cta_count, flags);
     }
-    step(2, stream, [&] { cuda::launch_flagged_copies(args, launch, stream); });
+    step(2, stream, [&] {
+      queue_waits(stream, waits);
+      cuda::launch_flagged_copies(args, launch, stream);
+    });
     for (const auto& [peer, value] : acks) {
       step(3, stream, [&] {
         nvshmemx_signal_op_on_stream(rt_.ack_signal(me_), value, NVSHMEM_SIGNAL_SET, peer, stream);
@@ -685,6 +756,8 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   at_ = phases_.at(phase).get();
   if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
   cuda::DeviceScope scope(device_);
+  if (status_->code != 0) synchronize();  // the watchdog failed the last run: say why
+  run_waits_.clear();
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -716,32 +789,154 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   RESHARD_CUDA_CHECK(cudaGetLastError());
   RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
   run_pending_ = true;
+  if (watchdog_.joinable()) {
+    std::lock_guard lock(watch_mutex_);
+    if (watched_since_ == Clock::time_point{}) watched_since_ = Clock::now();
+    watched_waits_.insert(watched_waits_.end(), run_waits_.begin(), run_waits_.end());
+    watch_wake_.notify_one();
+  }
   if (stream_handle == nullptr) synchronize();
 }
 
+// Where this PE waits on the stream, the wait in `flags` moves from the kernel to `waits` (queued
+// before the kernel). Data that a NIC writes needs the wait to flush it; where the GPU cannot,
+// a wait for a peer on another machine stays in the kernel, whose acquiring loads see the data.
+void NvshmemTransport::to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits) {
+  if (!stream_waits_ || flags.wait == nullptr) return;
+  const bool remote_data =
+      flags.phase == cuda::kPhaseDone && !nodes_.one_machine && !nodes_.same_node(me_, flags.peer);
+  if (remote_data && !can_flush_) return;
+  waits.push_back({const_cast<std::uint64_t*>(flags.wait), flags.wait_value, true, remote_data});
+  run_waits_.push_back({flags.wait, flags.wait_value, flags.peer, flags.phase});
+  flags.wait = nullptr;
+}
+
+void NvshmemTransport::queue_waits(cudaStream_t stream, std::vector<cuda::StreamMemoryOp>& waits) {
+  if (waits.empty()) return;
+  cuda::queue_stream_memory_ops(stream, waits, batch_memops_);
+  waits.clear();
+}
+
+// Follows the runs queued with stream waits: a local peer that exits, or a run that outlasts the
+// timeout, fails the run (the pinned status names the peer) and releases this PE's waits, so the
+// caller's stream drains (its copies skip) instead of waiting forever. It keeps them released
+// until the run is over: a peer's late signal may set a word back below what a later wait wants.
+void NvshmemTransport::watch_stream_waits() noexcept {
+  const auto scope = cuda::DeviceScope::try_enter(device_);
+  std::unique_lock lock(watch_mutex_);
+  while (!watch_stop_) {
+    if (watched_since_ == Clock::time_point{}) {
+      watch_wake_.wait(lock);
+      continue;
+    }
+    watch_wake_.wait_for(lock, std::chrono::milliseconds(20));
+    if (watch_stop_ || watched_since_ == Clock::time_point{}) continue;
+    const cudaError_t state = cudaEventQuery(last_run_);
+    if (state != cudaErrorNotReady) {
+      cudaGetLastError();
+      watched_since_ = {};
+      watched_waits_.clear();
+      watch_failed_ = false;
+      continue;
+    }
+    if (watch_failed_) {
+      fail_stream_waits(cuda::kStatusCancelled, -1, 0);
+    } else if (const int dead = first_exited_process(local_pids_, true); dead >= 0) {
+      fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kPhaseDone);
+    } else if (Clock::now() - watched_since_ > timeout_) {
+      const int stopped = first_stopped_process(local_pids_);
+      const auto [peer, phase] = first_unmet_wait();
+      fail_stream_waits(cuda::kStatusTimeout, stopped >= 0 ? stopped : peer, phase);
+    }
+  }
+}
+
+// The peer and phase of the first watched wait whose word is still below its value (-1: none).
+std::pair<int, unsigned int> NvshmemTransport::first_unmet_wait() noexcept {
+  const std::size_t words = rt_.signal_words_bytes() / sizeof(std::uint64_t);
+  std::vector<std::uint64_t> now(words);
+  if (cudaMemcpyAsync(now.data(), rt_.heap, words * sizeof(std::uint64_t), cudaMemcpyDeviceToHost,
+                      release_stream_) != cudaSuccess ||
+      cudaStreamSynchronize(release_stream_) != cudaSuccess) {
+    cudaGetLastError();
+    return {-1, cuda::kPhaseDone};
+  }
+  const auto* base = reinterpret_cast<const std::uint64_t*>(rt_.heap);
+  for (const StreamWait& wait : watched_waits_) {
+    const auto word = static_cast<std::size_t>(wait.flag - base);
+    if (word < words && now[word] < wait.value) return {wait.peer, wait.phase};
+  }
+  return {-1, cuda::kPhaseDone};
+}
+
+// Records the failure in the pinned status (first one only), stops the kernels' copies and raises
+// every signal word this PE waits on past any value a run expects.
+void NvshmemTransport::fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept {
+  volatile cuda::DeviceStatus* status = status_;
+  if (status->code == 0) {
+    status->peer = peer;
+    status->stuck_behind = peer;
+    status->phase = phase;
+    status->code = code;
+  }
+  status->cancel = 1;
+  watch_failed_ = true;
+  cudaMemsetAsync(failure_, 0xff, sizeof *failure_, release_stream_);
+  cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_words_bytes(), release_stream_);
+  cudaStreamSynchronize(release_stream_);
+  cudaGetLastError();
+}
+
+void NvshmemTransport::stop_watching() noexcept {
+  if (!watchdog_.joinable()) return;
+  {
+    std::lock_guard lock(watch_mutex_);
+    watch_stop_ = true;
+    watch_wake_.notify_one();
+  }
+  watchdog_.join();
+}
+
 void NvshmemTransport::synchronize() {
-  if (!run_pending_) return;
+  if (!run_pending_) return throw_device_failure();
   cuda::DeviceScope scope(device_);
   int dead = -1;
-  const std::string problem =
-      cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead, timeout_);
+  // Stream waits are the watchdog's to end (it names the wait that was not met); this wait gives
+  // it a moment beyond the timeout to do so.
+  const auto limit =
+      timeout_ + (stream_waits_ ? std::chrono::milliseconds(2000) : std::chrono::milliseconds(0));
+  const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead, limit);
   run_pending_ = false;
   if (!problem.empty()) {
     abort(problem);
     throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
                 "run() on PE " + std::to_string(me_) + ": " + problem);
   }
-  if (status_ != nullptr && status_->code != 0) {
-    // A device-side wait ran out (or was cancelled): the peer it waited for is named, and the
-    // PE that peer is itself stuck behind, where that is known.
-    const std::string problem =
-        std::string(status_->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
-        " waiting for PE " + std::to_string(status_->peer) +
-        (status_->phase == cuda::kPhaseReady ? " to drain its inbox" : " to deliver its data") +
-        cuda::stuck_behind_clause(*status_) + " (RESHARD_TIMEOUT_S sets the limit)";
+  throw_device_failure();
+}
+
+void NvshmemTransport::throw_device_failure() {
+  if (status_ == nullptr || status_->code == 0) return;
+  // A wait ran out or was cancelled (by the kernels, or by the watchdog for stream waits): the
+  // peer it waited for is named, and the PE that peer is itself stuck behind, where known.
+  const int peer = status_->peer;
+  const bool known = peer >= 0 && peer < static_cast<int>(local_pids_.size());
+  if (status_->code == cuda::kStatusCancelled && known && local_pids_[peer] > 0 &&
+      first_exited_process(std::span(&local_pids_[peer], 1), true) == 0) {
+    const std::string problem = "PE " + std::to_string(peer) + " (pid " +
+                                std::to_string(local_pids_[peer]) + ") exited mid-run";
     abort(problem);
-    throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
+    throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
+  const std::string problem =
+      std::string(status_->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
+      (known ? " waiting for PE " + std::to_string(peer) +
+                   (status_->phase == cuda::kPhaseReady ? " to drain its inbox"
+                                                        : " to deliver its data")
+             : std::string(" waiting for its peers")) +
+      cuda::stuck_behind_clause(*status_) + " (RESHARD_TIMEOUT_S sets the limit)";
+  abort(problem);
+  throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
 }
 
 void NvshmemTransport::abort(const std::string& reason) noexcept {
@@ -790,6 +985,7 @@ void NvshmemTransport::finalize() noexcept {
   } catch (const Error& error) {
     RESHARD_LOG(kWarn, "finalize: " << error.what());
   }
+  stop_watching();
   if (!aborted_ && stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (!aborted_ && send_stream_ != nullptr) cudaStreamSynchronize(send_stream_);
   if (last_run_) cudaEventDestroy(last_run_);
@@ -797,12 +993,13 @@ void NvshmemTransport::finalize() noexcept {
   if (join_) cudaEventDestroy(join_);
   if (stream_) cudaStreamDestroy(stream_);
   if (send_stream_) cudaStreamDestroy(send_stream_);
+  if (release_stream_) cudaStreamDestroy(release_stream_);
   if (status_) cudaFreeHost(status_);
   if (failure_ != nullptr && !aborted_) cudaFree(failure_);
   failure_ = nullptr;
   last_run_ = nullptr;
   fork_ = join_ = nullptr;
-  stream_ = send_stream_ = nullptr;
+  stream_ = send_stream_ = release_stream_ = nullptr;
   status_ = nullptr;
   std::lock_guard lock(rt_.mutex);
   rt_.in_use = false;
