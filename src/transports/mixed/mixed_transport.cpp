@@ -15,6 +15,7 @@
 #ifdef RESHARD_WITH_CUDA
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
+#include "gpu/stream_memory_ops.hpp"
 #endif
 
 namespace reshard {
@@ -37,9 +38,13 @@ class MixedTransport final : public Transport {
       // PE of the job (the node's bootstrap alone misses colocated PEs of other nodes). Without it,
       // four PEs sharing one GPU under MPS asked for three GPUs' worth of resident CTAs and spun
       // until the timeout (one H200, 2026-11-27).
-      const int parts = 2 * cuda::pes_on_this_gpu(bootstrap, intra_->device());
-      intra_->limit_gpu_share(parts);
-      inter_->limit_gpu_share(parts);
+      const int sharing = cuda::pes_on_this_gpu(bootstrap, intra_->device());
+      intra_->limit_gpu_share(2 * sharing);
+      inter_->limit_gpu_share(2 * sharing);
+      // Without MPS, a PE whose streams both wait in their front ends keeps a shared GPU for a
+      // time slice (see the NVSHMEM transport's two_streams()): the parts take turns on the
+      // caller's stream instead.
+      one_stream_ = sharing > 1 && !cuda::mps_server_found();
     }
     if (intra_->device() >= 0) {
       cuda::DeviceScope scope(intra_->device());
@@ -84,7 +89,7 @@ class MixedTransport final : public Transport {
     const ExecutionPlan& intra_plan = intra_plans_.at(phase);
     const ExecutionPlan& inter_plan = inter_plans_.at(phase);
 #ifdef RESHARD_WITH_CUDA
-    if (stream != nullptr && side_ != nullptr) {
+    if (stream != nullptr && side_ != nullptr && !one_stream_) {
       cuda::DeviceScope scope(intra_->device());
       auto caller = static_cast<cudaStream_t>(stream);
       RESHARD_CUDA_CHECK(cudaEventRecord(fork_, caller));
@@ -98,8 +103,8 @@ class MixedTransport final : public Transport {
       return;
     }
 #endif
-    // Host-synchronous: every PE finishes its node's part before any starts the inter-node
-    // part, so neither waits on a PE that is busy with the other.
+    // In turn, node first: every PE finishes (or queues) its node's part before it starts the
+    // inter-node part, so neither waits on a PE that is busy with the other.
     in_node([&] { intra_->run(intra_plan, phase, stream); });
     inter_->run(inter_plan, phase, stream);
   }
@@ -188,6 +193,7 @@ class MixedTransport final : public Transport {
   bool finalized_ = false;
 #ifdef RESHARD_WITH_CUDA
   cudaStream_t side_ = nullptr;
+  bool one_stream_ = false;  // the parts in turn on the caller's stream (GPU shared, no MPS)
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 #endif
 };
