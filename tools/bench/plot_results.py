@@ -191,11 +191,12 @@ def plot_colocated(records: List[dict], out: Path, plt) -> List[Path]:
 
 def _plot_colocated_on(records: List[dict], device: str, gpus: int, out: Path,
                        plt) -> List[Path]:
-    # Plain bf16 refits in the transport's own order, the last record of each model, PE count
-    # and MPS setting (the files are appended to).
+    # Plain bf16 refits of the CUDA transport in its own order (not NVSHMEM's, not declared
+    # nodes), the last record of each model, PE count and MPS setting (the files are appended to).
     refits = [r for r in records
               if r.get("bench") == "refit" and r.get("colocated")
-              and r.get("transform", "none") == "none"
+              and r.get("transform", "none") == "none" and r.get("transport") == "cuda"
+              and "node_size" not in r
               and r.get("same_device_order", "auto") in ("auto", "delegate")]
     if not refits:
         return []
@@ -207,7 +208,7 @@ def _plot_colocated_on(records: List[dict], device: str, gpus: int, out: Path,
     # The newest day's 4 KiB all-to-alls, the fastest same-device order of each PE count and MPS
     # setting (records before 2026-11-24 name the PE count "pes", later ones "gpus").
     shared = [r for r in records
-              if r.get("bench") == "all_to_all" and "pes_per_gpu" in r
+              if r.get("bench") == "all_to_all" and "pes_per_gpu" in r and "node_size" not in r
               and r.get("engine") == "sm" and r.get("per_peer_bytes") == 4096]
     newest_small = max((r.get("date", "") for r in shared), default="")
     small = {}

@@ -531,8 +531,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
              << ",\"same_device_order\":\"" << service.options().cuda.same_device << "\"";
         json << ",\"batch_memops\":"
-             << (service.options().debug.cuda_batch_memops ? "true" : "false");
+             << (service.options().debug.cuda_batch_memops ? "true" : "false")
+             << ",\"nvshmem_waits\":\"" << service.options().nvshmem.waits << "\"";
       }
+      if (const auto nodes = service.options().node_size) json << ",\"node_size\":" << *nodes;
       if (copy_ceiling_s > 0) json << ",\"copy_ceiling_s\":" << copy_ceiling_s;
       if (gpu) {
         json << ",\"extra_device_bytes_per_gpu\":" << extra_device_bytes
