@@ -283,8 +283,10 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
                  ",\"batch_memops\":" + (base.debug.cuda_batch_memops ? "true" : "false") +
                  ",\"nvshmem_waits\":\"" + base.nvshmem.waits + "\"";
   }
-  // Declared nodes (RESHARD_NODE_SIZE): the auto engine then mixes CUDA IPC with NVSHMEM or NCCL.
-  if (base.node_size) colocation += ",\"node_size\":" + std::to_string(*base.node_size);
+  // Declared nodes (RESHARD_NODE_SIZE) change the NVSHMEM and NCCL engines' paths (NVSHMEM puts
+  // between nodes); the CUDA engines run the CUDA transport alone and ignore them.
+  const std::string nodes =
+      base.node_size ? ",\"node_size\":" + std::to_string(*base.node_size) : std::string();
   std::ofstream json;
   if (me == 0 && !options.json_path.empty()) json.open(options.json_path, std::ios::app);
 
@@ -334,8 +336,9 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
              << "\",\"per_peer_bytes\":" << size << ",\"seconds\":" << timings[e].seconds
              << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
              << ",\"host_us_per_run\":" << timings[e].host_us
-             << ",\"wrong_bytes\":" << timings[e].wrong << colocation << ",\"commit\":\""
-             << options.commit << "\"}\n";
+             << ",\"wrong_bytes\":" << timings[e].wrong << colocation
+             << (chosen.engines[e] == "nvshmem" || chosen.engines[e] == "nccl" ? nodes : "")
+             << ",\"commit\":\"" << options.commit << "\"}\n";
       }
     }
     const double ceiling_rate = gbps(ceiling, size);
