@@ -201,8 +201,9 @@ class CopyService:
     (C++: ``CopyServiceOptions``): ``timeout`` (seconds), ``verify``, ``chunk_bytes``,
     ``log_level``, ``node_size``, ``inter_node_transport``, and one dict per transport and for
     diagnosis: ``host={"staging_bytes": ...}``, ``cuda={"engine": "sm", "same_device":
-    "delegate", ...}``, ``nccl={"nonblocking": False}``, ``nvshmem={"staging_bytes": "1GiB"}``,
-    ``debug={"phase_timing": True, ...}``. Byte counts take integers or strings such as
+    "delegate", ...}``, ``nccl={"nonblocking": False}``, ``nvshmem={"staging_bytes": "1GiB",
+    "waits": "stream"}``, ``debug={"phase_timing": True, ...}``. Byte counts take integers or
+    strings such as
     ``"64KiB"``. ``device`` is this PE's CUDA device (default: the local rank). Two services
     in one process may differ in any of them; a name or value reshard does not know is refused
     here, naming it.

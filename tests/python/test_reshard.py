@@ -141,7 +141,7 @@ def test_service_settings_are_keywords_with_the_environment_as_default(monkeypat
     tuned = reshard.CopyService("host", timeout=2.5, chunk_bytes="4KiB", verify=True,
                                 log_level="WARN", host={"staging_bytes": "16MiB"},
                                 cuda={"engine": "sm", "same_device": "stream"},
-                                debug={"phase_timing": True})
+                                nvshmem={"waits": "stream"}, debug={"phase_timing": True})
     try:
         assert plain.options.timeout == 7.0 and plain.options.cuda.engine == "ce"
         assert plain.options.chunk_bytes is None and not plain.options.verify
@@ -149,6 +149,7 @@ def test_service_settings_are_keywords_with_the_environment_as_default(monkeypat
         assert (o.timeout, o.chunk_bytes, o.verify, o.log_level) == (2.5, 4096, True, "WARN")
         assert o.host.staging_bytes == 16 << 20
         assert (o.cuda.engine, o.cuda.same_device) == ("sm", "stream")
+        assert (o.nvshmem.waits, plain.options.nvshmem.waits) == ("stream", "auto")
         assert o.debug.phase_timing and not plain.options.debug.phase_timing
         # The keywords reach the service: verify mode is on without set_verify.
         tuned.init()
@@ -172,6 +173,7 @@ def test_service_settings_are_keywords_with_the_environment_as_default(monkeypat
     (dict(verify="yes"), "verify='yes' is not a bool"),
     (dict(cuda={"engine": "fast"}), "cuda.engine = 'fast' is not one of"),
     (dict(debug={"cuda_unroll": 6}), "debug.cuda_unroll = 6 is not 4 or 8"),
+    (dict(nvshmem={"waits": "spin"}), "nvshmem.waits = 'spin' is not one of"),
     (dict(chunk_bytes=0), "chunk_bytes = 0 must be positive"),
     (dict(inter_node_transport="carrier-pigeon"), "unknown transport 'carrier-pigeon'"),
 ])
