@@ -203,10 +203,9 @@ class CopyService:
     diagnosis: ``host={"staging_bytes": ...}``, ``cuda={"engine": "sm", "same_device":
     "delegate", ...}``, ``nccl={"nonblocking": False}``, ``nvshmem={"staging_bytes": "1GiB",
     "waits": "stream"}``, ``debug={"phase_timing": True, ...}``. Byte counts take integers or
-    strings such as
-    ``"64KiB"``. ``device`` is this PE's CUDA device (default: the local rank). Two services
-    in one process may differ in any of them; a name or value reshard does not know is refused
-    here, naming it.
+    strings such as ``"64KiB"``. ``device`` is this PE's CUDA device (default: the local rank).
+    Two services in one process may differ in any of them; a name or value reshard does not
+    know is refused here, naming it.
 
     >>> svc = CopyService("cuda", timeout=10, cuda={"engine": "ce"})
     """
