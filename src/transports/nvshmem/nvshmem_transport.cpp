@@ -351,8 +351,8 @@ class NvshmemTransport final : public Transport {
   bool stream_waits_ = false;
   bool batch_memops_ = true;  // DebugOptions::cuda_batch_memops
   bool can_flush_ = false;    // CU_STREAM_WAIT_VALUE_FLUSH, for data that NICs write
-  // The stream waits of the runs in flight, in the order queued, and since when the oldest of
-  // those runs is in flight (zero: none), for the watchdog; guarded by watch_mutex_.
+  // The stream waits of the runs in flight, in the order queued, and when the last of those runs
+  // was queued (zero: none in flight), for the watchdog; guarded by watch_mutex_.
   struct StreamWait {
     const std::uint64_t* flag;
     std::uint64_t value;
@@ -794,7 +794,9 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   run_pending_ = true;
   if (watchdog_.joinable()) {
     std::lock_guard lock(watch_mutex_);
-    if (watched_since_ == Clock::time_point{}) watched_since_ = Clock::now();
+    // From the last run queued, as the CUDA transport's watchdog counts: back-to-back runs whose
+    // stream never drains between two polls are not one long run.
+    watched_since_ = Clock::now();
     watched_waits_.insert(watched_waits_.end(), run_waits_.begin(), run_waits_.end());
     watch_wake_.notify_one();
   }
@@ -820,10 +822,11 @@ void NvshmemTransport::queue_waits(cudaStream_t stream, std::vector<cuda::Stream
   waits.clear();
 }
 
-// Follows the runs queued with stream waits: a local peer that exits, or a run that outlasts the
-// timeout, fails the run (the pinned status names the peer) and releases this PE's waits, so the
-// caller's stream drains (its copies skip) instead of waiting forever. It keeps them released
-// until the run is over: a peer's late signal may set a word back below what a later wait wants.
+// Follows the runs queued with stream waits: a local peer that exits, or no run ending within the
+// timeout of the last one queued, fails the run (the pinned status names the peer) and releases
+// this PE's waits, so the caller's stream drains (its copies skip) instead of waiting forever. It
+// keeps them released until the run is over: a peer's late signal may set a word back below what a
+// later wait wants.
 void NvshmemTransport::watch_stream_waits() noexcept {
   const auto scope = cuda::DeviceScope::try_enter(device_);
   std::unique_lock lock(watch_mutex_);
