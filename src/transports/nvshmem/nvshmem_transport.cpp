@@ -797,6 +797,10 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
     // From the last run queued, as the CUDA transport's watchdog counts: back-to-back runs whose
     // stream never drains between two polls are not one long run.
     watched_since_ = Clock::now();
+    // The list empties when a poll finds the runs over; runs queued back to back may keep it from
+    // ever doing so, so it keeps the newest waits only (the oldest unmet one is then not named).
+    constexpr std::size_t kMostWatchedWaits = 1 << 16;
+    if (watched_waits_.size() + run_waits_.size() > kMostWatchedWaits) watched_waits_.clear();
     watched_waits_.insert(watched_waits_.end(), run_waits_.begin(), run_waits_.end());
     watch_wake_.notify_one();
   }
