@@ -28,6 +28,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -351,17 +352,22 @@ class NvshmemTransport final : public Transport {
   bool stream_waits_ = false;
   bool batch_memops_ = true;  // DebugOptions::cuda_batch_memops
   bool can_flush_ = false;    // CU_STREAM_WAIT_VALUE_FLUSH, for data that NICs write
-  // The stream waits of the runs in flight, in the order queued, and when the last of those runs
-  // was queued (zero: none in flight), for the watchdog; guarded by watch_mutex_.
+  // For the watchdog: each run in flight with stream waits, oldest first (its end, and its waits in
+  // the order queued), and when the newest was queued; guarded by watch_mutex_.
   struct StreamWait {
     const std::uint64_t* flag;
     std::uint64_t value;
     int peer;
     unsigned int phase;
   };
+  struct WatchedRun {
+    cudaEvent_t done;
+    std::vector<StreamWait> waits;
+  };
   std::vector<StreamWait> run_waits_;  // the run being queued
-  std::vector<StreamWait> watched_waits_;
-  std::chrono::steady_clock::time_point watched_since_{};
+  std::deque<WatchedRun> watched_;
+  std::vector<cudaEvent_t> spare_events_;  // of runs over, for the next ones
+  Clock::time_point last_queued_{};
   bool watch_stop_ = false;
   bool watch_failed_ = false;  // the watchdog released this run's waits; it keeps them released
   std::mutex watch_mutex_;
@@ -759,7 +765,8 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   at_ = phases_.at(phase).get();
   if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
   cuda::DeviceScope scope(device_);
-  if (status_->code != 0) synchronize();  // the watchdog failed the last run: say why
+  // A run the watchdog (or a kernel's wait) failed since: say why before queuing more.
+  if (static_cast<volatile cuda::DeviceStatus*>(status_)->code != 0) synchronize();
   run_waits_.clear();
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
@@ -794,14 +801,16 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   run_pending_ = true;
   if (watchdog_.joinable()) {
     std::lock_guard lock(watch_mutex_);
-    // From the last run queued, as the CUDA transport's watchdog counts: back-to-back runs whose
-    // stream never drains between two polls are not one long run.
-    watched_since_ = Clock::now();
-    // The list empties when a poll finds the runs over; runs queued back to back may keep it from
-    // ever doing so, so it keeps the newest waits only (the oldest unmet one is then not named).
-    constexpr std::size_t kMostWatchedWaits = 1 << 16;
-    if (watched_waits_.size() + run_waits_.size() > kMostWatchedWaits) watched_waits_.clear();
-    watched_waits_.insert(watched_waits_.end(), run_waits_.begin(), run_waits_.end());
+    cudaEvent_t done = nullptr;
+    if (spare_events_.empty()) {
+      RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    } else {
+      done = spare_events_.back();
+      spare_events_.pop_back();
+    }
+    watched_.push_back({done, std::move(run_waits_)});
+    RESHARD_CUDA_CHECK(cudaEventRecord(done, stream));
+    last_queued_ = Clock::now();
     watch_wake_.notify_one();
   }
   if (stream_handle == nullptr) synchronize();
@@ -829,23 +838,26 @@ void NvshmemTransport::queue_waits(cudaStream_t stream, std::vector<cuda::Stream
 // Follows the runs queued with stream waits: a local peer that exits, or no run ending within the
 // timeout of the last one queued, fails the run (the pinned status names the peer) and releases
 // this PE's waits, so the caller's stream drains (its copies skip) instead of waiting forever. It
-// keeps them released until the run is over: a peer's late signal may set a word back below what a
-// later wait wants.
+// keeps them released until the runs are over: a peer's late signal may set a word back below
+// what a later wait wants.
 void NvshmemTransport::watch_stream_waits() noexcept {
   const auto scope = cuda::DeviceScope::try_enter(device_);
   std::unique_lock lock(watch_mutex_);
   while (!watch_stop_) {
-    if (watched_since_ == Clock::time_point{}) {
+    if (watched_.empty()) {
       watch_wake_.wait(lock);
       continue;
     }
     watch_wake_.wait_for(lock, std::chrono::milliseconds(20));
-    if (watch_stop_ || watched_since_ == Clock::time_point{}) continue;
-    const cudaError_t state = cudaEventQuery(last_run_);
-    if (state != cudaErrorNotReady) {
-      cudaGetLastError();
-      watched_since_ = {};
-      watched_waits_.clear();
+    while (!watched_.empty()) {
+      const cudaError_t state = cudaEventQuery(watched_.front().done);
+      if (state == cudaErrorNotReady) break;
+      cudaGetLastError();  // over, or failed (which the caller hears of)
+      spare_events_.push_back(watched_.front().done);
+      watched_.pop_front();
+    }
+    if (watch_stop_) continue;
+    if (watched_.empty()) {
       watch_failed_ = false;
       continue;
     }
@@ -853,7 +865,7 @@ void NvshmemTransport::watch_stream_waits() noexcept {
       fail_stream_waits(cuda::kStatusCancelled, -1, 0);
     } else if (const int dead = first_exited_process(local_pids_, true); dead >= 0) {
       fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kPhaseDone);
-    } else if (Clock::now() - watched_since_ > timeout_) {
+    } else if (Clock::now() - last_queued_ > timeout_) {
       const int stopped = first_stopped_process(local_pids_);
       const auto [peer, phase] = first_unmet_wait();
       fail_stream_waits(cuda::kStatusTimeout, stopped >= 0 ? stopped : peer, phase);
@@ -872,9 +884,11 @@ std::pair<int, unsigned int> NvshmemTransport::first_unmet_wait() noexcept {
     return {-1, cuda::kPhaseDone};
   }
   const auto* base = reinterpret_cast<const std::uint64_t*>(rt_.heap);
-  for (const StreamWait& wait : watched_waits_) {
-    const auto word = static_cast<std::size_t>(wait.flag - base);
-    if (word < words && now[word] < wait.value) return {wait.peer, wait.phase};
+  for (const WatchedRun& run : watched_) {
+    for (const StreamWait& wait : run.waits) {
+      const auto word = static_cast<std::size_t>(wait.flag - base);
+      if (word < words && now[word] < wait.value) return {wait.peer, wait.phase};
+    }
   }
   return {-1, cuda::kPhaseDone};
 }
@@ -996,6 +1010,10 @@ void NvshmemTransport::finalize() noexcept {
     RESHARD_LOG(kWarn, "finalize: " << error.what());
   }
   stop_watching();
+  for (const WatchedRun& run : watched_) spare_events_.push_back(run.done);
+  watched_.clear();
+  for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
+  spare_events_.clear();
   if (!aborted_ && stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (!aborted_ && send_stream_ != nullptr) cudaStreamSynchronize(send_stream_);
   if (last_run_) cudaEventDestroy(last_run_);
