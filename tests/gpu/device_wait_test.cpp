@@ -6,15 +6,20 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <span>
 #include <thread>
 #include <vector>
 
 #include "gpu/copy_kernels.hpp"
 #include "gpu/device_array.hpp"
+#include "gpu/run_watchdog.hpp"
+#include "gpu/stream_memory_ops.hpp"
 #include "support/single_gpu_main.hpp"
 
 namespace reshard::cuda {
@@ -268,6 +273,88 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
     }
   }
   cudaStreamDestroy(stream);
+}
+
+// The transports' watchdog: checks only while a run is in flight, every period; ends a stream
+// that waits in its front end for a word nobody raises (as a dead peer's would stay).
+TEST(RunWatchdog, ChecksOnlyWhileBusyAndStopsAtOnce) {
+  RunWatchdog watchdog;
+  bool busy = false;
+  int checks = 0;
+  watchdog.start(
+      0, [&] { return busy; },
+      [&] {
+        if (++checks == 3) busy = false;  // the run is over after three looks
+      },
+      std::chrono::milliseconds(5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  {
+    std::lock_guard lock(watchdog.mutex());
+    EXPECT_EQ(checks, 0) << "checked with no run in flight";
+    busy = true;
+    watchdog.wake();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  {
+    std::lock_guard lock(watchdog.mutex());
+    EXPECT_EQ(checks, 3) << "checks went on after the run was over, or did not happen";
+    EXPECT_FALSE(busy);
+  }
+
+  RunWatchdog slow;  // a period far beyond the test: stop() must not wait for it
+  slow.start(0, [] { return true; }, [] {}, std::chrono::seconds(600));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto start = std::chrono::steady_clock::now();
+  slow.stop();
+  EXPECT_FALSE(slow.running());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+}
+
+TEST(RunWatchdog, ReleasesAStreamWaitingForAWordNobodyRaises) {
+  if (!stream_memory_ops_supported(0)) GTEST_SKIP() << "no 64-bit stream memory operations";
+  std::uint64_t* word = nullptr;
+  ASSERT_EQ(cudaMalloc(&word, sizeof *word), cudaSuccess);
+  ASSERT_EQ(cudaMemset(word, 0, sizeof *word), cudaSuccess);
+  cudaStream_t stream = nullptr, release = nullptr;
+  cudaEvent_t done = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&release, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  const StreamMemoryOp wait{word, 7, true};
+  queue_stream_memory_ops(stream, std::span(&wait, 1), true);
+  ASSERT_EQ(cudaEventRecord(done, stream), cudaSuccess);
+
+  RunWatchdog watchdog;
+  bool in_flight = true;
+  std::atomic<int> released{0};
+  const auto queued = std::chrono::steady_clock::now();
+  watchdog.start(
+      0, [&] { return in_flight; },
+      [&] {
+        if (cudaEventQuery(done) == cudaSuccess) {
+          in_flight = false;
+        } else if (std::chrono::steady_clock::now() - queued > std::chrono::milliseconds(100)) {
+          write_value_noexcept(release, word, 7);  // what a transport's release does
+          cudaStreamSynchronize(release);
+          ++released;
+        }
+      });
+  {
+    std::lock_guard lock(watchdog.mutex());
+    watchdog.wake();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (cudaEventQuery(done) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(cudaEventQuery(done), cudaSuccess) << "the stream still waits after 10 s";
+  EXPECT_GE(std::chrono::steady_clock::now() - queued, std::chrono::milliseconds(100));
+  watchdog.stop();
+  EXPECT_GE(released.load(), 1);
+  EXPECT_FALSE(in_flight) << "the watchdog did not see the run end";
+  cudaEventDestroy(done);
+  cudaStreamDestroy(release);
+  cudaStreamDestroy(stream);
+  cudaFree(word);
 }
 
 }  // namespace

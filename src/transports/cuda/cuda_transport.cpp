@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -17,7 +16,6 @@
 #include <optional>
 #include <set>
 #include <sstream>
-#include <thread>
 #include <unordered_map>
 
 #include "core/message.hpp"
@@ -27,6 +25,7 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
 #include "gpu/device_array.hpp"
+#include "gpu/run_watchdog.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "transports/cuda/ipc_memory.hpp"
@@ -140,7 +139,12 @@ class CudaTransport final : public Transport {
   ~CudaTransport() override { finalize(); }
 
   const char* name() const override { return "cuda"; }
-  TransportCaps caps() const override { return {kUnbounded, n_pes_, kUnbounded}; }
+  TransportCaps caps() const override {
+    TransportCaps caps{kUnbounded, n_pes_, kUnbounded};
+    caps.front_end_waits =
+        std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end();
+    return caps;
+  }
   int device() const override { return device_; }
   void limit_gpu_share(int parts) override {
     const std::uint64_t share =
@@ -188,9 +192,8 @@ class CudaTransport final : public Transport {
   // and lets this PE's stream past its waits on same-GPU peers.
   void fail_run(unsigned int code, int peer, unsigned int phase) noexcept;
   // While a run with same-GPU peers is pending: their waits are the stream's, with no timeout of
-  // their own, so this thread gives up on them after RESHARD_TIMEOUT_S or when a peer exits.
-  void watch_same_device_runs() noexcept;
-  void stop_watching() noexcept;
+  // their own, so the watchdog gives up on them after RESHARD_TIMEOUT_S or when a peer exits.
+  void check_same_device_run() noexcept;
   void log_trace() noexcept;
   void throw_device_failure();
 
@@ -247,11 +250,8 @@ class CudaTransport final : public Transport {
   std::vector<int> followers_;         // the group but its leader
   SameDeviceOrder same_device_order_;  // every phase's same-GPU peers (the watchdog's)
   cudaStream_t release_stream_ = nullptr;
-  std::thread watchdog_;
-  std::mutex watch_mutex_;
-  std::condition_variable watch_wake_;
-  bool watch_stop_ = false;
   std::chrono::steady_clock::time_point watched_since_{};  // of the pending run; epoch: none
+  RunWatchdog watchdog_;  // its mutex guards same_device_order_ and watched_since_
   bool aborted_ = false;
   bool finalized_ = false;
 };
@@ -388,7 +388,9 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
   if (std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end()) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
-    watchdog_ = std::thread([this] { watch_same_device_runs(); });
+    watchdog_.start(
+        device_, [this] { return watched_since_ != std::chrono::steady_clock::time_point{}; },
+        [this] { check_same_device_run(); });
   }
   bootstrap_.barrier();  // every PE has mapped every other's flags before any run
   RESHARD_LOG(kDebug, "cuda transport on device " << device_ << " (" << sm_count_
@@ -771,7 +773,7 @@ void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
     every_phase.merge(prepared_.back()->same_device);
   }
   // Once per schedule; the watchdog reads them.
-  std::lock_guard lock(watch_mutex_);
+  std::lock_guard lock(watchdog_.mutex());
   same_device_order_ = std::move(every_phase);
 }
 
@@ -1007,10 +1009,10 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
   launch(*prepared_[phase], stream);
   if (record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
-    if (watchdog_.joinable() && !same_device_order_.empty()) {
-      std::lock_guard lock(watch_mutex_);
+    if (watchdog_.running() && !same_device_order_.empty()) {
+      std::lock_guard lock(watchdog_.mutex());
       watched_since_ = std::chrono::steady_clock::now();
-      watch_wake_.notify_one();
+      watchdog_.wake();
     }
     if (stream_handle == nullptr) synchronize();
   }
@@ -1167,46 +1169,25 @@ void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) no
   same_device_order_.release(release_stream_);
 }
 
-void CudaTransport::watch_same_device_runs() noexcept {
-  const auto scope = DeviceScope::try_enter(device_);
-  const auto timeout = std::chrono::nanoseconds(timeout_ns_);
-  std::unique_lock lock(watch_mutex_);
-  while (!watch_stop_) {
-    if (watched_since_ == std::chrono::steady_clock::time_point{}) {
-      watch_wake_.wait(lock);
-      continue;
-    }
-    watch_wake_.wait_for(lock, std::chrono::milliseconds(20));
-    if (watch_stop_ || watched_since_ == std::chrono::steady_clock::time_point{}) continue;
-    const cudaError_t state = cudaEventQuery(last_run_);
-    if (state != cudaErrorNotReady) {
-      cudaGetLastError();
-      watched_since_ = {};  // the run is complete (or failed, which the caller hears of)
-      continue;
-    }
-    const auto since = watched_since_;
-    const int dead = first_exited_process(pids_);
-    if (dead >= 0) {
-      fail_run(kStatusCancelled, dead, kPhaseDone);
-      watched_since_ = {};
-    } else if (std::chrono::steady_clock::now() - since > timeout) {
-      const int stopped = first_stopped_process(pids_);
-      const auto& peers = same_device_order_.peers();
-      const int peer = stopped >= 0 ? stopped : (peers.empty() ? -1 : peers.front());
-      fail_run(kStatusTimeout, peer, kPhaseDone);
-      watched_since_ = {};
-    }
+void CudaTransport::check_same_device_run() noexcept {
+  const cudaError_t state = cudaEventQuery(last_run_);
+  if (state != cudaErrorNotReady) {
+    cudaGetLastError();
+    watched_since_ = {};  // the run is complete (or failed, which the caller hears of)
+    return;
   }
-}
-
-void CudaTransport::stop_watching() noexcept {
-  if (!watchdog_.joinable()) return;
-  {
-    std::lock_guard lock(watch_mutex_);
-    watch_stop_ = true;
-    watch_wake_.notify_one();
+  const int dead = first_exited_process(pids_);
+  if (dead >= 0) {
+    fail_run(kStatusCancelled, dead, kPhaseDone);
+    watched_since_ = {};
+  } else if (std::chrono::steady_clock::now() - watched_since_ >
+             std::chrono::nanoseconds(timeout_ns_)) {
+    const int stopped = first_stopped_process(pids_);
+    const auto& peers = same_device_order_.peers();
+    const int peer = stopped >= 0 ? stopped : (peers.empty() ? -1 : peers.front());
+    fail_run(kStatusTimeout, peer, kPhaseDone);
+    watched_since_ = {};
   }
-  watchdog_.join();
 }
 
 void CudaTransport::synchronize() {
@@ -1223,7 +1204,7 @@ void CudaTransport::forget_schedule() {
   synchronize();
   prepared_.clear();
   {
-    std::lock_guard lock(watch_mutex_);
+    std::lock_guard lock(watchdog_.mutex());
     same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
   }
   // A follower's sources are mapped by its leader too: without this, a follower that frees them
@@ -1312,7 +1293,7 @@ void CudaTransport::finalize() noexcept {
     } catch (const Error&) {
     }
   }
-  stop_watching();
+  watchdog_.stop();
   if (trace_ != nullptr) {
     log_trace();
     cudaFree(trace_);

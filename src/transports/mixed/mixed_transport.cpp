@@ -15,7 +15,6 @@
 #ifdef RESHARD_WITH_CUDA
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
-#include "gpu/stream_memory_ops.hpp"
 #endif
 
 namespace reshard {
@@ -41,10 +40,9 @@ class MixedTransport final : public Transport {
       const int sharing = cuda::pes_on_this_gpu(bootstrap, intra_->device());
       intra_->limit_gpu_share(2 * sharing);
       inter_->limit_gpu_share(2 * sharing);
-      // Without MPS, a PE whose streams both wait in their front ends keeps a shared GPU for a
-      // time slice (see the NVSHMEM transport's two_streams()): the parts take turns on the
-      // caller's stream instead.
-      one_stream_ = sharing > 1 && !cuda::mps_server_found();
+      // A part that waits in its stream's front end must not run beside the other part's stream
+      // (see TransportCaps::front_end_waits): the parts take turns on the caller's stream.
+      one_stream_ = intra_->caps().front_end_waits || inter_->caps().front_end_waits;
     }
     if (intra_->device() >= 0) {
       cuda::DeviceScope scope(intra_->device());
@@ -67,7 +65,8 @@ class MixedTransport final : public Transport {
     const int intra_peers =
         a.max_peers_per_round >= static_cast<int>(members_.size()) ? n_pes_ : a.max_peers_per_round;
     return {std::min(a.chunk_bytes, b.chunk_bytes), std::min(intra_peers, b.max_peers_per_round),
-            std::min(a.min_chunk_bytes, b.min_chunk_bytes), a.strided_rows && b.strided_rows};
+            std::min(a.min_chunk_bytes, b.min_chunk_bytes), a.strided_rows && b.strided_rows,
+            a.front_end_waits || b.front_end_waits};
   }
 
   int device() const override { return intra_->device(); }

@@ -26,14 +26,12 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "core/message.hpp"
@@ -44,6 +42,7 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
 #include "gpu/device_array.hpp"
+#include "gpu/run_watchdog.hpp"
 #include "gpu/stream_memory_ops.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
@@ -235,7 +234,9 @@ class NvshmemTransport final : public Transport {
   // build_waves).
   TransportCaps caps() const override {
     const int limit = peers_per_round_;
-    return {rt_.chunk, limit == 0 ? n_pes_ : std::min(limit, n_pes_), rt_.chunk};
+    TransportCaps caps{rt_.chunk, limit == 0 ? n_pes_ : std::min(limit, n_pes_), rt_.chunk};
+    caps.front_end_waits = stream_waits_;
+    return caps;
   }
   int device() const override { return device_; }
   void limit_gpu_share(int parts) override {
@@ -263,10 +264,10 @@ class NvshmemTransport final : public Transport {
   void receive_wave(const Wave& wave, cudaStream_t stream);
   void to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits);
   void queue_waits(cudaStream_t stream, std::vector<cuda::StreamMemoryOp>& waits);
-  void watch_stream_waits() noexcept;
+  void check_stream_waits() noexcept;
   void fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept;
+  void release_own_waits(cudaStream_t side) noexcept;
   std::pair<int, unsigned int> first_unmet_wait() noexcept;
-  void stop_watching() noexcept;
   void throw_device_failure();
 
   Runtime& rt_ = runtime();
@@ -353,7 +354,7 @@ class NvshmemTransport final : public Transport {
   bool batch_memops_ = true;  // DebugOptions::cuda_batch_memops
   bool can_flush_ = false;    // CU_STREAM_WAIT_VALUE_FLUSH, for data that NICs write
   // For the watchdog: each run in flight with stream waits, oldest first (its end, and its waits in
-  // the order queued), and when the newest was queued; guarded by watch_mutex_.
+  // the order queued), and when the newest was queued; guarded by the watchdog's mutex.
   struct StreamWait {
     const std::uint64_t* flag;
     std::uint64_t value;
@@ -368,11 +369,8 @@ class NvshmemTransport final : public Transport {
   std::deque<WatchedRun> watched_;
   std::vector<cudaEvent_t> spare_events_;  // of runs over, for the next ones
   Clock::time_point last_queued_{};
-  bool watch_stop_ = false;
   bool watch_failed_ = false;  // the watchdog released this run's waits; it keeps them released
-  std::mutex watch_mutex_;
-  std::condition_variable watch_wake_;
-  std::thread watchdog_;
+  cuda::RunWatchdog watchdog_;
   cudaStream_t release_stream_ = nullptr;
   bool prepared_ = false;
   bool aborted_ = false;
@@ -464,7 +462,10 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
       waiting_on[pe] = static_cast<const std::uint64_t*>(nvshmem_ptr(rt_.waiting_on(), pe));
   }
   peer_waiting_on_.upload(waiting_on);
-  if (stream_waits_) watchdog_ = std::thread([this] { watch_stream_waits(); });
+  if (stream_waits_) {
+    watchdog_.start(
+        device_, [this] { return !watched_.empty(); }, [this] { check_stream_waits(); });
+  }
 }
 
 KernelArgs NvshmemTransport::launch_args() const {
@@ -799,8 +800,8 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   RESHARD_CUDA_CHECK(cudaGetLastError());
   RESHARD_CUDA_CHECK(cudaEventRecord(last_run_, stream));
   run_pending_ = true;
-  if (watchdog_.joinable()) {
-    std::lock_guard lock(watch_mutex_);
+  if (watchdog_.running()) {
+    std::lock_guard lock(watchdog_.mutex());
     cudaEvent_t done = nullptr;
     if (spare_events_.empty()) {
       RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
@@ -811,7 +812,7 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
     watched_.push_back({done, std::move(run_waits_)});
     RESHARD_CUDA_CHECK(cudaEventRecord(done, stream));
     last_queued_ = Clock::now();
-    watch_wake_.notify_one();
+    watchdog_.wake();
   }
   if (stream_handle == nullptr) synchronize();
 }
@@ -840,36 +841,24 @@ void NvshmemTransport::queue_waits(cudaStream_t stream, std::vector<cuda::Stream
 // this PE's waits, so the caller's stream drains (its copies skip) instead of waiting forever. It
 // keeps them released until the runs are over: a peer's late signal may set a word back below
 // what a later wait wants.
-void NvshmemTransport::watch_stream_waits() noexcept {
-  const auto scope = cuda::DeviceScope::try_enter(device_);
-  std::unique_lock lock(watch_mutex_);
-  while (!watch_stop_) {
-    if (watched_.empty()) {
-      watch_wake_.wait(lock);
-      continue;
-    }
-    watch_wake_.wait_for(lock, std::chrono::milliseconds(20));
-    while (!watched_.empty()) {
-      const cudaError_t state = cudaEventQuery(watched_.front().done);
-      if (state == cudaErrorNotReady) break;
-      cudaGetLastError();  // over, or failed (which the caller hears of)
-      spare_events_.push_back(watched_.front().done);
-      watched_.pop_front();
-    }
-    if (watch_stop_) continue;
-    if (watched_.empty()) {
-      watch_failed_ = false;
-      continue;
-    }
-    if (watch_failed_) {
-      fail_stream_waits(cuda::kStatusCancelled, -1, 0);
-    } else if (const int dead = first_exited_process(local_pids_, true); dead >= 0) {
-      fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kPhaseDone);
-    } else if (Clock::now() - last_queued_ > timeout_) {
-      const int stopped = first_stopped_process(local_pids_);
-      const auto [peer, phase] = first_unmet_wait();
-      fail_stream_waits(cuda::kStatusTimeout, stopped >= 0 ? stopped : peer, phase);
-    }
+void NvshmemTransport::check_stream_waits() noexcept {
+  while (!watched_.empty()) {
+    const cudaError_t state = cudaEventQuery(watched_.front().done);
+    if (state == cudaErrorNotReady) break;
+    cudaGetLastError();  // over, or failed (which the caller hears of)
+    spare_events_.push_back(watched_.front().done);
+    watched_.pop_front();
+  }
+  if (watched_.empty()) {
+    watch_failed_ = false;
+  } else if (watch_failed_) {
+    fail_stream_waits(cuda::kStatusCancelled, -1, 0);
+  } else if (const int dead = first_exited_process(local_pids_, true); dead >= 0) {
+    fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kPhaseDone);
+  } else if (Clock::now() - last_queued_ > timeout_) {
+    const int stopped = first_stopped_process(local_pids_);
+    const auto [peer, phase] = first_unmet_wait();
+    fail_stream_waits(cuda::kStatusTimeout, stopped >= 0 ? stopped : peer, phase);
   }
 }
 
@@ -905,20 +894,17 @@ void NvshmemTransport::fail_stream_waits(unsigned int code, int peer, unsigned i
   }
   status->cancel = 1;
   watch_failed_ = true;
-  cudaMemsetAsync(failure_, 0xff, sizeof *failure_, release_stream_);
-  cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_words_bytes(), release_stream_);
-  cudaStreamSynchronize(release_stream_);
-  cudaGetLastError();
+  release_own_waits(release_stream_);
 }
 
-void NvshmemTransport::stop_watching() noexcept {
-  if (!watchdog_.joinable()) return;
-  {
-    std::lock_guard lock(watch_mutex_);
-    watch_stop_ = true;
-    watch_wake_.notify_one();
-  }
-  watchdog_.join();
+// Raises every signal word this PE waits on past any value a run expects (0x7f7f...: above any
+// count) and sets the failure word, so its streams drain (their copies skip) instead of waiting
+// until the process ends. The waiting_on word stays: peers may still follow it.
+void NvshmemTransport::release_own_waits(cudaStream_t side) noexcept {
+  if (rt_.heap != nullptr) cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_words_bytes(), side);
+  if (failure_ != nullptr) cudaMemsetAsync(failure_, 0xff, sizeof *failure_, side);
+  cudaStreamSynchronize(side);
+  cudaGetLastError();
 }
 
 void NvshmemTransport::synchronize() {
@@ -974,15 +960,10 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
     status_->cancel = 1;
     status_->code = cuda::kStatusCancelled;  // waits and signals stop at once
   }
-  // Release this PE's own waits: raise every signal it waits on past any value a run expects,
-  // so the stream drains (its copies skip) instead of spinning until the process ends.
   if (rt_.heap != nullptr) {
     cudaStream_t side = nullptr;
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
-      // 0x7f7f...: above any count. The waiting_on word stays: peers may still follow it.
-      cudaMemsetAsync(rt_.heap, 0x7f, rt_.signal_words_bytes(), side);
-      if (failure_ != nullptr) cudaMemsetAsync(failure_, 0xff, sizeof *failure_, side);
-      cudaStreamSynchronize(side);
+      release_own_waits(side);
       cudaStreamDestroy(side);
     }
   }
@@ -1009,7 +990,7 @@ void NvshmemTransport::finalize() noexcept {
   } catch (const Error& error) {
     RESHARD_LOG(kWarn, "finalize: " << error.what());
   }
-  stop_watching();
+  watchdog_.stop();
   for (const WatchedRun& run : watched_) spare_events_.push_back(run.done);
   watched_.clear();
   for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
