@@ -294,11 +294,18 @@ TEST(RunWatchdog, ChecksOnlyWhileBusyAndStopsAtOnce) {
     busy = true;
     watchdog.wake();
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Three looks, then none: the thread may be slow to start (tools such as compute-sanitizer).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (bool over = false; !over && std::chrono::steady_clock::now() < deadline;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::lock_guard lock(watchdog.mutex());
+    over = !busy;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // ten periods more
   {
     std::lock_guard lock(watchdog.mutex());
-    EXPECT_EQ(checks, 3) << "checks went on after the run was over, or did not happen";
-    EXPECT_FALSE(busy);
+    EXPECT_FALSE(busy) << "no look within 10 s of a run in flight";
+    EXPECT_EQ(checks, 3) << "looks went on after the run was over";
   }
 
   RunWatchdog slow;  // a period far beyond the test: stop() must not wait for it
