@@ -205,18 +205,21 @@ def _plot_colocated_on(records: List[dict], device: str, gpus: int, out: Path,
     for r in refits:
         latest[(r["model"], r.get("layers"), r["pes"], r.get("mps", False))] = r
     keys = sorted(latest, key=lambda k: (k[0], k[3], k[2]))
-    # The newest day's 4 KiB all-to-alls, the fastest same-device order of each PE count and MPS
-    # setting (records before 2026-11-24 name the PE count "pes", later ones "gpus").
+    # 4 KiB all-to-alls: for each PE count and MPS setting, the fastest same-device order of its
+    # newest day (records before 2026-11-24 name the PE count "pes", later ones "gpus").
     shared = [r for r in records
               if r.get("bench") == "all_to_all" and "pes_per_gpu" in r and "node_size" not in r
               and r.get("engine") == "sm" and r.get("per_peer_bytes") == 4096]
-    newest_small = max((r.get("date", "") for r in shared), default="")
-    small = {}
+    newest_small: Dict[tuple, str] = {}
+    small: Dict[tuple, float] = {}
     for r in shared:
-        if r.get("date", "") != newest_small:
-            continue
         key = (r.get("pes", r.get("gpus")), r.get("mps", False))
-        small[key] = min(small.get(key, float("inf")), r["seconds"] * 1e6)
+        date = r.get("date", "")
+        if date > newest_small.get(key, ""):
+            newest_small[key] = date
+            small.pop(key, None)
+        if date == newest_small[key]:
+            small[key] = min(small.get(key, float("inf")), r["seconds"] * 1e6)
     if small:
         figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5),
                                              gridspec_kw={"width_ratios": [3, 1]})
