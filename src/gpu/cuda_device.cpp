@@ -169,6 +169,17 @@ std::string stuck_behind_clause(const volatile DeviceStatus& status) {
          std::to_string(status.stuck_behind);
 }
 
+void record_host_failure(volatile DeviceStatus& status, unsigned int code, int peer,
+                         unsigned int phase) noexcept {
+  if (status.code == 0) {
+    status.peer = peer;
+    status.stuck_behind = peer;
+    status.phase = phase;
+    status.code = code;
+  }
+  status.cancel = 1;
+}
+
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
                        const std::string& what, int* dead, std::chrono::milliseconds limit,
                        const std::function<std::string()>& transport_problem,

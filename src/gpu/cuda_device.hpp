@@ -54,6 +54,10 @@ int pes_on_this_gpu(Bootstrap& bootstrap, int device);
 // "; PE p is itself stuck waiting, behind PE q" for a timed-out device wait whose peer p was
 // itself stuck (see SignalLayout::waiting_on), else empty.
 std::string stuck_behind_clause(const volatile DeviceStatus& status);
+// A failure the host found (a watchdog): recorded as a kernel's failed wait records it (the first
+// failure only) and every wait told to stop.
+void record_host_failure(volatile DeviceStatus& status, unsigned int code, int peer,
+                         unsigned int phase) noexcept;
 // Polls `finished` until it returns true: an empty string then, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
 // `limit` (the service's timeout, plus any grace) passing while `what` is unfinished — naming a

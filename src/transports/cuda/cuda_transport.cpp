@@ -141,8 +141,7 @@ class CudaTransport final : public Transport {
   const char* name() const override { return "cuda"; }
   TransportCaps caps() const override {
     TransportCaps caps{kUnbounded, n_pes_, kUnbounded};
-    caps.front_end_waits =
-        std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end();
+    caps.front_end_waits = any_stream_ordered();
     return caps;
   }
   int device() const override { return device_; }
@@ -238,6 +237,9 @@ class CudaTransport final : public Transport {
   // GPU to GPU (4 H200s, 2 PEs each: a 4 KiB all-to-all took 4.8 ms with the kernels waiting
   // across GPUs). Flags raised and waited for by the streams let the other processes' work run.
   std::vector<bool> stream_ordered_;
+  bool any_stream_ordered() const {
+    return std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end();
+  }
   // Where peers on this GPU are ordered by the kernels (MPS: the processes' kernels run side by
   // side and wait on each other's flags), every one of those kernels must be resident at once:
   // the CTAs of one resident wave each may take, shared among them (assign_ctas); less where
@@ -386,7 +388,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                               << " PEs on CUDA device " << device_);
   }
   same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
-  if (std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end()) {
+  if (any_stream_ordered()) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
     watchdog_.start(
         device_, [this] { return watched_since_ != std::chrono::steady_clock::time_point{}; },
@@ -1153,15 +1155,8 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
 }
 
 void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) noexcept {
-  volatile DeviceStatus* status = status_;
-  if (status == nullptr) return;
-  if (status->code == 0) {
-    status->peer = peer;
-    status->stuck_behind = peer;
-    status->phase = phase;
-    status->code = code;
-  }
-  status->cancel = 1;
+  if (status_ == nullptr) return;
+  record_host_failure(*status_, code, peer, phase);
   // The kernels after the waits copy nothing once this word is set (see KernelArgs::failure).
   static const unsigned int one = 1;
   cudaMemcpyAsync(SignalLayout::failure(signals_, n_pes_), &one, sizeof one, cudaMemcpyHostToDevice,

@@ -192,7 +192,7 @@ class MixedTransport final : public Transport {
   bool finalized_ = false;
 #ifdef RESHARD_WITH_CUDA
   cudaStream_t side_ = nullptr;
-  bool one_stream_ = false;  // the parts in turn on the caller's stream (GPU shared, no MPS)
+  bool one_stream_ = false;  // the parts in turn on the caller's stream (front-end waits)
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 #endif
 };

@@ -885,14 +885,7 @@ std::pair<int, unsigned int> NvshmemTransport::first_unmet_wait() noexcept {
 // Records the failure in the pinned status (first one only), stops the kernels' copies and raises
 // every signal word this PE waits on past any value a run expects.
 void NvshmemTransport::fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept {
-  volatile cuda::DeviceStatus* status = status_;
-  if (status->code == 0) {
-    status->peer = peer;
-    status->stuck_behind = peer;
-    status->phase = phase;
-    status->code = code;
-  }
-  status->cancel = 1;
+  cuda::record_host_failure(*status_, code, peer, phase);
   watch_failed_ = true;
   release_own_waits(release_stream_);
 }
