@@ -102,6 +102,11 @@ class CopyService {
   // NVSHMEM). NCCL sends each row as its own message: callers with many short rows pack them
   // into contiguous buffers instead (execute_reshard_plan does).
   bool moves_rows_in_place() const;
+  // Whether the transport waits for its peers in its stream's front end (stream memory
+  // operations) rather than in kernels: what the GPU transports choose where processes share a
+  // GPU without MPS (CUDA: peers on this GPU taken in turn; NVSHMEM: RESHARD_NVSHMEM_WAITS=auto or
+  // stream). Work of the caller's beside such a transport belongs on the same stream.
+  bool waits_in_stream_front_end() const;
 
   // Collective: validates every request on every PE (before any byte moves) and builds the plan.
   ScheduleReport schedule();

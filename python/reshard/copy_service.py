@@ -280,6 +280,15 @@ class CopyService:
         CUDA, NVSHMEM); NCCL sends each row as a message of its own."""
         return self._service.moves_rows_in_place
 
+    @property
+    def waits_in_stream_front_end(self) -> bool:
+        """Whether the transport waits for its peers in its stream's front end (stream memory
+        operations) rather than in kernels, as the GPU transports do where processes share a
+        GPU without MPS: the caller's own work beside it then belongs on the same stream (two
+        streams of one process both waiting there keep the GPU for a time slice). False on the
+        host transport."""
+        return self._service.waits_in_stream_front_end
+
     def register_send(self, task_id: int, src_tensor: Any, src_pos: int, size: int,
                       dest_pe: int, *, rows: Sequence[int] = (),
                       pitches: Sequence[int] = ()) -> None:

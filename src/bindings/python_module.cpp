@@ -516,6 +516,7 @@ void bind_copy_service(nb::module_& m) {
           "task_id"_a, "dst"_a, "dst_pos"_a, "size"_a, "src_pe"_a,
           "rows"_a = std::vector<std::uint64_t>{}, "pitches"_a = std::vector<std::uint64_t>{})
       .def_prop_ro("moves_rows_in_place", &CopyService::moves_rows_in_place)
+      .def_prop_ro("waits_in_stream_front_end", &CopyService::waits_in_stream_front_end)
       .def("schedule", &CopyService::schedule, GilFree())
       .def(
           "run",

@@ -93,6 +93,16 @@ struct TensorIdentity {
 // looked up. A lookup per name hashed it, then read the bucket, the node and its key from wherever
 // the caller's map put them; walking reads the nodes in turn and the names recorded here, one
 // after the other.
+//
+// The caller's map kept from one refit to the next still has its entries, names and shapes where
+// they were, scattered over the heap in the order its hash put them: walked cold (a refit leaves
+// the host's caches to other work) each entry waits on a miss or three in turn. The walk therefore
+// asks for the entries some way ahead at their recorded addresses before it reaches them. A
+// prefetch never faults, and the walk itself reads only the map: an address that went stale
+// (the map rebuilt, as the Python binding rebuilds it) costs a wasted prefetch, not a wrong
+// answer, and the walk stops prefetching once the first entry shows the map is not the one
+// recorded. (Qwen3-30B-A3B's 4,608 expert tensors after 256 MiB of other traffic, on the
+// development machine: 0.69 -> 0.16 ms.)
 class MapWalk {
  public:
   void record(const TensorMap& map) {
@@ -100,10 +110,13 @@ class MapWalk {
     name_ends_.clear();
     identities_.clear();
     shapes_.clear();
-    for (const auto& [name, tensor] : map) {
+    addresses_.clear();
+    for (const auto& entry : map) {
+      const auto& [name, tensor] = entry;
       names_ += name;
       name_ends_.push_back(names_.size());
       identities_.push_back(TensorIdentity::of(tensor, shapes_));
+      addresses_.push_back({&entry, name.data(), tensor.shape.data()});
     }
     recorded_ = true;
   }
@@ -111,8 +124,14 @@ class MapWalk {
   // Whether `map` holds exactly the recorded entries, in the recorded order.
   bool matches(const TensorMap& map) const {
     if (!recorded_ || map.size() != name_ends_.size()) return false;
+    const std::size_t count = name_ends_.size();
+    const bool same_nodes = count > 0 && &*map.begin() == addresses_[0].entry;
+    if (same_nodes) {
+      for (std::size_t i = 0; i < std::min(kPrefetchAhead, count); ++i) prefetch(addresses_[i]);
+    }
     std::size_t i = 0, start = 0;
     for (const auto& [name, tensor] : map) {
+      if (same_nodes && i + kPrefetchAhead < count) prefetch(addresses_[i + kPrefetchAhead]);
       const std::string_view recorded(names_.data() + start, name_ends_[i] - start);
       if (name != recorded || !identities_[i].matches(tensor, shapes_)) return false;
       start = name_ends_[i++];
@@ -121,11 +140,32 @@ class MapWalk {
   }
 
  private:
+  // Where an entry's parts were when it was recorded.
+  struct Addresses {
+    const void* entry;  // the key-value pair, inside the map's node
+    const void* name;   // the name's characters (on the heap unless short)
+    const void* shape;  // the shape's elements
+  };
+  // Entries asked for ahead of the walk: enough misses in flight to cover the memory's latency
+  // (8, 16 and 32 measured alike on the development machine).
+  static constexpr std::size_t kPrefetchAhead = 16;
+
+  static void prefetch(const Addresses& at) {
+    // The node: the pair with the link before it and the cached hash after it.
+    const char* node = static_cast<const char*>(at.entry) - sizeof(void*);
+    for (std::size_t offset = 0; offset < sizeof(TensorMap::value_type) + 2 * sizeof(void*);
+         offset += 64)
+      __builtin_prefetch(node + offset);
+    __builtin_prefetch(at.name);
+    __builtin_prefetch(at.shape);
+  }
+
   bool recorded_ = false;
   std::string names_;  // the names one after the other
   std::vector<std::size_t> name_ends_;
   std::vector<TensorIdentity> identities_;
   std::vector<std::int64_t> shapes_;
+  std::vector<Addresses> addresses_;
 };
 
 std::string where(const ReshardPlan& plan, const TransferOp& op) {

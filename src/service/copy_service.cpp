@@ -396,6 +396,11 @@ bool CopyService::moves_rows_in_place() const {
   return impl_->transport->caps().strided_rows;
 }
 
+bool CopyService::waits_in_stream_front_end() const {
+  impl_->require_usable("waits_in_stream_front_end()");
+  return impl_->transport->caps().front_end_waits;
+}
+
 ScheduleReport CopyService::schedule() {
   impl_->require_usable("schedule()");
   Impl& self = *impl_;

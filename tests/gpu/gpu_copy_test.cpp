@@ -17,6 +17,7 @@
 
 #include "bench/workloads.hpp"
 #include "gpu/cuda_device.hpp"
+#include "gpu/stream_memory_ops.hpp"
 #include "reshard/reshard.hpp"
 #include "service/test_hooks.hpp"
 #include "support/gpu_pes.hpp"
@@ -161,6 +162,41 @@ TEST(GpuIdentity, PesSharingThisGpuAreThoseWithItsUuid) {
   CUDA_OK(cudaGetDeviceCount(&count));
   for (int other = 0; other < count; ++other) {
     EXPECT_EQ(cuda::physical_gpu(other) == me, other == device) << "device " << other;
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Processes sharing a GPU without MPS take turns on it, so a wait in one process's kernel for
+// another's lasts a time slice: there the GPU transports wait in their streams' front ends
+// instead, and say so. The CUDA transport does with every peer once any GPU of the job is
+// shared that way (a pair is ordered alike on both sides); NVSHMEM where its own GPU is.
+TEST(GpuIdentity, TransportsWaitInTheStreamFrontEndWhereProcessesShareAGpuWithoutMps) {
+  auto service = make_service();
+  const int device = service->device();
+  cudaDeviceProp properties{};
+  CUDA_OK(cudaGetDeviceProperties(&properties, device));
+  const std::span<const std::byte> uuid = std::as_bytes(std::span(properties.uuid.bytes));
+  const auto all = bootstrap()->all_gather(uuid);
+  int mine_shared_by = 0;
+  bool any_shared = false;
+  for (std::size_t a = 0; a < all.size(); ++a) {
+    mine_shared_by += std::equal(all[a].begin(), all[a].end(), uuid.begin(), uuid.end());
+    for (std::size_t b = a + 1; b < all.size(); ++b) any_shared = any_shared || all[a] == all[b];
+  }
+  const bool turns = cuda::stream_memory_ops_supported(device) && !cuda::mps_server_found();
+  const std::string transport = service->transport_name();
+  const CopyServiceOptions& options = service->options();
+  SCOPED_TRACE(transport + ", " + std::to_string(mine_shared_by) + " PE(s) on this GPU" +
+               (any_shared ? ", some GPU shared" : ", no GPU shared") +
+               (cuda::mps_server_found() ? ", MPS" : ", no MPS"));
+  if (transport == "cuda" && options.cuda.same_device == "auto") {
+    EXPECT_EQ(service->waits_in_stream_front_end(), any_shared && turns);
+  } else if (transport == "nvshmem" && options.nvshmem.waits == "auto") {
+    EXPECT_EQ(service->waits_in_stream_front_end(), mine_shared_by > 1 && turns);
+  } else if (transport == "nvshmem") {
+    EXPECT_EQ(service->waits_in_stream_front_end(), options.nvshmem.waits == "stream");
+  } else if (transport == "nccl") {
+    EXPECT_FALSE(service->waits_in_stream_front_end());
   }
   EXPECT_TRUE(all_pes(!HasFailure()));
 }

@@ -86,6 +86,11 @@ def test_single_pe_copies_bytes_in_place(service):
         assert not dst[50:].any()
 
 
+def test_the_host_transport_waits_in_no_stream(service):
+    assert service.transport == "host"
+    assert not service.waits_in_stream_front_end
+
+
 def test_strided_rows_move_a_column_block_in_place(service):
     # Columns 2..5 of a 6 x 8 float32 matrix land as columns 4..7 of another; a transposed cut
     # (rows of 8 bytes on the sender, 16 on the receiver) of the same stream works too.

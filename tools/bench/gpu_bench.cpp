@@ -337,6 +337,9 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
              << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
              << ",\"host_us_per_run\":" << timings[e].host_us
              << ",\"wrong_bytes\":" << timings[e].wrong << colocation
+             << (colocation.empty()                         ? ""
+                 : services[e]->waits_in_stream_front_end() ? ",\"front_end_waits\":true"
+                                                            : ",\"front_end_waits\":false")
              << (chosen.engines[e] == "nvshmem" || chosen.engines[e] == "nccl" ? nodes : "")
              << ",\"commit\":\"" << options.commit << "\"}\n";
       }

@@ -532,7 +532,8 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
              << ",\"same_device_order\":\"" << service.options().cuda.same_device << "\"";
         json << ",\"batch_memops\":"
              << (service.options().debug.cuda_batch_memops ? "true" : "false")
-             << ",\"nvshmem_waits\":\"" << service.options().nvshmem.waits << "\"";
+             << ",\"nvshmem_waits\":\"" << service.options().nvshmem.waits << "\""
+             << ",\"front_end_waits\":" << (service.waits_in_stream_front_end() ? "true" : "false");
       }
       if (const auto nodes = service.options().node_size) json << ",\"node_size\":" << *nodes;
       if (copy_ceiling_s > 0) json << ",\"copy_ceiling_s\":" << copy_ceiling_s;
