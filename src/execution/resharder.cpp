@@ -916,10 +916,14 @@ struct Resharder::Impl {
     prepared.shapes.clear();
     for (const LocalTensor& tensor : tensors)
       prepared.identities.push_back(TensorIdentity::of(tensor, prepared.shapes));
+    // A map may hold tensors this rank does not move (a replica another rank sends from, the
+    // whole model handed to every rank): walking it reads those too, and their identities are
+    // recorded with the rest, so a walk that matches says the used ones are unchanged. Where
+    // most of a map is unused, looking up the used names costs less than walking past the rest.
     for (auto [walk, map, used] :
          {std::tuple{&prepared.src_walk, &src, source_params},
           std::tuple{&prepared.dst_walk, &dst, param_names.size() - source_params}}) {
-      if (map->size() == used) {
+      if (map->size() <= 2 * used) {
         walk->record(*map);
       } else {
         walk->forget();

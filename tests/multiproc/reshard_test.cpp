@@ -775,6 +775,28 @@ TEST(ReshardReuse, MapsBuiltAgainAreCheckedEntryByEntry) {
   }
   EXPECT_TRUE(refit(tensors.src_map, changed, "one destination in new storage"));
   EXPECT_FALSE(refit(tensors.src_map, changed, "the same maps after that"));
+  // Maps holding a tensor the plan does not use (a rank handed more than it moves), kept from
+  // refit to refit: they run again; a used tensor given new storage in the kept map, on one rank,
+  // schedules again (first, last, and then with the unused tensor in other storage too).
+  EXPECT_FALSE(refit(more, changed, "a source map with an unused tensor"));
+  std::vector<std::unique_ptr<TestMemory>> replaced;  // alive to the end: no address comes back
+  const auto new_storage = [&](const std::string& source, PeId on) {
+    if (me != on) return;
+    auto& memory = tensors.src.at(source);
+    auto fresh = std::make_unique<TestMemory>(memory->download().size(), my_device());
+    fresh->upload(memory->download());
+    more.at(source).data = fresh->buffer();
+    replaced.push_back(std::exchange(memory, std::move(fresh)));
+  };
+  new_storage(tensors.src.begin()->first, 0);
+  EXPECT_TRUE(refit(more, changed, "the first source in new storage, beside an unused tensor"));
+  EXPECT_FALSE(refit(more, changed, "the same maps with an unused tensor"));
+  new_storage(tensors.src.rbegin()->first, n - 1);
+  EXPECT_TRUE(refit(more, changed, "the last source in new storage, beside an unused tensor"));
+  more.at("not.in.the.plan").data = changed.begin()->second.data;
+  EXPECT_FALSE(refit(more, changed, "the unused tensor in other storage"));
+  new_storage(tensors.src.begin()->first, n - 1);
+  EXPECT_TRUE(refit(more, changed, "the first source in new storage again"));
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
