@@ -2,6 +2,7 @@
 where present, PyTorch) tensors; multi-process jobs go through `python -m reshard.launch`. GPU
 cases skip unless CUDA and enough GPUs are present."""
 
+import datetime
 import gc
 import os
 import re
@@ -642,21 +643,33 @@ def test_bench_plot_draws_the_records_it_is_given(tmp_path):
     written = plot_results.plot_all(colocated, tmp_path / "colocated")
     assert sorted(p.name for p in written) == ["colocated_nvidia-h100-80gb-hbm3.png",
                                                "colocated_nvidia-h200.png"]
-    # Refits: the newest day's runs, the last of each wins, each beside the baseline of its run.
+    # Refits: each workload's newest day of runs, the last of each wins, each beside the
+    # baseline of its run; a day that measured one workload keeps the others' bars.
     refits = plot_results.load([results / "h200x4-refit.jsonl"])
     bars = plot_results.latest_refits(refits)
     llama = ("llama3-8b, 32 layers", "none")
-    newest = max(r["date"] for r in refits if "date" in r)
     # PEs sharing GPUs (colocated, a hand-loop baseline) have charts of their own.
-    runs = [r for r in refits if r.get("date") == newest and r["model"] == "llama3-8b"
-            and r["transform"] == "none" and not r.get("colocated")]
+    alone = [r for r in refits if "date" in r and not r.get("colocated")]
+    newest = max(r["date"] for r in alone if r["model"] == "llama3-8b" and r["transform"] == "none")
+    runs = [r for r in alone if r.get("date") == newest and r["model"] == "llama3-8b"
+            and r["transform"] == "none"]
     assert any(r.get("colocated") for r in refits)
     assert bars[(*llama, "cuda (auto)")] is [
         r for r in runs if r["transport"] == "cuda" and "engine" in r][-1]
     # The baseline of the last run that timed it, whichever transport that run timed.
     assert bars[(*llama, "nccl (same run)")]["median_s"] == [
         r["baseline_median_s"] for r in runs if r.get("baseline") == "nccl"][-1]
-    assert {r.get("date") for r in bars.values()} == {max(r["date"] for r in refits if "date" in r)}
+    assert bars[(*llama, "nccl (same run)")]["date"] == newest
+    qwen = [r for r in alone if r["model"] == "qwen3-30b-a3b" and r["transform"] == "none"]
+    assert {r.get("date") for k, r in bars.items()
+            if k[0].startswith("qwen3") and k[1] == "none"} == {max(r["date"] for r in qwen)}
+    assert max(r["date"] for r in alone) == max(r.get("date", "") for r in bars.values())
+    # Workloads last measured more than a day before the newest record are left out.
+    last = datetime.date.fromisoformat(max(r["date"] for r in alone))
+    assert all(last - datetime.date.fromisoformat(r["date"]) <= datetime.timedelta(days=1)
+               for r in bars.values())
+    assert any(last - datetime.date.fromisoformat(r["date"]) > datetime.timedelta(days=1)
+               for r in alone)
     written = plot_results.plot_all(refits, tmp_path / "refits")
     # PEs sharing each of the 4 GPUs: a colocated chart of their own, apart from one GPU's.
     assert sorted(p.name for p in written) == ["colocated_4x-nvidia-h200.png",

@@ -10,7 +10,7 @@ Draws, from the newest run of each engine (files are appended to, so later lines
   engine, auto, NVSHMEM, NCCL), with the copy-engine ceiling of one peer;
 * ``all_to_all_ratio_<device>.png`` — each engine's rate divided by the rate of the NCCL run
   measured in the same run as it;
-* ``refit_<device>.png`` — refit time per model, transform and transport/engine on the newest
+* ``refit_<device>.png`` — refit time per model, transform and transport/engine on each one's newest
   date's records, with the busiest PE's rate as a fraction of the copy-engine ceiling where the
   run measured it;
 * ``colocated_<device>.png`` — PEs sharing one GPU (records with ``colocated`` / ``pes_per_gpu``;
@@ -28,6 +28,7 @@ Needs matplotlib (``pip install matplotlib``).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from collections import defaultdict
@@ -113,25 +114,41 @@ def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
 
 
 def latest_refits(records: List[dict]) -> dict:
-    """The refit chart's bars: (model, transform, transport) -> record, from the newest date's
-    records (the last of each key wins), with each run's baseline (timed on the same tensors in
-    the same run) as a bar of its own."""
-    refits = [r for r in records if r.get("bench") == "refit" and not r.get("colocated")]
+    """The refit chart's bars: (model, transform, transport) -> record, from each workload's
+    (model and transform) newest day of records (the last of each key wins), with each run's
+    baseline (timed on the same tensors in the same run) as a bar of its own. A day that measured
+    one workload leaves the others' bars as their own newest day had them; workloads last
+    measured more than a day before the newest record are left out (their figures stay in
+    docs/performance.md's tables), so the chart shows one machine session's set."""
+    refits = [r for r in records if r.get("bench") == "refit" and not r.get("colocated")
+              and not (r["transport"] == "cuda" and "engine" not in r)]  # early: engine unsaid
     if not refits:
         return {}
-    newest_date = max(r.get("date", "") for r in refits)
+
+    def workload(r: dict) -> tuple:
+        return r["model"] + (f", {r['layers']} layers" if r.get("layers") else ""), r["transform"]
+
+    newest: Dict[tuple, str] = {}
+    for r in refits:
+        newest[workload(r)] = max(newest.get(workload(r), ""), r.get("date", ""))
+    def day(date: str) -> int:
+        try:
+            return datetime.date.fromisoformat(date).toordinal()
+        except ValueError:
+            return 0
+
+    last_day = max(day(date) for date in newest.values())
     latest = {}
     for r in refits:
-        if r.get("date", "") != newest_date:
+        model, transform = workload(r)
+        date = r.get("date", "")
+        if date != newest[(model, transform)] or day(date) < last_day - 1:
             continue
-        if r["transport"] == "cuda" and "engine" not in r:
-            continue  # early records that did not say which engine ran
         transport = r["transport"] + (f" ({r['engine']})" if r["transport"] == "cuda" else "")
-        model = r["model"] + (f", {r['layers']} layers" if r.get("layers") else "")
-        latest[(model, r["transform"], transport)] = r
+        latest[(model, transform, transport)] = r
         if r.get("baseline") not in (None, "none") and r.get("baseline_median_s"):
-            latest[(model, r["transform"], f"{r['baseline']} (same run)")] = {
-                "median_s": r["baseline_median_s"], "date": newest_date}
+            latest[(model, transform, f"{r['baseline']} (same run)")] = {
+                "median_s": r["baseline_median_s"], "date": date}
     return latest
 
 
@@ -140,7 +157,7 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     if not latest:
         return []
     measured = [r for r in latest.values() if "pes" in r]
-    newest_date = measured[-1].get("date", "")
+    newest_date = max(r.get("date", "") for r in measured)
     workloads = sorted({(m, t) for m, t, _ in latest})
     transports = sorted({k[2] for k in latest})
     figure, axis = plt.subplots(figsize=(8, 4.5))
@@ -164,7 +181,7 @@ def plot_refits(records: List[dict], out: Path, plt) -> List[Path]:
     axis.set_xticklabels([f"{m}\n{t}" for m, t in workloads], fontsize=8)
     axis.set_ylabel("ms per refit (lower is better)")
     device = f"{measured[-1].get('pes', '?')}x {measured[-1].get('device', 'GPUs')}"
-    axis.set_title(f"refit through execute_reshard_plan, {device}, {newest_date}\n"
+    axis.set_title(f"refit through execute_reshard_plan, {device}, up to {newest_date}\n"
                    "(labels: busiest PE / copy-engine ceiling)")
     axis.legend(fontsize=8)
     axis.grid(True, axis="y", alpha=0.3)
