@@ -101,8 +101,8 @@ struct TensorIdentity {
 // prefetch never faults, and the walk itself reads only the map: an address that went stale
 // (the map rebuilt, as the Python binding rebuilds it) costs a wasted prefetch, not a wrong
 // answer, and the walk stops prefetching once the first entry shows the map is not the one
-// recorded. (Qwen3-30B-A3B's 4,608 expert tensors after 256 MiB of other traffic, on the
-// development machine: 0.69 -> 0.16 ms.)
+// recorded. (4,608 tensors named like Qwen3-30B-A3B's experts, after 256 MiB of other traffic,
+// on the development machine: 0.69 -> 0.16 ms.)
 class MapWalk {
  public:
   void record(const TensorMap& map) {
@@ -662,11 +662,11 @@ struct Resharder::Impl {
   }
 
   // Whether `src` and `dst` hold, for every tensor this rank's ops touch, what the prepared
-  // refit was prepared for: one lookup each, nothing copied. A MoE refit checks thousands at
-  // every refit (Qwen3-30B-A3B, 12 layers: 4,782 a rank, 0.7-1.0 ms of the GPU machine's host
-  // against a transfer of 8-11 ms; rerun() skips them), waiting on cache misses in the caller's
-  // map: names and identities are read in turn from memory of their own. (Shares of the lookups
-  // on helper threads made no difference on one H100 with 4 PEs, 2026-11-27.)
+  // refit was prepared for: a walk of maps kept (or built again alike) beside a record of them,
+  // else one lookup each; nothing copied. A MoE refit checks thousands at every refit
+  // (Qwen3-30B-A3B, 12 layers: 4,782 a rank; rerun() skips them): on one H200's host 0.1-0.2 ms
+  // walked, 0.5-0.7 ms looked up, against a transfer of 8-9 ms. (Shares of the lookups on helper
+  // threads made no difference on one H100 with 4 PEs, 2026-11-27.)
   bool same_tensors_as_prepared(const TensorMap& src, const TensorMap& dst) const {
     static const LocalTensor kAbsent{};
     if (prepared.identities.size() != param_names.size()) return false;
