@@ -127,8 +127,10 @@ class ReshardCopyService(_MegatronCopyService):
         self.rank = service.my_pe
         self.world_size = service.n_pes
         self._sends, self._recvs = _Submitted(), _Submitted()
-        # The contiguous tensors registered by the last schedule, per direction.
+        # The contiguous tensors registered by the last schedule, per direction, as byte views
+        # and as views with the dtype and shape of the tensors they were registered for.
         self._scheduled: Optional[Tuple[List[Any], List[Any]]] = None
+        self._scheduled_views: Optional[Tuple[List[Any], List[Any]]] = None
         self._on_gpu = False
         self._scheduled_pattern: Optional[bytes] = None
         self._implicit_counts: dict = {}
@@ -186,12 +188,10 @@ class ReshardCopyService(_MegatronCopyService):
             if not self._all_reuse(pattern == self._scheduled_pattern):
                 self._register()
                 self._scheduled_pattern = pattern
-            sends, recvs = self._scheduled
-            for wire, now in zip(sends, self._sends.tensors):
-                _copy_in(torch, wire, now)
+            (sends, recvs), (send_views, recv_views) = self._scheduled, self._scheduled_views
+            _copy_all(torch, sends, send_views, self._sends.tensors, into_wires=True)
             self.service.run(torch.cuda.current_stream() if self._on_gpu else None)
-            for wire, now in zip(recvs, self._recvs.tensors):
-                _copy_out(torch, now, wire)
+            _copy_all(torch, recvs, recv_views, self._recvs.tensors, into_wires=False)
         finally:
             # Forgotten whether the refit moved or failed: the next one is submitted afresh.
             self._sends, self._recvs = _Submitted(), _Submitted()
@@ -239,11 +239,14 @@ class ReshardCopyService(_MegatronCopyService):
         self._scheduled = self._scheduled_pattern = None
         svc.clear_requests()
         scheduled: Tuple[List[Any], List[Any]] = ([], [])
-        for submitted, register, wires in ((self._sends, svc.register_send, scheduled[0]),
-                                           (self._recvs, svc.register_receive, scheduled[1])):
+        views: Tuple[List[Any], List[Any]] = ([], [])
+        for submitted, register, wires, typed in (
+                (self._sends, svc.register_send, scheduled[0], views[0]),
+                (self._recvs, svc.register_receive, scheduled[1], views[1])):
             for task, tensor, peer in zip(submitted.tasks, submitted.tensors, submitted.peers):
                 tensor = tensor.detach()
                 wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+                typed.append(wire)
                 wires.append(wire.reshape(-1).view(torch.uint8))
                 try:
                     register(task, wires[-1], 0, _nbytes(tensor), peer)
@@ -253,7 +256,7 @@ class ReshardCopyService(_MegatronCopyService):
                                    f"{error}", [task]) from error
         svc.schedule()
         self.schedules += 1
-        self._scheduled = scheduled
+        self._scheduled, self._scheduled_views = scheduled, views
         # Later refits copy into these tensors, so they say where the runs go.
         self._on_gpu = any(w.is_cuda for wires in scheduled for w in wires)
 
@@ -291,20 +294,44 @@ def _nbytes(tensor: Any) -> int:
     return tensor.nbytes
 
 
-def _copy_in(torch: Any, wire: Any, tensor: Any) -> None:
-    """The bytes of ``tensor`` into the registered ``wire`` (nothing to do when it is the same)."""
-    if tensor.data_ptr() == wire.data_ptr() and tensor.is_contiguous():
-        return
-    with torch.no_grad():
-        wire.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+def _copy_all(torch: Any, wires: List[Any], views: List[Any], tensors: List[Any],
+              into_wires: bool) -> None:
+    """The bytes of each of ``tensors`` into its registered wire (``into_wires``), or back out of
+    it, skipping those that are their wire. Megatron hands over new temporaries every refit, and
+    a MoE refit has thousands: the copies go through ``torch._foreach_copy_``, between each tensor
+    and the view of its wire with its dtype and shape (``views``, made when it was registered), or
+    a byte view where a tensor of another dtype or shape but as many bytes came instead. On a GPU
+    PyTorch batches a list of contiguous tensors of one dtype into a few kernels (a ``copy_`` a
+    tensor launches one copy each), so the pairs go in lists by dtype, strided ones apart."""
+    groups: dict = {}  # dtype (None: strided pairs) -> ([destinations], [sources])
 
+    def add(destination: Any, source: Any, contiguous: bool) -> None:
+        pair = groups.setdefault(destination.dtype if contiguous else None, ([], []))
+        pair[0].append(destination)
+        pair[1].append(source)
 
-def _copy_out(torch: Any, tensor: Any, wire: Any) -> None:
-    """The registered ``wire``'s bytes into ``tensor``."""
-    if tensor.data_ptr() == wire.data_ptr() and tensor.is_contiguous():
-        return
+    for wire, view, tensor in zip(wires, views, tensors):
+        contiguous = tensor.is_contiguous()
+        if contiguous and tensor.data_ptr() == wire.data_ptr():
+            continue  # the registered tensor itself (or a view of all of it)
+        if tensor.dtype == view.dtype and tensor.shape == view.shape:
+            if into_wires:
+                add(view, tensor, contiguous)
+            else:
+                add(tensor, view, contiguous)
+        elif into_wires:
+            add(wire, tensor.detach().contiguous().reshape(-1).view(torch.uint8), True)
+        elif contiguous:
+            add(tensor.detach().reshape(-1).view(torch.uint8), wire, True)
+        else:  # a strided destination of another shape: through a view of its own
+            add(tensor, wire.view(tensor.dtype).view(tensor.shape), False)
     with torch.no_grad():
-        tensor.copy_(wire.view(tensor.dtype).view(tensor.shape))
+        for destinations, sources in groups.values():
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(destinations, sources)
+            else:  # PyTorch before 2.1
+                for destination, source in zip(destinations, sources):
+                    destination.copy_(source)
 
 
 class RemoteCopyService(CopyService):

@@ -13,7 +13,8 @@ beside it. ``--kind``: ``torch`` (plain tensors), ``parameter`` (``torch.nn.Para
 require gradients), ``numpy`` (uint16 arrays as ``LocalTensor(..., dtype="bfloat16")``). ``--api
 megatron`` times Megatron's copy-service interface instead: ``ReshardCopyService`` with every
 tensor submitted to be sent and received (to this PE) and ``run()``, as Megatron's refit calls it,
-per refit (its tensors persistent, so no refit copies them). ``--json FILE`` appends
+per refit (its tensors persistent, so no refit copies them; ``--fresh``: new ones every refit, as
+Megatron's refit makes them, copied into those registered first and back). ``--json FILE`` appends
 the result as a JSON line.
 """
 
@@ -83,6 +84,9 @@ def main():
     parser.add_argument("--json", help="append the result to this JSON-lines file")
     parser.add_argument("--commit", help="source revision recorded in the JSON line")
     parser.add_argument("--api", choices=["execute", "megatron"], default="execute")
+    parser.add_argument("--fresh", action="store_true",
+                        help="with --api megatron: new tensors every refit, as Megatron hands "
+                             "them over (copied into the registered ones and back)")
     args = parser.parse_args()
     if args.api == "megatron":
         return megatron_refits(args)
@@ -123,21 +127,33 @@ def megatron_refits(args):
     sent = [torch.randn(64, 64).to(torch.bfloat16) for _ in range(count)]
     received = [torch.zeros(64, 64, dtype=torch.bfloat16) for _ in range(count)]
 
+    # --fresh: as Megatron's refit hands them over, new tensors every refit (a .contiguous()
+    # copy of each slice sent, a new buffer for each received), made before the refit is timed.
+    # (Two sets taken in turn after the first refit's: none of them the set registered.)
+    batches = [(sent, received)]
+    if args.fresh:
+        batches += [([a.clone() for a in sent], [torch.empty_like(b) for b in received])
+                    for _ in range(2)]
+    turn = iter(range(args.calls + 1))
+
     def refit():
-        for task, (a, b) in enumerate(zip(sent, received)):
+        index = next(turn)
+        a_list, b_list = batches[0 if index == 0 or len(batches) == 1 else 1 + index % 2]
+        for task, (a, b) in enumerate(zip(a_list, b_list)):
             service.submit_send(a, 0, task_id=task)
             service.submit_recv(b, 0, task_id=task)
         service.run()
 
     refit()  # schedules
     mean, median, collector = timed_ms(refit, args.calls)
-    if not all(torch.equal(a, b) for a, b in zip(sent, received)):
+    if not all(torch.equal(a, b) for a_list, b_list in batches for a, b in zip(a_list, b_list)):
         raise SystemExit("a tensor arrived wrong")
-    print(f"{count} tensors through ReshardCopyService, mean of {args.calls} refits (median): "
-          f"{mean:.2f} ms ({median:.2f}), of it {collector:.2f} ms in the garbage collector: "
-          f"{mean / count * 1e3:.2f} us a tensor")
+    what = "new tensors every refit" if args.fresh else "the same tensors every refit"
+    print(f"{count} tensors through ReshardCopyService ({what}), mean of {args.calls} refits "
+          f"(median): {mean:.2f} ms ({median:.2f}), of it {collector:.2f} ms in the garbage "
+          f"collector: {mean / count * 1e3:.2f} us a tensor")
     service.close()
-    record(args, {"api": "megatron", "tensors": count, "refit_ms": mean,
+    record(args, {"api": "megatron", "fresh": args.fresh, "tensors": count, "refit_ms": mean,
                   "refit_median_ms": median, "collector_ms": collector,
                   "per_tensor_us": mean / count * 1e3})
 

@@ -1,7 +1,8 @@
 """One rank of a job driving reshard through Megatron's CopyService interface (torch tensors):
 every rank sends a contiguous tensor, a strided view and two fresh tensors under one task id to
 its right neighbour, with and without task ids, over three refits (the later ones must not
-reschedule although the two tensors are new each time), checking what arrives.
+reschedule although the two tensors are new each time, in the last refit of other shapes and
+dtypes with as many bytes, one received into a strided view), checking what arrives.
 
     megatron_worker.py [cpu|cuda]
 """
@@ -40,10 +41,15 @@ def main():
         adapter.submit_recv(got_matrix[:, 0:16], left)
         # Two tensors under one task id (Megatron's MXFP8 transform sends data and scales so):
         # they travel in the order submitted.
-        adapter.submit_send(plain[:10] * 2, right, task_id=1000 * me + 2)
+        # The last refit hands over as many bytes in other shapes and dtypes: a float32 vector
+        # sent as int32, received as a 2 x 5 matrix and into a strided 3 x 1 column.
+        first = plain[:10] * 2
+        adapter.submit_send(first.view(torch.int32) if refit == 2 else first, right,
+                            task_id=1000 * me + 2)
         adapter.submit_send(plain[:3] * 3, right, task_id=1000 * me + 2)
-        got_first = torch.zeros(10, dtype=torch.float32, device=device)
-        got_second = torch.zeros(3, dtype=torch.float32, device=device)
+        got_first = torch.zeros((2, 5) if refit == 2 else 10, dtype=torch.float32, device=device)
+        got_second = (torch.zeros(3, 2, dtype=torch.float32, device=device)[:, :1] if refit == 2
+                      else torch.zeros(3, dtype=torch.float32, device=device))
         adapter.submit_recv(got_first, left, task_id=1000 * left + 2)
         adapter.submit_recv(got_second, left, task_id=1000 * left + 2)
         generation = svc.core.generation
@@ -60,8 +66,8 @@ def main():
                                                                      want_block):
             print(f"rank {me}: refit {refit}: wrong data", file=sys.stderr)
             return 1
-        if not torch.equal(got_first, want_plain[:10] * 2) or not torch.equal(got_second,
-                                                                         want_plain[:3] * 3):
+        if not torch.equal(got_first.reshape(-1), want_plain[:10] * 2) or not torch.equal(
+                got_second.reshape(-1), want_plain[:3] * 3):
             print(f"rank {me}: refit {refit}: tensors under one task id crossed", file=sys.stderr)
             return 1
         if torch.count_nonzero(got_matrix[:, 16:]) != 0:
