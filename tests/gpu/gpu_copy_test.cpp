@@ -13,7 +13,9 @@
 #include <cstring>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "bench/workloads.hpp"
 #include "gpu/cuda_device.hpp"
@@ -137,10 +139,15 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Workloads,
                                   std::to_string(std::get<1>(info.param));
                          });
 
-// Strided ranges in GPU memory: each side cuts the stream into rows of its own (up to three outer
-// dimensions, gaps between rows); every row lands in place and no gap byte is written, run on the
-// caller's stream after its own work with no host sync in between. NCCL sends each row as a
-// message of its own, so it gets fewer and shorter rows.
+// The UUID of CUDA device `device` (the same GPU has the same one in every process).
+std::vector<std::byte> gpu_uuid(int device) {
+  cudaDeviceProp properties{};
+  if (cudaGetDeviceProperties(&properties, device) != cudaSuccess)
+    throw std::runtime_error("cudaGetDeviceProperties failed for device " + std::to_string(device));
+  const auto bytes = std::as_bytes(std::span(properties.uuid.bytes));
+  return {bytes.begin(), bytes.end()};
+}
+
 // PEs sharing a GPU are told by the GPU's host and PCI bus id, whatever ordinal each process sees
 // it under (the NVSHMEM transport divides the GPU among them, the CUDA transport orders them by
 // their streams). The test counts them by the GPU's UUID instead (every PE runs on this host);
@@ -148,9 +155,7 @@ INSTANTIATE_TEST_SUITE_P(Gpu, Workloads,
 TEST(GpuIdentity, PesSharingThisGpuAreThoseWithItsUuid) {
   auto service = make_service();
   const int device = service->device();
-  cudaDeviceProp properties{};
-  CUDA_OK(cudaGetDeviceProperties(&properties, device));
-  const std::span<const std::byte> uuid = std::as_bytes(std::span(properties.uuid.bytes));
+  const std::vector<std::byte> uuid = gpu_uuid(device);
   int same_gpu = 0;
   for (const auto& part : bootstrap()->all_gather(uuid)) {
     same_gpu += std::equal(part.begin(), part.end(), uuid.begin(), uuid.end());
@@ -173,9 +178,7 @@ TEST(GpuIdentity, PesSharingThisGpuAreThoseWithItsUuid) {
 TEST(GpuIdentity, TransportsWaitInTheStreamFrontEndWhereProcessesShareAGpuWithoutMps) {
   auto service = make_service();
   const int device = service->device();
-  cudaDeviceProp properties{};
-  CUDA_OK(cudaGetDeviceProperties(&properties, device));
-  const std::span<const std::byte> uuid = std::as_bytes(std::span(properties.uuid.bytes));
+  const std::vector<std::byte> uuid = gpu_uuid(device);
   const auto all = bootstrap()->all_gather(uuid);
   int mine_shared_by = 0;
   bool any_shared = false;
@@ -201,6 +204,10 @@ TEST(GpuIdentity, TransportsWaitInTheStreamFrontEndWhereProcessesShareAGpuWithou
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// Strided ranges in GPU memory: each side cuts the stream into rows of its own (up to three outer
+// dimensions, gaps between rows); every row lands in place and no gap byte is written, run on the
+// caller's stream after its own work with no host sync in between. NCCL sends each row as a
+// message of its own, so it gets fewer and shorter rows.
 TEST(StridedRanges, EveryRowLandsInPlaceAndNoGapIsWritten) {
   auto service = make_service();
   const PeId me = service->my_pe();
