@@ -113,6 +113,14 @@ def plot_all_to_all(records: List[dict], out: Path, plt) -> List[Path]:
     return written
 
 
+def _newest_day(records: List[dict], key) -> Dict[tuple, str]:
+    """The newest date among ``records`` of each ``key(record)``."""
+    newest: Dict[tuple, str] = {}
+    for r in records:
+        newest[key(r)] = max(newest.get(key(r), ""), r.get("date", ""))
+    return newest
+
+
 def latest_refits(records: List[dict]) -> dict:
     """The refit chart's bars: (model, transform, transport) -> record, from each workload's
     (model and transform) newest day of records (the last of each key wins), with each run's
@@ -128,9 +136,8 @@ def latest_refits(records: List[dict]) -> dict:
     def workload(r: dict) -> tuple:
         return r["model"] + (f", {r['layers']} layers" if r.get("layers") else ""), r["transform"]
 
-    newest: Dict[tuple, str] = {}
-    for r in refits:
-        newest[workload(r)] = max(newest.get(workload(r), ""), r.get("date", ""))
+    newest = _newest_day(refits, workload)
+
     def day(date: str) -> int:
         try:
             return datetime.date.fromisoformat(date).toordinal()
@@ -227,15 +234,14 @@ def _plot_colocated_on(records: List[dict], device: str, gpus: int, out: Path,
     shared = [r for r in records
               if r.get("bench") == "all_to_all" and "pes_per_gpu" in r and "node_size" not in r
               and r.get("engine") == "sm" and r.get("per_peer_bytes") == 4096]
-    newest_small: Dict[tuple, str] = {}
+    def setting(r: dict) -> tuple:
+        return r.get("pes", r.get("gpus")), r.get("mps", False)
+
+    newest_small = _newest_day(shared, setting)
     small: Dict[tuple, float] = {}
     for r in shared:
-        key = (r.get("pes", r.get("gpus")), r.get("mps", False))
-        date = r.get("date", "")
-        if date > newest_small.get(key, ""):
-            newest_small[key] = date
-            small.pop(key, None)
-        if date == newest_small[key]:
+        key = setting(r)
+        if r.get("date", "") == newest_small[key]:
             small[key] = min(small.get(key, float("inf")), r["seconds"] * 1e6)
     if small:
         figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5),

@@ -21,6 +21,7 @@ the result as a JSON line.
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import statistics
 import subprocess
@@ -134,11 +135,10 @@ def megatron_refits(args):
     if args.fresh:
         batches += [([a.clone() for a in sent], [torch.empty_like(b) for b in received])
                     for _ in range(2)]
-    turn = iter(range(args.calls + 1))
+    turns = itertools.chain(batches[:1], itertools.cycle(batches[1:] or batches))
 
     def refit():
-        index = next(turn)
-        a_list, b_list = batches[0 if index == 0 or len(batches) == 1 else 1 + index % 2]
+        a_list, b_list = next(turns)
         for task, (a, b) in enumerate(zip(a_list, b_list)):
             service.submit_send(a, 0, task_id=task)
             service.submit_recv(b, 0, task_id=task)
