@@ -131,7 +131,8 @@ class CopyService {
   // Every PE must choose the same.
   void set_verify(bool on);
   bool verify() const;
-  // Forgets requests and plan; the service stays initialised.
+  // Forgets requests and plan, and what execute_reshard_plan kept on the service (its executor
+  // and staging); the service stays initialised.
   void clear_requests();
   // Releases everything. Safe to call twice; the destructor calls it.
   void finalize();
@@ -144,6 +145,7 @@ class CopyService {
   friend struct test_hooks::ServiceProbe;
   friend struct execution::ServiceSlot;
   struct Impl;
+  static void forget_requests(Impl& self);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -103,14 +103,64 @@ class Resharder {
   bool same_options(const ReshardOptions& options) const;
 
  private:
+  friend class Refit;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-// One call per refit: keeps a Resharder for (plan, transform) on the service, so the second call
-// with the same plan, buffers and options reuses the schedule. Where any rank passes new tensors,
-// every rank schedules again in that refit (one small all-gather per call decides).
-// clear_requests() on the service drops it.
+// A refit bound once to its tensors, then run as often as needed: the fast path of a training
+// loop. Construction is collective (every rank at once): it checks that every rank holds the
+// same plan, checks each tensor against the plan's layouts, places the staging and schedules; a
+// refusal on any rank is the same error on every rank, naming the rank and the cause, before
+// anything is scheduled. The refit holds its tensor maps (their buffers stay the caller's: they
+// must stay allocated while the refit may run them; Python's reshard.bind holds the tensors
+// themselves), its executor, staging and streams, and frees them with itself. The service must
+// outlive it, and holds one schedule: a second refit bound on the same service replaces this
+// one's (run() then refuses); give each its own CopyService.
+class Refit {
+ public:
+  Refit(std::shared_ptr<const ReshardPlan> plan, TensorMap src, TensorMap dst, CopyService& service,
+        std::shared_ptr<ReshardTransform> transform = nullptr, const ReshardOptions& options = {},
+        void* cuda_stream = nullptr);
+  ~Refit();
+  Refit(Refit&&) noexcept;
+  Refit& operator=(Refit&&) noexcept;
+  Refit(const Refit&) = delete;
+  Refit& operator=(const Refit&) = delete;
+
+  // Collective: moves every bound source slice into every rank's bound destination tensors. No
+  // tensor is looked up or checked and no host collective runs: every rank must call run() in
+  // the same refit (as CopyService::run()). With a CUDA stream the work is queued there and run()
+  // returns at once (capturable in a CUDA graph); otherwise it returns when the bytes have landed,
+  // after the work queued on the legacy default stream. Refused where the service no longer holds
+  // this refit's schedule (clear_requests(), another refit or plan scheduled on it).
+  ReshardReport run(void* cuda_stream = nullptr);
+  // Collective: replaces the named tensors (names bound at construction; other tensors stay).
+  // Where no rank's tensors differ from those bound (the same buffers, dtype and shape) this is
+  // one small all-gather; otherwise every rank prepares and schedules again. A refusal on any
+  // rank (an unknown name, a bad tensor) is the same error on every rank and leaves the refit as
+  // it was; a failure while scheduling leaves it unusable until an update() succeeds.
+  ReshardReport update(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
+
+  // What binding (or the last update() that prepared again) prepared: bytes on the wire, staging
+  // held, phases.
+  const ReshardReport& report() const { return report_; }
+  const TensorMap& sources() const;
+  const TensorMap& destinations() const;
+  CopyService& service() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  ReshardReport report_;
+};
+
+// One call per refit: keeps one Resharder on the service, for the last (plan, transform, options)
+// executed there, so the next call with the same plan, buffers and options reuses the schedule
+// (built-in transforms count as the same when they do the same: a fresh make_cast_transform at
+// every call reuses it). Where any rank passes new tensors, every rank schedules again in that
+// refit (one small all-gather per call decides). clear_requests() on the service drops it; a
+// Refit is the same without the per-call check.
 ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
                                    const TensorMap& src, const TensorMap& dst, CopyService& service,
                                    std::shared_ptr<ReshardTransform> transform = nullptr,

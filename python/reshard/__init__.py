@@ -39,11 +39,13 @@ from ._core import (
 )
 from .copy_service import CopyService, make_bootstrap, service_options
 from .execution import LocalTensor, execute_reshard_plan, rerun_reshard_plan
+from .refit import BoundRefit, bind
 from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BoundRefit",
     "CopyService",
     "Layout",
     "LocalTensor",
@@ -62,6 +64,7 @@ __all__ = [
     "SliceInfo",
     "TransferOp",
     "available_transports",
+    "bind",
     "build_layout",
     "component_versions",
     "execute_reshard_plan",

@@ -117,8 +117,8 @@ def make_bootstrap(
     if isinstance(source, _core.Bootstrap):
         return source
     if source is None:
-        if device is not None:
-            os.environ.setdefault("RESHARD_DEVICE", str(device))
+        # The device is the service's option (CopyService(device=...)), not the process's: a
+        # RESHARD_DEVICE set here would hold the first service's device for every later one.
         return _core.default_bootstrap()
     if isinstance(source, str) and source != "torch":
         if rank is None or world_size is None:
@@ -398,12 +398,14 @@ class CopyService:
         self._registered.clear()
         self._refit_tensors.clear()
 
-    def _hold_refit_tensors(self, tensors: Any, replace: bool) -> None:
+    def _hold_refit_tensors(self, tensors: Any, succeeded: bool) -> None:
         # A refit that failed part way may have prepared with its tensors or kept the last ones:
-        # both stay held until a refit succeeds.
-        if replace:
-            self._refit_tensors.clear()
-        self._refit_tensors.append(tensors)
+        # both stay held until a refit succeeds, and a failed call's tensors replace the last
+        # failed call's (a loop of refused calls holds one set, not every set it was given).
+        if succeeded:
+            self._refit_tensors = [tensors]
+        else:
+            self._refit_tensors = self._refit_tensors[:1] + [tensors]
 
     def __enter__(self) -> "CopyService":
         return self

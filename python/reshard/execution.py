@@ -63,8 +63,10 @@ def execute_reshard_plan(
     ``src`` and ``dst`` map parameter names to this rank's local tensors (arrays, or
     :class:`LocalTensor` for scales and explicit dtypes). The first call registers and schedules;
     later calls with the same tensors only run, so call it once per refit; where any rank passes
-    new tensors, every rank schedules again in that call (the ranks agree on it). With a CUDA ``stream``
-    the work is queued there; otherwise the call returns when the bytes have landed.
+    new tensors, every rank schedules again in that call (the ranks agree on it). With a CUDA
+    ``stream`` the work is queued there; otherwise the call returns when the bytes have landed
+    (PyTorch CUDA tensors: ordered after PyTorch's current stream). A refit repeated with the same
+    tensors is faster bound once: :func:`reshard.bind`.
     A service holds one schedule: alternating two plans (or two sets of tensors) on one service
     registers and schedules again at every switch; give each its own :class:`CopyService` to keep
     both schedules. ``transform`` is a built-in (``make_mxfp8_transform(...)``, ...), an instance
@@ -82,20 +84,24 @@ def execute_reshard_plan(
     landing buffer. ``quantize_colocated_on_sender=False`` keeps every slice on the side the
     transform names. Every rank must pass the same.
     """
+    from .refit import OnCurrentStream, torch_cuda_device
     core = service.core if isinstance(service, CopyService) else service
     tensors = (_entries(src), _entries(dst))
+    handle, wait = OnCurrentStream(torch_cuda_device(src, dst) if stream is None
+                                   else None).handle(stream)
     try:
         report = _core.execute_reshard_plan(
             plan, tensors[0], tensors[1], core, native_transform(transform, src, dst),
-            stream_handle(stream), _budget_bytes(staging_budget),
-            bool(quantize_colocated_on_sender)
+            handle, _budget_bytes(staging_budget), bool(quantize_colocated_on_sender)
         )
     except BaseException:
         if isinstance(service, CopyService):
-            service._hold_refit_tensors(tensors, replace=False)
+            service._hold_refit_tensors(tensors, succeeded=False)
         raise
     if isinstance(service, CopyService):
-        service._hold_refit_tensors(tensors, replace=True)
+        service._hold_refit_tensors(tensors, succeeded=True)
+    if wait is not None:
+        wait.synchronize()
     return report
 
 

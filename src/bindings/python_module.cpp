@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "core/env.hpp"
+#include "execution/verdicts.hpp"
 #include "launch/local_launcher.hpp"
 #include "reshard/bootstrap.hpp"
 #include "reshard/copy_service.hpp"
@@ -261,6 +262,23 @@ TensorMap tensor_map(const TensorLists& lists, const char* role) {
     map.insert_or_assign(name, std::move(tensor));
   }
   return map;
+}
+
+// This rank's tensor maps for a collective call, or, where one cannot be read (not an array,
+// an unsupported dtype), that refusal shared with the other ranks in the call's first collective
+// (execution::gather_verdicts), so they stop with the same error instead of waiting for this one.
+std::pair<TensorMap, TensorMap> tensor_maps_or_refuse(const TensorLists& src,
+                                                      const TensorLists& dst,
+                                                      CopyService& service) {
+  std::exception_ptr failure;
+  try {
+    return {tensor_map<ReadOnlyArray>(src, "source"), tensor_map<Array>(dst, "destination")};
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  nb::gil_scoped_release released;
+  execution::gather_verdicts(service, {}, failure);
+  std::rethrow_exception(failure);  // not reached: the gather throws on every rank
 }
 
 std::vector<std::int64_t> extents(const Box& box) {
@@ -922,8 +940,7 @@ void bind_execution(nb::module_& m) {
          const TensorLists& dst, CopyService& service, std::shared_ptr<ReshardTransform> transform,
          std::optional<std::uintptr_t> stream, std::optional<std::uint64_t> staging_budget,
          bool quantize_colocated_on_sender) {
-        const TensorMap src_map = tensor_map<ReadOnlyArray>(src, "source");
-        const TensorMap dst_map = tensor_map<Array>(dst, "destination");
+        const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
         ReshardOptions options;
         options.staging_budget = staging_budget;
         options.quantize_colocated_on_sender = quantize_colocated_on_sender;
@@ -933,6 +950,41 @@ void bind_execution(nb::module_& m) {
       },
       "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
       "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true);
+  nb::class_<Refit>(m, "Refit")
+      .def(
+          "__init__",
+          [](Refit* self, std::shared_ptr<const ReshardPlan> plan, const TensorLists& src,
+             const TensorLists& dst, CopyService& service,
+             std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
+             std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender) {
+            auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
+            ReshardOptions options;
+            options.staging_budget = staging_budget;
+            options.quantize_colocated_on_sender = quantize_colocated_on_sender;
+            nb::gil_scoped_release released;
+            new (self) Refit(std::move(plan), std::move(src_map), std::move(dst_map), service,
+                             std::move(transform), options, stream_of(stream));
+          },
+          "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(),
+          "stream"_a = nb::none(), "staging_budget"_a = nb::none(),
+          "quantize_colocated_on_sender"_a = true, nb::keep_alive<1, 5>())
+      .def(
+          "run",
+          [](Refit& self, std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release released;
+            return self.run(stream_of(stream));
+          },
+          "stream"_a = nb::none())
+      .def(
+          "update",
+          [](Refit& self, const TensorLists& src, const TensorLists& dst,
+             std::optional<std::uintptr_t> stream) {
+            const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, self.service());
+            nb::gil_scoped_release released;
+            return self.update(src_map, dst_map, stream_of(stream));
+          },
+          "src"_a, "dst"_a, "stream"_a = nb::none())
+      .def_prop_ro("report", &Refit::report);
   m.def(
       "rerun_reshard_plan",
       [](const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,

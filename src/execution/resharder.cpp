@@ -18,6 +18,7 @@
 #include "core/message.hpp"
 #include "execution/staging.hpp"
 #include "execution/task_ids.hpp"
+#include "execution/verdicts.hpp"
 #ifdef RESHARD_WITH_CUDA
 #include "gpu/cuda_device.hpp"
 #endif
@@ -177,6 +178,78 @@ std::string where(const ReshardPlan& plan, const TransferOp& op) {
 
 }  // namespace
 
+namespace execution {
+
+std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
+                                                    std::span<const std::byte> mine,
+                                                    const std::exception_ptr& failure) {
+  const PeId me = service.my_pe();
+  ErrorCode code = ErrorCode::kInvalidArgument;
+  std::string text;
+  bool ours = true;
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const Error& error) {
+      code = error.code();
+      text = error.what();
+    } catch (const std::exception& error) {
+      ours = false;
+      text = error.what();
+    } catch (...) {
+      ours = false;
+      text = "an exception that is not a std::exception";
+    }
+  }
+  message::Writer out;
+  out.put<std::uint8_t>(failure ? 1 : 0);
+  out.put<std::int32_t>(static_cast<std::int32_t>(code));
+  out.put_string(text);
+  out.put_array(mine);
+  const auto all = service.all_gather(out.bytes());
+  std::vector<std::vector<std::byte>> parts(all.size());
+  std::vector<int> failed;
+  std::string first_text;
+  ErrorCode first_code = code;
+  for (std::size_t rank = 0; rank < all.size(); ++rank) {
+    message::Reader in(all[rank]);
+    const bool their_failure = in.get<std::uint8_t>() != 0;
+    const auto their_code = static_cast<ErrorCode>(in.get<std::int32_t>());
+    std::string their_text = in.get_string();
+    parts[rank] = in.get_array<std::byte>();
+    if (!their_failure) continue;
+    if (failed.empty()) {
+      first_code = their_code;
+      first_text = std::move(their_text);
+    }
+    failed.push_back(static_cast<int>(rank));
+  }
+  if (failed.empty()) return parts;
+  if (failure && !ours) std::rethrow_exception(failure);
+  // A rank that failed itself tells its own cause (each rank's is the one it can correct); the
+  // others tell the first failing rank's.
+  if (failure) {
+    first_code = code;
+    first_text = text;
+    std::rotate(failed.begin(), std::find(failed.begin(), failed.end(), me), failed.end());
+  }
+  std::string others;
+  if (failed.size() > 1) {
+    others = " (and rank";
+    others += failed.size() > 2 ? "s" : "";
+    for (std::size_t i = 1; i < failed.size(); ++i)
+      others += (i > 1 ? ", " : " ") + std::to_string(failed[i]);
+    others += ")";
+  }
+  throw Error(first_code,
+              "rank " + std::to_string(failed[0]) + others +
+                  " refused the refit, so every rank stops before any byte moves: " + first_text +
+                  " [the copy service stays usable: call again on every rank with "
+                  "that corrected]");
+}
+
+}  // namespace execution
+
 // One phase of a refit (ReshardOptions::staging_budget): this rank's sides of its ops, and the
 // packs and unpacks of their non-contiguous slices.
 struct Phase {
@@ -248,7 +321,7 @@ struct Resharder::Impl {
        ReshardOptions o)
       : plan(std::move(p)),
         service(s),
-        transform(std::move(t)),
+        transform(own_instance(std::move(t))),
         ranged(dynamic_cast<execution::RangedTransform*>(transform.get())),
         requested(requested_budget(o)),
         colocated_on_sender(o.quantize_colocated_on_sender),
@@ -278,7 +351,19 @@ struct Resharder::Impl {
       }
       if (ops == &send_ops) source_params = param_names.size();
     }
-    check_same_plan_everywhere();
+  }
+
+  // A built-in transform converts through per-refit state (queues, recordings, placement): the
+  // executor converts with a copy of its own, so the caller's object stays a description that
+  // any number of refits (and threads) may share. A custom transform is used as given.
+  static std::shared_ptr<ReshardTransform> own_instance(std::shared_ptr<ReshardTransform> given) {
+    const auto* ranged = dynamic_cast<const execution::RangedTransform*>(given.get());
+    return ranged != nullptr ? ranged->fresh_copy() : given;
+  }
+
+  std::vector<std::vector<std::byte>> gather_verdicts(std::span<const std::byte> mine,
+                                                      const std::exception_ptr& failure) {
+    return execution::gather_verdicts(service, mine, failure);
   }
 
   // Collective: ranks that built different plans (from different layouts) would register task
@@ -599,7 +684,7 @@ struct Resharder::Impl {
 #endif
 
   void register_and_schedule(const std::vector<Side>& sends, const std::vector<Side>& receives) {
-    service.clear_requests();
+    execution::ServiceSlot::clear_requests(service);
     for (const Side& side : sends) {
       service.set_phase(side.phase);
       for (std::size_t i = 0; i < side.wire.size(); ++i) {
@@ -705,10 +790,11 @@ struct Resharder::Impl {
     return true;
   }
 
-  // Collective: whether `mine` holds on every rank.
-  bool all_ranks_agree(bool mine) {
+  // Collective: whether `mine` holds on every rank (gather_verdicts: a rank's `failure` throws on
+  // every rank).
+  bool all_ranks_agree(bool mine, const std::exception_ptr& failure = nullptr) {
     const std::byte flag{static_cast<unsigned char>(mine ? 1 : 0)};
-    const auto all = service.all_gather(std::span<const std::byte>(&flag, 1));
+    const auto all = gather_verdicts(std::span<const std::byte>(&flag, 1), failure);
     return std::all_of(all.begin(), all.end(), [](const std::vector<std::byte>& part) {
       return part.size() == 1 && part[0] == std::byte{1};
     });
@@ -724,9 +810,10 @@ struct Resharder::Impl {
   // unit, placed where its first op is. Units are taken in plan order and a new phase begins
   // where one more would take some rank past the budget. A unit that alone needs more than a
   // budget the caller gave is refused, on every rank alike; the default budget grows to it.
+  // Carries each rank's verdict on its own preparation so far (gather_verdicts).
   std::vector<std::uint32_t> assign_phases(
       const std::map<execution::StagingPool::OpKey, std::size_t>& sized,
-      const std::map<std::uint32_t, std::uint32_t>& leaders) {
+      const std::map<std::uint32_t, std::uint32_t>& leaders, const std::exception_ptr& failure) {
     std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
     for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
     message::Writer out;
@@ -737,7 +824,7 @@ struct Resharder::Impl {
     flat.clear();
     for (const auto& [op, leader] : leaders) flat.insert(flat.end(), {op, leader});
     out.put_array(std::span<const std::uint64_t>(flat));
-    const auto all = service.all_gather(out.bytes());
+    const auto all = gather_verdicts(out.bytes(), failure);
     const std::size_t ops = plan->ops().size();
     std::vector<std::uint32_t> unit(ops);
     for (std::uint32_t i = 0; i < ops; ++i) unit[i] = i;
@@ -814,34 +901,21 @@ struct Resharder::Impl {
     return bytes == ReshardOptions::kUnlimited ? "unlimited" : format_bytes(bytes);
   }
 
-  // Prepares this rank's sides for `tensors` (tensors_used of src and dst): sizes the staging
-  // every op needs (the hooks run dry), agrees on the phases with the other ranks, places the
-  // staging, and takes each side's wire buffers from there, phase by phase as the refits run them.
-  void prepare(const TensorMap& src, const TensorMap& dst, std::vector<LocalTensor> tensors,
-               void* stream, ReshardReport& report) {
+  // Collective: prepares this rank's sides for `src` and `dst`: checks that every rank holds the
+  // same plan, sizes the staging every op needs (the hooks run dry), agrees on the phases with
+  // the other ranks, places the staging, takes each side's wire buffers from there, phase by
+  // phase as the refits run them, and schedules. A refusal found on one rank (a missing or bad
+  // tensor, a transform's hook) stops every rank alike before anything is scheduled
+  // (gather_verdicts).
+  void prepare(const TensorMap& src, const TensorMap& dst, void* stream, ReshardReport& report) {
+    prepared.valid = false;
+    check_same_plan_everywhere();
+    if (ranged != nullptr) ranged->set_placement(placement);
 #ifdef RESHARD_WITH_CUDA
     // The last refit's work may still read the staging that is placed anew here.
     if (stream != nullptr && staging.reserved_bytes() > 0)
       execution::cuda::synchronize_stream(stream);
 #endif
-    prepared.sends.clear();
-    prepared.receives.clear();
-    prepared.locals.clear();
-    prepared.phases.clear();
-    prepared.locals_converted.clear();
-    prepared.conversions_recorded = false;
-    prepared.converted_locally.assign(plan->ops().size(), false);
-    prepared.device = device_of(src, dst);
-    prepared.report = ReshardReport{};
-    ReshardReport& counts = prepared.report;
-    std::vector<const TransferOp*> sending, receiving;  // through the copy service
-    for (const TransferOp* op : send_ops) {
-      if (op->local() && converts_locally(*op, src, dst)) continue;
-      sending.push_back(op);
-    }
-    for (const TransferOp* op : recv_ops) {
-      if (!prepared.converted_locally[op - plan->ops().data()]) receiving.push_back(op);
-    }
     // The built-in transforms convert nothing here: the refits convert phase by phase.
     struct DryRun {
       execution::RangedTransform* ranged;
@@ -852,12 +926,33 @@ struct Resharder::Impl {
         if (ranged != nullptr) ranged->set_dry_run(false);
       }
     } dry_run(ranged);
+    std::exception_ptr failure;
+    std::vector<LocalTensor> tensors;
+    std::vector<const TransferOp*> sending, receiving;  // through the copy service
     // Sizing. A transform that converts a slice once for several ops (replicas) gives the later
     // ones the first one's wire buffers: those ops share a phase (`leaders`: op index -> the op
     // whose conversion it shares).
-    staging.start_sizing();
+    std::map<execution::StagingPool::OpKey, std::size_t> sized;
     std::map<std::uint32_t, std::uint32_t> leaders;
-    {
+    try {
+      prepared.sends.clear();
+      prepared.receives.clear();
+      prepared.locals.clear();
+      prepared.phases.clear();
+      prepared.locals_converted.clear();
+      prepared.conversions_recorded = false;
+      prepared.converted_locally.assign(plan->ops().size(), false);
+      prepared.report = ReshardReport{};
+      tensors = tensors_used(src, dst);
+      prepared.device = device_of(src, dst);
+      for (const TransferOp* op : send_ops) {
+        if (op->local() && converts_locally(*op, src, dst)) continue;
+        sending.push_back(op);
+      }
+      for (const TransferOp* op : recv_ops) {
+        if (!prepared.converted_locally[op - plan->ops().data()]) receiving.push_back(op);
+      }
+      staging.start_sizing();
       execution::BlockCopyBatch scratch;
       ReshardReport ignored;
       for (const auto& [ops, map, is_send] :
@@ -871,35 +966,47 @@ struct Resharder::Impl {
         }
         if (ranged != nullptr) transform->flush(stream);
       }
+      sized = staging.sized_bytes();
+    } catch (...) {
+      failure = std::current_exception();
     }
-    const std::vector<std::uint32_t> phase_of = assign_phases(staging.sized_bytes(), leaders);
-    auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
-    staging.arrange([&](const execution::StagingPool::OpKey& key) {
-      return phase_of[op_index.at(key.second)];
-    });
-    const std::uint32_t phases =
-        phase_of.empty() ? 1 : *std::max_element(phase_of.begin(), phase_of.end()) + 1;
-    for (std::uint32_t p = 0; p < phases; ++p) prepared.phases.push_back(std::make_unique<Phase>());
-    for (std::uint32_t p = 0; p < phases; ++p) {
-      Phase& phase = *prepared.phases[p];
-      for (const auto& [ops, map, is_send] :
-           {std::tuple{&sending, &src, true}, std::tuple{&receiving, &dst, false}}) {
-        std::vector<Side>& sides = is_send ? prepared.sends : prepared.receives;
-        for (const TransferOp* op : *ops) {
-          if (phase_of_op(*op) != p) continue;
-          (is_send ? phase.sends : phase.receives).push_back(sides.size());
-          sides.push_back(prepare_side(*op, *map, is_send, stream,
-                                       is_send ? phase.packs : phase.unpacks, counts));
-          sides.back().phase = p;
-          if (!op->local())
-            (is_send ? counts.bytes_sent : counts.bytes_received) += wire_bytes(sides.back());
+    const std::vector<std::uint32_t> phase_of = assign_phases(sized, leaders, failure);
+    ReshardReport& counts = prepared.report;
+    try {
+      auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
+      staging.arrange([&](const execution::StagingPool::OpKey& key) {
+        return phase_of[op_index.at(key.second)];
+      });
+      const std::uint32_t phases =
+          phase_of.empty() ? 1 : *std::max_element(phase_of.begin(), phase_of.end()) + 1;
+      for (std::uint32_t p = 0; p < phases; ++p)
+        prepared.phases.push_back(std::make_unique<Phase>());
+      for (std::uint32_t p = 0; p < phases; ++p) {
+        Phase& phase = *prepared.phases[p];
+        for (const auto& [ops, map, is_send] :
+             {std::tuple{&sending, &src, true}, std::tuple{&receiving, &dst, false}}) {
+          std::vector<Side>& sides = is_send ? prepared.sends : prepared.receives;
+          for (const TransferOp* op : *ops) {
+            if (phase_of_op(*op) != p) continue;
+            (is_send ? phase.sends : phase.receives).push_back(sides.size());
+            sides.push_back(prepare_side(*op, *map, is_send, stream,
+                                         is_send ? phase.packs : phase.unpacks, counts));
+            sides.back().phase = p;
+            if (!op->local())
+              (is_send ? counts.bytes_sent : counts.bytes_received) += wire_bytes(sides.back());
+          }
+          // As the refits do: a transform converts a slice once per phase.
+          if (is_send && ranged != nullptr) transform->flush(stream);
         }
-        // As the refits do: a transform converts a slice once per phase.
-        if (is_send && ranged != nullptr) transform->flush(stream);
       }
+      counts.staging_bytes = staging.reserved_bytes();
+      counts.phases = phases;
+    } catch (...) {
+      failure = std::current_exception();
     }
-    counts.staging_bytes = staging.reserved_bytes();
-    counts.phases = phases;
+    // A custom transform's hooks run only now (its wire buffers are its own): every rank says
+    // whether they took their buffers before any rank schedules.
+    gather_verdicts({}, failure);
     // Every rank prepares in the same refit (execute agrees on it), so every rank schedules.
     if (registered_generation == UINT64_MAX) {
       RESHARD_LOG(kDebug, "scheduling the reshard plan: "
@@ -982,44 +1089,55 @@ struct Resharder::Impl {
 
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
     using Clock = std::chrono::steady_clock;
-    if (ranged != nullptr) ranged->set_placement(placement);
     ReshardReport report;
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
     // the transforms' hooks run again.
     const auto started = Clock::now();
-    const bool same = prepared.valid &&
-                      execution::ServiceSlot::generation(service) == registered_generation &&
-                      same_tensors_as_prepared(src, dst);
-    // The same tensors are on the prepared refit's GPU (device_of walks every tensor of host maps).
-    void* stream = stream_on(same ? prepared.device : device_of(src, dst), cuda_stream);
-    const bool reusable = same && rerun_transforms(src, dst, stream);
+    std::exception_ptr failure;
+    void* stream = nullptr;
+    bool reusable = false;
+    try {
+      const bool same = prepared.valid &&
+                        execution::ServiceSlot::generation(service) == registered_generation &&
+                        same_tensors_as_prepared(src, dst);
+      // The same tensors are on the prepared refit's GPU (device_of walks every tensor of host
+      // maps).
+      stream = stream_on(same ? prepared.device : device_of(src, dst), cuda_stream);
+      reusable = same && rerun_transforms(src, dst, stream);
+    } catch (...) {
+      failure = std::current_exception();
+    }
     const auto checked = Clock::now();
     report.check_seconds = std::chrono::duration<double>(checked - started).count();
     // Scheduling is collective: a rank given new tensors alone must not schedule alone (its peers
     // would run the old schedule and both sides time out), so the ranks agree, in one small
-    // all-gather per refit, and all prepare again where any one must.
-    const bool agreed = all_ranks_agree(reusable);
+    // all-gather per refit, and all prepare again where any one must. A rank that refused its
+    // tensors says so in the same all-gather.
+    const bool agreed = all_ranks_agree(reusable, failure);
     report.agree_seconds = std::chrono::duration<double>(Clock::now() - checked).count();
     PhaseClock clock{.enabled = service.options().debug.phase_timing,
                      .stream = stream,
                      .issued = &report.issue_seconds};
-    if (!agreed) {
-      prepared.valid = false;
-      prepare(src, dst, tensors_used(src, dst), stream, report);
-    }
+    if (!agreed) prepare(src, dst, stream, report);
     run_phases(src, dst, stream, cuda_stream, clock, report);
     return report;
   }
 
-  // The prepared refit again, its tensors taken as they were (Resharder::rerun).
-  ReshardReport rerun(void* cuda_stream) {
-    if (!prepared.valid || execution::ServiceSlot::generation(service) != registered_generation) {
+  // Whether the refit prepared last is still the service's schedule.
+  bool still_scheduled() const {
+    return prepared.valid && execution::ServiceSlot::generation(service) == registered_generation;
+  }
+
+  // The prepared refit again, with `src` and `dst` (the prepared tensors, as a bound Refit holds
+  // them), or, where null, the tensors the last execute() prepared with (Resharder::rerun).
+  ReshardReport rerun(void* cuda_stream, const TensorMap* bound_src = nullptr,
+                      const TensorMap* bound_dst = nullptr) {
+    if (!still_scheduled()) {
       throw_error(ErrorCode::kInvalidState,
                   "rerun: no refit of this plan is prepared on this copy service (call "
                   "execute_reshard_plan, or the Resharder's execute(), first; clear_requests() "
                   "and another plan's schedule on the service drop it)");
     }
-    if (ranged != nullptr) ranged->set_placement(placement);
     ReshardReport report;
     void* stream = stream_on(prepared.device, cuda_stream);
     PhaseClock clock{.enabled = service.options().debug.phase_timing,
@@ -1028,11 +1146,15 @@ struct Resharder::Impl {
     // A built-in transform's conversions replay (recorded by the last refit), and without a
     // transform nothing reads the maps; a custom transform's hooks run again on the prepared
     // tensors, and must return the wire buffers they were scheduled with.
-    TensorMap src, dst;  // left empty where nothing reads them
+    TensorMap rebuilt_src, rebuilt_dst;  // left empty where nothing reads them
+    const TensorMap* src = bound_src != nullptr ? bound_src : &rebuilt_src;
+    const TensorMap* dst = bound_dst != nullptr ? bound_dst : &rebuilt_dst;
     if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
-      for (std::size_t i = 0; i < param_names.size(); ++i)
-        map_of(i, src, dst).emplace(param_names[i], prepared.tensors[i]);
-      if (!rerun_transforms(src, dst, stream)) {
+      if (bound_src == nullptr) {
+        for (std::size_t i = 0; i < param_names.size(); ++i)
+          map_of(i, rebuilt_src, rebuilt_dst).emplace(param_names[i], prepared.tensors[i]);
+      }
+      if (!rerun_transforms(*src, *dst, stream)) {
         throw_error(ErrorCode::kInvalidState,
                     "rerun: transform '" + transform->name() +
                         "' returned other wire buffers than the refit was scheduled with: "
@@ -1040,15 +1162,16 @@ struct Resharder::Impl {
       }
     }
     try {
-      run_phases(src, dst, stream, cuda_stream, clock, report);
+      run_phases(*src, *dst, stream, cuda_stream, clock, report);
     } catch (const Error& error) {
       // Ranks agree on nothing before a rerun: one that executes the plan (or stops) while its
       // peers rerun leaves them waiting for it. Say which calls must match.
       if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
       throw Error(error.code(),
                   std::string(error.what()) +
-                      " [during rerun_reshard_plan: every rank must rerun the same refit together; "
-                      "where any rank executes the plan instead, every rank must]",
+                      " [during a run of a prepared refit (Refit::run, rerun_reshard_plan): every "
+                      "rank must rerun the same refit together; where any rank executes or "
+                      "updates it instead, every rank must]",
                   error.tasks());
     }
     return report;
@@ -1119,12 +1242,30 @@ ReshardReport Resharder::rerun(void* cuda_stream) { return impl_->rerun(cuda_str
 
 namespace {
 
-// The executors execute_reshard_plan keeps on a service, by plan and transform.
+// What execute_reshard_plan keeps on a service: the executor of the last (plan, transform,
+// options) it ran, and nothing more. A service holds one schedule, so an executor of another
+// plan would schedule again at its next call anyway; keeping only the last one bounds the
+// memory (staging, on GPUs device memory) of callers who make a new transform or plan object
+// every refit. Built-in transforms are told apart by what they do (a fresh
+// make_cast_transform(kFloat32) at every call reuses the executor), custom ones by identity.
 struct ExecutorCache {
-  std::map<std::pair<const ReshardPlan*, const ReshardTransform*>,
-           std::pair<std::shared_ptr<const ReshardPlan>, std::unique_ptr<Resharder>>>
-      executors;
+  std::shared_ptr<const ReshardPlan> plan;      // held so its address cannot be reused by another
+  std::shared_ptr<ReshardTransform> transform;  // likewise
+  std::string transform_key;
+  std::unique_ptr<Resharder> executor;
 };
+
+std::string transform_key(const std::shared_ptr<ReshardTransform>& transform) {
+  if (!transform) return {};
+  if (const auto* ranged = dynamic_cast<const execution::RangedTransform*>(transform.get()))
+    return "built-in:" + ranged->description();
+  return "custom:" + std::to_string(reinterpret_cast<std::uintptr_t>(transform.get()));
+}
+
+ExecutorCache* cache_of(CopyService& service) {
+  std::shared_ptr<void>& slot = execution::ServiceSlot::executors(service);
+  return static_cast<ExecutorCache*>(slot.get());
+}
 
 }  // namespace
 
@@ -1134,40 +1275,163 @@ ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& pla
                                    const ReshardOptions& options) {
   std::shared_ptr<void>& slot = execution::ServiceSlot::executors(service);
   if (!slot) slot = std::make_shared<ExecutorCache>();
-  auto& cache = static_cast<ExecutorCache*>(slot.get())->executors;
-  auto key = std::make_pair(plan.get(), transform.get());
-  auto it = cache.find(key);
-  // Another budget means other phases: a new executor (and schedule) on every rank alike.
-  if (it != cache.end() && !it->second.second->same_options(options)) {
-    cache.erase(it);
-    it = cache.end();
+  ExecutorCache& cache = *static_cast<ExecutorCache*>(slot.get());
+  std::string key = transform_key(transform);
+  // Another plan, transform or budget: a new executor (and schedule) on every rank alike. Which
+  // one a rank keeps is its own business: a new executor's first call agrees with the ranks that
+  // kept theirs exactly as a kept one whose tensors changed does.
+  if (!cache.executor || cache.plan != plan || cache.transform_key != key ||
+      !cache.executor->same_options(options)) {
+    cache.executor.reset();  // its staging goes before the new one's is placed
+    cache.executor = std::make_unique<Resharder>(plan, service, transform, options);
+    cache.plan = plan;
+    cache.transform = std::move(transform);
+    cache.transform_key = std::move(key);
   }
-  if (it == cache.end()) {
-    // The plan is held alongside so its address cannot be reused by another plan.
-    it = cache
-             .emplace(key, std::make_pair(plan, std::make_unique<Resharder>(plan, service,
-                                                                            transform, options)))
-             .first;
-  }
-  return it->second.second->execute(src, dst, cuda_stream);
+  return cache.executor->execute(src, dst, cuda_stream);
 }
 
 ReshardReport rerun_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
                                  CopyService& service,
                                  const std::shared_ptr<ReshardTransform>& transform,
                                  void* cuda_stream) {
-  std::shared_ptr<void>& slot = execution::ServiceSlot::executors(service);
-  if (slot) {
-    auto& cache = static_cast<ExecutorCache*>(slot.get())->executors;
-    if (auto it = cache.find({plan.get(), transform.get()}); it != cache.end()) {
-      return it->second.second->rerun(cuda_stream);
-    }
+  ExecutorCache* cache = cache_of(service);
+  if (cache != nullptr && cache->executor && cache->plan == plan &&
+      cache->transform_key == transform_key(transform)) {
+    return cache->executor->rerun(cuda_stream);
   }
   throw_error(ErrorCode::kInvalidState,
               "rerun_reshard_plan: this plan" +
                   std::string(transform ? " with transform '" + transform->name() + "'" : "") +
-                  " was not executed on this copy service (call execute_reshard_plan first; "
-                  "clear_requests() drops what it kept)");
+                  " was not the last one executed on this copy service (call "
+                  "execute_reshard_plan first; clear_requests() drops what it kept)");
 }
+
+// ---- Refit: bound once, run many ----
+
+struct Refit::Impl {
+  Resharder::Impl executor;
+  TensorMap src, dst;  // the bound tensors (the executor's records point into these)
+  bool bound = false;  // prepared and scheduled for src and dst (false after a failed update)
+
+  Impl(std::shared_ptr<const ReshardPlan> plan, TensorMap s, TensorMap d, CopyService& service,
+       std::shared_ptr<ReshardTransform> transform, const ReshardOptions& options)
+      : executor(std::move(plan), service, std::move(transform), options),
+        src(std::move(s)),
+        dst(std::move(d)) {}
+
+  void bind(void* cuda_stream, ReshardReport& report) {
+    bound = false;
+    std::exception_ptr failure;
+    void* stream = nullptr;
+    try {
+      stream = executor.stream_on(Resharder::Impl::device_of(src, dst), cuda_stream);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    executor.gather_verdicts({}, failure);
+    executor.prepare(src, dst, stream, report);
+#ifdef RESHARD_WITH_CUDA
+    if (cuda_stream == nullptr && stream != nullptr) execution::cuda::synchronize_stream(stream);
+#endif
+    bound = true;
+  }
+
+  // Why run() cannot run, or empty.
+  std::string unusable() const {
+    if (!bound) {
+      return "Refit::run: the last update() of this refit failed, so it holds no schedule; "
+             "update() again on every rank with the tensors corrected";
+    }
+    if (!executor.still_scheduled()) {
+      return "Refit::run: the copy service no longer holds this refit's schedule "
+             "(clear_requests(), or another refit or plan scheduled on it since); a service "
+             "holds one schedule: give each bound refit its own CopyService, or bind again";
+    }
+    return {};
+  }
+};
+
+Refit::Refit(std::shared_ptr<const ReshardPlan> plan, TensorMap src, TensorMap dst,
+             CopyService& service, std::shared_ptr<ReshardTransform> transform,
+             const ReshardOptions& options, void* cuda_stream)
+    : impl_(std::make_unique<Impl>(std::move(plan), std::move(src), std::move(dst), service,
+                                   std::move(transform), options)) {
+  ReshardReport ignored;
+  impl_->bind(cuda_stream, ignored);
+  report_ = impl_->executor.prepared.report;
+  report_.rescheduled = true;
+}
+
+Refit::~Refit() = default;
+Refit::Refit(Refit&&) noexcept = default;
+Refit& Refit::operator=(Refit&&) noexcept = default;
+
+ReshardReport Refit::run(void* cuda_stream) {
+  if (const std::string why = impl_->unusable(); !why.empty())
+    throw_error(ErrorCode::kInvalidState, why);
+  return impl_->executor.rerun(cuda_stream, &impl_->src, &impl_->dst);
+}
+
+ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
+  Impl& self = *impl_;
+  std::exception_ptr failure;
+  bool changed = !self.bound || !self.executor.still_scheduled();
+  std::vector<std::pair<TensorMap::iterator, LocalTensor>> previous;  // to restore on failure
+  try {
+    for (auto [given, bound, role] :
+         {std::tuple{&src, &self.src, "source"}, std::tuple{&dst, &self.dst, "destination"}}) {
+      for (const auto& [name, tensor] : *given) {
+        auto it = bound->find(name);
+        if (it == bound->end()) {
+          throw_error(ErrorCode::kInvalidArgument,
+                      std::string("Refit::update: '") + name + "' is not a " + role +
+                          " tensor of this refit on rank " + std::to_string(self.executor.me) +
+                          " (only tensors bound at construction can be replaced)");
+        }
+        std::vector<std::int64_t> shapes;
+        if (!TensorIdentity::of(it->second, shapes).matches(tensor, shapes)) changed = true;
+        previous.emplace_back(it, it->second);
+        it->second = tensor;
+      }
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  auto restore = [&] {
+    for (auto& [it, tensor] : previous) it->second = std::move(tensor);
+  };
+  // Collective: where no rank's tensors changed, nothing is prepared again. A refusal (a name
+  // not bound, on any rank) leaves every rank's refit as it was.
+  bool unchanged = false;
+  try {
+    unchanged = self.executor.all_ranks_agree(!changed, failure);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  if (unchanged) {
+    ReshardReport report = report_;
+    report.rescheduled = false;
+    return report;
+  }
+  try {
+    ReshardReport ignored;
+    self.bind(cuda_stream, ignored);
+  } catch (...) {
+    // The preparation was dropped part way: the refit runs again only after an update() that
+    // succeeds (Impl::unusable says so).
+    restore();
+    self.bound = false;
+    throw;
+  }
+  report_ = self.executor.prepared.report;
+  report_.rescheduled = true;
+  return report_;
+}
+
+const TensorMap& Refit::sources() const { return impl_->src; }
+const TensorMap& Refit::destinations() const { return impl_->dst; }
+CopyService& Refit::service() const { return impl_->executor.service; }
 
 }  // namespace reshard

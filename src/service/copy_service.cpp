@@ -644,14 +644,20 @@ void CopyService::run_phase(std::uint32_t phase, void* cuda_stream) {
 
 void CopyService::clear_requests() {
   impl_->require_usable("clear_requests()");
-  if (impl_->transport && impl_->state == State::kScheduled) impl_->transport->forget_schedule();
-  impl_->scheduled_since_clear = false;
-  impl_->sends.clear();
-  impl_->receives.clear();
-  impl_->plans.clear();
-  impl_->phase = 0;
-  impl_->state = State::kInitialized;
-  ++impl_->generation;
+  forget_requests(*impl_);
+  // execute_reshard_plan's executor goes too, with its staging (on GPUs device memory).
+  impl_->attachment.reset();
+}
+
+void CopyService::forget_requests(Impl& self) {
+  if (self.transport && self.state == State::kScheduled) self.transport->forget_schedule();
+  self.scheduled_since_clear = false;
+  self.sends.clear();
+  self.receives.clear();
+  self.plans.clear();
+  self.phase = 0;
+  self.state = State::kInitialized;
+  ++self.generation;
 }
 
 std::vector<std::vector<std::byte>> CopyService::all_gather(std::span<const std::byte> mine) {
@@ -702,6 +708,11 @@ std::uint64_t ServiceSlot::generation(const CopyService& service) {
 
 std::shared_ptr<void>& ServiceSlot::executors(CopyService& service) {
   return service.impl_->attachment;
+}
+
+void ServiceSlot::clear_requests(CopyService& service) {
+  service.impl_->require_usable("clear_requests()");
+  CopyService::forget_requests(*service.impl_);
 }
 
 }  // namespace reshard::execution

@@ -16,6 +16,9 @@ struct ServiceSlot {
   // The executors of the plans run on `service` (execute_reshard_plan's cache); emptied by
   // finalize() before the transport goes, since they may hold staging on its device.
   static std::shared_ptr<void>& executors(CopyService& service);
+  // CopyService::clear_requests() without dropping the executors: what an executor calls before
+  // registering its own requests.
+  static void clear_requests(CopyService& service);
 };
 
 }  // namespace reshard::execution

@@ -98,6 +98,7 @@ class TransformBase : public ReshardTransform, public execution::RangedTransform
     for (std::size_t r = 0; r < gpu_of_rank_.size(); ++r)
       shares_gpu_[r] = gpu_of_rank_[r] != 0 && ranks_on[gpu_of_rank_[r]] > 1;
   }
+  std::string description() const final { return name() + "|" + filter_; }
 
  protected:
   // The op's wire; with `in_place`, slices that are not contiguous go as strided ranges of the
@@ -129,6 +130,7 @@ class TransformBase : public ReshardTransform, public execution::RangedTransform
     return known(op.src_rank) && known(op.dst_rank) && gpu_of_rank_[op.src_rank] != 0 &&
            gpu_of_rank_[op.src_rank] == gpu_of_rank_[op.dst_rank];
   }
+  const std::string& filter() const { return filter_; }
   bool name_selected(const ParamSpec& param) const {
     return filter_.empty() || param.name.find(filter_) != std::string::npos;
   }
@@ -263,6 +265,9 @@ class CastTransform final : public TransformBase {
     }
   }
   std::string name() const override { return std::string("cast-") + dtype_name(wire_dtype_); }
+  std::shared_ptr<ReshardTransform> fresh_copy() const override {
+    return std::make_shared<CastTransform>(wire_dtype_);
+  }
   bool should_transform(const ParamSpec& param) const override { return is_float(param.dtype); }
 
   std::vector<WireRange> send_wire(const OpSlice& slice, const LocalTensor& src, void* stream,
@@ -530,6 +535,7 @@ class ScaledFp8Transform : public TransformBase {
     return elements(scales) * dtype_size(scale_dtype());
   }
 
+ protected:
   QuantizeSide side_;
 };
 
@@ -544,6 +550,9 @@ class Mxfp8Transform final : public ScaledFp8Transform {
     static constexpr const char* kRounding[] = {"", "-roundup", "-megatron"};
     return std::string("mxfp8-") + side_name() + kRounding[static_cast<int>(rounding_)] +
            (layout_ == MxScaleLayout::kSwizzled ? "-swizzled" : "");
+  }
+  std::shared_ptr<ReshardTransform> fresh_copy() const override {
+    return std::make_shared<Mxfp8Transform>(side_, rounding_, filter(), layout_);
   }
 
  private:
@@ -613,6 +622,9 @@ class Fp8BlockTransform final : public ScaledFp8Transform {
       : ScaledFp8Transform(side, std::move(filter)) {}
 
   std::string name() const override { return std::string("fp8-block-") + side_name(); }
+  std::shared_ptr<ReshardTransform> fresh_copy() const override {
+    return std::make_shared<Fp8BlockTransform>(side_, filter());
+  }
 
  private:
   static constexpr std::int64_t kTile = formats::kFp8Block;

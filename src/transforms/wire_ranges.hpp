@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "reshard/transform.hpp"
@@ -50,6 +52,12 @@ class RangedTransform {
   // flushes) are also appended to `into`; replaying them later queues the same work. nullptr
   // stops recording.
   virtual void record_conversions(ConversionRecording* into) = 0;
+  // The same transform with none of this one's state: what an executor converts with, so the
+  // caller's object stays a description (shared by refits and threads, never written by one).
+  virtual std::shared_ptr<ReshardTransform> fresh_copy() const = 0;
+  // What the transform does, in a string: two built-in transforms with the same description
+  // convert alike (execute_reshard_plan keeps one executor for both).
+  virtual std::string description() const = 0;
 };
 
 }  // namespace reshard::execution

@@ -1093,6 +1093,243 @@ TEST(ReshardErrors, RanksWithDifferentPlansAreToldSo) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// ---- the bound refit (Refit): bind once, run many ----
+
+// A MoE model's experts spread over the ranks (the rest of the weights on each) to a replica on
+// every rank: every rank sends to every other one.
+std::shared_ptr<const ReshardPlan> dp_to_replicas(int n) {
+  return experts_to_replicas(toy_model(2, 64, 24), n);
+}
+
+void poison(RankTensors& tensors) {
+  for (auto& [name, memory] : tensors.dst)
+    memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
+}
+
+// Bound once, a refit runs with nothing checked, every byte written again at every run, with a
+// transform converting on the wire; update() of one tensor on one rank schedules again on every
+// rank, and one that changes nothing on any rank does not.
+TEST(BoundRefit, RunsAgainAndUpdatesOneTensor) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  for (const Mode mode : {Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver}) {
+    SCOPED_TRACE(mode_name(mode));
+    const auto plan = dp_to_replicas(n);
+    auto transform = transform_for(mode);
+    const auto expected = expectations(*plan, mode, transform.get());
+    RankTensors tensors = make_tensors(*plan, me, my_device(), expected, transform.get());
+    Refit refit(plan, tensors.src_map, tensors.dst_map, *service, transform);
+    EXPECT_TRUE(refit.report().rescheduled);
+    for (int run = 0; run < 3; ++run) {
+      poison(tensors);
+      const ReshardReport report = refit.run();
+      EXPECT_FALSE(report.rescheduled);
+      EXPECT_EQ(report.check_seconds + report.agree_seconds, 0.0) << "a run checks nothing";
+      EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "run " << run;
+    }
+    // One destination in new storage on the last rank: every rank schedules again, and the
+    // bytes land in the new storage.
+    const std::string name = tensors.dst.rbegin()->first;
+    TensorMap changed;
+    std::unique_ptr<TestMemory> old;
+    if (me == n - 1) {
+      auto fresh =
+          std::make_unique<TestMemory>(tensors.dst.at(name)->download().size(), my_device());
+      LocalTensor tensor = tensors.dst_map.at(name);
+      tensor.data = fresh->buffer();
+      tensors.dst_map.at(name) = tensor;
+      changed.emplace(name, tensor);
+      old = std::exchange(tensors.dst.at(name), std::move(fresh));
+    }
+    EXPECT_TRUE(refit.update({}, changed).rescheduled);
+    poison(tensors);
+    refit.run();
+    EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "after the update";
+    // The same tensors again: one small all-gather, nothing scheduled.
+    EXPECT_FALSE(refit.update(tensors.src_map, {}).rescheduled);
+    poison(tensors);
+    refit.run();
+    EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "after an update that changed nothing";
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// A refusal found on one rank only (its tensor missing or of the wrong shape) is the same error on
+// every rank, naming that rank, instead of leaving the others in a collective it never enters; the
+// service stays usable and the corrected call works, for execute_reshard_plan, for binding and for
+// update().
+TEST(BoundRefit, ARefusalOnOneRankIsEveryRanksErrorAndTheRetryWorks) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  const auto plan = dp_to_replicas(n);
+  const auto expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors good = make_tensors(*plan, me, my_device(), expected, nullptr);
+  const PeId culprit = n - 1;
+  const std::string missing =
+      "layers.1.mlp.experts." + std::to_string(24 / n * culprit) + ".down_proj.weight";
+  TensorMap src_without = good.src_map;
+  if (me == culprit) src_without.erase(missing);
+  auto expect_named = [&](const Error& error, const char* when) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << when;
+    const std::string text = error.what();
+    EXPECT_NE(text.find("rank " + std::to_string(culprit) + " refused the refit"),
+              std::string::npos)
+        << when << ": " << text;
+    EXPECT_NE(text.find("no source tensor for '" + missing + "'"), std::string::npos)
+        << when << ": " << text;
+  };
+  for (int attempt = 0; attempt < 2; ++attempt) {  // a refusal, a retry that works, again
+    try {
+      execute_reshard_plan(plan, src_without, good.dst_map, *service);
+      ADD_FAILURE() << "execute_reshard_plan ran without rank " << culprit << "'s tensor";
+    } catch (const Error& error) {
+      expect_named(error, "execute_reshard_plan");
+    }
+    poison(good);
+    EXPECT_TRUE(execute_reshard_plan(plan, good.src_map, good.dst_map, *service).rescheduled);
+    EXPECT_EQ(verify(*plan, me, good, expected), 0u) << "the corrected execute_reshard_plan";
+  }
+  try {
+    Refit refused(plan, src_without, good.dst_map, *service);
+    ADD_FAILURE() << "a refit was bound without rank " << culprit << "'s tensor";
+  } catch (const Error& error) {
+    expect_named(error, "binding");
+  }
+  Refit refit(plan, good.src_map, good.dst_map, *service);
+  poison(good);
+  refit.run();
+  EXPECT_EQ(verify(*plan, me, good, expected), 0u) << "the refit bound after a refusal";
+  // update() with a name the refit does not hold, on one rank: refused everywhere, and the refit
+  // runs on as it was.
+  TensorMap unknown;
+  if (me == culprit) unknown.emplace("not.a.parameter", good.src_map.begin()->second);
+  try {
+    refit.update(unknown, {});
+    ADD_FAILURE() << "update() took a name the refit does not hold";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("'not.a.parameter' is not a source tensor"),
+              std::string::npos)
+        << error.what();
+    EXPECT_NE(std::string(error.what()).find("rank " + std::to_string(culprit)), std::string::npos)
+        << error.what();
+  }
+  poison(good);
+  refit.run();
+  EXPECT_EQ(verify(*plan, me, good, expected), 0u) << "the refit after a refused update";
+  // update() with a tensor of the wrong shape on one rank: refused everywhere before anything is
+  // scheduled; run() then says why it cannot run, and a corrected update() restores it.
+  const std::string name = good.dst_map.begin()->first;
+  TensorMap misshapen;
+  if (me == culprit) {
+    LocalTensor tensor = good.dst_map.at(name);
+    std::reverse(tensor.shape.begin(), tensor.shape.end());
+    tensor.shape.push_back(1);
+    misshapen.emplace(name, tensor);
+  }
+  try {
+    refit.update({}, misshapen);
+    ADD_FAILURE() << "update() took a tensor of the wrong shape";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("rank " + std::to_string(culprit) + " refused"),
+              std::string::npos)
+        << error.what();
+  }
+  if (n > 1 || me == culprit) {
+    try {
+      refit.run();
+      ADD_FAILURE() << "a refit whose update failed ran";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidState);
+      EXPECT_NE(std::string(error.what()).find("update() again"), std::string::npos)
+          << error.what();
+    }
+  }
+  refit.update(good.src_map, good.dst_map);
+  poison(good);
+  refit.run();
+  EXPECT_EQ(verify(*plan, me, good, expected), 0u) << "the refit after a corrected update";
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// A service holds one schedule: a refit whose schedule another one replaced, or that
+// clear_requests() dropped, refuses to run rather than running someone else's schedule.
+TEST(BoundRefit, ARefitWhoseScheduleWentRefusesToRun) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const auto plan = dp_to_replicas(service->n_pes());
+  const auto expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors a = make_tensors(*plan, me, my_device(), expected, nullptr);
+  RankTensors b = make_tensors(*plan, me, my_device(), expected, nullptr);
+  Refit first(plan, a.src_map, a.dst_map, *service);
+  Refit second(plan, b.src_map, b.dst_map, *service);
+  auto expect_refused = [&](Refit& refit, const char* when) {
+    try {
+      refit.run();
+      ADD_FAILURE() << when << ": ran";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidState) << when;
+      EXPECT_NE(std::string(error.what()).find("no longer holds this refit's schedule"),
+                std::string::npos)
+          << when << ": " << error.what();
+    }
+  };
+  expect_refused(first, "a refit replaced by another on its service");
+  second.run();
+  EXPECT_EQ(verify(*plan, me, b, expected), 0u);
+  service->clear_requests();
+  expect_refused(second, "after clear_requests()");
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// This process's resident memory in bytes.
+std::uint64_t resident_bytes() {
+  std::FILE* file = std::fopen("/proc/self/statm", "r");
+  unsigned long pages = 0, resident = 0;
+  if (file == nullptr) return 0;
+  if (std::fscanf(file, "%lu %lu", &pages, &resident) != 2) resident = 0;
+  std::fclose(file);
+  return static_cast<std::uint64_t>(resident) * 4096;
+}
+
+// A caller making a new transform or plan object at every refit: execute_reshard_plan keeps one
+// executor on the service, not one per object, so memory stays flat; a new built-in transform
+// that does what the last one did reuses its schedule.
+TEST(ReshardReuse, FreshTransformsAndPlansKeepMemoryFlat) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  auto plan = dp_to_replicas(n);
+  const auto expected = expectations(*plan, Mode::kCastFp32, transform_for(Mode::kCastFp32).get());
+  RankTensors tensors =
+      make_tensors(*plan, me, my_device(), expected, transform_for(Mode::kCastFp32).get());
+  ReshardOptions options;
+  options.staging_budget = ReshardOptions::kUnlimited;
+  std::uint64_t staging = 0, settled = 0;
+  // The allocator's own pools settle within the first few dozen refits (measured flat from the
+  // 40th to the 200th, 3 PEs); growth is measured after that.
+  constexpr int kRefits = 120, kSettled = 40;
+  for (int refit = 0; refit < kRefits; ++refit) {
+    // A fresh transform at every refit, and a fresh plan object at every other one.
+    if (refit % 2 == 1) plan = dp_to_replicas(n);
+    const ReshardReport report =
+        execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service,
+                             transform_for(Mode::kCastFp32), nullptr, options);
+    EXPECT_EQ(report.rescheduled, refit == 0 || refit % 2 == 1) << "refit " << refit;
+    staging = std::max(staging, report.staging_bytes);
+    if (refit == kSettled) settled = resident_bytes();
+  }
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
+  if (n > 1) ASSERT_GT(staging, 0u) << "the cast stages its wire buffers";
+  // 80 more executors kept would hold 80 times the staging; one kept holds it once.
+  const std::uint64_t grown = resident_bytes() - std::min(settled, resident_bytes());
+  EXPECT_LT(grown, 4 * staging + (4u << 20))
+      << "resident memory grew by " << grown << " bytes over " << kRefits - kSettled
+      << " refits; one refit stages " << staging;
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 }  // namespace
 }  // namespace reshard
 

@@ -432,6 +432,83 @@ def test_a_rerun_moves_the_new_values_of_the_tensors_it_was_given(service):
         reshard.rerun_reshard_plan(plan, service)
 
 
+def test_a_bound_refit_holds_its_tensors_runs_and_updates(service):
+    plan, src, dst = _one_pe_plan()
+    refit = reshard.bind(plan, src, dst, service)
+    assert refit.report.rescheduled
+    held = [weakref.ref(t.data) for t in (*src.values(), *dst.values())]
+    for step in range(3):
+        for tensor in src.values():  # the trainer's next weights, in place
+            tensor.data[...] = (np.arange(tensor.data.size, dtype=np.uint16) * (step + 3)
+                                ).reshape(tensor.data.shape)
+        report = refit.run()
+        assert not report.rescheduled
+        assert report.check_seconds == report.agree_seconds == 0
+        for name in src:
+            np.testing.assert_array_equal(dst[name].data, src[name].data)
+    # The refit holds its tensors: dropped by the caller, they are not freed under it.
+    kept_dst = dst
+    del src, dst, tensor
+    gc.collect()
+    assert all(ref() is not None for ref in held)
+    # update(): one destination in new memory lands there; the same tensors schedule nothing.
+    name = next(iter(kept_dst))
+    fresh = reshard.LocalTensor(np.zeros_like(kept_dst[name].data), dtype="bfloat16")
+    assert refit.update(dst={name: fresh}).rescheduled
+    refit.run()
+    np.testing.assert_array_equal(fresh.data, refit.sources[name].data)
+    assert not refit.update(dst={name: fresh}).rescheduled
+    with pytest.raises(reshard.ReshardError, match="'bogus.weight' is not a destination tensor"):
+        refit.update(dst={"bogus.weight": fresh})
+    refit.run()  # a refused update leaves the refit as it was
+    # close() lets go of the tensors and refuses to run.
+    refit.close()
+    del kept_dst, fresh
+    gc.collect()
+    assert all(ref() is None for ref in held)
+
+
+def test_a_bound_refit_whose_schedule_went_refuses_to_run(service):
+    plan, src, dst = _one_pe_plan()
+    first = reshard.bind(plan, src, dst, service)
+    _, src2, dst2 = _one_pe_plan()
+    second = reshard.bind(plan, src2, dst2, service)
+    with pytest.raises(reshard.ReshardError, match="no longer holds this refit's schedule"):
+        first.run()
+    second.run()
+    service.clear_requests()
+    with pytest.raises(reshard.ReshardError, match="no longer holds this refit's schedule") as e:
+        second.run()
+    assert e.value.code == "invalid state"
+
+
+def test_a_bound_refit_converts_with_a_transform_shared_by_others(service):
+    # One transform object, a description: two refits on two services convert with it, and
+    # execute_reshard_plan with a fresh object of the same description reuses its schedule.
+    cast = reshard.make_cast_transform("float32")
+    plan, src, dst = _one_pe_plan()
+    for tensor in src.values():
+        tensor.data[...] = np.arange(tensor.data.size, dtype=np.uint16).reshape(tensor.data.shape)
+    wide = {name: reshard.LocalTensor(np.zeros(t.data.shape, np.float32)) for name, t in dst.items()}
+    other = reshard.CopyService(transport="host").init("WARN")
+    try:
+        refits = [reshard.bind(plan, src, wide, s, cast) for s in (service, other)]
+        for refit in refits:
+            for tensor in wide.values():
+                tensor.data[...] = -1
+            refit.run()
+            for name, tensor in src.items():
+                expected = (tensor.data.astype(np.uint32) << 16).view(np.float32)
+                np.testing.assert_array_equal(wide[name].data, expected)
+        assert reshard.execute_reshard_plan(plan, src, wide, other,
+                                            reshard.make_cast_transform("float32")).rescheduled
+        for _ in range(3):
+            assert not reshard.execute_reshard_plan(
+                plan, src, wide, other, reshard.make_cast_transform("float32")).rescheduled
+    finally:
+        other.finalize()
+
+
 def test_the_service_keeps_the_tensors_of_its_last_refit_alive_for_reruns(service):
     plan, src, dst = _one_pe_plan()
     reshard.execute_reshard_plan(plan, src, dst, service)
@@ -689,6 +766,13 @@ def test_copy_service_random_workloads(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_reshard_layout_changes_and_transforms(n):
     assert_ok(launch(n, WORKERS / "reshard_worker.py"))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_bound_refit_across_ranks_and_a_refusal_on_one_rank(n):
+    result = launch(n, WORKERS / "bound_refit_worker.py")
+    assert_ok(result)
+    assert result.stdout.count(": ok") == n, result.stdout
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -1006,6 +1090,16 @@ def test_gpu_runs_without_a_stream_wait_for_the_default_stream():
     # PyTorch writes on its default stream (handle 0); a run given none, or that one, must come
     # after those writes on every path: copy service and execute_reshard_plan.
     assert_ok(launch(2, WORKERS / "default_stream_worker.py"))
+
+
+@pytest.mark.skipif(gpu_count() < 1 or not has_torch(), reason=ONE_GPU)
+def test_gpu_bound_refit_follows_the_current_stream_and_replays_in_a_cuda_graph():
+    # Writes on a non-default current stream just before a refit are read by it (bound run() and
+    # execute_reshard_plan); an MXFP8 bound refit captured in torch.cuda.graph replays bit for
+    # bit what a direct refit writes.
+    result = launch(2, WORKERS / "bound_refit_gpu_worker.py")
+    assert_ok(result)
+    assert result.stdout.count(": ok") == 2, result.stdout
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)

@@ -358,6 +358,13 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   // without execute_reshard_plan's check of every tensor and its agreement among the PEs.
   const double rerun_median =
       time_each([&] { rerun_reshard_plan(plan, service, transform, nullptr); });
+  // The same refit bound once (Refit): what a training loop keeping its tensors runs, with
+  // nothing looked up or checked and no collective besides the transfer's own.
+  double bound_median = 0;
+  {
+    Refit bound(plan, src, dst, service, transform, reshard_options);
+    bound_median = time_each([&] { bound.run(); });
+  }
   std::uint64_t my_source_bytes = 0;
   for (const auto& [name, tensor] : src) my_source_bytes += tensor.data.bytes;
   const auto source_shard = static_cast<std::int64_t>(max_over_pes(*bootstrap, my_source_bytes));
@@ -472,6 +479,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         "ms",
         options.iterations, rerun_median * 1e3);
     if (baseline_median > 0) std::printf(", %.2fx the baseline", baseline_median / rerun_median);
+    std::printf("\n  median of %d runs of the refit bound once (Refit::run): %.2f ms",
+                options.iterations, bound_median * 1e3);
+    if (baseline_median > 0) std::printf(", %.2fx the baseline", baseline_median / bound_median);
     std::printf("\n");
     std::printf(
         "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "
@@ -480,9 +490,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     if (copy_ceiling_s > 0) {
       std::printf(
           "  %d PEs share one GPU (MPS %s): one process copying the same bytes at the "
-          "device-to-device rate needs %.2f ms; %s at %.2f of that ceiling (reruns %.2f)\n",
+          "device-to-device rate needs %.2f ms; %s at %.2f of that ceiling (reruns %.2f, bound "
+          "runs %.2f)\n",
           n, mps ? "on" : "off", copy_ceiling_s * 1e3, service.transport_name().c_str(),
-          copy_ceiling_s / median, copy_ceiling_s / rerun_median);
+          copy_ceiling_s / median, copy_ceiling_s / rerun_median, copy_ceiling_s / bound_median);
     } else if (ceiling > 0) {
       std::printf(
           "  copy-engine ceiling in this run: %.1f GB/s (one GPU to one peer); busiest PE "
@@ -522,6 +533,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << (transform ? transform->name() : "none") << "\","
            << (transform && !only.empty() ? "\"transform_only\":\"" + only + "\"," : "")
            << "\"median_s\":" << median << ",\"rerun_median_s\":" << rerun_median
+           << ",\"bound_median_s\":" << bound_median
            << ",\"check_median_s\":" << check_median << ",\"agree_median_s\":" << agree_median
            << ",\"total_bytes\":" << stats.total_bytes << ",\"local_bytes\":" << stats.local_bytes
            << ",\"locally_converted_bytes_pe0\":" << report.locally_converted_bytes

@@ -1,0 +1,159 @@
+"""A refit bound once to its tensors and run as often as needed: ``reshard.bind``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Union
+
+from . import _core
+from .copy_service import CopyService, StreamLike, stream_handle
+from .transforms import ReshardTransform, native_transform
+
+__all__ = ["BoundRefit", "bind"]
+
+
+def _entries(tensors: Mapping[str, Any]) -> tuple:
+    # Imported here: execution imports this module for execute_reshard_plan's cache.
+    from .execution import _entries as entries
+    return entries(tensors)
+
+
+def _array(value: Any) -> Any:
+    from .execution import LocalTensor
+    return value.data if isinstance(value, LocalTensor) else value
+
+
+def torch_cuda_device(*maps: Mapping[str, Any]) -> Optional[int]:
+    """The CUDA device of the first PyTorch CUDA tensor among ``maps``' values (a rank's tensors
+    are on one GPU), or None where the first tensor is not one."""
+    for tensors in maps:
+        for value in tensors.values():
+            array = _array(value)
+            if type(array).__module__.startswith("torch") and getattr(array, "is_cuda", False):
+                return array.device.index if array.device.index is not None else 0
+            return None
+    return None
+
+
+class OnCurrentStream:
+    """Where no stream is given and the tensors are PyTorch CUDA tensors: the call runs on
+    PyTorch's *current* stream (after whatever the caller queued there, as c10d collectives
+    are ordered) and then waits for it, so it still returns when the bytes have landed. Without
+    it the refit would be ordered only after the legacy default stream, and writes the caller
+    queued on another current stream could race its reads."""
+
+    def __init__(self, device: Optional[int]):
+        self.device = device
+
+    def handle(self, stream: StreamLike) -> tuple:
+        """(the stream handle to pass, the torch stream to wait for afterwards or None)."""
+        if stream is not None or self.device is None:
+            return stream_handle(stream), None
+        import torch
+        current = torch.cuda.current_stream(self.device)
+        return current.cuda_stream, current
+
+
+class BoundRefit:
+    """A refit bound once to this rank's tensors (see :func:`bind`): ``run()`` every refit."""
+
+    def __init__(self, plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],
+                 service: Union[CopyService, "_core.CopyService"], transform: Any = None,
+                 stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
+                 quantize_colocated_on_sender: bool = True):
+        from .execution import _budget_bytes
+        # The refit's own maps: they hold the tensors (no tensor can be freed under the refit),
+        # and a Python transform reads the tensors through them, so update() changes both.
+        self._src: Dict[str, Any] = dict(src)
+        self._dst: Dict[str, Any] = dict(dst)
+        self._service = service
+        self._transform = transform
+        self._ordering = OnCurrentStream(torch_cuda_device(self._src, self._dst))
+        core_service = service.core if isinstance(service, CopyService) else service
+        handle, wait = self._ordering.handle(stream)
+        self._core = _core.Refit(plan, _entries(self._src), _entries(self._dst), core_service,
+                                 native_transform(transform, self._src, self._dst), handle,
+                                 _budget_bytes(staging_budget),
+                                 bool(quantize_colocated_on_sender))
+        if wait is not None:
+            wait.synchronize()
+
+    def run(self, stream: StreamLike = None) -> "_core.ReshardReport":
+        """Moves every bound source slice into every rank's bound destination tensors
+        (collective: every rank calls it in the same refit). Nothing is looked up, converted or
+        checked per tensor and no host collective runs. With a CUDA ``stream`` the work is queued
+        there and the call returns at once (capturable in ``torch.cuda.graph``); without one it
+        returns when the bytes have landed, ordered after PyTorch's current stream for PyTorch
+        CUDA tensors (else after the legacy default stream). The tensors' contents may change
+        between runs; to give the refit other tensors, :meth:`update` it."""
+        if self._ordering.device is None or stream is not None:
+            return self._core.run(stream_handle(stream))
+        handle, wait = self._ordering.handle(None)
+        report = self._core.run(handle)
+        wait.synchronize()
+        return report
+
+    def update(self, src: Optional[Mapping[str, Any]] = None,
+               dst: Optional[Mapping[str, Any]] = None,
+               stream: StreamLike = None) -> "_core.ReshardReport":
+        """Replaces the named tensors (names bound by :func:`bind`; the others stay), collective.
+        Where no rank's tensors differ from those bound (the same memory, dtype and shape), this
+        costs one small all-gather; otherwise every rank prepares and schedules again
+        (``report.rescheduled``). A refusal on any rank (an unknown name, a bad tensor) raises the
+        same error on every rank and leaves the refit as it was."""
+        src, dst = dict(src or {}), dict(dst or {})
+        handle, wait = self._ordering.handle(stream)
+        report = self._core.update(_entries(src), _entries(dst), handle)
+        if wait is not None:
+            wait.synchronize()
+        # Only now: a refused update leaves the refit's tensors (and a Python transform's view
+        # of them) as they were.
+        self._src.update(src)
+        self._dst.update(dst)
+        return report
+
+    @property
+    def report(self) -> "_core.ReshardReport":
+        """What binding (or the last update that scheduled again) prepared: bytes on the wire,
+        staging held, phases."""
+        return self._core.report
+
+    @property
+    def sources(self) -> Mapping[str, Any]:
+        return dict(self._src)
+
+    @property
+    def destinations(self) -> Mapping[str, Any]:
+        return dict(self._dst)
+
+    def close(self) -> None:
+        """Frees the refit's staging, streams and schedule state now (as dropping it does), and
+        the tensors it holds."""
+        self._core = None
+        self._src.clear()
+        self._dst.clear()
+
+    def __enter__(self) -> "BoundRefit":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],
+         service: Union[CopyService, "_core.CopyService"], transform: Any = None, *,
+         stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
+         quantize_colocated_on_sender: bool = True) -> BoundRefit:
+    """Binds a refit of ``plan`` to this rank's tensors, once (collective: every rank at once).
+
+    ``src`` and ``dst`` map parameter names to this rank's local tensors (arrays, or
+    :class:`LocalTensor` for scales and explicit dtypes), as for :func:`execute_reshard_plan`.
+    Every rank checks that all hold the same plan, checks each tensor against the plan's layouts,
+    places the staging and schedules; a refusal on any rank raises the same error on every rank,
+    naming the rank and the cause. The refit holds its tensors (they cannot be freed under it),
+    its schedule and staging, and frees them when dropped or :meth:`BoundRefit.close`\\ d; then
+    ``refit.run()`` every refit costs what moving the bytes costs. A service holds one schedule:
+    bind each refit that must stay ready on its own :class:`CopyService`. ``transform``,
+    ``staging_budget`` and ``quantize_colocated_on_sender`` as for :func:`execute_reshard_plan`.
+    """
+    return BoundRefit(plan, src, dst, service, transform, stream, staging_budget,
+                      quantize_colocated_on_sender)

@@ -1,0 +1,27 @@
+// Each rank's verdict on its own part of a collective step of the executor: a refusal that only
+// one rank finds (a bad tensor, a transform's hook, a tensor the Python binding cannot read)
+// becomes the same error on every rank instead of a collective the others wait in forever.
+#pragma once
+
+#include <cstddef>
+#include <exception>
+#include <span>
+#include <vector>
+
+#include "reshard/copy_service.hpp"
+
+namespace reshard::execution {
+
+// Collective: every rank's `mine`, in rank order, once every rank has said how its own part went.
+// Where a rank failed (`failure`), every rank throws the same error instead, naming that rank and
+// its cause (a failing rank tells its own); the service stays usable, and a corrected call on
+// every rank works. The failing rank keeps an exception of another kind as it is (a Python
+// transform's own error, say); the others learn its text. The first collective of
+// execute_reshard_plan, of binding a Refit and of Refit::update() is one of these, so a rank that
+// fails before it can join it with its failure (the Python binding does, for tensors it cannot
+// read).
+std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
+                                                    std::span<const std::byte> mine,
+                                                    const std::exception_ptr& failure);
+
+}  // namespace reshard::execution

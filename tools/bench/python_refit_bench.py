@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""A model refit as a Python user runs it, with PyTorch tensors, timed per call on the slowest PE.
+
+    python -m reshard.launch -n 2 tools/bench/python_refit_bench.py [--model qwen3-30b-a3b]
+        [--layers 12] [--device cuda|cpu] [--transform none|mxfp8] [--json FILE]
+
+The layouts are `reshard bench-refit`'s (Llama-3-8B TP n -> TP n/2 x 2 replicas; Qwen3-30B-A3B
+TP n/2 x DP 2 x EP n -> TP n x EP n/2 x expert-TP 2), so the figures stand beside its C++ ones
+from the same machine: ``execute_reshard_plan`` with the same dicts every call, ``bind()`` once
+then ``run()`` (stream=None: ordered after PyTorch's current stream, waited for), the same
+``run()`` queued on a stream (host time of the call alone, and the refit waited for), and
+``rerun_reshard_plan``. Every destination of a sample of parameters is checked element by element
+after the timed runs (bf16 moves bit for bit; MXFP8 destinations are checked by the GPU tests).
+"""
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import time
+
+import reshard
+
+
+def layouts(model: str, n: int):
+    if n < 2 or n % 2:
+        raise SystemExit(f"needs an even number of PEs, got {n}")
+    if model == "qwen3-30b-a3b":
+        return (reshard.Parallelism(tp=n // 2, dp=2, ep=n),
+                reshard.Parallelism(tp=n, ep=n // 2, etp=2))
+    return reshard.Parallelism(tp=n), reshard.Parallelism(tp=n // 2, replicas=2)
+
+
+def pattern(torch, numel: int, device) -> "torch.Tensor":
+    """A parameter's elements by global index, as bf16 bits (finite, all different nearby);
+    made in chunks, so a vocabulary-sized parameter needs little more than its own memory."""
+    out = torch.empty(numel, dtype=torch.int16, device=device)
+    chunk = 1 << 24
+    for start in range(0, numel, chunk):
+        index = torch.arange(start, min(numel, start + chunk), dtype=torch.int64, device=device)
+        out[start:start + chunk] = (((index * 2654435761) >> 7) & 0x3FFF).to(torch.int16)
+    return out.view(torch.bfloat16)
+
+
+def blocks(layout, me, name):
+    for offset, extent, local_at in layout.pieces(me, name):
+        yield (tuple(slice(o, o + e) for o, e in zip(offset, extent)),
+               tuple(slice(o, o + e) for o, e in zip(local_at, extent)))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-30b-a3b",
+                        choices=["qwen3-30b-a3b", "llama3-8b", "toy"])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--transport", default="auto")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import torch
+
+    svc = reshard.CopyService(args.transport).init("WARN")
+    me, n = svc.my_pe, svc.n_pes
+    device = torch.device(f"cuda:{svc.device}" if args.device == "cuda" else "cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    spec = {"qwen3-30b-a3b": reshard.qwen3_30b_a3b_model, "llama3-8b": reshard.llama3_8b_model,
+            "toy": lambda layers: reshard.toy_model(layers, 512)}[args.model](args.layers)
+    src_par, dst_par = layouts(args.model, n)
+    plan = reshard.make_reshard_plan(reshard.build_layout(spec, src_par),
+                                     reshard.build_layout(spec, dst_par))
+    src, dst = {}, {}
+    for p in plan.params:
+        shape = plan.src_layout.local_shape(me, p.name)
+        if shape is not None:
+            whole = pattern(torch, math.prod(p.shape), device).view(p.shape)
+            local = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            for glob, loc in blocks(plan.src_layout, me, p.name):
+                local[loc] = whole[glob]
+            src[p.name] = local
+            del whole
+        shape = plan.dst_layout.local_shape(me, p.name)
+        if shape is not None:
+            dst[p.name] = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+    def barrier():
+        svc.all_gather(b"")
+
+    def slowest(seconds: float) -> float:
+        return max(float(x) for x in svc.all_gather(repr(seconds).encode()))
+
+    def time_each(call, wait=None):
+        """Median over PEs' slowest time per call (and, with `wait`, of the call alone)."""
+        total, issued = [], []
+        for i in range(args.warmup + args.iters):
+            barrier()
+            start = time.perf_counter()
+            call()
+            returned = time.perf_counter()
+            if wait is not None:
+                wait()
+            end = time.perf_counter()
+            if i >= args.warmup:
+                total.append(slowest(end - start))
+                issued.append(slowest(returned - start))
+        return statistics.median(total), statistics.median(issued)
+
+    executed, _ = time_each(lambda: reshard.execute_reshard_plan(plan, src, dst, svc))
+    rerun, _ = time_each(lambda: reshard.rerun_reshard_plan(plan, svc))
+    refit = reshard.bind(plan, src, dst, svc)
+    bound, _ = time_each(refit.run)
+    queued = issued = None
+    if args.device == "cuda":
+        stream = torch.cuda.current_stream()
+        queued, issued = time_each(lambda: refit.run(stream), stream.synchronize)
+
+    # Every destination element of a sample of parameters: first, last and spread between.
+    for tensor in dst.values():
+        tensor.zero_()
+    refit.run()
+    names = sorted(dst)
+    sample = set(names[:: max(1, len(names) // 24)] + names[-2:])
+    wrong = 0
+    for name in sample:
+        p = next(q for q in plan.params if q.name == name)
+        whole = pattern(torch, math.prod(p.shape), device).view(p.shape)
+        for glob, loc in blocks(plan.dst_layout, me, name):
+            wrong += int((dst[name][loc].view(torch.int16) !=
+                          whole[glob].view(torch.int16)).sum())
+    wrong = int(max(float(x) for x in svc.all_gather(repr(float(wrong)).encode())))
+
+    if me == 0:
+        print(f"python refit: {spec.name} ({args.layers} layers), {src_par} -> {dst_par} on {n} "
+              f"PEs, transport {svc.transport}, torch {torch.__version__} on {args.device}")
+        print(f"  execute_reshard_plan (same dicts each call): {executed * 1e3:.3f} ms")
+        print(f"  rerun_reshard_plan:                          {rerun * 1e3:.3f} ms")
+        print(f"  bind() once, run() (stream=None, waited):    {bound * 1e3:.3f} ms "
+              f"({executed / bound:.2f}x faster than execute)")
+        if queued is not None:
+            print(f"  run(stream) then synchronize:                {queued * 1e3:.3f} ms "
+                  f"(host time of the call {issued * 1e6:.1f} us)")
+        print(f"  wrong elements in {len(sample)} sampled destinations (slowest PE): {wrong}")
+        if args.json:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+            record = {"bench": "python_refit", "date": datetime.date.today().isoformat(),
+                      "commit": commit, "model": spec.name, "layers": args.layers, "pes": n,
+                      "src": str(src_par), "dst": str(dst_par), "transport": svc.transport,
+                      "device": (torch.cuda.get_device_name() if args.device == "cuda"
+                                 else "host"),
+                      "execute_median_s": executed, "rerun_median_s": rerun,
+                      "bound_median_s": bound, "bound_stream_median_s": queued,
+                      "bound_issue_median_s": issued, "wrong": wrong}
+            with open(args.json, "a") as out:
+                out.write(json.dumps(record) + "\n")
+    svc.finalize()
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
