@@ -15,16 +15,15 @@ commit=$(bash scripts/commit-label.sh)
 export PYTHONPATH=$PWD/build-gpu/python
 status=0
 if [[ ${TESTS:-1} != 0 ]]; then
-  for transport in cuda nvshmem; do
-    RESHARD_TEST_TRANSPORT=$transport RESHARD_TEST_MEMORY=cuda timeout 300 \
-      build-gpu/reshard-run -n 2 build-gpu/tests/reshard_plan_tests \
-      --gtest_filter='BoundRefit.*:ReshardReuse.*:ReshardErrors.*' >"$OUT/plan-$transport.log" 2>&1 ||
-      status=1
-    echo "C++ bound-refit tests, $transport, 2 PEs on one GPU: $(grep -E '^\[rank 0\] \[  (PASSED|FAILED)' "$OUT/plan-$transport.log" | tr '\n' ' ')"
-  done
-  timeout 400 python3 -m pytest tests/python -q -rs -k "gpu and (bound or stream)" \
-    >"$OUT/pytest-gpu.log" 2>&1 || status=1
-  grep -E "replay|passed|failed|Error" "$OUT/pytest-gpu.log" | tail -8
+  # The GPU suites these refits stand on (GPU_TESTS: a ctest -R pattern), and the dead-peer tests.
+  ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-gpu_reshard_(cuda|nvshmem|mixed)_(2|4)_pes|gpu_device_waits|gpu_cuda_(sm|ce)_(2|4)_pes|gpu_nvshmem_(2|4)_pes}" \
+    --output-on-failure --timeout 300 >"$OUT/gpu-tests.log" 2>&1 || status=1
+  grep -E "tests passed|\(Failed|\(Timeout|records:" "$OUT/gpu-tests.log" | tail -8
+  build-gpu/tests/reshard_unit_tests --gtest_filter='*GpuFaults*' >"$OUT/gpu-faults.log" 2>&1 ||
+    status=1
+  grep -E "^\[  (PASSED|FAILED) " "$OUT/gpu-faults.log" | head -4
+  timeout 500 python3 -m pytest tests/python -q -rs -k "gpu" >"$OUT/pytest-gpu.log" 2>&1 || status=1
+  grep -E "passed|failed|^FAILED" "$OUT/pytest-gpu.log" | tail -8
 fi
 for refit in ${REFITS:-qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4}; do
   IFS=: read -r model layers pes <<<"$refit"
@@ -38,4 +37,6 @@ for refit in ${REFITS:-qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4}; do
     >"$OUT/python-$model-$layers-$pes.txt" 2>&1 || status=1
   grep -vE "^\s*$" "$OUT/python-$model-$layers-$pes.txt" | sed 's/^\[rank 0\] //' | tail -7
 done
+# One archive of the logs (the device call brings back few files).
+tar -C "$OUT" -czf "$OUT/../gpu-bound-refit-logs.tgz" . && mv "$OUT/../gpu-bound-refit-logs.tgz" "$OUT/"
 exit $status

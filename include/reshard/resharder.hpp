@@ -13,6 +13,18 @@
 
 namespace reshard {
 
+struct ReshardReport;
+struct ReshardOptions;
+namespace execution {
+// execute_reshard_plan's executor on `service` for (plan, transform, options), run by
+// Resharder::execute_as_prepared; nullopt (and nothing collective done) where the service keeps
+// none or its schedule went. For the Python binding, which vouches for the tensors itself.
+std::optional<ReshardReport> execute_as_prepared(const std::shared_ptr<const ReshardPlan>& plan,
+                                                 CopyService& service,
+                                                 const std::shared_ptr<ReshardTransform>& transform,
+                                                 void* cuda_stream, const ReshardOptions& options);
+}  // namespace execution
+
 // This rank's local tensors by parameter name.
 using TensorMap = std::unordered_map<std::string, LocalTensor>;
 
@@ -97,6 +109,11 @@ class Resharder {
   // layers: about 1 ms a refit). Refused before any execute(), and after clear_requests() or
   // another plan's schedule on the service.
   ReshardReport rerun(void* cuda_stream = nullptr);
+  // Collective: execute() with the tensors the last execute() prepared with, which the caller
+  // vouches it was given again (the same buffers, dtypes and shapes): nothing is looked up or
+  // compared, but the ranks agree as execute() does, so ranks with new tensors may call execute()
+  // in the same refit (every rank then prepares again). Refused where nothing is prepared.
+  ReshardReport execute_as_prepared(void* cuda_stream = nullptr);
 
   // Whether `options` ask for what this executor was made with (execute_reshard_plan makes a new
   // one otherwise).
@@ -104,6 +121,9 @@ class Resharder {
 
  private:
   friend class Refit;
+  friend std::optional<ReshardReport> execution::execute_as_prepared(
+      const std::shared_ptr<const ReshardPlan>&, CopyService&,
+      const std::shared_ptr<ReshardTransform>&, void*, const ReshardOptions&);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -230,6 +230,9 @@ class CopyService:
         # The tensors of the last refit (execute_reshard_plan), which rerun_reshard_plan writes
         # and reads again without being given them.
         self._refit_tensors: list = []
+        # execute_reshard_plan's record of its last call's dicts (key, TensorSnapshot), which a
+        # call handing over the same tensors again is compared with in one pass.
+        self._prepared_refit: Optional[tuple] = None
 
     def _choose_transport(self, transport: str) -> None:
         """Before init(): sets up ``transport`` instead of the one asked for at construction
@@ -391,12 +394,14 @@ class CopyService:
         self._service.clear_requests()
         self._registered.clear()
         self._refit_tensors.clear()
+        self._prepared_refit = None
 
     def finalize(self) -> None:
         """Releases everything; safe to call twice."""
         self._service.finalize()
         self._registered.clear()
         self._refit_tensors.clear()
+        self._prepared_refit = None
 
     def _hold_refit_tensors(self, tensors: Any, succeeded: bool) -> None:
         # A refit that failed part way may have prepared with its tensors or kept the last ones:

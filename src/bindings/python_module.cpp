@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "core/env.hpp"
+#include "bindings/tensor_snapshot.hpp"
 #include "execution/verdicts.hpp"
 #include "launch/local_launcher.hpp"
 #include "reshard/bootstrap.hpp"
@@ -986,6 +987,23 @@ void bind_execution(nb::module_& m) {
           "src"_a, "dst"_a, "stream"_a = nb::none())
       .def_prop_ro("report", &Refit::report);
   m.def(
+      "execute_as_prepared",
+      [](const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,
+         std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
+         std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender) {
+        ReshardOptions options;
+        options.staging_budget = staging_budget;
+        options.quantize_colocated_on_sender = quantize_colocated_on_sender;
+        nb::gil_scoped_release released;
+        return execution::execute_as_prepared(plan, service, transform, stream_of(stream),
+                                              options);
+      },
+      "plan"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
+      "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true,
+      "execute_reshard_plan with the tensors its last call prepared with, which the caller "
+      "vouches it was given again (TensorSnapshot.matches); None, with nothing done, where the "
+      "service keeps no such refit.");
+  m.def(
       "rerun_reshard_plan",
       [](const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,
          std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream) {
@@ -1013,4 +1031,5 @@ NB_MODULE(_core, m) {
   reshard::python::bind_layouts(m);
   reshard::python::bind_plan(m);
   reshard::python::bind_execution(m);
+  reshard::python::bind_tensor_snapshot(m);
 }

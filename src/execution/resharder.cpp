@@ -56,6 +56,10 @@ struct LocalSide {
 struct TensorIdentity {
   const void* data = nullptr;
   const void* scale = nullptr;
+  // GPU memory: the allocations' ids (cuda::allocation_id). The same address in a new
+  // allocation (freed and allocated again) is other memory: peers' IPC mappings of the old one
+  // would receive the bytes.
+  std::uint64_t allocation = 0, scale_allocation = 0;
   std::size_t bytes = 0, scale_bytes = 0;
   std::int32_t device = -1, scale_device = -1;
   MemoryKind kind = MemoryKind::kHost, scale_kind = MemoryKind::kHost;
@@ -66,6 +70,8 @@ struct TensorIdentity {
   static TensorIdentity of(const LocalTensor& tensor, std::vector<std::int64_t>& shapes) {
     TensorIdentity id{tensor.data.data,
                       tensor.scale.data,
+                      allocation_of(tensor.data),
+                      allocation_of(tensor.scale),
                       tensor.data.bytes,
                       tensor.scale.bytes,
                       tensor.data.device,
@@ -84,7 +90,15 @@ struct TensorIdentity {
            tensor.data.kind == kind && tensor.data.device == device && tensor.scale.data == scale &&
            tensor.scale.bytes == scale_bytes && tensor.scale.kind == scale_kind &&
            tensor.scale.device == scale_device && tensor.shape.size() == dims &&
-           std::equal(tensor.shape.begin(), tensor.shape.end(), shapes.begin() + shape_at);
+           std::equal(tensor.shape.begin(), tensor.shape.end(), shapes.begin() + shape_at) &&
+           allocation_of(tensor.data) == allocation && allocation_of(tensor.scale) == scale_allocation;
+  }
+  static std::uint64_t allocation_of(const Buffer& buffer) {
+#ifdef RESHARD_WITH_CUDA
+    if (buffer.kind == MemoryKind::kCuda) return cuda::allocation_id(buffer.data);
+#endif
+    (void)buffer;
+    return 0;
   }
 };
 
@@ -117,7 +131,9 @@ class MapWalk {
       names_ += name;
       name_ends_.push_back(names_.size());
       identities_.push_back(TensorIdentity::of(tensor, shapes_));
-      addresses_.push_back({&entry, name.data(), tensor.shape.data()});
+      addresses_.push_back({reinterpret_cast<std::uintptr_t>(&entry),
+                            reinterpret_cast<std::uintptr_t>(name.data()),
+                            reinterpret_cast<std::uintptr_t>(tensor.shape.data())});
     }
     recorded_ = true;
   }
@@ -126,7 +142,8 @@ class MapWalk {
   bool matches(const TensorMap& map) const {
     if (!recorded_ || map.size() != name_ends_.size()) return false;
     const std::size_t count = name_ends_.size();
-    const bool same_nodes = count > 0 && &*map.begin() == addresses_[0].entry;
+    const bool same_nodes =
+        count > 0 && reinterpret_cast<std::uintptr_t>(&*map.begin()) == addresses_[0].entry;
     if (same_nodes) {
       for (std::size_t i = 0; i < std::min(kPrefetchAhead, count); ++i) prefetch(addresses_[i]);
     }
@@ -141,11 +158,13 @@ class MapWalk {
   }
 
  private:
-  // Where an entry's parts were when it was recorded.
+  // Where an entry's parts were when it was recorded: numbers, not pointers, since the map may
+  // be gone (the Python binding's maps live for one call); only compared, and prefetched (which
+  // never faults).
   struct Addresses {
-    const void* entry;  // the key-value pair, inside the map's node
-    const void* name;   // the name's characters (on the heap unless short)
-    const void* shape;  // the shape's elements
+    std::uintptr_t entry;  // the key-value pair, inside the map's node
+    std::uintptr_t name;   // the name's characters (on the heap unless short)
+    std::uintptr_t shape;  // the shape's elements
   };
   // Entries asked for ahead of the walk: enough misses in flight to cover the memory's latency
   // (8, 16 and 32 measured alike on the development machine).
@@ -153,12 +172,12 @@ class MapWalk {
 
   static void prefetch(const Addresses& at) {
     // The node: the pair with the link before it and the cached hash after it.
-    const char* node = static_cast<const char*>(at.entry) - sizeof(void*);
+    const char* node = reinterpret_cast<const char*>(at.entry) - sizeof(void*);
     for (std::size_t offset = 0; offset < sizeof(TensorMap::value_type) + 2 * sizeof(void*);
          offset += 64)
       __builtin_prefetch(node + offset);
-    __builtin_prefetch(at.name);
-    __builtin_prefetch(at.shape);
+    __builtin_prefetch(reinterpret_cast<const void*>(at.name));
+    __builtin_prefetch(reinterpret_cast<const void*>(at.shape));
   }
 
   bool recorded_ = false;
@@ -1088,21 +1107,43 @@ struct Resharder::Impl {
   }
 
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
+    return execute(&src, &dst, cuda_stream);
+  }
+
+  // execute() of `src` and `dst`, or, where they are null, of the tensors the last call prepared
+  // with, which the caller vouches it was given again (execute_as_prepared): then nothing is
+  // looked up or compared here, and the maps are made of the prepared tensors only where
+  // something reads them (a custom transform's hooks, or a preparation that another rank's new
+  // tensors make every rank run).
+  ReshardReport execute(const TensorMap* given_src, const TensorMap* given_dst,
+                        void* cuda_stream) {
     using Clock = std::chrono::steady_clock;
     ReshardReport report;
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
     // the transforms' hooks run again.
     const auto started = Clock::now();
+    const bool vouched = given_src == nullptr;
+    TensorMap rebuilt_src, rebuilt_dst;
+    auto rebuild = [&] {
+      if (!rebuilt_src.empty() || !rebuilt_dst.empty()) return;
+      for (std::size_t i = 0; i < param_names.size(); ++i)
+        map_of(i, rebuilt_src, rebuilt_dst).emplace(param_names[i], prepared.tensors[i]);
+    };
+    const TensorMap& src = vouched ? rebuilt_src : *given_src;
+    const TensorMap& dst = vouched ? rebuilt_dst : *given_dst;
     std::exception_ptr failure;
     void* stream = nullptr;
     bool reusable = false;
     try {
-      const bool same = prepared.valid &&
-                        execution::ServiceSlot::generation(service) == registered_generation &&
-                        same_tensors_as_prepared(src, dst);
+      if (vouched && !still_scheduled()) {
+        throw_error(ErrorCode::kInvalidState,
+                    "execute_as_prepared: no refit of this plan is prepared on this copy service");
+      }
+      const bool same = vouched || (still_scheduled() && same_tensors_as_prepared(src, dst));
       // The same tensors are on the prepared refit's GPU (device_of walks every tensor of host
       // maps).
       stream = stream_on(same ? prepared.device : device_of(src, dst), cuda_stream);
+      if (vouched && transform != nullptr && ranged == nullptr) rebuild();
       reusable = same && rerun_transforms(src, dst, stream);
     } catch (...) {
       failure = std::current_exception();
@@ -1118,7 +1159,12 @@ struct Resharder::Impl {
     PhaseClock clock{.enabled = service.options().debug.phase_timing,
                      .stream = stream,
                      .issued = &report.issue_seconds};
-    if (!agreed) prepare(src, dst, stream, report);
+    if (!agreed) {
+      if (vouched) rebuild();
+      prepare(src, dst, stream, report);
+    }
+    if (vouched && transform != nullptr && !(ranged != nullptr && prepared.conversions_recorded))
+      rebuild();
     run_phases(src, dst, stream, cuda_stream, clock, report);
     return report;
   }
@@ -1240,6 +1286,10 @@ ReshardReport Resharder::execute(const TensorMap& src, const TensorMap& dst, voi
 
 ReshardReport Resharder::rerun(void* cuda_stream) { return impl_->rerun(cuda_stream); }
 
+ReshardReport Resharder::execute_as_prepared(void* cuda_stream) {
+  return impl_->execute(nullptr, nullptr, cuda_stream);
+}
+
 namespace {
 
 // What execute_reshard_plan keeps on a service: the executor of the last (plan, transform,
@@ -1289,6 +1339,19 @@ ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& pla
     cache.transform_key = std::move(key);
   }
   return cache.executor->execute(src, dst, cuda_stream);
+}
+
+std::optional<ReshardReport> execution::execute_as_prepared(
+    const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,
+    const std::shared_ptr<ReshardTransform>& transform, void* cuda_stream,
+    const ReshardOptions& options) {
+  ExecutorCache* cache = cache_of(service);
+  if (cache == nullptr || !cache->executor || cache->plan != plan ||
+      cache->transform_key != transform_key(transform) || !cache->executor->same_options(options) ||
+      !cache->executor->impl_->still_scheduled()) {
+    return std::nullopt;
+  }
+  return cache->executor->execute_as_prepared(cuda_stream);
 }
 
 ReshardReport rerun_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,

@@ -70,16 +70,22 @@ __device__ int stuck_behind(const KernelArgs& a, int peer) {
   return at;
 }
 
+// The first failed wait of a run records itself (DeviceStatus): it claims the device failure word
+// (which also stops the copies of this PE's kernels), so two waits failing at once, or a wait and
+// the host, never write half a record each.
 __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
                                unsigned int phase) {
   volatile DeviceStatus* status = a.status;
-  if (status->code != 0) return;
+  if (a.failure != nullptr) {
+    if (atomicCAS(a.failure, 0u, code) != 0u) return;  // another wait, or the host, was first
+  } else if (status->code != 0) {
+    return;
+  }
   status->peer = peer;
   status->stuck_behind = code == kStatusTimeout ? stuck_behind(a, peer) : peer;
   status->phase = phase;
   __threadfence_system();
   status->code = code;
-  if (a.failure != nullptr) *static_cast<volatile unsigned int*>(a.failure) = code;
 }
 
 // Spins until *flag >= epoch. False when the wait ran out, was cancelled, or another wait of this

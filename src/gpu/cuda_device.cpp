@@ -163,21 +163,43 @@ int pes_on_this_gpu(Bootstrap& bootstrap, int device) {
   return count;
 }
 
-std::string stuck_behind_clause(const volatile DeviceStatus& status) {
-  if (status.code != kStatusTimeout || status.stuck_behind == status.peer) return {};
-  return "; PE " + std::to_string(status.peer) + " is itself stuck waiting, behind PE " +
-         std::to_string(status.stuck_behind);
+std::string stuck_behind_clause(const RunFailure& failure) {
+  if (failure.code != kStatusTimeout || failure.stuck_behind == failure.peer) return {};
+  return "; PE " + std::to_string(failure.peer) + " is itself stuck waiting, behind PE " +
+         std::to_string(failure.stuck_behind);
 }
 
-void record_host_failure(volatile DeviceStatus& status, unsigned int code, int peer,
-                         unsigned int phase) noexcept {
-  if (status.code == 0) {
-    status.peer = peer;
-    status.stuck_behind = peer;
-    status.phase = phase;
-    status.code = code;
+bool HostFailure::record(unsigned int code, int peer, unsigned int phase) noexcept {
+  if (claimed_.exchange(true, std::memory_order_acq_rel)) return false;
+  peer_ = peer;
+  phase_ = phase;
+  code_.store(code, std::memory_order_release);
+  return true;
+}
+
+std::optional<RunFailure> HostFailure::get() const noexcept {
+  const unsigned int code = code_.load(std::memory_order_acquire);
+  if (code == 0) return std::nullopt;
+  return RunFailure{code, peer_, peer_, phase_};
+}
+
+std::optional<RunFailure> run_failure(const DeviceStatus* status,
+                                      const HostFailure& host) noexcept {
+  if (status != nullptr) {
+    // Pinned memory a kernel writes over the bus: `code` is stored last, after a system fence.
+    auto& code = const_cast<unsigned int&>(status->code);
+    const unsigned int device_code = std::atomic_ref<unsigned int>(code).load(std::memory_order_acquire);
+    if (device_code != 0) {
+      const volatile DeviceStatus& seen = *status;
+      return RunFailure{device_code, seen.peer, seen.stuck_behind, seen.phase};
+    }
   }
-  status.cancel = 1;
+  return host.get();
+}
+
+void cancel_waits(DeviceStatus* status) noexcept {
+  if (status == nullptr) return;
+  std::atomic_ref<unsigned int>(status->cancel).store(1, std::memory_order_release);
 }
 
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
@@ -238,6 +260,19 @@ void wait_for_default_stream(cudaStream_t own) {
   if (status == cudaSuccess) status = cudaStreamWaitEvent(own, queued, 0);
   cudaEventDestroy(queued);  // released once the wait has passed it
   if (status != cudaSuccess) throw_cuda_error(status, "waiting for the default stream");
+}
+
+std::uint64_t allocation_id(const void* pointer) noexcept {
+  using GetPointerAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+  static const auto query =
+      reinterpret_cast<GetPointerAttribute>(driver_entry_point("cuPointerGetAttribute"));
+  unsigned long long id = 0;
+  if (query == nullptr || pointer == nullptr ||
+      query(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, reinterpret_cast<CUdeviceptr>(pointer)) !=
+          CUDA_SUCCESS) {
+    return 0;
+  }
+  return id;
 }
 
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {

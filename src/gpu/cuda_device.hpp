@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <optional>
@@ -51,13 +52,36 @@ std::string physical_gpu(int device);
 // Collective: how many PEs (this one included) run on this PE's GPU `device` (physical_gpu):
 // colocated processes sharing it.
 int pes_on_this_gpu(Bootstrap& bootstrap, int device);
+// What stopped a run: a kernel's failed wait (DeviceStatus) or a failure the host found.
+struct RunFailure {
+  unsigned int code = 0;  // kStatus*
+  int peer = -1;          // whom it waited for
+  int stuck_behind = -1;  // where the chain of stuck waits from `peer` ends
+  unsigned int phase = 0;
+};
+// A failure a host thread found (a watchdog, a dead peer): recorded apart from the kernels'
+// DeviceStatus, each record by one side only, so neither can hold half of the other's. The first
+// call records; later ones leave it (the watchdog thread and the caller's thread may both try).
+class HostFailure {
+ public:
+  // True where this call recorded it.
+  bool record(unsigned int code, int peer, unsigned int phase) noexcept;
+  std::optional<RunFailure> get() const noexcept;
+
+ private:
+  std::atomic<bool> claimed_{false};
+  std::atomic<unsigned int> code_{0};  // stored last (release): peer_ and phase_ are whole then
+  int peer_ = -1;
+  unsigned int phase_ = 0;
+};
+// The failure that stopped the runs, if any: the kernels' record where a wait failed, else the
+// host's. `status` may be null.
+std::optional<RunFailure> run_failure(const DeviceStatus* status, const HostFailure& host) noexcept;
+// Tells the kernels' waits to stop (each records kStatusCancelled unless a failure was claimed).
+void cancel_waits(DeviceStatus* status) noexcept;
 // "; PE p is itself stuck waiting, behind PE q" for a timed-out device wait whose peer p was
 // itself stuck (see SignalLayout::waiting_on), else empty.
-std::string stuck_behind_clause(const volatile DeviceStatus& status);
-// A failure the host found (a watchdog): recorded as a kernel's failed wait records it (the first
-// failure only) and every wait told to stop.
-void record_host_failure(volatile DeviceStatus& status, unsigned int code, int peer,
-                         unsigned int phase) noexcept;
+std::string stuck_behind_clause(const RunFailure& failure);
 // Polls `finished` until it returns true: an empty string then, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
 // `limit` (the service's timeout, plus any grace) passing while `what` is unfinished — naming a
@@ -80,5 +104,9 @@ void wait_for_default_stream(cudaStream_t own);
 // Records `event` on `stream` after a run and returns true, unless the stream is being captured
 // into a graph (then the run only exists in the graph and there is nothing to wait for).
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);
+// The driver's id of the allocation holding `pointer` (CU_POINTER_ATTRIBUTE_BUFFER_ID): unique
+// in the process's life, so memory freed and allocated again at the same address has another.
+// 0 where the driver cannot tell.
+std::uint64_t allocation_id(const void* pointer) noexcept;
 
 }  // namespace reshard::cuda

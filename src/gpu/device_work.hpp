@@ -136,7 +136,11 @@ RESHARD_HD std::uint64_t done_share(std::uint32_t cta, std::uint32_t ctas) {
   return cta == 0 ? kUnit - share * (ctas - 1) : share;
 }
 
-// Written by a kernel whose wait ran out (pinned host memory, read by the host after the run).
+// Written by a kernel whose wait ran out (pinned host memory, read by the host after the run),
+// and by kernels only: the wait that first claims the device failure word (KernelArgs::failure, a
+// compare-and-swap in device memory) writes it, `code` last, after a system-scope fence, so a
+// host that loads `code` with acquire ordering (run_failure) reads the rest whole. A failure the
+// host finds goes to a record of its own (HostFailure); the host writes only `cancel` here.
 struct DeviceStatus {
   unsigned int code;    // 0 ok, kStatus*
   int peer;             // whom it waited for

@@ -9,14 +9,17 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <span>
 #include <thread>
 #include <vector>
 
 #include "gpu/copy_kernels.hpp"
+#include "gpu/cuda_device.hpp"
 #include "gpu/device_array.hpp"
 #include "gpu/run_watchdog.hpp"
 #include "gpu/stream_memory_ops.hpp"
@@ -181,6 +184,55 @@ TEST_F(DeviceWaits, AShortWaitLeavesNoMark) {
 // never comes holds back neither the others' copies nor their raises, and every group raises only
 // after its bytes have landed, by exactly the units it was given (shares of every CTA, CTA 0 the
 // units beyond the first): a second launch adds on top of the first.
+// A failure the host records (a watchdog, a dead peer) while a kernel's wait runs out or is
+// cancelled at about the same moment: what is read back is one of the two records whole, never
+// the host's code beside the kernel's peer. The kernels alone write the pinned status (the first
+// failed wait claims the device failure word) and the host writes its own record.
+TEST_F(DeviceWaits, AHostFailureBesideAKernelsLeavesOneWholeRecord) {
+  constexpr int kHostPeer = 1;
+  int kernel_records = 0, host_records = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    HostFailure host;
+    for (int pe = 0; pe < kPes; ++pe) words_[pe] = 0;
+    flag_[0] = 0;
+    launch_wait(100'000 + 5'000 * (trial % 40));  // 0.1-0.3 ms
+    std::this_thread::sleep_for(std::chrono::microseconds(10 * (trial % 30)));
+    host.record(kStatusCancelled, kHostPeer, kPhaseReady);
+    cancel_waits(status_.host);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    const std::optional<RunFailure> failure = run_failure(status_.host, host);
+    ASSERT_TRUE(failure.has_value());
+    const bool kernels = failure->peer == kPeer && failure->phase == kPhaseDone &&
+                         (failure->code == kStatusTimeout || failure->code == kStatusCancelled);
+    const bool hosts = failure->peer == kHostPeer && failure->phase == kPhaseReady &&
+                       failure->code == kStatusCancelled;
+    EXPECT_TRUE(kernels || hosts) << "trial " << trial << ": code " << failure->code << ", peer "
+                                  << failure->peer << ", phase " << failure->phase;
+    (kernels ? kernel_records : host_records) += 1;
+  }
+  std::printf("records: %d the kernels', %d the host's\n", kernel_records, host_records);
+}
+
+// Host threads recording at once (the watchdog's and the caller's): the first records, whole.
+TEST(HostFailures, TheFirstOfSeveralAtOnceIsRecordedWhole) {
+  for (int trial = 0; trial < 100; ++trial) {
+    HostFailure host;
+    std::vector<std::thread> threads;
+    std::atomic<int> recorded{0};
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&, t] {
+        if (host.record(kStatusTimeout, t, static_cast<unsigned int>(t))) ++recorded;
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    const std::optional<RunFailure> failure = host.get();
+    ASSERT_TRUE(failure.has_value());
+    EXPECT_EQ(recorded.load(), 1);
+    EXPECT_EQ(static_cast<unsigned int>(failure->peer), failure->phase);
+    EXPECT_EQ(run_failure(nullptr, host)->peer, failure->peer);
+  }
+}
+
 TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);

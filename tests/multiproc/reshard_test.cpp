@@ -1283,6 +1283,36 @@ TEST(BoundRefit, ARefitWhoseScheduleWentRefusesToRun) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// GPU memory freed and allocated again at the same address is new memory: the peers' IPC
+// mappings of the old allocation would receive its bytes. execute_reshard_plan schedules again
+// (the allocation's id differs), and the bytes land in the new memory.
+TEST(ReshardReuse, GpuMemoryFreedAndAllocatedAgainIsScheduledAgain) {
+  if (!on_gpu()) GTEST_SKIP() << "GPU memory only (RESHARD_TEST_MEMORY=cuda)";
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  const auto plan = dp_to_replicas(n);
+  const auto expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors tensors = make_tensors(*plan, me, my_device(), expected, nullptr);
+  EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+  EXPECT_FALSE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+  // Every destination freed and allocated again (the allocator hands the same addresses back).
+  int same_address = 0;
+  for (auto& [name, memory] : tensors.dst) {
+    const std::size_t bytes = memory->download().size();
+    void* before = memory->buffer().data;
+    memory.reset();
+    memory = std::make_unique<TestMemory>(bytes, my_device());
+    same_address += memory->buffer().data == before;
+    tensors.dst_map.at(name).data = memory->buffer();
+  }
+  std::printf("PE %d: %d of %zu destinations came back at the same address\n", me, same_address,
+              tensors.dst.size());
+  EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "the bytes in the new allocations";
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 // This process's resident memory in bytes.
 std::uint64_t resident_bytes() {
   std::FILE* file = std::fopen("/proc/self/statm", "r");

@@ -468,6 +468,46 @@ def test_a_bound_refit_holds_its_tensors_runs_and_updates(service):
     assert all(ref() is None for ref in held)
 
 
+def test_execute_again_with_the_same_tensors_notices_storage_swapped_in_place(service):
+    # The same dicts of the same objects run the prepared refit without converting every tensor
+    # again; a tensor given other storage in place (param.data = ...), a value replaced in the
+    # dict or a LocalTensor's field reassigned is noticed, and its bytes go to the new memory.
+    torch = pytest.importorskip("torch")
+    plan, arrays, _ = _one_pe_plan()
+    src = {name: torch.nn.Parameter(torch.zeros(t.data.shape, dtype=torch.bfloat16),
+                                    requires_grad=False) for name, t in arrays.items()}
+    dst = {name: torch.zeros(t.data.shape, dtype=torch.bfloat16) for name, t in arrays.items()}
+    wrapped = {name: reshard.LocalTensor(torch.zeros(t.data.shape, dtype=torch.bfloat16))
+               for name, t in arrays.items()}
+    for destinations in (dst, wrapped):
+        assert reshard.execute_reshard_plan(plan, src, destinations, service).rescheduled
+
+        def landed(name):
+            value = destinations[name]
+            return value.data if isinstance(value, reshard.LocalTensor) else value
+
+        for step in range(1, 4):
+            for parameter in src.values():
+                parameter.data.fill_(step)
+            report = reshard.execute_reshard_plan(plan, src, destinations, service)
+            assert not report.rescheduled
+            assert all(torch.equal(landed(name), src[name]) for name in src), step
+        first, last = sorted(src)[0], sorted(src)[-1]
+        swapped = torch.zeros_like(landed(first))
+        if isinstance(destinations[first], reshard.LocalTensor):
+            destinations[first].data = swapped           # a field reassigned
+        else:
+            destinations[first].data = swapped           # other storage, same object
+        src[last].data = torch.full_like(src[last], 7)   # a source's storage swapped too
+        report = reshard.execute_reshard_plan(plan, src, destinations, service)
+        assert report.rescheduled
+        assert torch.equal(swapped, src[first]) and torch.equal(landed(last), src[last])
+        destinations[first] = (reshard.LocalTensor(torch.zeros_like(swapped))
+                               if destinations is wrapped else torch.zeros_like(swapped))
+        assert reshard.execute_reshard_plan(plan, src, destinations, service).rescheduled
+        assert torch.equal(landed(first), src[first])
+
+
 def test_a_bound_refit_whose_schedule_went_refuses_to_run(service):
     plan, src, dst = _one_pe_plan()
     first = reshard.bind(plan, src, dst, service)

@@ -224,6 +224,7 @@ class CudaTransport final : public Transport {
   std::vector<std::uint64_t*> peer_signals_;           // mapped; [me_] is signals_
   DeviceArray<const std::uint64_t*> peer_waiting_on_;  // each PE's SignalLayout::waiting_on
   DeviceStatus* status_ = nullptr;                     // pinned host memory
+  HostFailure host_failure_;                           // what the host found (fail_run)
   DeviceStatus* status_device_ = nullptr;
   std::vector<pid_t> pids_;
   IpcImports signal_imports_;  // peers' flags, for the transport's lifetime
@@ -1009,13 +1010,18 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) wait_for_default_stream(stream);
   launch(*prepared_[phase], stream);
+  // The watchdog queries last_run_ and compares the time since watched_since_: both change
+  // under its lock, so it never sees this run's event beside the last run's start time.
+  std::unique_lock<std::mutex> lock;
+  const bool watched = watchdog_.running() && !same_device_order_.empty();
+  if (watched) lock = std::unique_lock(watchdog_.mutex());
   if (record_run_unless_capturing(last_run_, stream)) {
     run_pending_ = true;
-    if (watchdog_.running() && !same_device_order_.empty()) {
-      std::lock_guard lock(watchdog_.mutex());
+    if (watched) {
       watched_since_ = std::chrono::steady_clock::now();
       watchdog_.wake();
     }
+    if (lock.owns_lock()) lock.unlock();
     if (stream_handle == nullptr) synchronize();
   }
 }
@@ -1138,7 +1144,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
   if (dead >= 0) {
     // The kernels stop waiting for a peer that cannot answer any more, and must have ended
     // before the caller frees what they touch.
-    reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
+    cancel_waits(status_);
     if (!same_device_order_.empty()) fail_run(kStatusCancelled, dead, kPhaseDone);
     int ignored = -1;
     if (std::string stuck = wait_for_run(event, {}, what, &ignored, timeout_ + grace);
@@ -1156,7 +1162,8 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
 
 void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) noexcept {
   if (status_ == nullptr) return;
-  record_host_failure(*status_, code, peer, phase);
+  host_failure_.record(code, peer, phase);
+  cancel_waits(status_);
   // The kernels after the waits copy nothing once this word is set (see KernelArgs::failure).
   static const unsigned int one = 1;
   cudaMemcpyAsync(SignalLayout::failure(signals_, n_pes_), &one, sizeof one, cudaMemcpyHostToDevice,
@@ -1208,8 +1215,9 @@ void CudaTransport::forget_schedule() {
 }
 
 void CudaTransport::throw_device_failure() {
-  const volatile DeviceStatus* status = status_;
-  if (status == nullptr || status->code == 0) return;
+  const std::optional<RunFailure> failure = run_failure(status_, host_failure_);
+  if (!failure) return;
+  const RunFailure* status = &*failure;
   const int peer = status->peer;
   std::ostringstream text;
   text << "run() on PE " << me_ << ": ";
@@ -1268,7 +1276,7 @@ void CudaTransport::log_trace() noexcept {
 
 void CudaTransport::abort(const std::string& reason) noexcept {
   aborted_ = true;
-  if (status_ != nullptr) reinterpret_cast<volatile DeviceStatus*>(status_)->cancel = 1;
+  cancel_waits(status_);
   RESHARD_LOG(kDebug, "cuda transport aborted: " << reason);
 }
 

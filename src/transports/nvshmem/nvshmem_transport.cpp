@@ -293,6 +293,7 @@ class NvshmemTransport final : public Transport {
   cudaEvent_t last_run_ = nullptr;
   bool run_pending_ = false;
   cuda::DeviceStatus* status_ = nullptr;  // pinned, mapped: stops the waits on abort
+  cuda::HostFailure host_failure_;        // what the host found (the watchdog, abort)
   cuda::DeviceStatus* status_device_ = nullptr;
   // Device memory, nonzero once a wait failed or the run was aborted: copy kernels skip.
   unsigned int* failure_ = nullptr;
@@ -767,7 +768,7 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   if (aborted_) throw_error(ErrorCode::kPeerFailure, "run() after a failed run on this PE");
   cuda::DeviceScope scope(device_);
   // A run the watchdog (or a kernel's wait) failed since: say why before queuing more.
-  if (static_cast<volatile cuda::DeviceStatus*>(status_)->code != 0) synchronize();
+  if (cuda::run_failure(status_, host_failure_)) synchronize();
   run_waits_.clear();
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
@@ -885,7 +886,8 @@ std::pair<int, unsigned int> NvshmemTransport::first_unmet_wait() noexcept {
 // Records the failure in the pinned status (first one only), stops the kernels' copies and raises
 // every signal word this PE waits on past any value a run expects.
 void NvshmemTransport::fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept {
-  cuda::record_host_failure(*status_, code, peer, phase);
+  host_failure_.record(code, peer, phase);
+  cuda::cancel_waits(status_);
   watch_failed_ = true;
   release_own_waits(release_stream_);
 }
@@ -919,12 +921,14 @@ void NvshmemTransport::synchronize() {
 }
 
 void NvshmemTransport::throw_device_failure() {
-  if (status_ == nullptr || status_->code == 0) return;
+  const std::optional<cuda::RunFailure> failure = cuda::run_failure(status_, host_failure_);
+  if (!failure) return;
+  const cuda::RunFailure* status = &*failure;
   // A wait ran out or was cancelled (by the kernels, or by the watchdog for stream waits): the
   // peer it waited for is named, and the PE that peer is itself stuck behind, where known.
-  const int peer = status_->peer;
+  const int peer = status->peer;
   const bool known = peer >= 0 && peer < static_cast<int>(local_pids_.size());
-  if (status_->code == cuda::kStatusCancelled && known && local_pids_[peer] > 0 &&
+  if (status->code == cuda::kStatusCancelled && known && local_pids_[peer] > 0 &&
       first_exited_process(std::span(&local_pids_[peer], 1), true) == 0) {
     const std::string problem = "PE " + std::to_string(peer) + " (pid " +
                                 std::to_string(local_pids_[peer]) + ") exited mid-run";
@@ -932,12 +936,12 @@ void NvshmemTransport::throw_device_failure() {
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   const std::string problem =
-      std::string(status_->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
+      std::string(status->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
       (known ? " waiting for PE " + std::to_string(peer) +
-                   (status_->phase == cuda::kPhaseReady ? " to drain its inbox"
+                   (status->phase == cuda::kPhaseReady ? " to drain its inbox"
                                                         : " to deliver its data")
              : std::string(" waiting for its peers")) +
-      cuda::stuck_behind_clause(*status_) + " (RESHARD_TIMEOUT_S sets the limit)";
+      cuda::stuck_behind_clause(*status) + " (RESHARD_TIMEOUT_S sets the limit)";
   abort(problem);
   throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
 }
@@ -949,10 +953,9 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
   std::lock_guard lock(rt_.mutex);
   // The pair counters no longer match the peers' (a run stopped half-way on some PEs).
   rt_.broken = "an earlier run failed (" + reason + ")";
-  if (status_ != nullptr) {
-    status_->cancel = 1;
-    status_->code = cuda::kStatusCancelled;  // waits and signals stop at once
-  }
+  // Waits stop at once (each records itself cancelled unless a failure was claimed first).
+  host_failure_.record(cuda::kStatusCancelled, -1, cuda::kPhaseDone);
+  cuda::cancel_waits(status_);
   if (rt_.heap != nullptr) {
     cudaStream_t side = nullptr;
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
