@@ -5,7 +5,7 @@
 # execute_reshard_plan, rerun_reshard_plan, reshard.bind().run() with PyTorch tensors), PEs
 # sharing one GPU as colocated RL jobs run. Logs and JSON lines go to $OUT (default
 # build-gpu/logs). REFITS="qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4" (model:layers:PEs)
-# narrows the sweep; TESTS=0 skips the tests.
+# narrows the sweep; TESTS=0 skips the tests, TESTS=ctest runs only the GPU_TESTS ctest pattern.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -19,11 +19,14 @@ if [[ ${TESTS:-1} != 0 ]]; then
   ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-gpu_reshard_(cuda|nvshmem|mixed)_(2|4)_pes|gpu_device_waits|gpu_cuda_(sm|ce)_(2|4)_pes|gpu_nvshmem_(2|4)_pes}" \
     --output-on-failure --timeout 300 >"$OUT/gpu-tests.log" 2>&1 || status=1
   grep -E "tests passed|\(Failed|\(Timeout|records:" "$OUT/gpu-tests.log" | tail -8
-  build-gpu/tests/reshard_unit_tests --gtest_filter='*GpuFaults*' >"$OUT/gpu-faults.log" 2>&1 ||
-    status=1
-  grep -E "^\[  (PASSED|FAILED) " "$OUT/gpu-faults.log" | head -4
-  timeout 500 python3 -m pytest tests/python -q -rs -k "gpu" >"$OUT/pytest-gpu.log" 2>&1 || status=1
-  grep -E "passed|failed|^FAILED" "$OUT/pytest-gpu.log" | tail -8
+  if [[ ${TESTS:-1} == 1 ]]; then  # TESTS=ctest: the ctest pattern only
+    build-gpu/tests/reshard_unit_tests --gtest_filter='*GpuFaults*' >"$OUT/gpu-faults.log" 2>&1 ||
+      status=1
+    grep -E "^\[  (PASSED|FAILED) " "$OUT/gpu-faults.log" | head -4
+    timeout 500 python3 -m pytest tests/python -q -rs -k "gpu" >"$OUT/pytest-gpu.log" 2>&1 ||
+      status=1
+    grep -E "passed|failed|^FAILED" "$OUT/pytest-gpu.log" | tail -8
+  fi
 fi
 for refit in ${REFITS:-qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4}; do
   IFS=: read -r model layers pes <<<"$refit"

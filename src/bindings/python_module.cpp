@@ -18,8 +18,8 @@
 #include <string>
 #include <type_traits>
 
-#include "core/env.hpp"
 #include "bindings/tensor_snapshot.hpp"
+#include "core/env.hpp"
 #include "execution/verdicts.hpp"
 #include "launch/local_launcher.hpp"
 #include "reshard/bootstrap.hpp"
@@ -995,8 +995,7 @@ void bind_execution(nb::module_& m) {
         options.staging_budget = staging_budget;
         options.quantize_colocated_on_sender = quantize_colocated_on_sender;
         nb::gil_scoped_release released;
-        return execution::execute_as_prepared(plan, service, transform, stream_of(stream),
-                                              options);
+        return execution::execute_as_prepared(plan, service, transform, stream_of(stream), options);
       },
       "plan"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
       "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true,

@@ -45,8 +45,7 @@ std::uintptr_t address_of(PyObject* array) {
 class TensorSnapshot {
  public:
   // `wrapper`: reshard.LocalTensor, whose data, scale and dtype are recorded too.
-  TensorSnapshot(nb::dict src, nb::dict dst, nb::handle wrapper)
-      : wrapper_(nb::borrow(wrapper)) {
+  TensorSnapshot(nb::dict src, nb::dict dst, nb::handle wrapper) : wrapper_(nb::borrow(wrapper)) {
     complete_ = record(src, src_) && record(dst, dst_);
   }
 

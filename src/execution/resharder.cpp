@@ -56,10 +56,6 @@ struct LocalSide {
 struct TensorIdentity {
   const void* data = nullptr;
   const void* scale = nullptr;
-  // GPU memory: the allocations' ids (cuda::allocation_id). The same address in a new
-  // allocation (freed and allocated again) is other memory: peers' IPC mappings of the old one
-  // would receive the bytes.
-  std::uint64_t allocation = 0, scale_allocation = 0;
   std::size_t bytes = 0, scale_bytes = 0;
   std::int32_t device = -1, scale_device = -1;
   MemoryKind kind = MemoryKind::kHost, scale_kind = MemoryKind::kHost;
@@ -70,8 +66,6 @@ struct TensorIdentity {
   static TensorIdentity of(const LocalTensor& tensor, std::vector<std::int64_t>& shapes) {
     TensorIdentity id{tensor.data.data,
                       tensor.scale.data,
-                      allocation_of(tensor.data),
-                      allocation_of(tensor.scale),
                       tensor.data.bytes,
                       tensor.scale.bytes,
                       tensor.data.device,
@@ -90,16 +84,45 @@ struct TensorIdentity {
            tensor.data.kind == kind && tensor.data.device == device && tensor.scale.data == scale &&
            tensor.scale.bytes == scale_bytes && tensor.scale.kind == scale_kind &&
            tensor.scale.device == scale_device && tensor.shape.size() == dims &&
-           std::equal(tensor.shape.begin(), tensor.shape.end(), shapes.begin() + shape_at) &&
-           allocation_of(tensor.data) == allocation && allocation_of(tensor.scale) == scale_allocation;
+           std::equal(tensor.shape.begin(), tensor.shape.end(), shapes.begin() + shape_at);
   }
-  static std::uint64_t allocation_of(const Buffer& buffer) {
+};
+
+// The GPU allocations a prepared refit's tensors live in, each with the driver's id of it
+// (cuda::allocation_id): the same address in a new allocation (freed and allocated again) is
+// other memory, and the peers' IPC mappings of the old one would receive its bytes. Checked per
+// allocation, not per tensor: a PyTorch model's thousands of tensors live in a few of its
+// allocator's segments (one driver query each, about 0.5 us).
+class GpuAllocations {
+ public:
+  void record(const std::vector<LocalTensor>& tensors) {
+    bases_.clear();
 #ifdef RESHARD_WITH_CUDA
-    if (buffer.kind == MemoryKind::kCuda) return cuda::allocation_id(buffer.data);
+    std::map<const void*, std::uint64_t> seen;
+    for (const LocalTensor& tensor : tensors) {
+      for (const Buffer* buffer : {&tensor.data, &tensor.scale}) {
+        if (buffer->kind != MemoryKind::kCuda || buffer->data == nullptr) continue;
+        const void* base = cuda::allocation_base(buffer->data);
+        if (!seen.count(base)) seen.emplace(base, cuda::allocation_id(base));
+      }
+    }
+    bases_.assign(seen.begin(), seen.end());
+#else
+    (void)tensors;
 #endif
-    (void)buffer;
-    return 0;
   }
+  // Whether every recorded allocation is still the one recorded.
+  bool unchanged() const {
+#ifdef RESHARD_WITH_CUDA
+    for (const auto& [base, id] : bases_) {
+      if (cuda::allocation_id(base) != id) return false;
+    }
+#endif
+    return true;
+  }
+
+ private:
+  std::vector<std::pair<const void*, std::uint64_t>> bases_;
 };
 
 // A tensor map's entries in the map's own order, as one refit gave them: the next refit's map
@@ -315,6 +338,7 @@ struct Resharder::Impl {
     // The same, flat (TensorIdentity, shapes one after the other), for the per-refit check.
     std::vector<TensorIdentity> identities;
     std::vector<std::int64_t> shapes;
+    GpuAllocations allocations;  // where the GPU tensors among them live
     // The maps as given, where each holds only tensors this rank's ops touch (a map of more is
     // checked by name: walking it would read tensors the refit does not use).
     MapWalk src_walk, dst_walk;
@@ -774,14 +798,15 @@ struct Resharder::Impl {
   bool same_tensors_as_prepared(const TensorMap& src, const TensorMap& dst) const {
     static const LocalTensor kAbsent{};
     if (prepared.identities.size() != param_names.size()) return false;
-    if (prepared.src_walk.matches(src) && prepared.dst_walk.matches(dst)) return true;
+    if (prepared.src_walk.matches(src) && prepared.dst_walk.matches(dst))
+      return prepared.allocations.unchanged();
     for (std::size_t i = 0; i < param_names.size(); ++i) {
       const TensorMap& map = map_of(i, src, dst);
       const auto it = map.find(param_names[i]);
       if (!prepared.identities[i].matches(it == map.end() ? kAbsent : it->second, prepared.shapes))
         return false;
     }
-    return true;
+    return prepared.allocations.unchanged();
   }
 
   // Whether a transform's hooks returned the wire buffers a side was scheduled with.
@@ -1042,6 +1067,7 @@ struct Resharder::Impl {
     prepared.shapes.clear();
     for (const LocalTensor& tensor : tensors)
       prepared.identities.push_back(TensorIdentity::of(tensor, prepared.shapes));
+    prepared.allocations.record(tensors);
     // A map may hold tensors this rank does not move (a replica another rank sends from, the
     // whole model handed to every rank): walking it reads those too, and their identities are
     // recorded with the rest, so a walk that matches says the used ones are unchanged. Where
@@ -1115,8 +1141,7 @@ struct Resharder::Impl {
   // looked up or compared here, and the maps are made of the prepared tensors only where
   // something reads them (a custom transform's hooks, or a preparation that another rank's new
   // tensors make every rank run).
-  ReshardReport execute(const TensorMap* given_src, const TensorMap* given_dst,
-                        void* cuda_stream) {
+  ReshardReport execute(const TensorMap* given_src, const TensorMap* given_dst, void* cuda_stream) {
     using Clock = std::chrono::steady_clock;
     ReshardReport report;
     // A refit with the same tensors as the last one reuses its sides, packs and schedule; only
@@ -1439,7 +1464,9 @@ ReshardReport Refit::run(void* cuda_stream) {
 ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
   Impl& self = *impl_;
   std::exception_ptr failure;
-  bool changed = !self.bound || !self.executor.still_scheduled();
+  // GPU memory freed and allocated again at the same addresses is new memory too.
+  bool changed = !self.bound || !self.executor.still_scheduled() ||
+                 !self.executor.prepared.allocations.unchanged();
   std::vector<std::pair<TensorMap::iterator, LocalTensor>> previous;  // to restore on failure
   try {
     for (auto [given, bound, role] :

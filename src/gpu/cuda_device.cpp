@@ -188,7 +188,8 @@ std::optional<RunFailure> run_failure(const DeviceStatus* status,
   if (status != nullptr) {
     // Pinned memory a kernel writes over the bus: `code` is stored last, after a system fence.
     auto& code = const_cast<unsigned int&>(status->code);
-    const unsigned int device_code = std::atomic_ref<unsigned int>(code).load(std::memory_order_acquire);
+    const unsigned int device_code =
+        std::atomic_ref<unsigned int>(code).load(std::memory_order_acquire);
     if (device_code != 0) {
       const volatile DeviceStatus& seen = *status;
       return RunFailure{device_code, seen.peer, seen.stuck_behind, seen.phase};
@@ -273,6 +274,19 @@ std::uint64_t allocation_id(const void* pointer) noexcept {
     return 0;
   }
   return id;
+}
+
+const void* allocation_base(const void* pointer) noexcept {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, std::size_t*, CUdeviceptr);
+  static const auto query =
+      reinterpret_cast<GetAddressRange>(driver_entry_point("cuMemGetAddressRange"));
+  CUdeviceptr base = 0;
+  std::size_t bytes = 0;
+  if (query == nullptr || pointer == nullptr ||
+      query(&base, &bytes, reinterpret_cast<CUdeviceptr>(pointer)) != CUDA_SUCCESS) {
+    return pointer;
+  }
+  return reinterpret_cast<const void*>(base);
 }
 
 bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream) {

@@ -108,5 +108,8 @@ bool record_run_unless_capturing(cudaEvent_t event, cudaStream_t stream);
 // in the process's life, so memory freed and allocated again at the same address has another.
 // 0 where the driver cannot tell.
 std::uint64_t allocation_id(const void* pointer) noexcept;
+// Where the allocation holding `pointer` starts (cuMemGetAddressRange), or `pointer` itself where
+// the driver cannot tell.
+const void* allocation_base(const void* pointer) noexcept;
 
 }  // namespace reshard::cuda

@@ -939,7 +939,7 @@ void NvshmemTransport::throw_device_failure() {
       std::string(status->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
       (known ? " waiting for PE " + std::to_string(peer) +
                    (status->phase == cuda::kPhaseReady ? " to drain its inbox"
-                                                        : " to deliver its data")
+                                                       : " to deliver its data")
              : std::string(" waiting for its peers")) +
       cuda::stuck_behind_clause(*status) + " (RESHARD_TIMEOUT_S sets the limit)";
   abort(problem);
