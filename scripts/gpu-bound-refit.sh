@@ -36,7 +36,7 @@ for refit in ${REFITS:-qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4}; do
     status=1
   grep -E "median|ceiling" "$OUT/refit-$model-$layers-$pes.txt" | sed 's/^\[rank 0\] //'
   timeout 300 python3 -m reshard.launch -n "$pes" tools/bench/python_refit_bench.py \
-    --model "$model" --layers "$layers" --json "$OUT/python-refit.jsonl" \
+    --model "$model" --layers "$layers" --json "$OUT/python-refit.jsonl" --commit "$commit" \
     >"$OUT/python-$model-$layers-$pes.txt" 2>&1 || status=1
   grep -vE "^\s*$" "$OUT/python-$model-$layers-$pes.txt" | sed 's/^\[rank 0\] //' | tail -7
 done

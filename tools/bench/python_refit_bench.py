@@ -60,6 +60,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json")
+    parser.add_argument("--commit", help="source revision recorded in the JSON line")
     args = parser.parse_args()
 
     import torch
@@ -148,8 +149,8 @@ def main():
                   f"(host time of the call {issued * 1e6:.1f} us)")
         print(f"  wrong elements in {len(sample)} sampled destinations (slowest PE): {wrong}")
         if args.json:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip()
+            commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                   capture_output=True, text=True).stdout.strip()
             record = {"bench": "python_refit", "date": datetime.date.today().isoformat(),
                       "commit": commit, "model": spec.name, "layers": args.layers, "pes": n,
                       "src": str(src_par), "dst": str(dst_par), "transport": svc.transport,
