@@ -19,12 +19,13 @@ if [[ ${TESTS:-1} != 0 ]]; then
   ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-gpu_reshard_(cuda|nvshmem|mixed)_(2|4)_pes|gpu_device_waits|gpu_cuda_(sm|ce)_(2|4)_pes|gpu_nvshmem_(2|4)_pes}" \
     --output-on-failure --timeout 300 >"$OUT/gpu-tests.log" 2>&1 || status=1
   grep -E "tests passed|\(Failed|\(Timeout|records:" "$OUT/gpu-tests.log" | tail -8
-  if [[ ${TESTS:-1} == 1 ]]; then  # TESTS=ctest: the ctest pattern only
+  if [[ ${TESTS:-1} == 1 ]]; then  # TESTS=ctest: the ctest pattern only (PYTESTS: a pytest -k)
     build-gpu/tests/reshard_unit_tests --gtest_filter='*GpuFaults*' >"$OUT/gpu-faults.log" 2>&1 ||
       status=1
     grep -E "^\[  (PASSED|FAILED) " "$OUT/gpu-faults.log" | head -4
-    timeout 500 python3 -m pytest tests/python -q -rs -k "gpu" >"$OUT/pytest-gpu.log" 2>&1 ||
+    timeout 500 python3 -m pytest tests/python -q -rs -s -k "${PYTESTS:-gpu}" >"$OUT/pytest-gpu.log" 2>&1 ||
       status=1
+    grep -E "replay . host time" "$OUT/pytest-gpu.log" | head -6
     grep -E "passed|failed|^FAILED" "$OUT/pytest-gpu.log" | tail -8
   fi
 fi
@@ -37,6 +38,7 @@ for refit in ${REFITS:-qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4}; do
   grep -E "median|ceiling" "$OUT/refit-$model-$layers-$pes.txt" | sed 's/^\[rank 0\] //'
   timeout 300 python3 -m reshard.launch -n "$pes" tools/bench/python_refit_bench.py \
     --model "$model" --layers "$layers" --json "$OUT/python-refit.jsonl" --commit "$commit" \
+    --iters "${PY_ITERS:-20}" \
     >"$OUT/python-$model-$layers-$pes.txt" 2>&1 || status=1
   grep -vE "^\s*$" "$OUT/python-$model-$layers-$pes.txt" | sed 's/^\[rank 0\] //' | tail -7
 done

@@ -508,6 +508,32 @@ def test_execute_again_with_the_same_tensors_notices_storage_swapped_in_place(se
         assert torch.equal(landed(first), src[first])
 
 
+def test_refused_calls_do_not_pile_up_their_tensors_on_the_service(service):
+    # A failed call's tensors stay held (the refit may have prepared with them) until a call
+    # succeeds, but a loop of refused calls holds one set of them, not every set.
+    plan, src, dst = _one_pe_plan()
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    refused = []
+    for _ in range(5):
+        _, bad_src, bad_dst = _one_pe_plan()
+        bad_src.pop(next(iter(bad_src)))
+        refused.append(weakref.ref(next(iter(bad_dst.values())).data))
+        with pytest.raises(reshard.ReshardError, match="no source tensor"):
+            reshard.execute_reshard_plan(plan, bad_src, bad_dst, service)
+        del bad_src, bad_dst
+    gc.collect()
+    assert sum(ref() is not None for ref in refused) == 1
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    gc.collect()
+    assert all(ref() is None for ref in refused)
+
+
+def test_a_device_given_for_one_bootstrap_is_not_set_for_the_process(monkeypatch):
+    monkeypatch.delenv("RESHARD_DEVICE", raising=False)
+    reshard.make_bootstrap(None, device=3)
+    assert "RESHARD_DEVICE" not in os.environ
+
+
 def test_a_bound_refit_whose_schedule_went_refuses_to_run(service):
     plan, src, dst = _one_pe_plan()
     first = reshard.bind(plan, src, dst, service)
@@ -1140,6 +1166,7 @@ def test_gpu_bound_refit_follows_the_current_stream_and_replays_in_a_cuda_graph(
     result = launch(2, WORKERS / "bound_refit_gpu_worker.py")
     assert_ok(result)
     assert result.stdout.count(": ok") == 2, result.stdout
+    print("".join(line + "\n" for line in result.stdout.splitlines() if "host time" in line))
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
