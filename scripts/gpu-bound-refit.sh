@@ -31,7 +31,7 @@ if [[ ${TESTS:-1} != 0 ]]; then
 fi
 for refit in ${REFITS:-qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4}; do
   IFS=: read -r model layers pes <<<"$refit"
-  echo "== $model, $layers layers, $pes PEs on one GPU"
+  echo "== $model, $layers layers, $pes PEs on $(nvidia-smi -L | wc -l) GPU(s)"
   timeout 240 build-gpu/reshard bench-refit -n "$pes" -m "$model" --layers "$layers" -t cuda \
     --json "$OUT/bench-refit.jsonl" --commit "$commit" >"$OUT/refit-$model-$layers-$pes.txt" 2>&1 ||
     status=1
