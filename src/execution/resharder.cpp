@@ -92,11 +92,14 @@ struct TensorIdentity {
 // (cuda::allocation_id): the same address in a new allocation (freed and allocated again) is
 // other memory, and the peers' IPC mappings of the old one would receive its bytes. Checked per
 // allocation, not per tensor: a PyTorch model's thousands of tensors live in a few of its
-// allocator's segments (one driver query each, about 0.5 us).
+// allocator's segments (one driver query each, about 0.5 us). Only where peers map this rank's
+// memory (`peers_map_memory`: the CUDA transport, alone or in a mixed one); NCCL and NVSHMEM take
+// the buffers by address at every run, which a new allocation at the same address satisfies.
 class GpuAllocations {
  public:
-  void record(const std::vector<LocalTensor>& tensors) {
+  void record(const std::vector<LocalTensor>& tensors, bool peers_map_memory) {
     bases_.clear();
+    if (!peers_map_memory) return;
 #ifdef RESHARD_WITH_CUDA
     std::map<const void*, std::uint64_t> seen;
     for (const LocalTensor& tensor : tensors) {
@@ -1067,7 +1070,8 @@ struct Resharder::Impl {
     prepared.shapes.clear();
     for (const LocalTensor& tensor : tensors)
       prepared.identities.push_back(TensorIdentity::of(tensor, prepared.shapes));
-    prepared.allocations.record(tensors);
+    prepared.allocations.record(tensors,
+                                service.transport_name().find("cuda") != std::string::npos);
     // A map may hold tensors this rank does not move (a replica another rank sends from, the
     // whole model handed to every rank): walking it reads those too, and their identities are
     // recorded with the rest, so a walk that matches says the used ones are unchanged. Where
