@@ -2,8 +2,10 @@
 
 The copy service moves registered byte ranges between processes (``register_send`` /
 ``register_receive`` under task ids, ``schedule()`` once, ``run()`` every refit). The planner turns
-two layouts of named parameters into transfer operations, and ``execute_reshard_plan`` moves every
-weight into place, optionally converting it on the way (casts, MXFP8, block FP8).
+two layouts of named parameters into transfer operations; ``bind`` binds a refit of a plan to a
+rank's tensors once, and its ``run()`` then moves every weight into place at every refit,
+optionally converting it on the way (casts, MXFP8, block FP8); ``execute_reshard_plan`` does the
+same in one call per refit.
 
 Tensors are passed as any DLPack or buffer-protocol object (PyTorch CPU/CUDA tensors, CuPy, NumPy,
 JAX arrays); reshard reads and writes their memory in place and never copies them, so they must be
