@@ -26,6 +26,12 @@ struct LocalTensor {
   // the layout's local shape, or the refit is refused before any byte moves. Empty: only the
   // byte count is checked (a transposed or reshaped tensor of the same size then goes unnoticed).
   std::vector<std::int64_t> shape;
+  // The element type and shape of `scale`, where the caller knows them (the Python binding always
+  // does): a transform checks them against the scales it writes (destination_scale) before any
+  // byte moves; a one-byte integer type may hold E8M0 scales, and where either shape is 1-D, as
+  // many elements in any shape are the same buffer. Unset: only the byte count is checked.
+  std::optional<DType> scale_dtype;
+  std::vector<std::int64_t> scale_shape;
 };
 
 // What one transfer operation moves, seen from this rank.

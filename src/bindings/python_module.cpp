@@ -258,7 +258,11 @@ TensorMap tensor_map(const TensorLists& lists, const char* role) {
       tensor.shape.push_back(static_cast<std::int64_t>(data.shape(d)));
     if (!scale.is_none()) {
       auto scale_what = [&] { return what() + " (scale)"; };
-      tensor.scale = buffer_of(array_of<AnyArray>(scale, scale_what), scale_what);
+      const auto scale_array = array_of<AnyArray>(scale, scale_what);
+      tensor.scale = buffer_of(scale_array, scale_what);
+      tensor.scale_dtype = dtype_of(scale_array.dtype(), scale_what);
+      for (std::size_t d = 0; d < scale_array.ndim(); ++d)
+        tensor.scale_shape.push_back(static_cast<std::int64_t>(scale_array.shape(d)));
     }
     map.insert_or_assign(name, std::move(tensor));
   }

@@ -523,7 +523,34 @@ class ScaledFp8Transform : public TransformBase {
   // What prepare_recv checks of a destination slice (and converts_locally of a local op's).
   void check_destination(const OpSlice& slice, const LocalTensor& dst) const {
     check_alignment(slice);
-    require_scale(name(), slice, dst, destination_scale(slice.local_shape)->bytes());
+    const ScaleTensor wanted = *destination_scale(slice.local_shape);
+    require_scale(name(), slice, dst, wanted.bytes());
+    // A scale tensor of another type but enough bytes (float32 where MXFP8 writes E8M0 bytes)
+    // would take the scales' bytes in the wrong places: refused, naming both.
+    const auto allocate = std::string("; allocate them as the transform's destination_scale(") +
+                          shape_str(slice.local_shape) + ") says: " + dtype_name(wanted.dtype) +
+                          " " + shape_str(wanted.shape);
+    if (dst.scale_dtype && *dst.scale_dtype != wanted.dtype &&
+        !(dtype_size(wanted.dtype) == 1 &&
+          (*dst.scale_dtype == DType::kUInt8 || *dst.scale_dtype == DType::kInt8))) {
+      refuse(name(), slice,
+             std::string("the destination's scale tensor is ") + dtype_name(*dst.scale_dtype) +
+                 ", but this transform writes " + dtype_name(wanted.dtype) + " scales" + allocate);
+    }
+    if (!dst.scale_shape.empty() && dst.scale_shape != wanted.shape) {
+      std::int64_t given = 1, needed = 1;
+      for (std::int64_t extent : dst.scale_shape) given *= extent;
+      for (std::int64_t extent : wanted.shape) needed *= extent;
+      // A flat buffer of as many scales (either side 1-D) is the same memory; a 2-D one of another
+      // shape would hold them in the wrong places.
+      const bool flat = dst.scale_shape.size() == 1 || wanted.shape.size() == 1;
+      if (!flat || given != needed) {
+        refuse(name(), slice,
+               "the destination's scale tensor has shape " + shape_str(dst.scale_shape) +
+                   ", but this transform writes scales of shape " + shape_str(wanted.shape) +
+                   allocate);
+      }
+    }
   }
 
   static std::size_t elements(const Box& box) { return static_cast<std::size_t>(box.elements()); }

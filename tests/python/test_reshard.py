@@ -628,6 +628,52 @@ def test_where_colocated_slices_are_quantized_is_a_keyword(service):
             np.testing.assert_array_equal(results[0][name].scale, results[1][name].scale)
 
 
+@pytest.mark.parametrize("kind", ["mxfp8", "fp8-block"])
+def test_a_scale_tensor_of_another_type_or_shape_is_refused(service, kind):
+    # float32 is the natural mistake for MXFP8 (block FP8 uses float32 scales): its E8M0 bytes
+    # would land in the first quarter of the array. Refused before any byte moves, naming the
+    # type the transform writes; the right type (or bytes for E8M0) and shape run.
+    model = reshard.toy_model(1, 256)
+    layout = reshard.build_layout(model, reshard.Parallelism())
+    plan = reshard.make_reshard_plan(layout, layout)
+    transform = (reshard.make_mxfp8_transform("receiver") if kind == "mxfp8"
+                 else reshard.make_fp8_block_transform("receiver"))
+    src = {p.name: reshard.LocalTensor(np.full(p.shape, 0x3F80, np.uint16), dtype="bfloat16")
+           for p in plan.params}
+    right = np.uint8 if kind == "mxfp8" else np.float32
+    wrong = np.float32 if kind == "mxfp8" else np.uint8
+
+    def destinations(scale_dtype, reshape=None):
+        dst = {}
+        for p in plan.params:
+            if transform.should_transform(p):
+                shape = tuple(transform.destination_scale(list(p.shape)).shape)
+                if reshape is not None:
+                    shape = reshape(shape)
+                dst[p.name] = reshard.LocalTensor(np.zeros(p.shape, np.uint8),
+                                                  scale=np.zeros(shape, scale_dtype),
+                                                  dtype="float8_e4m3")
+            else:
+                dst[p.name] = reshard.LocalTensor(np.zeros(p.shape, np.uint16), dtype="bfloat16")
+        return dst
+
+    wanted = "float8_e8m0" if kind == "mxfp8" else "float32"
+    # A smaller type has too few bytes, which the byte count refuses already.
+    if np.dtype(wrong).itemsize >= np.dtype(right).itemsize:
+        with pytest.raises(reshard.ReshardError, match=f"scale tensor is .*{wanted}") as refused:
+            reshard.execute_reshard_plan(plan, src, destinations(wrong), service, transform)
+        assert "destination_scale(" in str(refused.value)
+    transposed = lambda shape: tuple(reversed(shape)) + (1,)  # noqa: E731
+    with pytest.raises(reshard.ReshardError, match="scale tensor has shape"):
+        reshard.execute_reshard_plan(plan, src, destinations(right, transposed), service,
+                                     transform)
+    dst = destinations(right)
+    reshard.execute_reshard_plan(plan, src, dst, service, transform)
+    assert all(t.scale.any() for t in dst.values() if t.scale is not None)
+    flat = destinations(right, lambda shape: (int(np.prod(shape)),))
+    reshard.execute_reshard_plan(plan, src, flat, service, transform)
+
+
 def test_phases_reuse_one_receive_buffer(service):
     source = np.arange(4 * 256, dtype=np.uint8).reshape(4, 256)
     scratch = np.zeros(256, np.uint8)
