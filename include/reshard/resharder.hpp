@@ -47,6 +47,11 @@ struct ReshardOptions {
   // processes): the same kernel on the same GPU writes the same bits, half the bytes move and no
   // bf16 landing buffer is needed. false: every op where the transform says. Every rank must agree.
   bool quantize_colocated_on_sender = true;
+  // Tensors under names the plan does not have are refused before any byte moves (as PyTorch's
+  // load_state_dict(strict=True) refuses them): an engine parameter the model spec lacks would
+  // otherwise stay stale without a word. Checked when a refit is prepared and whenever a map
+  // holds another number of tensors than the last one checked. true: such tensors are ignored.
+  bool allow_unknown_names = false;
 };
 
 struct ReshardReport {

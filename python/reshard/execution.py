@@ -57,6 +57,7 @@ def execute_reshard_plan(
     stream: StreamLike = None,
     staging_budget: Optional[Union[int, str]] = None,
     quantize_colocated_on_sender: bool = True,
+    strict: bool = True,
 ) -> "_core.ReshardReport":
     """Moves this rank's source slices into every rank's destination tensors (collective).
 
@@ -83,6 +84,10 @@ def execute_reshard_plan(
     two ranks on the same GPU (colocated processes): the same bits, half the bytes moved, no bf16
     landing buffer. ``quantize_colocated_on_sender=False`` keeps every slice on the side the
     transform names. Every rank must pass the same.
+
+    A tensor under a name the plan does not have would never be written: it is refused, naming
+    it (as ``load_state_dict(strict=True)`` refuses one); ``strict=False`` ignores such tensors.
+    Every rank must pass the same.
     """
     from .refit import OnCurrentStream, torch_cuda_device
     core = service.core if isinstance(service, CopyService) else service
@@ -93,11 +98,12 @@ def execute_reshard_plan(
     native = native_transform(transform, src, dst)
     # The same dicts of the same tensors as the last call (one C++ pass over the entries): the
     # refit the last call prepared runs without converting and checking every tensor again.
-    key = (plan, transform, budget, on_sender)
+    key = (plan, transform, budget, on_sender, bool(strict))
     kept = getattr(service, "_prepared_refit", None)
     if kept is not None and all(a is b or a == b for a, b in zip(kept[0], key)) and \
             kept[1].matches(src, dst):
-        report = _core.execute_as_prepared(plan, core, native, handle, budget, on_sender)
+        report = _core.execute_as_prepared(plan, core, native, handle, budget, on_sender,
+                                           bool(strict))
         if report is not None:
             if wait is not None:
                 wait.synchronize()
@@ -105,7 +111,7 @@ def execute_reshard_plan(
     tensors = (_entries(src), _entries(dst))
     try:
         report = _core.execute_reshard_plan(plan, tensors[0], tensors[1], core, native, handle,
-                                            budget, on_sender)
+                                            budget, on_sender, bool(strict))
     except BaseException:
         if isinstance(service, CopyService):
             service._hold_refit_tensors(tensors, succeeded=False)

@@ -59,7 +59,7 @@ class BoundRefit:
     def __init__(self, plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],
                  service: Union[CopyService, "_core.CopyService"], transform: Any = None,
                  stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
-                 quantize_colocated_on_sender: bool = True):
+                 quantize_colocated_on_sender: bool = True, strict: bool = True):
         from .execution import _budget_bytes
         # The refit's own maps: they hold the tensors (no tensor can be freed under the refit),
         # and a Python transform reads the tensors through them, so update() changes both.
@@ -73,7 +73,7 @@ class BoundRefit:
         self._core = _core.Refit(plan, _entries(self._src), _entries(self._dst), core_service,
                                  native_transform(transform, self._src, self._dst), handle,
                                  _budget_bytes(staging_budget),
-                                 bool(quantize_colocated_on_sender))
+                                 bool(quantize_colocated_on_sender), bool(strict))
         if wait is not None:
             wait.synchronize()
 
@@ -142,7 +142,7 @@ class BoundRefit:
 def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],
          service: Union[CopyService, "_core.CopyService"], transform: Any = None, *,
          stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
-         quantize_colocated_on_sender: bool = True) -> BoundRefit:
+         quantize_colocated_on_sender: bool = True, strict: bool = True) -> BoundRefit:
     """Binds a refit of ``plan`` to this rank's tensors, once (collective: every rank at once).
 
     ``src`` and ``dst`` map parameter names to this rank's local tensors (arrays, or
@@ -153,7 +153,8 @@ def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, An
     its schedule and staging, and frees them when dropped or :meth:`BoundRefit.close`\\ d; then
     ``refit.run()`` every refit costs what moving the bytes costs. A service holds one schedule:
     bind each refit that must stay ready on its own :class:`CopyService`. ``transform``,
-    ``staging_budget`` and ``quantize_colocated_on_sender`` as for :func:`execute_reshard_plan`.
+    ``staging_budget``, ``quantize_colocated_on_sender`` and ``strict`` (tensors under names the
+    plan lacks refused, or with ``False`` ignored) as for :func:`execute_reshard_plan`.
     """
     return BoundRefit(plan, src, dst, service, transform, stream, staging_budget,
-                      quantize_colocated_on_sender)
+                      quantize_colocated_on_sender, strict)

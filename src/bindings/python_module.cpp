@@ -944,35 +944,38 @@ void bind_execution(nb::module_& m) {
       [](const std::shared_ptr<const ReshardPlan>& plan, const TensorLists& src,
          const TensorLists& dst, CopyService& service, std::shared_ptr<ReshardTransform> transform,
          std::optional<std::uintptr_t> stream, std::optional<std::uint64_t> staging_budget,
-         bool quantize_colocated_on_sender) {
+         bool quantize_colocated_on_sender, bool strict) {
         const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
         ReshardOptions options;
         options.staging_budget = staging_budget;
         options.quantize_colocated_on_sender = quantize_colocated_on_sender;
+        options.allow_unknown_names = !strict;
         nb::gil_scoped_release released;
         return execute_reshard_plan(plan, src_map, dst_map, service, std::move(transform),
                                     stream_of(stream), options);
       },
       "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
-      "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true);
+      "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true, "strict"_a = true);
   nb::class_<Refit>(m, "Refit")
       .def(
           "__init__",
           [](Refit* self, std::shared_ptr<const ReshardPlan> plan, const TensorLists& src,
              const TensorLists& dst, CopyService& service,
              std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
-             std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender) {
+             std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
+             bool strict) {
             auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
             ReshardOptions options;
             options.staging_budget = staging_budget;
             options.quantize_colocated_on_sender = quantize_colocated_on_sender;
+            options.allow_unknown_names = !strict;
             nb::gil_scoped_release released;
             new (self) Refit(std::move(plan), std::move(src_map), std::move(dst_map), service,
                              std::move(transform), options, stream_of(stream));
           },
           "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(),
           "stream"_a = nb::none(), "staging_budget"_a = nb::none(),
-          "quantize_colocated_on_sender"_a = true, nb::keep_alive<1, 5>())
+          "quantize_colocated_on_sender"_a = true, "strict"_a = true, nb::keep_alive<1, 5>())
       .def(
           "run",
           [](Refit& self, std::optional<std::uintptr_t> stream) {
@@ -994,15 +997,17 @@ void bind_execution(nb::module_& m) {
       "execute_as_prepared",
       [](const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,
          std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
-         std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender) {
+         std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
+         bool strict) {
         ReshardOptions options;
         options.staging_budget = staging_budget;
         options.quantize_colocated_on_sender = quantize_colocated_on_sender;
+        options.allow_unknown_names = !strict;
         nb::gil_scoped_release released;
         return execution::execute_as_prepared(plan, service, transform, stream_of(stream), options);
       },
       "plan"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
-      "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true,
+      "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true, "strict"_a = true,
       "execute_reshard_plan with the tensors its last call prepared with, which the caller "
       "vouches it was given again (TensorSnapshot.matches); None, with nothing done, where the "
       "service keeps no such refit.");

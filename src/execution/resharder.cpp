@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <unordered_set>
 
 #include "core/env.hpp"
 #include "core/message.hpp"
@@ -312,6 +313,11 @@ struct Resharder::Impl {
   execution::RangedTransform* ranged;      // the transform, where it is a built-in one
   std::optional<std::uint64_t> requested;  // the budget given (option, else environment)
   bool colocated_on_sender;                // ReshardOptions::quantize_colocated_on_sender
+  bool allow_unknown_names;                // ReshardOptions::allow_unknown_names
+  // The plan's parameter names (for refusing tensors under others), and the sizes of the maps
+  // whose names were last checked.
+  std::unordered_set<std::string_view> plan_names;
+  std::size_t names_checked_src = SIZE_MAX, names_checked_dst = SIZE_MAX;
   // Each rank's GPU (gpu_identity), where colocated_on_sender; else empty. Handed to the transform
   // at every refit: executors with other options may share it.
   std::vector<std::uint64_t> placement;
@@ -371,6 +377,7 @@ struct Resharder::Impl {
         ranged(dynamic_cast<execution::RangedTransform*>(transform.get())),
         requested(requested_budget(o)),
         colocated_on_sender(o.quantize_colocated_on_sender),
+        allow_unknown_names(o.allow_unknown_names),
         budget(requested.value_or(ReshardOptions::kDefaultStagingBudget)),
         me(s.my_pe()),
         rows_in_place(s.moves_rows_in_place()) {
@@ -397,6 +404,33 @@ struct Resharder::Impl {
       }
       if (ops == &send_ops) source_params = param_names.size();
     }
+    for (const ParamSpec& param : plan->params()) plan_names.insert(param.name);
+  }
+
+  // Refuses a tensor under a name the plan does not have (ReshardOptions::allow_unknown_names),
+  // naming it; where `changed_only`, only maps of another size than those last checked.
+  void check_names(const TensorMap& src, const TensorMap& dst, bool changed_only) {
+    if (allow_unknown_names) return;
+    if (changed_only && src.size() == names_checked_src && dst.size() == names_checked_dst) return;
+    for (auto [map, role] : {std::pair{&src, "source"}, std::pair{&dst, "destination"}}) {
+      std::vector<std::string_view> unknown;
+      for (const auto& entry : *map) {
+        if (!plan_names.count(entry.first)) unknown.push_back(entry.first);
+      }
+      if (unknown.empty()) continue;
+      std::sort(unknown.begin(), unknown.end());
+      throw_error(
+          ErrorCode::kInvalidArgument,
+          std::string(role) + " tensor '" + std::string(unknown[0]) + "' on rank " +
+              std::to_string(me) + " is not a parameter of the plan" +
+              (unknown.size() > 1 ? " (nor are " + std::to_string(unknown.size() - 1) + " more)"
+                                  : std::string()) +
+              ": it would never be written. Add it to the model spec, or allow tensors "
+              "the plan does not move (ReshardOptions::allow_unknown_names; Python "
+              "strict=False)");
+    }
+    names_checked_src = src.size();
+    names_checked_dst = dst.size();
   }
 
   // A built-in transform converts through per-refit state (queues, recordings, placement): the
@@ -990,6 +1024,7 @@ struct Resharder::Impl {
       prepared.conversions_recorded = false;
       prepared.converted_locally.assign(plan->ops().size(), false);
       prepared.report = ReshardReport{};
+      check_names(src, dst, false);
       tensors = tensors_used(src, dst);
       prepared.device = device_of(src, dst);
       for (const TransferOp* op : send_ops) {
@@ -1168,6 +1203,7 @@ struct Resharder::Impl {
         throw_error(ErrorCode::kInvalidState,
                     "execute_as_prepared: no refit of this plan is prepared on this copy service");
       }
+      if (!vouched) check_names(src, dst, true);
       const bool same = vouched || (still_scheduled() && same_tensors_as_prepared(src, dst));
       // The same tensors are on the prepared refit's GPU (device_of walks every tensor of host
       // maps).
@@ -1304,7 +1340,8 @@ Resharder::Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& servi
 
 bool Resharder::same_options(const ReshardOptions& options) const {
   return Impl::requested_budget(options) == impl_->requested &&
-         options.quantize_colocated_on_sender == impl_->colocated_on_sender;
+         options.quantize_colocated_on_sender == impl_->colocated_on_sender &&
+         options.allow_unknown_names == impl_->allow_unknown_names;
 }
 
 Resharder::~Resharder() = default;

@@ -737,14 +737,19 @@ TEST(ReshardReuse, MapsBuiltAgainAreCheckedEntryByEntry) {
   const auto plan = experts_to_replicas(model, n);
   const auto expected = expectations(*plan, Mode::kPlain, nullptr);
   RankTensors tensors = make_tensors(*plan, me, my_device(), expected, nullptr);
-  EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+  ReshardOptions extras;  // maps below hold a tensor the plan does not have
+  extras.allow_unknown_names = true;
+  EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service, nullptr,
+                                   nullptr, extras)
+                  .rescheduled);
   EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
   const auto refit = [&](const TensorMap& src, const TensorMap& dst, const char* what) {
     SCOPED_TRACE(what);
     for (auto& [name, memory] : tensors.dst) {  // every byte must be written again
       memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
     }
-    const bool rescheduled = execute_reshard_plan(plan, src, dst, *service).rescheduled;
+    const bool rescheduled =
+        execute_reshard_plan(plan, src, dst, *service, nullptr, nullptr, extras).rescheduled;
     EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
     return rescheduled;
   };
@@ -1310,6 +1315,48 @@ TEST(ReshardReuse, GpuMemoryFreedAndAllocatedAgainIsScheduledAgain) {
               tensors.dst.size());
   EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
   EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "the bytes in the new allocations";
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// A tensor under a name the plan does not have (an engine parameter the model spec lacks) would
+// never be written: refused on every rank, naming it, unless tensors the plan does not move are
+// allowed; a name added to a kept map later is refused too.
+TEST(ReshardErrors, TensorsUnderNamesThePlanLacksAreRefused) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  const auto plan = dp_to_replicas(n);
+  const auto expected = expectations(*plan, Mode::kPlain, nullptr);
+  RankTensors tensors = make_tensors(*plan, me, my_device(), expected, nullptr);
+  TensorMap with_extra = tensors.dst_map;
+  if (me == n - 1) with_extra.emplace("bogus.weight", tensors.dst_map.begin()->second);
+  auto expect_refused = [&](const char* when) {
+    try {
+      execute_reshard_plan(plan, tensors.src_map, with_extra, *service);
+      ADD_FAILURE() << when << ": a tensor the plan lacks was taken";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << when;
+      EXPECT_NE(std::string(error.what())
+                    .find("destination tensor 'bogus.weight' on rank " + std::to_string(n - 1) +
+                          " is not a parameter of the plan"),
+                std::string::npos)
+          << when << ": " << error.what();
+    }
+  };
+  expect_refused("the first refit");
+  EXPECT_TRUE(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled);
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
+  expect_refused("a name added after the first refit");
+  try {
+    Refit refused(plan, tensors.src_map, with_extra, *service);
+    ADD_FAILURE() << "a refit was bound with a tensor the plan lacks";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("'bogus.weight'"), std::string::npos) << error.what();
+  }
+  ReshardOptions extras;
+  extras.allow_unknown_names = true;
+  execute_reshard_plan(plan, tensors.src_map, with_extra, *service, nullptr, nullptr, extras);
+  EXPECT_EQ(verify(*plan, me, tensors, expected), 0u);
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 

@@ -674,6 +674,27 @@ def test_a_scale_tensor_of_another_type_or_shape_is_refused(service, kind):
     reshard.execute_reshard_plan(plan, src, flat, service, transform)
 
 
+def test_a_tensor_under_a_name_the_plan_lacks_is_refused_unless_not_strict(service):
+    # An engine parameter the model spec lacks would never be written: refused by default,
+    # naming it (execute_reshard_plan and bind); strict=False ignores it.
+    plan, src, dst = _one_pe_plan()
+    extra = dict(dst, **{"bogus.weight": reshard.LocalTensor(np.zeros(4, np.uint16),
+                                                             dtype="bfloat16")})
+    with pytest.raises(reshard.ReshardError, match="'bogus.weight' on rank 0 is not a parameter"):
+        reshard.execute_reshard_plan(plan, src, extra, service)
+    with pytest.raises(reshard.ReshardError, match="'bogus.weight' on rank 0 is not a parameter"):
+        reshard.bind(plan, src, extra, service)
+    reshard.execute_reshard_plan(plan, src, dst, service)
+    with pytest.raises(reshard.ReshardError, match="strict=False"):
+        reshard.execute_reshard_plan(plan, src, extra, service)  # added after a refit
+    for tensor in src.values():
+        tensor.data[...] = 7
+    reshard.execute_reshard_plan(plan, src, extra, service, strict=False)
+    reshard.bind(plan, src, extra, service, strict=False).run()
+    for name in src:
+        np.testing.assert_array_equal(dst[name].data, src[name].data)
+
+
 def test_phases_reuse_one_receive_buffer(service):
     source = np.arange(4 * 256, dtype=np.uint8).reshape(4, 256)
     scratch = np.zeros(256, np.uint8)
