@@ -1189,9 +1189,7 @@ struct Resharder::Impl {
     const bool vouched = given_src == nullptr;
     TensorMap rebuilt_src, rebuilt_dst;
     auto rebuild = [&] {
-      if (!rebuilt_src.empty() || !rebuilt_dst.empty()) return;
-      for (std::size_t i = 0; i < param_names.size(); ++i)
-        map_of(i, rebuilt_src, rebuilt_dst).emplace(param_names[i], prepared.tensors[i]);
+      if (rebuilt_src.empty() && rebuilt_dst.empty()) maps_of_prepared(rebuilt_src, rebuilt_dst);
     };
     const TensorMap& src = vouched ? rebuilt_src : *given_src;
     const TensorMap& dst = vouched ? rebuilt_dst : *given_dst;
@@ -1234,6 +1232,13 @@ struct Resharder::Impl {
     return report;
   }
 
+  // The tensors the last preparation took, as maps (what a custom transform's hooks and a
+  // preparation read) into `src` and `dst`.
+  void maps_of_prepared(TensorMap& src, TensorMap& dst) const {
+    for (std::size_t i = 0; i < param_names.size(); ++i)
+      map_of(i, src, dst).emplace(param_names[i], prepared.tensors[i]);
+  }
+
   // Whether the refit prepared last is still the service's schedule.
   bool still_scheduled() const {
     return prepared.valid && execution::ServiceSlot::generation(service) == registered_generation;
@@ -1261,10 +1266,7 @@ struct Resharder::Impl {
     const TensorMap* src = bound_src != nullptr ? bound_src : &rebuilt_src;
     const TensorMap* dst = bound_dst != nullptr ? bound_dst : &rebuilt_dst;
     if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
-      if (bound_src == nullptr) {
-        for (std::size_t i = 0; i < param_names.size(); ++i)
-          map_of(i, rebuilt_src, rebuilt_dst).emplace(param_names[i], prepared.tensors[i]);
-      }
+      if (bound_src == nullptr) maps_of_prepared(rebuilt_src, rebuilt_dst);
       if (!rerun_transforms(*src, *dst, stream)) {
         throw_error(ErrorCode::kInvalidState,
                     "rerun: transform '" + transform->name() +
