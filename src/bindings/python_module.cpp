@@ -87,8 +87,12 @@ DType dtype_of(const nb::dlpack::dtype& type, const Describe& what) {
 // reads and writes the caller's memory in place.
 template <typename AnyArray, typename Describe>
 Buffer buffer_of(const AnyArray& array, const Describe& what) {
+  // An array without elements is contiguous whatever its strides say (PyTorch gives an empty
+  // shard of an uneven split the strides of its parent).
+  bool empty = false;
+  for (std::size_t d = 0; d < array.ndim(); ++d) empty = empty || array.shape(d) == 0;
   std::int64_t expected = 1;
-  for (std::size_t d = array.ndim(); d-- > 0;) {
+  for (std::size_t d = array.ndim(); !empty && d-- > 0;) {
     if (array.shape(d) != 1 && array.stride(d) != expected) {
       throw_error(ErrorCode::kInvalidArgument,
                   named(what) + " is not contiguous (dimension " + std::to_string(d) +
