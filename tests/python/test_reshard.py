@@ -1157,6 +1157,69 @@ def test_launch_gives_each_rank_torchrun_variables(tmp_path):
     assert (tmp_path / "rank1").read_text() == "2 1 127.0.0.1 True"
 
 
+# ---- PyTorch DTensor state dicts (reshard.torch), gloo ----
+
+NO_TORCH = "needs PyTorch"
+
+
+@pytest.mark.skipif(not has_torch(), reason=NO_TORCH)
+@pytest.mark.parametrize("case,n,seed", [
+    ("holdings", 4, 1), ("holdings", 6, 2),  # where every rank's elements are, against torch
+    ("refits", 4, 1), ("refits", 6, 3),      # random meshes and placements, bitwise
+    ("same_mesh", 4, 1),                     # against DTensor.redistribute; and across meshes
+    ("fsdp", 4, 0),                          # fully_shard -> TP 2 x 2 with fused QKV, gate/up
+    ("fsdp_tp", 4, 0),                       # FSDP2 over TP (_StridedShard), MXFP8 destinations
+    ("bad_input", 4, 0), ("bad_input", 2, 0),
+])
+def test_torch_state_dicts(case, n, seed):
+    result = launch(n, WORKERS / "dtensor_worker.py", case, seed, timeout=300)
+    assert_ok(result)
+    assert result.stdout.count(f": ok {case}") == n, result.stdout
+
+
+@pytest.mark.skipif(not has_torch(), reason=NO_TORCH)
+def test_torch_placements_are_torch_chunks():
+    # One process: the arithmetic against torch.chunk on a tensor, uneven sizes included.
+    import torch
+    import reshard.torch as rt
+    from reshard.torch.placements import placement_of
+
+    for size in range(0, 13):
+        for n in range(1, 6):
+            g = torch.arange(size)
+            for i in range(n):
+                chunks = g.chunk(n) if size else ()
+                want = chunks[i].tolist() if i < len(chunks) else []
+                local_shape, pieces = rt.holdings([size], [n], [placement_of("S(0)", 1)], [i])
+                got = [x for offset, extent, _ in pieces for x in range(offset[0],
+                                                                      offset[0] + extent[0])]
+                assert local_shape == [len(want)] and got == want, (size, n, i)
+    with pytest.raises(ValueError, match="is not one of"):
+        placement_of("Shard", 2)
+    with pytest.raises(ValueError, match="shards dim 2 of a 2-dimensional tensor"):
+        placement_of("S(2)", 2)
+
+
+@pytest.mark.skipif(not has_torch(), reason=NO_TORCH)
+def test_torch_bind_needs_a_process_group():
+    import torch
+    import reshard.torch as rt
+
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
+        rt.bind({"w": torch.zeros(4)}, {"w": torch.zeros(4)})
+
+
+@pytest.mark.skipif(not has_torch(), reason=NO_TORCH)
+def test_torch_dtensor_benchmark_runs_on_the_host():
+    # The benchmark's CPU path (the GPU one adds the IPC copy loop and the copy ceiling): every
+    # destination element checked.
+    result = launch(4, Path(__file__).resolve().parents[2] / "tools" / "bench" /
+                    "dtensor_refit_bench.py", "--device", "cpu", "--layers", "1", "--vocab",
+                    "512", "--iters", "2", "--warmup", "1", timeout=300)
+    assert_ok(result)
+    assert "wrong destination elements (slowest PE): reshard 0, copy loop 0" in result.stdout
+
+
 # ---- GPUs (several PEs share a GPU where there are fewer GPUs than PEs; NCCL refuses that) ----
 
 ONE_GPU = "needs PyTorch with a CUDA GPU"
@@ -1325,3 +1388,13 @@ def test_gpu_megatron_mxfp8_transform_converting_on_send_through_reshard(change)
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
 def test_gpu_a_transform_written_for_megatron_runs_unchanged():
     assert_ok(launch(2, WORKERS / "megatron_transform_worker.py", "cuda"))
+
+
+@pytest.mark.skipif(gpu_count() < 1 or not has_torch(), reason=ONE_GPU)
+@pytest.mark.parametrize("case,n", [("refits", 4), ("refits", 2), ("fsdp", 4), ("fsdp_tp", 4),
+                                    ("same_mesh", 4)])
+def test_gpu_torch_state_dicts(case, n):
+    # CUDA tensors, PEs sharing the GPUs there are; the process group on gloo.
+    result = launch(n, WORKERS / "dtensor_worker.py", case, 5, "cuda", timeout=300)
+    assert_ok(result)
+    assert result.stdout.count(f": ok {case}") == n, result.stdout

@@ -609,9 +609,13 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
 
 
 def _cuda_device(*maps: Mapping[str, Any]) -> Optional[int]:
+    """The GPU of this rank's tensors; for a rank holding none, PyTorch's current device where
+    PyTorch uses CUDA (else the service's default, the local rank)."""
     for tensors in maps:
         for value in tensors.values():
             data = value.data if isinstance(value, LocalTensor) else value
             if getattr(data, "is_cuda", False):
                 return data.device.index if data.device.index is not None else 0
-    return None
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None

@@ -29,6 +29,7 @@ import reshard
 import reshard.torch as rt
 
 DEVICE = "cpu"
+TRANSPORT = "host"  # "auto" on GPUs: the CUDA transport
 
 
 def mesh_of(ranks, shape, backend=False):
@@ -43,8 +44,8 @@ def whole(rng, shape, dtype):
         count *= d
     base = torch.arange(count, dtype=torch.int64) * 7 + rng.randrange(1000)
     if dtype == torch.bfloat16:
-        return (base % 65000).to(torch.int16).view(torch.bfloat16).reshape(shape)
-    return base.to(torch.float32).reshape(shape)
+        return (base % 65000).to(torch.int16).view(torch.bfloat16).reshape(shape).to(DEVICE)
+    return base.to(torch.float32).reshape(shape).to(DEVICE)
 
 
 def random_mesh(rng, world):
@@ -169,7 +170,7 @@ def check_refits(me, world, seed):
                              rt.MeshShard(zeros, torch.tensor(dst_ranks).reshape(dst_shape).tolist(),
                                           dst_pl))
         what = f"trial {trial}: {src_ranks}{src_shape} -> {dst_ranks}{dst_shape} {params}"
-        with rt.bind(src, dst, transport="host") as refit:
+        with rt.bind(src, dst, transport=TRANSPORT) as refit:
             refit.run()
             for name, want in expected.items():
                 got = dst[name].to_local() if isinstance(dst[name], DTensor) else dst[name].local
@@ -205,7 +206,7 @@ def check_same_mesh(me, world, seed):
             target = torch.zeros_like(torch_result)
             dst = DTensor.from_local(target, mesh, dst_pl, run_check=False, shape=source.shape,
                                      stride=source.stride())
-            with rt.bind({"w": source}, {"w": dst}, transport="host") as refit:
+            with rt.bind({"w": source}, {"w": dst}, transport=TRANSPORT) as refit:
                 refit.run()
             assert same_bits(target, torch_result), \
                 f"rank {me}: {mesh_shape} {src_pl} -> {dst_pl} shape {shape} differs from redistribute"
@@ -227,7 +228,7 @@ def check_same_mesh(me, world, seed):
             want = distribute_tensor(g, b, [Shard(1)], src_data_rank=None)
             dst["w"] = DTensor.from_local(torch.zeros_like(want.to_local()), b, [Shard(1)],
                                           run_check=False, shape=want.shape, stride=want.stride())
-        with rt.bind({"w": source} if source is not None else {}, dst, transport="host") as refit:
+        with rt.bind({"w": source} if source is not None else {}, dst, transport=TRANSPORT) as refit:
             refit.run()
         if me >= 2:
             assert same_bits(dst["w"].to_local(), want.to_local()), f"rank {me}: cross-mesh"
@@ -294,7 +295,7 @@ def check_fsdp(me, world, seed):
     for name, want in expected.items():
         dst[name] = rt.MeshShard(torch.zeros(want.shape, dtype=want.dtype, device=device),
                                  engine_ranks, placements[name])
-    with rt.bind(src, dst, names=names, transport="auto" if DEVICE == "cuda" else "host") as refit:
+    with rt.bind(src, dst, names=names, transport=TRANSPORT) as refit:
         refit.run()
         for name, want in expected.items():
             assert same_bits(dst[name].local, want), f"rank {me}: engine '{name}' differs"
@@ -307,6 +308,64 @@ def check_fsdp(me, world, seed):
             assert same_bits(dst[name].local, want * 2), f"rank {me}: '{name}' second run"
         report = refit.report
         assert report.bytes_total > 0 if hasattr(report, "bytes_total") else True
+
+
+def check_fsdp_tp(me, world, seed):
+    """FSDP2 over tensor parallel on a 2 x 2 mesh (PyTorch's own _StridedShard on the
+    column-parallel weight, uneven: 10 rows) into TP 4 and into whole replicas on every rank,
+    compared with ``full_tensor()``; then into an MXFP8 engine layout (fused, with scales),
+    compared with quantizing each rank's expected shard on its own."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 10, bias=False),
+                                torch.nn.Linear(10, 64, bias=False)).to(torch.bfloat16)
+    if DEVICE == "cuda":
+        model = model.cuda()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    src = model.state_dict()
+    assert any(type(p).__name__ == "_StridedShard" for p in src["0.weight"].placements), \
+        src["0.weight"].placements
+    full = {name: value.full_tensor() for name, value in src.items()}
+    everyone = list(range(world))
+    dst = {"0.weight": rt.MeshShard(torch.zeros_like(full["0.weight"].chunk(world)[me]),
+                                    everyone, ["S(0)"]),
+           "1.weight": torch.zeros_like(full["1.weight"])}
+    with rt.bind(src, dst, transport=TRANSPORT) as refit:
+        refit.run()
+    assert same_bits(dst["0.weight"].local, full["0.weight"].chunk(world)[me]), f"rank {me}: TP 4"
+    assert same_bits(dst["1.weight"], full["1.weight"]), f"rank {me}: replica"
+
+    # MXFP8 on arrival into TP 2 x 2 replicas, each rank's data with its E8M0 scales.
+    mx = reshard.make_mxfp8_transform(side="receiver")
+    tp = me % 2
+    want_bf16 = full["0.weight"].chunk(2, dim=0)[tp].contiguous()
+    scale = mx.destination_scale(tuple(want_bf16.shape))
+    data = torch.zeros(want_bf16.shape, dtype=torch.uint8, device=want_bf16.device)
+    scales = torch.zeros(scale.shape, dtype=torch.uint8, device=want_bf16.device)
+    dst = {"0.weight": rt.MeshShard(data, [[0, 1], [2, 3]], ["R", "S(0)"], scale=scales,
+                                    dtype="float8_e4m3")}
+    with rt.bind(src, dst, transform=mx, strict=False,
+                 transport=TRANSPORT) as refit:
+        refit.run()
+    # The reference: the same transform on this rank's expected shard, moved by one PE alone.
+    port = 21000 + 17 * me + seed % 100
+    alone = reshard.CopyService("host", f"127.0.0.1:{port}", rank=0, world_size=1).init("WARN")
+    ref_data, ref_scales = torch.zeros_like(data).cpu(), torch.zeros_like(scales).cpu()
+    whole_on_one = reshard.Layout()
+    whole_on_one.add_param(reshard.ParamSpec("w", list(want_bf16.shape), "bfloat16"))
+    whole_on_one.add_shard(0, "w", [0, 0], list(want_bf16.shape))
+    plan = reshard.make_reshard_plan(whole_on_one, whole_on_one)
+    reshard.bind(plan, {"w": want_bf16.cpu()},
+                 {"w": reshard.LocalTensor(ref_data, scale=ref_scales, dtype="float8_e4m3")},
+                 alone, mx).run()
+    alone.finalize()
+    assert torch.count_nonzero(ref_scales) > 0
+    assert same_bits(data, ref_data) and same_bits(scales, ref_scales), f"rank {me}: MXFP8"
 
 
 def expect_refusal(me, what, call, *needles):
@@ -324,62 +383,61 @@ def check_bad_input(me, world, seed):
     a = DeviceMesh(DEVICE, list(range(world)))
     g = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
     good = distribute_tensor(g, a, [Shard(0)], src_data_rank=None)
-    target = torch.zeros(g.shape[0], g.shape[1] // world if g.shape[1] % world == 0 else 0)
 
     partial = DTensor.from_local(good.to_local(), a, [Partial()], run_check=False)
     expect_refusal(me, "Partial", lambda: rt.bind({"w": partial}, {"w": rt.MeshShard(
-        torch.zeros(8, 6), list(range(world)), ["R"])}, transport="host"),
+        torch.zeros(8, 6), list(range(world)), ["R"])}, transport=TRANSPORT),
         "source 'w' is Partial", "mesh dim 0")
 
     expect_refusal(me, "shape", lambda: rt.bind({"w": good}, {"w": rt.MeshShard(
-        torch.zeros(8, 7), list(range(world)), ["R"], shape=[8, 7])}, transport="host"),
+        torch.zeros(8, 7), list(range(world)), ["R"], shape=[8, 7])}, transport=TRANSPORT),
         "destination 'w' is [8, 7], its source ['w'] is [8, 6]")
 
     expect_refusal(me, "missing destination source", lambda: rt.bind({"w": good}, {
-        "w2": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])}, transport="host"),
+        "w2": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])}, transport=TRANSPORT),
         "destination 'w2' takes source(s) 'w2', which no rank passes")
 
     expect_refusal(me, "left over", lambda: rt.bind({"w": good, "extra": good}, {
-        "w": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])}, transport="host"),
+        "w": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])}, transport=TRANSPORT),
         "1 source(s) no destination takes: 'extra'")
 
     # One rank passes no tensor for a parameter the mesh puts on it.
     mine = {"w": good} if me != world - 1 else {}
     expect_refusal(me, "a rank passes none", lambda: rt.bind(mine, {
-        "w": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])}, transport="host"),
+        "w": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])}, transport=TRANSPORT),
         f"rank(s) {world - 1} passed no tensor for it")
 
     # Two ranks describe one destination differently.
     pl = ["S(0)"] if me == 0 else ["S(1)"]
     local = torch.zeros(8 // world, 6) if me == 0 else torch.zeros(8, 6 // world)
     expect_refusal(me, "disagreeing ranks", lambda: rt.bind({"w": good}, {
-        "w": rt.MeshShard(local, list(range(world)), pl)}, transport="host"),
+        "w": rt.MeshShard(local, list(range(world)), pl)}, transport=TRANSPORT),
         "destination 'w': rank 0 describes it as", "rank 1 as")
 
     expect_refusal(me, "dtype", lambda: rt.bind({"w": good}, {
         "w": rt.MeshShard(torch.zeros(8, 6, dtype=torch.bfloat16), list(range(world)), ["R"])},
-        transport="host"), "destination 'w' is bfloat16, its source ['w'] float32")
+        transport=TRANSPORT), "destination 'w' is bfloat16, its source ['w'] float32")
 
     # After every refusal the ranks are still in step: a good refit runs.
     dst = torch.zeros(8, 6)
     with rt.bind({"w": good}, {"w": rt.MeshShard(dst, list(range(world)), ["R"])},
-                 transport="host") as refit:
+                 transport=TRANSPORT) as refit:
         refit.run()
     assert torch.equal(dst, g), f"rank {me}: the refit after the refusals"
-    del target
 
 
 def main():
-    global DEVICE
+    global DEVICE, TRANSPORT
     case = sys.argv[1]
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     DEVICE = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-    if DEVICE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("RESHARD_TEST_GPU", "0")))
+    if DEVICE == "cuda":  # PEs share the GPUs there are (the process group stays on gloo)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        TRANSPORT = "auto"
     dist.init_process_group("gloo")
     me, world = dist.get_rank(), dist.get_world_size()
     {"holdings": check_holdings, "refits": check_refits, "same_mesh": check_same_mesh,
-     "fsdp": check_fsdp, "bad_input": check_bad_input}[case](me, world, seed)
+     "fsdp": check_fsdp, "fsdp_tp": check_fsdp_tp, "bad_input": check_bad_input}[case](me, world, seed)
     dist.barrier()
     print(f"rank {me}: ok {case}")
     dist.destroy_process_group()
