@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On a GPU machine: builds reshard, runs the GPU tests of reshard.torch (DTensor state dicts, PEs
+# sharing the GPU, gloo process group), then the DTensor refit benchmark (FSDP2 Llama-3-8B shape,
+# 16 layers, on PEs 0-1 -> TP 2 on PEs 2-3, all on one GPU) with MPS off and on. Logs and JSON
+# lines go to $OUT (default build-gpu/logs). TESTS=0 skips the tests.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export OUT=${OUT:-build-gpu/logs}
+mkdir -p "$OUT"
+bash scripts/gpu-build.sh || exit 1
+commit=$(bash scripts/commit-label.sh)
+export PYTHONPATH=$PWD/build-gpu/python
+status=0
+if [[ ${TESTS:-1} != 0 ]]; then
+  timeout 400 python3 -m pytest tests/python -q -rs -k "${PYTESTS:-torch}" >"$OUT/pytest-torch.log" 2>&1 ||
+    status=1
+  grep -E "passed|failed|^FAILED|^SKIPPED" "$OUT/pytest-torch.log" | tail -12
+fi
+bench() {
+  timeout 240 python3 -m reshard.launch -n 4 tools/bench/dtensor_refit_bench.py \
+    --layers "${LAYERS:-16}" --json "$OUT/dtensor-refit.jsonl" --commit "$commit" \
+    >"$OUT/dtensor-refit-$1.txt" 2>&1 || status=1
+  echo "== MPS $1"
+  grep -vE "^\s*$" "$OUT/dtensor-refit-$1.txt" | sed 's/^\[rank 0\] //' | tail -7
+}
+bench off
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+if nvidia-cuda-mps-control -d; then
+  bench on
+  echo quit | nvidia-cuda-mps-control
+fi
+tar -C "$OUT" -czf "$OUT/../gpu-torch-refit-logs.tgz" . && mv "$OUT/../gpu-torch-refit-logs.tgz" "$OUT/"
+exit $status
