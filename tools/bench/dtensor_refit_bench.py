@@ -174,15 +174,17 @@ def main():
         mapped = {}
         copies = []
         stream = torch.cuda.Stream()
+        plan_names = [p.name for p in plan.params]
         for op in plan.ops:
             if op.dst_rank != me:
                 continue
-            key = (op.src_rank, op.param)
+            name = plan_names[op.param]
+            key = (op.src_rank, name)
             if key not in mapped:
-                rebuild, rebuild_args = everyone[op.src_rank][op.param]
+                rebuild, rebuild_args = everyone[op.src_rank][name]
                 mapped[key] = rebuild(*rebuild_args)
             source = mapped[key]
-            target = refit.destinations[op.param]
+            target = refit.destinations[name]
             target = target.data if isinstance(target, reshard.LocalTensor) else target
             src_box = tuple(slice(o, o + e) for o, e in zip(op.src_offset, op.extent))
             dst_box = tuple(slice(o, o + e) for o, e in zip(op.dst_offset, op.extent))

@@ -81,6 +81,17 @@ def same_bits(a, b):
     return a.shape == b.shape and torch.equal(bits(a.cpu()), bits(b.cpu()))
 
 
+def on_device(d):
+    """A DTensor's copy on DEVICE, same mesh ranks and placements. PyTorch's own collectives
+    (fully_shard, full_tensor, redistribute) run on CPU tensors over gloo, which cannot carry
+    CUDA tensors reliably; the refit then moves the CUDA copies."""
+    if DEVICE == "cpu":
+        return d
+    mesh = DeviceMesh("cuda", d.device_mesh.mesh, _init_backend=False)
+    return DTensor.from_local(d.to_local().to(DEVICE), mesh, d.placements, run_check=False,
+                              shape=d.shape, stride=d.stride())
+
+
 def chunk(x, n, i, dim):
     """``torch.chunk(x, n, dim)[i]``, empty where torch makes fewer than i + 1 chunks."""
     chunks = x.chunk(n, dim=dim)
@@ -189,11 +200,11 @@ def check_same_mesh(me, world, seed):
     rng = random.Random(seed)
     shapes = [[world], [2, world // 2]] if world % 2 == 0 and world >= 4 else [[world]]
     for mesh_shape in shapes:
-        mesh = init_device_mesh(DEVICE, tuple(mesh_shape))
+        mesh = init_device_mesh("cpu", tuple(mesh_shape))
         for trial in range(6):
             ndim = rng.randrange(1, 4)
             shape = random_shape(rng, ndim)
-            g = whole(rng, shape, rng.choice([torch.float32, torch.bfloat16]))
+            g = whole(rng, shape, rng.choice([torch.float32, torch.bfloat16])).cpu()
             # Plain placements: where a strided dim is uneven, redistribute and FSDP2 differ.
             src_pl, dst_pl = ([Replicate() if rng.random() < 0.3 else Shard(rng.randrange(ndim))
                                for _ in mesh_shape] for _ in range(2))
@@ -203,18 +214,19 @@ def check_same_mesh(me, world, seed):
             except Exception as error:  # a redistribution torch cannot do: compare with placing
                 torch_result = distribute_tensor(g, mesh, dst_pl, src_data_rank=None).to_local()
                 print(f"rank {me}: torch.redistribute {src_pl} -> {dst_pl}: {error}")
-            target = torch.zeros_like(torch_result)
-            dst = DTensor.from_local(target, mesh, dst_pl, run_check=False, shape=source.shape,
-                                     stride=source.stride())
-            with rt.bind({"w": source}, {"w": dst}, transport=TRANSPORT) as refit:
+            dst = on_device(DTensor.from_local(torch.zeros_like(torch_result), mesh, dst_pl,
+                                               run_check=False, shape=source.shape,
+                                               stride=source.stride()))
+            target = dst.to_local()
+            with rt.bind({"w": on_device(source)}, {"w": dst}, transport=TRANSPORT) as refit:
                 refit.run()
             assert same_bits(target, torch_result), \
                 f"rank {me}: {mesh_shape} {src_pl} -> {dst_pl} shape {shape} differs from redistribute"
     # Across meshes, torch refuses; reshard moves it.
     if world >= 4:
-        a = DeviceMesh(DEVICE, [0, 1])
-        b = DeviceMesh(DEVICE, [2, 3])
-        g = whole(rng, [6, 5], torch.float32)
+        a = DeviceMesh("cpu", [0, 1])
+        b = DeviceMesh("cpu", [2, 3])
+        g = whole(rng, [6, 5], torch.float32).cpu()
         source = distribute_tensor(g, a, [Shard(0)], src_data_rank=None) if me < 2 else None
         if source is not None:
             try:
@@ -226,9 +238,11 @@ def check_same_mesh(me, world, seed):
         dst = {}
         if me >= 2:
             want = distribute_tensor(g, b, [Shard(1)], src_data_rank=None)
-            dst["w"] = DTensor.from_local(torch.zeros_like(want.to_local()), b, [Shard(1)],
-                                          run_check=False, shape=want.shape, stride=want.stride())
-        with rt.bind({"w": source} if source is not None else {}, dst, transport=TRANSPORT) as refit:
+            dst["w"] = on_device(DTensor.from_local(torch.zeros_like(want.to_local()), b,
+                                                    [Shard(1)], run_check=False,
+                                                    shape=want.shape, stride=want.stride()))
+        with rt.bind({"w": on_device(source)} if source is not None else {}, dst,
+                     transport=TRANSPORT) as refit:
             refit.run()
         if me >= 2:
             assert same_bits(dst["w"].to_local(), want.to_local()), f"rank {me}: cross-mesh"
@@ -255,21 +269,20 @@ def check_fsdp(me, world, seed):
     from torch.distributed.fsdp import fully_shard
 
     hidden, kv, ffn, layers = 36, 12, 50, 2  # 50: uneven halves for FSDP2 and TP
-    trainer = DeviceMesh(DEVICE, [0, 1])
+    trainer = DeviceMesh("cpu", [0, 1])
     engine_ranks = [[0, 1], [2, 3]]  # replica, tp
     full = {}
     src = {}
     if me < 2:
         torch.manual_seed(seed)
         model = torch.nn.Sequential(*[Block(hidden, kv, ffn) for _ in range(layers)])
-        if DEVICE == "cuda":
-            model = model.cuda()
         for block in model:
             fully_shard(block, mesh=trainer)
         fully_shard(model, mesh=trainer)
-        src = model.state_dict()
-        assert all(isinstance(v, DTensor) for v in src.values())
-        full = {name: value.full_tensor().cpu() for name, value in src.items()}
+        state = model.state_dict()
+        assert all(isinstance(v, DTensor) for v in state.values())
+        full = {name: value.full_tensor() for name, value in state.items()}
+        src = {name: on_device(value) for name, value in state.items()}
     box = [full]
     dist.broadcast_object_list(box, src=0)
     full = box[0]
@@ -319,18 +332,17 @@ def check_fsdp_tp(me, world, seed):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 10, bias=False),
                                 torch.nn.Linear(10, 64, bias=False)).to(torch.bfloat16)
-    if DEVICE == "cuda":
-        model = model.cuda()
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    src = model.state_dict()
-    assert any(type(p).__name__ == "_StridedShard" for p in src["0.weight"].placements), \
-        src["0.weight"].placements
-    full = {name: value.full_tensor() for name, value in src.items()}
+    state = model.state_dict()
+    assert any(type(p).__name__ == "_StridedShard" for p in state["0.weight"].placements), \
+        state["0.weight"].placements
+    full = {name: value.full_tensor().to(DEVICE) for name, value in state.items()}
+    src = {name: on_device(value) for name, value in state.items()}
     everyone = list(range(world))
     dst = {"0.weight": rt.MeshShard(torch.zeros_like(full["0.weight"].chunk(world)[me]),
                                     everyone, ["S(0)"]),
