@@ -18,17 +18,17 @@ if [[ ${TESTS:-1} != 0 ]]; then
   grep -E "passed|failed|^FAILED|^SKIPPED" "$OUT/pytest-torch.log" | tail -12
 fi
 bench() {
-  timeout 240 python3 -m reshard.launch -n 4 tools/bench/dtensor_refit_bench.py \
+  RESHARD_CUDA_ENGINE=${ENGINE:-auto} timeout 240 python3 -m reshard.launch -n 4 tools/bench/dtensor_refit_bench.py \
     --layers "${LAYERS:-16}" --json "$OUT/dtensor-refit.jsonl" --commit "$commit" \
-    >"$OUT/dtensor-refit-$1.txt" 2>&1 || status=1
-  echo "== MPS $1"
-  grep -vE "^\s*$" "$OUT/dtensor-refit-$1.txt" | sed 's/^\[rank 0\] //' | tail -7
+    >"$OUT/dtensor-refit-$1-${ENGINE:-auto}.txt" 2>&1 || status=1
+  echo "== MPS $1, CUDA engine ${ENGINE:-auto}"
+  grep -vE "^\s*$" "$OUT/dtensor-refit-$1-${ENGINE:-auto}.txt" | sed 's/^\[rank 0\] //' | tail -7
 }
-bench off
+for ENGINE in ${ENGINES:-auto}; do bench off; done
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 if nvidia-cuda-mps-control -d; then
-  bench on
+  for ENGINE in ${ENGINES:-auto}; do bench on; done
   echo quit | nvidia-cuda-mps-control
 fi
 tar -C "$OUT" -czf "$OUT/../gpu-torch-refit-logs.tgz" . && mv "$OUT/../gpu-torch-refit-logs.tgz" "$OUT/"

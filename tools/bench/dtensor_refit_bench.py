@@ -164,6 +164,7 @@ def main():
     # The hand-written loop: trainer shards shared through PyTorch's CUDA IPC, one copy_ per
     # slice on the engine PE's stream, then a barrier.
     loop = None
+    copies = mapped = None
     if cuda:
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -192,6 +193,7 @@ def main():
 
         def copy_loop():
             barrier()
+            stream.wait_stream(torch.cuda.current_stream())  # after this PE's own writes
             with torch.cuda.stream(stream):
                 for to, frm in copies:
                     to.copy_(frm, non_blocking=True)
@@ -244,6 +246,10 @@ def main():
     wrong = wrong_after(refit.run)
     loop_wrong = wrong_after(copy_loop) if loop is not None else 0
 
+    # The engine PEs let go of the trainer's memory before the trainer PEs may exit.
+    copies = mapped = None
+    barrier()
+
     if me == 0:
         mib = total_bytes / 2**20
         print(f"dtensor refit: Llama-3-8B shape ({args.layers} layers), FSDP2 Shard(0) on PEs "
@@ -267,6 +273,8 @@ def main():
                       "commit": commit, "model": "llama3-8b-shape", "layers": args.layers,
                       "pes": n, "trainer_pes": trainer, "engine_pes": engine,
                       "bytes": total_bytes, "transport": svc.transport,
+                      "cuda_engine": os.environ.get("RESHARD_CUDA_ENGINE", "auto"),
+                      "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
                       "device": torch.cuda.get_device_name() if cuda else "host",
                       "torch": torch.__version__, "bind_s": bind_s, "run_median_s": bound,
                       "ipc_copy_loop_median_s": loop, "copy_ceiling_s": ceiling_s,
