@@ -1210,6 +1210,13 @@ def test_torch_bind_needs_a_process_group():
 
 
 @pytest.mark.skipif(not has_torch(), reason=NO_TORCH)
+def test_torch_example_fsdp_to_tp():
+    result = launch(4, EXAMPLES / "dtensor_fsdp_to_tp.py", timeout=240)
+    assert_ok(result)
+    assert result.stdout.count(": ok,") == 4, result.stdout
+
+
+@pytest.mark.skipif(not has_torch(), reason=NO_TORCH)
 def test_torch_dtensor_benchmark_runs_on_the_host():
     # The benchmark's CPU path (the GPU one adds the IPC copy loop and the copy ceiling): every
     # destination element checked.

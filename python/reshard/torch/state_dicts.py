@@ -598,7 +598,8 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
                               device=device)
     core = service.core if isinstance(service, CopyService) else service
     if not core.initialized:
-        service.init()
+        # A service of the refit's own logs warnings only (RESHARD_LOG_LEVEL overrides it).
+        service.init("WARN") if owns else service.init()
     if core.my_pe != me or core.n_pes != world:
         raise _refusal(f"reshard.torch.bind: the service's PE {core.my_pe} of {core.n_pes} is "
                        f"not this rank {me} of the {world} ranks of the process group")
