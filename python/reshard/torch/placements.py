@@ -142,8 +142,8 @@ def holdings(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequen
     """The local shape and blocks of the rank at ``coordinate`` of the mesh.
 
     ``strided_as_order=False`` reads ``_StridedShard`` literally, as PyTorch's view operations
-    produce it: the dimension split into ``mesh size * split_factor`` chunks, the rank taking
-    every ``mesh size``-th from its own."""
+    produce it: the dimension split into ``split_factor`` chunks, each of those into ``mesh size``
+    chunks, the rank taking its chunk of each."""
     runs: List[Runs] = [[(0, extent)] for extent in shape]
     if strided_as_order:
         for dim, mesh_dims in enumerate(shard_order(placements, mesh_shape)):
@@ -155,7 +155,7 @@ def holdings(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequen
                 continue
             n, factor, c = mesh_shape[mesh_dim], p.split_factor, coordinate[mesh_dim]
             runs[p.dim] = [run for j in range(factor)
-                           for run in _chunk(runs[p.dim], n * factor, c + j * n)]
+                           for run in _chunk(_chunk(runs[p.dim], factor, j), n, c)]
     runs = [_merge(r) for r in runs]
     local_shape = [_length(r) for r in runs]
     pieces: List[Piece] = []
