@@ -1257,6 +1257,15 @@ def has_cupy_gpus(n) -> bool:
         return False
 
 
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
+def test_gpu_copies_far_apart_move_on_every_engine():
+    # Equal copies GiBs apart merge into one descriptor of "rows" whose pitch is past what
+    # cudaMemcpy2DAsync takes: the copy engine must move them row by row.
+    result = launch(2, WORKERS / "far_apart_copies_worker.py")
+    assert_ok(result)
+    assert result.stdout.count(": ok") == 2, result.stdout
+
+
 @pytest.mark.skipif(not has_cupy_gpus(1), reason="needs CuPy with a GPU")
 def test_gpu_copy_service_with_cupy_arrays():
     assert_ok(launch(2, WORKERS / "copy_service_worker.py", 3, "cupy-cuda"))

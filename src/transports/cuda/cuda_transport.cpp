@@ -204,7 +204,8 @@ class CudaTransport final : public Transport {
   std::string engine_;
   std::uint64_t copy_engine_min_bytes_ = 0;
   int copy_engine_streams_used_ = 1;
-  bool batch_copies_ = true;  // cudaMemcpyBatchAsync works here (else one cudaMemcpyAsync each)
+  bool batch_copies_ = true;     // cudaMemcpyBatchAsync works here (else one cudaMemcpyAsync each)
+  std::uint64_t max_pitch_ = 0;  // cudaMemcpy2DAsync refuses longer pitches
   int ctas_per_peer_ = 64;
   std::uint64_t bytes_per_cta_ = 64 << 10;
   int unroll_ = 8;
@@ -274,6 +275,9 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   timeout_ = options.timeout;
   timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000ull;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
+  int max_pitch = 0;
+  RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device_));
+  max_pitch_ = static_cast<std::uint64_t>(max_pitch);
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (int i = 0; i < copy_engine_streams_used_; ++i) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_engine_streams_[i], cudaStreamNonBlocking));
@@ -1123,8 +1127,10 @@ void CudaTransport::queue_copies(const CopyEngineBatch& batch, std::size_t begin
 void CudaTransport::queue_rows(const CopyDescriptor& box, cudaStream_t stream) {
   const std::uint64_t rows = box.bytes / box.row_bytes;
   // cudaMemcpy2DAsync takes pitches no shorter than a row (source rows may overlap, when a send
-  // repeats bytes): those go one row at a time.
-  if (box.src_pitch >= box.row_bytes && box.dst_pitch >= box.row_bytes) {
+  // repeats bytes) and no longer than the device's limit (2 GiB: "rows" that are equal copies
+  // out of tensors far apart, merged into one descriptor): those go one row at a time.
+  if (box.src_pitch >= box.row_bytes && box.dst_pitch >= box.row_bytes &&
+      box.src_pitch <= max_pitch_ && box.dst_pitch <= max_pitch_) {
     RESHARD_CUDA_CHECK(cudaMemcpy2DAsync(box.dst, box.dst_pitch, box.src, box.src_pitch,
                                          box.row_bytes, rows, cudaMemcpyDeviceToDevice, stream));
     return;
