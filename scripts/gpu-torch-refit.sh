@@ -2,7 +2,8 @@
 # On a GPU machine: builds reshard, runs the GPU tests of reshard.torch (DTensor state dicts, PEs
 # sharing the GPU, gloo process group), then the DTensor refit benchmark (FSDP2 Llama-3-8B shape,
 # 16 layers, on PEs 0-1 -> TP 2 on PEs 2-3, all on one GPU) with MPS off and on. Logs and JSON
-# lines go to $OUT (default build-gpu/logs). TESTS=0 skips the tests.
+# lines go to $OUT (default build-gpu/logs). TESTS=0 skips the tests, MPS=0 the runs with MPS;
+# ENGINES="auto ce sm" runs the benchmark with each CUDA engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -27,7 +28,7 @@ bench() {
 for ENGINE in ${ENGINES:-auto}; do bench off; done
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-if nvidia-cuda-mps-control -d; then
+if [[ ${MPS:-1} != 0 ]] && nvidia-cuda-mps-control -d; then
   for ENGINE in ${ENGINES:-auto}; do bench on; done
   echo quit | nvidia-cuda-mps-control
 fi

@@ -1131,8 +1131,17 @@ void CudaTransport::queue_rows(const CopyDescriptor& box, cudaStream_t stream) {
   // out of tensors far apart, merged into one descriptor): those go one row at a time.
   if (box.src_pitch >= box.row_bytes && box.dst_pitch >= box.row_bytes &&
       box.src_pitch <= max_pitch_ && box.dst_pitch <= max_pitch_) {
-    RESHARD_CUDA_CHECK(cudaMemcpy2DAsync(box.dst, box.dst_pitch, box.src, box.src_pitch,
-                                         box.row_bytes, rows, cudaMemcpyDeviceToDevice, stream));
+    const cudaError_t status = cudaMemcpy2DAsync(box.dst, box.dst_pitch, box.src, box.src_pitch,
+                                                 box.row_bytes, rows, cudaMemcpyDeviceToDevice,
+                                                 stream);
+    if (status != cudaSuccess) {
+      std::ostringstream what;
+      what << "cudaMemcpy2DAsync of " << rows << " rows of " << box.row_bytes
+           << " bytes (pitches: source " << box.src_pitch << ", destination " << box.dst_pitch
+           << "; addresses " << static_cast<const void*>(box.src) << " -> "
+           << static_cast<void*>(box.dst) << ")";
+      throw_cuda_error(status, what.str().c_str());
+    }
     return;
   }
   for (std::uint64_t r = 0; r < rows; ++r) {
