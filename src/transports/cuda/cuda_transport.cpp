@@ -36,6 +36,16 @@ namespace {
 
 using namespace cuda;
 
+// Whether a descriptor's rows lie in one allocation on each side (its whole span, first byte to
+// last), as one cudaMemcpy2DAsync needs.
+bool rows_within_allocations(const CopyDescriptor& d) {
+  const std::uint64_t rows = d.bytes / d.row_bytes;
+  const unsigned char* src_last = d.src + (rows - 1) * d.src_pitch + d.row_bytes - 1;
+  const unsigned char* dst_last = d.dst + (rows - 1) * d.dst_pitch + d.row_bytes - 1;
+  return allocation_base(d.src) == allocation_base(src_last) &&
+         allocation_base(d.dst) == allocation_base(dst_last);
+}
+
 constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
 constexpr int kCopyEngineStreams = DebugOptions::kMaxCudaCeStreams;
@@ -916,8 +926,18 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
         prepared.copy_engine_batches.emplace_back();
       CopyEngineBatch& batch = prepared.copy_engine_batches[stream];
       for (const CopyDescriptor& d : g.descriptors) {
-        if (d.has_rows()) {
+        if (d.has_rows() && rows_within_allocations(d)) {
           batch.boxes.push_back(d);
+          continue;
+        }
+        if (d.has_rows()) {
+          // Equal copies out of separate tensors merged into "rows": one 2-D copy may not span
+          // allocations (cudaMemcpy2DAsync refuses it), so each row is a copy of the batch.
+          for (std::uint64_t r = 0; r < d.bytes / d.row_bytes; ++r) {
+            batch.dsts.push_back(d.dst + r * d.dst_pitch);
+            batch.srcs.push_back(d.src + r * d.src_pitch);
+            batch.sizes.push_back(d.row_bytes);
+          }
           continue;
         }
         batch.dsts.push_back(d.dst);
@@ -1131,9 +1151,9 @@ void CudaTransport::queue_rows(const CopyDescriptor& box, cudaStream_t stream) {
   // out of tensors far apart, merged into one descriptor): those go one row at a time.
   if (box.src_pitch >= box.row_bytes && box.dst_pitch >= box.row_bytes &&
       box.src_pitch <= max_pitch_ && box.dst_pitch <= max_pitch_) {
-    const cudaError_t status = cudaMemcpy2DAsync(box.dst, box.dst_pitch, box.src, box.src_pitch,
-                                                 box.row_bytes, rows, cudaMemcpyDeviceToDevice,
-                                                 stream);
+    const cudaError_t status =
+        cudaMemcpy2DAsync(box.dst, box.dst_pitch, box.src, box.src_pitch, box.row_bytes, rows,
+                          cudaMemcpyDeviceToDevice, stream);
     if (status != cudaSuccess) {
       std::ostringstream what;
       what << "cudaMemcpy2DAsync of " << rows << " rows of " << box.row_bytes
