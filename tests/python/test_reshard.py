@@ -1169,6 +1169,7 @@ NO_TORCH = "needs PyTorch"
     ("same_mesh", 4, 1),                     # against DTensor.redistribute; and across meshes
     ("fsdp", 4, 0),                          # fully_shard -> TP 2 x 2 with fused QKV, gate/up
     ("fsdp_tp", 4, 0),                       # FSDP2 over TP (_StridedShard), MXFP8 destinations
+    ("group", 4, 0),                         # in a process group of ranks 1-3
     ("bad_input", 4, 0), ("bad_input", 2, 0),
 ])
 def test_torch_state_dicts(case, n, seed):

@@ -319,8 +319,26 @@ def check_fsdp(me, world, seed):
         refit.run()
         for name, want in expected.items():
             assert same_bits(dst[name].local, want * 2), f"rank {me}: '{name}' second run"
-        report = refit.report
-        assert report.bytes_total > 0 if hasattr(report, "bytes_total") else True
+        # The engine swaps a fused tensor for a new one (update() by the state dict's name).
+        name = "0.qkv.weight"
+        fresh = {name: rt.MeshShard(torch.zeros_like(dst[name].local), engine_ranks,
+                                    placements[name])}
+        report = refit.update(dst=fresh)
+        assert report.rescheduled
+        refit.run()
+        for name, shard in fresh.items():
+            assert same_bits(shard.local, expected[name] * 2), f"rank {me}: updated '{name}'"
+
+    # The same trainer into TP 1 x 2 replicas on ranks 2-3 alone: each holds every weight whole
+    # (plain tensors), the trainer ranks none.
+    whole_dst = {}
+    if me in (2, 3):
+        whole_dst = {name: torch.zeros(want.shape, dtype=want.dtype, device=device)
+                     for name, want in full.items()}
+    with rt.bind(src, whole_dst, transport=TRANSPORT) as refit:
+        refit.run()
+    for name, tensor in whole_dst.items():
+        assert same_bits(tensor, full[name] * 2), f"rank {me}: replica '{name}'"
 
 
 def check_fsdp_tp(me, world, seed):
@@ -378,6 +396,26 @@ def check_fsdp_tp(me, world, seed):
     alone.finalize()
     assert torch.count_nonzero(ref_scales) > 0
     assert same_bits(data, ref_data) and same_bits(scales, ref_scales), f"rank {me}: MXFP8"
+
+
+def check_group(me, world, seed):
+    """A refit inside a process group of ranks 1 .. world-1 (rank 0 stays out): meshes name
+    global ranks, the service's PEs are the group's ranks."""
+    members = list(range(1, world))
+    group = dist.new_group(members)
+    if me == 0:
+        return
+    g = whole(random.Random(seed), [7, 6], torch.float32)
+    trainer = mesh_of(members[:2], [2])
+    src = {"w": as_dtensor(torch_local(g, trainer, [Shard(0)]), trainer, [Shard(0)], g)} \
+        if me in members[:2] else {}
+    dst = {"w": rt.MeshShard(torch.zeros(7, 3, device=g.device), members[-2:], ["S(1)"])} \
+        if me in members[-2:] else {}
+    with rt.bind(src, dst, group=group, transport=TRANSPORT) as refit:
+        refit.run()
+    if dst:
+        want = g.chunk(2, dim=1)[members[-2:].index(me)]
+        assert same_bits(dst["w"].local, want), f"rank {me}: the group's refit"
 
 
 def expect_refusal(me, what, call, *needles):
@@ -449,7 +487,8 @@ def main():
     dist.init_process_group("gloo")
     me, world = dist.get_rank(), dist.get_world_size()
     {"holdings": check_holdings, "refits": check_refits, "same_mesh": check_same_mesh,
-     "fsdp": check_fsdp, "fsdp_tp": check_fsdp_tp, "bad_input": check_bad_input}[case](me, world, seed)
+     "fsdp": check_fsdp, "fsdp_tp": check_fsdp_tp, "group": check_group,
+     "bad_input": check_bad_input}[case](me, world, seed)
     dist.barrier()
     print(f"rank {me}: ok {case}")
     dist.destroy_process_group()
