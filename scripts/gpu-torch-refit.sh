@@ -3,7 +3,8 @@
 # sharing the GPU, gloo process group), then the DTensor refit benchmark (FSDP2 Llama-3-8B shape,
 # 16 layers, on PEs 0-1 -> TP 2 on PEs 2-3, all on one GPU) with MPS off and on. Logs and JSON
 # lines go to $OUT (default build-gpu/logs). TESTS=0 skips the tests, MPS=0 the runs with MPS;
-# ENGINES="auto ce sm" runs the benchmark with each CUDA engine.
+# MPS=only the runs with MPS alone; ENGINES="auto ce sm" runs the benchmark with each CUDA engine,
+# SAME_DEVICES="kernel delegate stream" (with MPS) with each order of same-GPU copies.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -19,17 +20,22 @@ if [[ ${TESTS:-1} != 0 ]]; then
   grep -E "passed|failed|^FAILED|^SKIPPED" "$OUT/pytest-torch.log" | tail -12
 fi
 bench() {
-  RESHARD_CUDA_ENGINE=${ENGINE:-auto} timeout 240 python3 -m reshard.launch -n 4 tools/bench/dtensor_refit_bench.py \
+  RESHARD_CUDA_SAME_DEVICE=${SAME_DEVICE:-auto} RESHARD_CUDA_ENGINE=${ENGINE:-auto} timeout 240 python3 -m reshard.launch -n 4 tools/bench/dtensor_refit_bench.py \
     --layers "${LAYERS:-16}" --json "$OUT/dtensor-refit.jsonl" --commit "$commit" \
-    >"$OUT/dtensor-refit-$1-${ENGINE:-auto}.txt" 2>&1 || status=1
-  echo "== MPS $1, CUDA engine ${ENGINE:-auto}"
-  grep -vE "^\s*$" "$OUT/dtensor-refit-$1-${ENGINE:-auto}.txt" | sed 's/^\[rank 0\] //' | tail -7
+    >"$OUT/dtensor-refit-$1-${ENGINE:-auto}-${SAME_DEVICE:-auto}.txt" 2>&1 || status=1
+  echo "== MPS $1, CUDA engine ${ENGINE:-auto}, same-GPU order ${SAME_DEVICE:-auto}"
+  grep -vE "^\s*$" "$OUT/dtensor-refit-$1-${ENGINE:-auto}-${SAME_DEVICE:-auto}.txt" | sed 's/^\[rank 0\] //' | tail -7
 }
-for ENGINE in ${ENGINES:-auto}; do bench off; done
+if [[ ${MPS:-1} != only ]]; then
+  for ENGINE in ${ENGINES:-auto}; do bench off; done
+fi
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 if [[ ${MPS:-1} != 0 ]] && nvidia-cuda-mps-control -d; then
-  for ENGINE in ${ENGINES:-auto}; do bench on; done
+  for ENGINE in ${ENGINES:-auto}; do
+    for SAME_DEVICE in ${SAME_DEVICES:-auto}; do bench on; done
+  done
+  unset SAME_DEVICE
   echo quit | nvidia-cuda-mps-control
 fi
 tar -C "$OUT" -czf "$OUT/../gpu-torch-refit-logs.tgz" . && mv "$OUT/../gpu-torch-refit-logs.tgz" "$OUT/"

@@ -274,6 +274,7 @@ def main():
                       "pes": n, "trainer_pes": trainer, "engine_pes": engine,
                       "bytes": total_bytes, "transport": svc.transport,
                       "cuda_engine": os.environ.get("RESHARD_CUDA_ENGINE", "auto"),
+                      "same_device": os.environ.get("RESHARD_CUDA_SAME_DEVICE", "auto"),
                       "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
                       "device": torch.cuda.get_device_name() if cuda else "host",
                       "torch": torch.__version__, "bind_s": bind_s, "run_median_s": bound,
