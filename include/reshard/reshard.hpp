@@ -12,5 +12,6 @@
 #include "reshard/options.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/staged_refit.hpp"
 #include "reshard/transform.hpp"
 #include "reshard/types.hpp"

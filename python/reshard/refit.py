@@ -59,7 +59,8 @@ class BoundRefit:
     def __init__(self, plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],
                  service: Union[CopyService, "_core.CopyService"], transform: Any = None,
                  stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
-                 quantize_colocated_on_sender: bool = True, strict: bool = True):
+                 quantize_colocated_on_sender: bool = True, strict: bool = True,
+                 staged: bool = False, max_staged_bytes: Optional[Union[int, str]] = None):
         from .execution import _budget_bytes
         # The refit's own maps: they hold the tensors (no tensor can be freed under the refit),
         # and a Python transform reads the tensors through them, so update() changes both.
@@ -70,10 +71,17 @@ class BoundRefit:
         self._ordering = OnCurrentStream(torch_cuda_device(self._src, self._dst))
         core_service = service.core if isinstance(service, CopyService) else service
         handle, wait = self._ordering.handle(stream)
-        self._core = _core.Refit(plan, _entries(self._src), _entries(self._dst), core_service,
-                                 native_transform(transform, self._src, self._dst), handle,
-                                 _budget_bytes(staging_budget),
-                                 bool(quantize_colocated_on_sender), bool(strict))
+        arguments = (plan, _entries(self._src), _entries(self._dst), core_service,
+                     native_transform(transform, self._src, self._dst), handle,
+                     _budget_bytes(staging_budget), bool(quantize_colocated_on_sender),
+                     bool(strict))
+        self._staged = bool(staged)
+        if self._staged:
+            self._core = _core.StagedRefit(*arguments, _budget_bytes(max_staged_bytes))
+        else:
+            if max_staged_bytes is not None:
+                raise ValueError("max_staged_bytes is for a staged refit (staged=True)")
+            self._core = _core.Refit(*arguments)
         if wait is not None:
             wait.synchronize()
 
@@ -85,12 +93,64 @@ class BoundRefit:
         returns when the bytes have landed, ordered after PyTorch's current stream for PyTorch
         CUDA tensors (else after the legacy default stream). The tensors' contents may change
         between runs; to give the refit other tensors, :meth:`update` it."""
+        if self._staged:
+            report = self.stage(stream)
+            self.commit(stream)
+            return report
         if self._ordering.device is None or stream is not None:
             return self._core.run(stream_handle(stream))
         handle, wait = self._ordering.handle(None)
         report = self._core.run(handle)
         wait.synchronize()
         return report
+
+    def stage(self, stream: StreamLike = None) -> "_core.ReshardReport":
+        """A staged refit (``bind(..., staged=True)``): moves every byte into staging on the
+        destination ranks while the destination tensors keep their values (collective, as
+        :meth:`run`). A failure here leaves every destination tensor as it was, and its error
+        says so. Stream and ordering as for :meth:`run`."""
+        core = self._staged_core("stage")
+        if self._ordering.device is None or stream is not None:
+            return core.stage(stream_handle(stream))
+        handle, wait = self._ordering.handle(None)
+        report = core.stage(handle)
+        wait.synchronize()
+        return report
+
+    def commit(self, stream: StreamLike = None) -> None:
+        """Writes what the last :meth:`stage` staged into this rank's destination tensors, on
+        this rank alone (no collective: each engine rank commits when it pauses), and advances
+        :attr:`version`. A local device copy of the blocks the plan writes, one launch; with a
+        ``stream`` queued there (after a stage queued on it; capturable), otherwise it returns
+        when the tensors hold the new values. Refused where nothing is staged."""
+        core = self._staged_core("commit")
+        if self._ordering.device is None or stream is not None:
+            core.commit(stream_handle(stream))
+            return
+        handle, wait = self._ordering.handle(None)
+        core.commit(handle)
+        wait.synchronize()
+
+    @property
+    def version(self) -> int:
+        """A staged refit's commits on this rank: the weight version its tensors hold."""
+        return self._staged_core("version").version
+
+    @property
+    def staged(self) -> bool:
+        """Whether a :meth:`stage` succeeded since the last :meth:`commit`."""
+        return self._staged_core("staged").staged
+
+    @property
+    def staged_bytes(self) -> int:
+        """The staging a staged refit holds on this rank (a twin of each destination tensor)."""
+        return self._staged_core("staged_bytes").staged_bytes
+
+    def _staged_core(self, what: str) -> Any:
+        if not self._staged:
+            raise _core.ReshardError(f"{what}: this refit is not staged; bind it with "
+                                     "staged=True to stage and commit")
+        return self._core
 
     def update(self, src: Optional[Mapping[str, Any]] = None,
                dst: Optional[Mapping[str, Any]] = None,
@@ -142,7 +202,8 @@ class BoundRefit:
 def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],
          service: Union[CopyService, "_core.CopyService"], transform: Any = None, *,
          stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
-         quantize_colocated_on_sender: bool = True, strict: bool = True) -> BoundRefit:
+         quantize_colocated_on_sender: bool = True, strict: bool = True, staged: bool = False,
+         max_staged_bytes: Optional[Union[int, str]] = None) -> BoundRefit:
     """Binds a refit of ``plan`` to this rank's tensors, once (collective: every rank at once).
 
     ``src`` and ``dst`` map parameter names to this rank's local tensors (arrays, or
@@ -155,6 +216,15 @@ def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, An
     bind each refit that must stay ready on its own :class:`CopyService`. ``transform``,
     ``staging_budget``, ``quantize_colocated_on_sender`` and ``strict`` (tensors under names the
     plan lacks refused, or with ``False`` ignored) as for :func:`execute_reshard_plan`.
+
+    ``staged=True`` binds a refit an engine can serve through: the bytes land in a twin of each
+    destination tensor that the refit owns; ``refit.stage()`` moves them while the engine keeps
+    reading its weights, ``refit.commit()`` then writes them into the destination tensors on
+    each rank alone (a local copy, the only pause the engine sees) and advances
+    ``refit.version``; a failure before ``commit()`` leaves every destination tensor as it was.
+    ``run()`` is then ``stage()`` and ``commit()``. The twins cost as much memory as the rank's
+    destination tensors (``refit.staged_bytes``); ``max_staged_bytes`` (bytes or ``"8GiB"``)
+    refuses a refit that needs more, on every rank, saying how much.
     """
     return BoundRefit(plan, src, dst, service, transform, stream, staging_budget,
-                      quantize_colocated_on_sender, strict)
+                      quantize_colocated_on_sender, strict, staged, max_staged_bytes)

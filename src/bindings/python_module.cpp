@@ -30,6 +30,7 @@
 #include "reshard/options.hpp"
 #include "reshard/plan.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/staged_refit.hpp"
 #include "reshard/transform.hpp"
 #include "service/service_slot.hpp"
 #include "service/test_hooks.hpp"
@@ -997,6 +998,55 @@ void bind_execution(nb::module_& m) {
           },
           "src"_a, "dst"_a, "stream"_a = nb::none())
       .def_prop_ro("report", &Refit::report);
+  nb::class_<StagedRefit>(m, "StagedRefit")
+      .def(
+          "__init__",
+          [](StagedRefit* self, std::shared_ptr<const ReshardPlan> plan, const TensorLists& src,
+             const TensorLists& dst, CopyService& service,
+             std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
+             std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
+             bool strict, std::optional<std::uint64_t> max_staged_bytes) {
+            auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
+            ReshardOptions options;
+            options.staging_budget = staging_budget;
+            options.quantize_colocated_on_sender = quantize_colocated_on_sender;
+            options.allow_unknown_names = !strict;
+            nb::gil_scoped_release released;
+            new (self)
+                StagedRefit(std::move(plan), std::move(src_map), std::move(dst_map), service,
+                            std::move(transform), options, stream_of(stream), max_staged_bytes);
+          },
+          "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(),
+          "stream"_a = nb::none(), "staging_budget"_a = nb::none(),
+          "quantize_colocated_on_sender"_a = true, "strict"_a = true,
+          "max_staged_bytes"_a = nb::none(), nb::keep_alive<1, 5>())
+      .def(
+          "stage",
+          [](StagedRefit& self, std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release released;
+            return self.stage(stream_of(stream));
+          },
+          "stream"_a = nb::none())
+      .def(
+          "commit",
+          [](StagedRefit& self, std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release released;
+            self.commit(stream_of(stream));
+          },
+          "stream"_a = nb::none())
+      .def(
+          "update",
+          [](StagedRefit& self, const TensorLists& src, const TensorLists& dst,
+             std::optional<std::uintptr_t> stream) {
+            const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, self.service());
+            nb::gil_scoped_release released;
+            return self.update(src_map, dst_map, stream_of(stream));
+          },
+          "src"_a, "dst"_a, "stream"_a = nb::none())
+      .def_prop_ro("version", &StagedRefit::version)
+      .def_prop_ro("staged", &StagedRefit::staged)
+      .def_prop_ro("staged_bytes", &StagedRefit::staged_bytes)
+      .def_prop_ro("report", &StagedRefit::report);
   m.def(
       "execute_as_prepared",
       [](const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,

@@ -255,6 +255,11 @@ void BlockCopyBatch::add_unpack(const Buffer& in, const Buffer& tensor, const Bo
   add(in, dense_rows(view), tensor, view, element_bytes);
 }
 
+void BlockCopyBatch::add_copy(const Buffer& from, const Buffer& to, const BoxView& view,
+                              std::size_t element_bytes) {
+  add(from, view, to, view, element_bytes);
+}
+
 void BlockCopyBatch::add(const Buffer& src, const BoxView& src_view, const Buffer& dst,
                          const BoxView& dst_view, std::size_t element_bytes) {
   if (!copies_.empty() &&

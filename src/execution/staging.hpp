@@ -132,6 +132,9 @@ class BlockCopyBatch {
                 const Buffer& out);
   void add_unpack(const Buffer& in, const Buffer& tensor, const BoxView& view,
                   std::size_t element_bytes);
+  // The block `view` of `from` into the same block of `to` (two tensors of one layout).
+  void add_copy(const Buffer& from, const Buffer& to, const BoxView& view,
+                std::size_t element_bytes);
   void clear();
   bool empty() const { return copies_.empty(); }
   std::size_t size() const { return copies_.size(); }

@@ -13,6 +13,7 @@
 
 #include "reshard/model_layouts.hpp"
 #include "reshard/resharder.hpp"
+#include "reshard/staged_refit.hpp"
 #include "support/boxes.hpp"
 #include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
@@ -1162,6 +1163,51 @@ TEST(BoundRefit, RunsAgainAndUpdatesOneTensor) {
     EXPECT_FALSE(refit.update(tensors.src_map, {}).rescheduled);
     expect_run_writes_all(refit, *plan, me, tensors, expected,
                           "after an update that changed nothing");
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Staged, a refit leaves every destination byte as it was through stage() and writes exactly what
+// a plain run writes at commit(), on each rank alone, the version advancing only there; a commit
+// with nothing staged is refused.
+TEST(StagedRefit, StageLeavesTheDestinationsAndCommitWritesWhatARunWrites) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  for (const Mode mode : {Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver}) {
+    SCOPED_TRACE(mode_name(mode));
+    const auto plan = dp_to_replicas(n);
+    auto transform = transform_for(mode);
+    const auto expected = expectations(*plan, mode, transform.get());
+    RankTensors tensors = make_tensors(*plan, me, my_device(), expected, transform.get());
+    StagedRefit refit(plan, tensors.src_map, tensors.dst_map, *service, transform);
+    std::uint64_t destination_bytes = 0;
+    for (const auto& [name, tensor] : tensors.dst_map)
+      destination_bytes += tensor.data.bytes + tensor.scale.bytes;
+    EXPECT_EQ(refit.staged_bytes(), destination_bytes);
+    for (std::uint64_t step = 1; step <= 2; ++step) {
+      poison(tensors);
+      refit.stage();
+      EXPECT_TRUE(refit.staged());
+      for (const auto& [name, memory] : tensors.dst) {
+        const auto bytes = memory->download();
+        EXPECT_EQ(std::count(bytes.begin(), bytes.end(), std::byte{0xee}),
+                  static_cast<std::ptrdiff_t>(bytes.size()))
+            << "'" << name << "' was written before commit()";
+      }
+      EXPECT_EQ(refit.version(), step - 1);
+      refit.commit();
+      EXPECT_EQ(refit.version(), step);
+      EXPECT_FALSE(refit.staged());
+      EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "commit " << step;
+    }
+    try {
+      refit.commit();
+      ADD_FAILURE() << "a commit() with nothing staged ran";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidState);
+      EXPECT_NE(std::string(error.what()).find("nothing is staged"), std::string::npos);
+    }
   }
   EXPECT_TRUE(all_pes(!HasFailure()));
 }

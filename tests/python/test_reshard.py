@@ -1157,6 +1157,20 @@ def test_launch_gives_each_rank_torchrun_variables(tmp_path):
     assert (tmp_path / "rank1").read_text() == "2 1 127.0.0.1 True"
 
 
+# ---- staged refits: stage while the engine serves, commit at once ----
+
+@pytest.mark.parametrize("case,n", [("commit", 4), ("commit", 2), ("budget", 4), ("dead_peer", 4),
+                                    ("dead_peer", 2)])
+def test_staged_refit(case, n):
+    # dead_peer: the last rank leaves before stage(); the others must fail within the timeout
+    # (RESHARD_TIMEOUT_S=10), their destinations untouched.
+    result = launch(n, WORKERS / "staged_refit_worker.py", case, timeout=180,
+                    RESHARD_TIMEOUT_S="10")
+    assert_ok(result)
+    survivors = n - 1 if case == "dead_peer" else n
+    assert result.stdout.count(f": ok {case}") == survivors, result.stdout
+
+
 # ---- PyTorch DTensor state dicts (reshard.torch), gloo ----
 
 NO_TORCH = "needs PyTorch"
@@ -1415,3 +1429,13 @@ def test_gpu_torch_state_dicts(case, n):
     result = launch(n, WORKERS / "dtensor_worker.py", case, 5, "cuda", timeout=300)
     assert_ok(result)
     assert result.stdout.count(f": ok {case}") == n, result.stdout
+
+
+@pytest.mark.skipif(gpu_count() < 1 or not has_torch(), reason=ONE_GPU)
+@pytest.mark.parametrize("case,n", [("commit", 2), ("commit", 4), ("dead_peer", 2)])
+def test_gpu_staged_refit(case, n):
+    result = launch(n, WORKERS / "staged_refit_worker.py", case, "torch-cuda", timeout=240,
+                    RESHARD_TIMEOUT_S="10")
+    assert_ok(result)
+    survivors = n - 1 if case == "dead_peer" else n
+    assert result.stdout.count(f": ok {case}") == survivors, result.stdout

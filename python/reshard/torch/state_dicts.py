@@ -529,7 +529,8 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
          names: Optional[NameMap] = None, service: Optional[CopyService] = None,
          group: Any = None, transport: str = "auto", transform: Any = None,
          stream: Any = None, staging_budget: Optional[Union[int, str]] = None,
-         quantize_colocated_on_sender: bool = True, strict: bool = True) -> StateDictRefit:
+         quantize_colocated_on_sender: bool = True, strict: bool = True, staged: bool = False,
+         max_staged_bytes: Optional[Union[int, str]] = None) -> StateDictRefit:
     """Binds a refit from this rank's source state dict to this rank's destination state dict
     (collective over ``group``, default the whole ``torch.distributed`` world: every rank
     calls it, a rank holding one side or neither passing ``None`` or ``{}`` for the other).
@@ -546,8 +547,9 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
 
     ``service`` is a :class:`reshard.CopyService` over the ranks of ``group`` (PE i is rank i of
     the group); by default the refit makes one (``transport``) and finalizes it on ``close()``.
-    ``transform``, ``stream``, ``staging_budget`` and ``quantize_colocated_on_sender`` as for
-    :func:`reshard.bind`.
+    ``transform``, ``stream``, ``staging_budget``, ``quantize_colocated_on_sender``, ``staged``
+    and ``max_staged_bytes`` as for :func:`reshard.bind` (``staged=True``: ``refit.stage()``
+    while the engine serves, ``refit.commit()`` on each engine rank when it pauses).
     """
     import torch.distributed as dist
 
@@ -606,7 +608,8 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
     return StateDictRefit(plan, local_src, local_dst, service, owns, agreed.plan_names,
                           translate, transform=transform, stream=stream,
                           staging_budget=staging_budget,
-                          quantize_colocated_on_sender=quantize_colocated_on_sender)
+                          quantize_colocated_on_sender=quantize_colocated_on_sender,
+                          staged=staged, max_staged_bytes=max_staged_bytes)
 
 
 def _cuda_device(*maps: Mapping[str, Any]) -> Optional[int]:
