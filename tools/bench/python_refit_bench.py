@@ -2,7 +2,7 @@
 """A model refit as a Python user runs it, with PyTorch tensors, timed per call on the slowest PE.
 
     python -m reshard.launch -n 2 tools/bench/python_refit_bench.py [--model qwen3-30b-a3b]
-        [--layers 12] [--device cuda|cpu] [--transform none|mxfp8] [--json FILE]
+        [--layers 12] [--device cuda|cpu] [--staged] [--json FILE]
 
 The layouts are `reshard bench-refit`'s (Llama-3-8B TP n -> TP n/2 x 2 replicas; Qwen3-30B-A3B
 TP n/2 x DP 2 x EP n -> TP n x EP n/2 x expert-TP 2), so the figures stand beside its C++ ones
@@ -59,6 +59,8 @@ def main():
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--staged", action="store_true",
+                        help="also a staged refit: stage(), commit() and both, timed apart")
     parser.add_argument("--json")
     parser.add_argument("--commit", help="source revision recorded in the JSON line")
     args = parser.parse_args()
@@ -139,6 +141,29 @@ def main():
                           whole[glob].view(torch.int16)).sum())
     wrong = int(max(float(x) for x in svc.all_gather(repr(float(wrong)).encode())))
 
+    # Staged (after the checks above: binding it replaces the bound refit's schedule on svc).
+    staged = None
+    if args.staged:
+        refit.close()
+        staged_refit = reshard.bind(plan, src, dst, svc, staged=True)
+        stage_s, _ = time_each(staged_refit.stage)
+        staged_refit.stage()
+        _, commit_s = time_each(staged_refit.commit, staged_refit.stage)  # the pause alone
+        both_s, _ = time_each(staged_refit.run)
+        for tensor in dst.values():
+            tensor.zero_()
+        staged_refit.run()
+        for name in sample:
+            p = next(q for q in plan.params if q.name == name)
+            whole = pattern(torch, math.prod(p.shape), device).view(p.shape)
+            for glob, loc in blocks(plan.dst_layout, me, name):
+                wrong += int((dst[name][loc].view(torch.int16) !=
+                              whole[glob].view(torch.int16)).sum())
+        wrong = int(max(float(x) for x in svc.all_gather(repr(float(wrong)).encode())))
+        staged = {"stage": stage_s, "commit": commit_s, "both": both_s,
+                  "bytes": staged_refit.staged_bytes}
+        staged_refit.close()
+
     if me == 0:
         print(f"python refit: {spec.name} ({args.layers} layers), {src_par} -> {dst_par} on {n} "
               f"PEs, transport {svc.transport}, torch {torch.__version__} on {args.device}")
@@ -149,6 +174,11 @@ def main():
         if queued is not None:
             print(f"  run(stream) then synchronize:                {queued * 1e3:.3f} ms "
                   f"(host time of the call {issued * 1e6:.1f} us)")
+        if staged is not None:
+            print(f"  staged: stage() {staged['stage'] * 1e3:.3f} ms, commit() (the pause) "
+                  f"{staged['commit'] * 1e3:.3f} ms = {staged['commit'] / bound:.2f}x the run, "
+                  f"stage+commit {staged['both'] * 1e3:.3f} ms = {staged['both'] / bound:.2f}x; "
+                  f"{staged['bytes'] / 2**20:.0f} MiB staged on PE 0")
         print(f"  wrong elements in {len(sample)} sampled destinations (slowest PE): {wrong}")
         if args.json:
             commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
@@ -161,6 +191,11 @@ def main():
                       "execute_median_s": executed, "rerun_median_s": rerun,
                       "bound_median_s": bound, "bound_stream_median_s": queued,
                       "bound_issue_median_s": issued, "wrong": wrong}
+            if staged is not None:
+                record.update({"staged_stage_median_s": staged["stage"],
+                               "staged_commit_median_s": staged["commit"],
+                               "staged_both_median_s": staged["both"],
+                               "staged_bytes_pe0": staged["bytes"]})
             with open(args.json, "a") as out:
                 out.write(json.dumps(record) + "\n")
     svc.finalize()
