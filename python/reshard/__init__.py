@@ -39,7 +39,7 @@ from ._core import (
     qwen3_30b_a3b_model,
     toy_model,
 )
-from .copy_service import CopyService, make_bootstrap, service_options
+from .copy_service import CopyService, make_bootstrap, service_options, task_id
 from .execution import LocalTensor, execute_reshard_plan, rerun_reshard_plan
 from .refit import BoundRefit, bind
 from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
@@ -80,5 +80,6 @@ __all__ = [
     "qwen3_30b_a3b_model",
     "rerun_reshard_plan",
     "service_options",
+    "task_id",
     "toy_model",
 ]

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Union
 
 from . import _core
 
-__all__ = ["CopyService", "make_bootstrap", "service_options", "stream_handle"]
+__all__ = ["CopyService", "make_bootstrap", "service_options", "stream_handle", "task_id"]
 
 
 def _refusal(message: str, tasks=()) -> "_core.ReshardError":
@@ -29,8 +29,34 @@ def _task_id(task_id: Any) -> int:
         raise _refusal(f"task id {task_id!r} is not an integer") from None
     if not 0 <= value < 1 << 64:
         raise _refusal(f"task id {value} is outside 0 .. 2**64 - 1 (task ids are unsigned 64-bit; "
-                       "Python's hash() is negative half the time: use hash(key) & (2**64 - 1))")
+                       "for an id from a name or a tuple, reshard.task_id(key) gives the same one "
+                       "in every process, which Python's hash() does not)")
     return value
+
+
+def task_id(key: Any) -> int:
+    """A task id for ``key`` (a string, bytes, an integer or a tuple of them, e.g.
+    ``("layers.0.mlp.fc1.weight", src_rank, dst_rank)``), the same in every process and every
+    run: 64 bits of BLAKE2b over a canonical encoding of the key. Python's ``hash()`` differs
+    between processes (strings are salted per process), so ids made with it match nothing."""
+    import hashlib
+
+    def encode(part: Any) -> bytes:
+        if isinstance(part, bool):
+            return b"b" + (b"1" if part else b"0")
+        if isinstance(part, int):
+            return b"i" + str(part).encode()
+        if isinstance(part, str):
+            return b"s" + part.encode("utf-8")
+        if isinstance(part, bytes):
+            return b"y" + part
+        if isinstance(part, tuple):
+            return b"(" + b"".join(len(e).to_bytes(4, "little") + e
+                                   for e in map(encode, part)) + b")"
+        raise TypeError(f"reshard.task_id takes strings, bytes, integers and tuples of them, "
+                        f"not {type(part).__name__}")
+
+    return int.from_bytes(hashlib.blake2b(encode(key), digest_size=8).digest(), "little")
 
 StreamLike = Union[int, Any, None]
 
@@ -45,6 +71,37 @@ def stream_handle(stream: StreamLike) -> Optional[int]:
         if isinstance(handle, int):
             return handle
     raise TypeError(f"cannot use {type(stream).__name__} as a CUDA stream (pass an int handle)")
+
+
+def _nbytes(tensor: Any) -> Optional[int]:
+    """The bytes of an array (NumPy, PyTorch, CuPy, JAX, a buffer), or None where unknown."""
+    nbytes = getattr(tensor, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    numel, element_size = getattr(tensor, "numel", None), getattr(tensor, "element_size", None)
+    if callable(numel) and callable(element_size):
+        return int(numel()) * int(element_size())
+    try:
+        return memoryview(tensor).nbytes
+    except TypeError:
+        return None
+
+
+def _whole_or_range(name: str, task_id: int, tensor: Any, pos: Any, size: Any, pe: Any,
+                    pe_name: str) -> tuple:
+    """(position, size, PE): a byte range as given, or the whole tensor where only the PE is
+    given (third positional argument or the keyword)."""
+    if size is not None and pe is not None:
+        return pos if pos is not None else 0, size, pe
+    if size is None and (pe is None) != (pos is None):
+        whole = _nbytes(tensor)
+        if whole is None:
+            raise _refusal(f"{name} of task {task_id}: cannot tell the size of a "
+                           f"{type(tensor).__name__}; pass the position and size in bytes",
+                           [task_id])
+        return 0, whole, pe if pe is not None else pos
+    raise _refusal(f"{name} of task {task_id}: pass ({'tensor'}, {pe_name}) for the whole tensor, "
+                   f"or (tensor, position, size, {pe_name}) in bytes", [task_id])
 
 
 def _rendezvous_host() -> str:
@@ -292,10 +349,12 @@ class CopyService:
         host transport."""
         return self._service.waits_in_stream_front_end
 
-    def register_send(self, task_id: int, src_tensor: Any, src_pos: int, size: int,
-                      dest_pe: int, *, rows: Sequence[int] = (),
-                      pitches: Sequence[int] = ()) -> None:
-        """Sends ``size`` bytes of ``src_tensor`` from byte ``src_pos`` to ``dest_pe``.
+    def register_send(self, task_id: int, src_tensor: Any, src_pos: Optional[int] = None,
+                      size: Optional[int] = None, dest_pe: Optional[int] = None, *,
+                      rows: Sequence[int] = (), pitches: Sequence[int] = ()) -> None:
+        """Sends ``size`` bytes of ``src_tensor`` from byte ``src_pos`` to ``dest_pe``; or, as
+        ``register_send(task_id, tensor, dest_pe)``, the whole tensor (every byte: no count of
+        elements taken for bytes).
 
         With ``rows`` (outer extents) and ``pitches`` (their strides in bytes), sends rows of
         ``size`` bytes each, in place: a column block of a row-major matrix is
@@ -303,16 +362,21 @@ class CopyService:
         differently; the total bytes must agree.
         """
         task_id = _task_id(task_id)
+        src_pos, size, dest_pe = _whole_or_range("register_send", task_id, src_tensor, src_pos,
+                                                 size, dest_pe, "dest_pe")
         self._call(self._service.register_send, "register_send", task_id, src_tensor, src_pos,
                    size, dest_pe, rows, pitches)
         self._registered.append(src_tensor)
 
-    def register_receive(self, task_id: int, dst_tensor: Any, dst_pos: int, size: int,
-                         src_pe: int, *, rows: Sequence[int] = (),
-                         pitches: Sequence[int] = ()) -> None:
+    def register_receive(self, task_id: int, dst_tensor: Any, dst_pos: Optional[int] = None,
+                         size: Optional[int] = None, src_pe: Optional[int] = None, *,
+                         rows: Sequence[int] = (), pitches: Sequence[int] = ()) -> None:
         """Receives ``size`` bytes from ``src_pe`` into ``dst_tensor`` at byte ``dst_pos``
-        (or rows of ``size`` bytes, as ``register_send`` describes)."""
+        (or rows of ``size`` bytes, as ``register_send`` describes); or, as
+        ``register_receive(task_id, tensor, src_pe)``, into the whole tensor."""
         task_id = _task_id(task_id)
+        dst_pos, size, src_pe = _whole_or_range("register_receive", task_id, dst_tensor, dst_pos,
+                                                size, src_pe, "src_pe")
         flags = getattr(dst_tensor, "flags", None)
         if flags is not None and getattr(flags, "writeable", True) is False:
             raise _refusal(f"register_receive of task {task_id}: the destination array is "

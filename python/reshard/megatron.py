@@ -30,7 +30,7 @@ from __future__ import annotations
 import array
 import hashlib
 import struct
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 from .copy_service import CopyService, _refusal, make_bootstrap
 
@@ -336,22 +336,63 @@ def _copy_all(torch: Any, wires: List[Any], views: List[Any], tensors: List[Any]
 
 class RemoteCopyService(CopyService):
     """reshard's copy service under the name, constructor and keywords of Megatron's NVSHMEM
-    ``RemoteCopyService``: ``RemoteCopyService()``, ``init(log_level)``, ``register_send(task_id,
-    src_tensor, src_pos, size, dest_pe)``, ``register_receive(task_id, dest_tensor, dest_pos, size,
-    src_pe)``, ``schedule()``, ``run()``, ``clear_requests()``, ``finalize()``, ``my_pe``,
-    ``n_pes``, ``device``, ``initialized``. Positions and sizes are in bytes."""
+    ``RemoteCopyService``: ``RemoteCopyService(group=None)``, ``init(log_level)``,
+    ``register_send(task_id, src_tensor, src_pos, size, dest_pe)``, ``register_receive(task_id,
+    dest_tensor, dest_pos, size, src_pe)``, ``schedule()``, ``run()``, ``clear_requests()``,
+    ``finalize()``, ``my_pe``, ``n_pes``, ``device``, ``initialized``, and the request lists
+    Megatron's services read (``send_requests``, ``receive_requests``: one
+    ``RemoteRequest(task_id, size, peer)`` per registration until ``clear_requests()``).
+    Positions and sizes are in bytes. ``group`` is a ``torch.distributed`` process group whose
+    ranks are the PEs (default: the whole job)."""
 
-    def __init__(self, transport: str = "auto", bootstrap: Any = None) -> None:
+    def __init__(self, transport: str = "auto", bootstrap: Any = None, group: Any = None) -> None:
         if bootstrap is None:
             import sys
 
             torch = sys.modules.get("torch")
             dist = getattr(torch, "distributed", None) if torch is not None else None
             if dist is not None and dist.is_available() and dist.is_initialized():
-                bootstrap = "torch"
+                bootstrap = group if group is not None else "torch"
+            elif group is not None:
+                raise RuntimeError("RemoteCopyService(group=...) needs torch.distributed "
+                                   "initialised (dist.init_process_group) first")
         super().__init__(transport=transport, bootstrap=make_bootstrap(bootstrap))
+        self.send_requests: List[RemoteRequest] = []
+        self.receive_requests: List[RemoteRequest] = []
 
-    def register_receive(self, task_id: int, dest_tensor: Any, dest_pos: int, size: int,
-                         src_pe: int) -> None:
+    def register_send(self, task_id: int, src_tensor: Any, src_pos: Optional[int] = None,
+                      size: Optional[int] = None, dest_pe: Optional[int] = None,
+                      **rows: Any) -> None:
+        super().register_send(task_id, src_tensor, src_pos, size, dest_pe, **rows)
+        self.send_requests.append(RemoteRequest(task_id, *_size_and_peer(src_tensor, src_pos,
+                                                                          size, dest_pe)))
+
+    def register_receive(self, task_id: int, dest_tensor: Any, dest_pos: Optional[int] = None,
+                         size: Optional[int] = None, src_pe: Optional[int] = None,
+                         **rows: Any) -> None:
         """Receives ``size`` bytes from ``src_pe`` into ``dest_tensor`` at byte ``dest_pos``."""
-        super().register_receive(task_id, dest_tensor, dest_pos, size, src_pe)
+        super().register_receive(task_id, dest_tensor, dest_pos, size, src_pe, **rows)
+        self.receive_requests.append(RemoteRequest(task_id, *_size_and_peer(
+            dest_tensor, dest_pos, size, src_pe)))
+
+    def clear_requests(self) -> None:
+        super().clear_requests()
+        self.send_requests.clear()
+        self.receive_requests.clear()
+
+
+class RemoteRequest(NamedTuple):
+    """One registration of a RemoteCopyService, as Megatron's request lists hold them."""
+
+    task_id: int
+    size: int  # bytes
+    peer: int  # the destination PE of a send, the source PE of a receive
+
+
+def _size_and_peer(tensor: Any, pos: Optional[int], size: Optional[int],
+                   peer: Optional[int]) -> tuple:
+    """(bytes, peer) of a registration that succeeded: a range, or the whole tensor."""
+    from .copy_service import _whole_or_range
+
+    _, size, peer = _whole_or_range("register", 0, tensor, pos, size, peer, "pe")
+    return int(size), int(peer)

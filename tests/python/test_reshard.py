@@ -260,6 +260,46 @@ def test_task_ids_outside_64_bits_are_refused_with_a_sentence(service, task):
     assert error.value.code == "invalid argument"
 
 
+def test_task_id_is_stable_across_processes_and_the_advice_names_it(service):
+    key = ("layers.0.mlp.fc1.weight", 3, 5)
+    here = reshard.task_id(key)
+    code = ("import reshard; print(reshard.task_id(('layers.0.mlp.fc1.weight', 3, 5)), "
+            "hash('layers.0.mlp.fc1.weight'))")
+    env = dict(os.environ, PYTHONHASHSEED="random")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           check=True).stdout.split() for _ in range(2)]
+    assert [int(r[0]) for r in runs] == [here, here], "task_id differs between processes"
+    assert runs[0][1] != runs[1][1], "Python's hash() was expected to differ between processes"
+    assert 0 <= here < 1 << 64 and here != reshard.task_id(("layers.0.mlp.fc1.weight", 5, 3))
+    assert reshard.task_id("a") != reshard.task_id(b"a") != reshard.task_id(("a",))
+    with pytest.raises(TypeError, match="takes strings, bytes, integers and tuples"):
+        reshard.task_id(1.5)
+    with pytest.raises(reshard.ReshardError, match=r"reshard\.task_id\(key\)"):
+        service.register_send(-1, np.zeros(8, np.uint8), 0, 8, 0)
+    src = np.arange(16, dtype=np.uint8)
+    dst = np.zeros(16, np.uint8)
+    service.register_send(here, src, 0, 16, 0)
+    service.register_receive(here, dst, 0, 16, 0)
+    service.schedule()
+    service.run()
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_whole_tensors_register_by_their_bytes(service):
+    # register_send(task, tensor, pe): every byte, not a count of elements taken for bytes.
+    src = np.arange(1000, dtype=np.float32)
+    dst = np.zeros(1000, np.float32)
+    service.register_send(1, src, 0)
+    service.register_receive(1, dst, src_pe=0)
+    service.schedule()
+    service.run()
+    np.testing.assert_array_equal(dst, src)
+    with pytest.raises(reshard.ReshardError, match=r"pass \(tensor, dest_pe\) for the whole"):
+        service.register_send(2, src, 0, 4000)
+    with pytest.raises(reshard.ReshardError, match="cannot tell the size of a object"):
+        service.register_send(3, object(), 0)
+
+
 def test_negative_size_is_refused_naming_the_argument(service):
     with pytest.raises(reshard.ReshardError, match="the size -8 is not a non-negative integer"):
         service.register_send(5, np.zeros(8, np.uint8), 0, -8, 0)
@@ -1025,11 +1065,18 @@ def test_remote_copy_service_takes_the_seed_api_by_its_keywords():
     dst = np.zeros(64, dtype=np.uint8)
     svc.register_send(task_id=7, src_tensor=src, src_pos=8, size=16, dest_pe=0)
     svc.register_receive(task_id=7, dest_tensor=dst, dest_pos=32, size=16, src_pe=0)
+    # Megatron's services read the request lists (and skip schedule() where both are empty).
+    assert [(r.task_id, r.size, r.peer) for r in svc.send_requests] == [(7, 16, 0)]
+    assert [(r.task_id, r.size, r.peer) for r in svc.receive_requests] == [(7, 16, 0)]
     svc.schedule()
     svc.run()
     np.testing.assert_array_equal(dst[32:48], src[8:24])
     assert not dst[:32].any() and not dst[48:].any()
+    svc.clear_requests()
+    assert svc.send_requests == [] and svc.receive_requests == []
     svc.finalize()
+    with pytest.raises(RuntimeError, match=r"group=\.\.\.\) needs torch.distributed"):
+        RemoteCopyService(transport="host", group=object())
 
 
 def test_bootstrap_from_an_address_and_gil_released():
@@ -1040,6 +1087,7 @@ def test_bootstrap_from_an_address_and_gil_released():
 @pytest.mark.skipif(not has_torch(), reason="needs PyTorch")
 def test_bootstrap_from_a_torch_process_group():
     assert_ok(launch(2, WORKERS / "bootstrap_worker.py", "torch"))
+    assert_ok(launch(2, WORKERS / "bootstrap_worker.py", "megatron"))
 
 
 def has_mpi4py() -> bool:

@@ -1,7 +1,7 @@
 """One PE of a job that bootstraps a certain way, then checks a ring exchange and that the GIL is
 released while schedule() waits for a late peer.
 
-    bootstrap_worker.py address PORT | torch | mpi
+    bootstrap_worker.py address PORT | torch | megatron | mpi
 """
 
 import os
@@ -23,6 +23,14 @@ def service_for(mode, argv):
 
         dist.init_process_group("gloo")
         return reshard.CopyService("host", dist.group.WORLD)
+    if mode == "megatron":  # Megatron's constructor: RemoteCopyService(group=...)
+        import torch.distributed as dist
+
+        from reshard.megatron import RemoteCopyService
+
+        dist.init_process_group("gloo")
+        group = dist.new_group(list(range(dist.get_world_size())))
+        return RemoteCopyService(transport="host", group=group)
     if mode == "mpi":
         from mpi4py import MPI
 
