@@ -54,8 +54,10 @@ struct Parallelism {
   std::string str() const;  // "tp4 dp2 pp1 ep1 etp1 x1 @0"
 };
 
-// Builds the layout of `model` under `parallel`; throws naming the parameter when a dimension does
-// not divide (e.g. 5 heads over TP 2).
+// Builds the layout of `model` under `parallel`. A tensor-parallel dim (each packed partition of
+// it) splits as torch.chunk splits it, where it does not divide too: chunks of ceil(size / tp),
+// the last ranks' shorter or empty (a vocabulary of 32,000 over TP 3: 10,667, 10,667, 10,666
+// rows), as DTensor's Shard(dim) places it.
 Layout build_layout(const ModelSpec& model, const Parallelism& parallel);
 
 // Model shapes used by the benchmarks and tests (bf16, real dimensions; weights only).

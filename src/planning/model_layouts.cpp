@@ -1,5 +1,6 @@
 #include "reshard/model_layouts.hpp"
 
+#include <algorithm>
 #include <numeric>
 #include <sstream>
 
@@ -69,20 +70,20 @@ void split_shard(const ModelParam& param, int parts, int index,
     refuse("packed partitions of '" + spec.name + "' do not add up to dim " + std::to_string(dim) +
            " = " + std::to_string(spec.shape[dim]));
   }
+  // Each partition splits as torch.chunk splits it (as DTensor's Shard places it): chunks of
+  // ceil(size / parts), the last ones shorter or empty, so a dim that does not divide (TP 3, a
+  // vocabulary not padded to the TP size) still has every element on exactly one rank.
   std::int64_t global_at = 0;
   std::int64_t local_at = 0;
   for (std::int64_t size : partitions) {
-    if (size % parts != 0) {
-      refuse("parameter '" + spec.name + "': a partition of " + std::to_string(size) +
-             " along dim " + std::to_string(dim) + " does not split " + std::to_string(parts) +
-             " ways");
-    }
-    const std::int64_t slice = size / parts;
+    const std::int64_t chunk = (size + parts - 1) / parts;
+    const std::int64_t begin = std::min(size, index * chunk);
+    const std::int64_t slice = std::min(size, begin + chunk) - begin;
     Piece piece{Box::whole(spec.shape), {}};
-    piece.global.offset[dim] = global_at + index * slice;
+    piece.global.offset[dim] = global_at + begin;
     piece.global.extent[dim] = slice;
     piece.local_at[dim] = local_at;
-    pieces.push_back(piece);
+    if (slice > 0) pieces.push_back(piece);
     global_at += size;
     local_at += slice;
   }

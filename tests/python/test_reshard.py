@@ -941,7 +941,7 @@ def test_reshard_layout_changes_and_transforms(n):
     assert_ok(launch(n, WORKERS / "reshard_worker.py"))
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])  # 3: TP 3 splits the toy model's dims unevenly
 def test_a_bound_refit_across_ranks_and_a_refusal_on_one_rank(n):
     result = launch(n, WORKERS / "bound_refit_worker.py")
     assert_ok(result)

@@ -406,9 +406,54 @@ TEST(Layouts, RefuseBadShardsAndIndivisibleSplits) {
   EXPECT_THROW(layout.add_param({"w", {8, 7}, DType::kBFloat16}), Error);
 
   const ModelSpec model = toy_model(1, 64);
-  EXPECT_THROW(build_layout(model, {.tp = 3}), Error);
   EXPECT_THROW(build_layout(model, {.pp = 2}), Error);                         // one layer
   EXPECT_THROW(build_layout(toy_model(2, 64, 6), {.tp = 4, .ep = 4}), Error);  // 6 experts
+}
+
+// A tensor-parallel dim that does not divide splits as torch.chunk does, each packed partition
+// on its own: every element on exactly one TP rank, the first ranks holding ceil(size / tp); and a
+// plan between such a layout and another covers every destination element once.
+TEST(Layouts, UnevenTensorParallelSplitsAsTorchChunks) {
+  const ModelSpec model = toy_model(2, 64);
+  for (const int tp : {3, 5, 7}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const Layout layout = build_layout(model, {.tp = tp});
+    for (const ModelParam& param : model.params) {
+      if (param.tp_dim < 0) continue;
+      const std::uint32_t index = layout.param_index(param.spec.name);
+      const int dim = param.tp_dim;
+      std::vector<std::int64_t> partitions = param.packed;
+      if (partitions.empty()) partitions.push_back(param.spec.shape[dim]);
+      std::vector<int> held(param.spec.shape[dim], 0);
+      for (int rank = 0; rank < tp; ++rank) {
+        std::int64_t expected_local = 0;
+        for (std::int64_t size : partitions) {
+          const std::int64_t chunk = (size + tp - 1) / tp;
+          expected_local += std::max<std::int64_t>(
+              0, std::min(size, (rank + 1) * chunk) - std::min(size, rank * chunk));
+        }
+        const Shard* shard = layout.find_shard(rank, index);
+        ASSERT_NE(shard, nullptr);
+        EXPECT_EQ(shard->local_shape[dim], expected_local) << param.spec.name << " rank " << rank;
+        for (const Piece& piece : shard->pieces) {
+          for (std::int64_t i = 0; i < piece.global.extent[dim]; ++i)
+            ++held[piece.global.offset[dim] + i];
+        }
+      }
+      EXPECT_EQ(std::count(held.begin(), held.end(), 1), static_cast<long>(held.size()))
+          << param.spec.name << ": an element on no rank or on two";
+    }
+    const auto src = std::make_shared<const Layout>(layout);
+    const auto dst = std::make_shared<const Layout>(build_layout(model, {.tp = 2, .replicas = 2}));
+    const ReshardPlan plan = make_reshard_plan(src, dst);
+    std::uint64_t destination_bytes = 0;
+    for (const Shard& shard : dst->shards()) {
+      std::int64_t elements = 1;
+      for (std::int64_t extent : shard.local_shape) elements *= extent;
+      destination_bytes += static_cast<std::uint64_t>(elements) * 2;
+    }
+    EXPECT_EQ(plan.stats().total_bytes, destination_bytes);
+  }
 }
 
 TEST(Layouts, MegatronRankOrderIsTensorThenDataThenPipeline) {

@@ -567,9 +567,16 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
             record, entry = _describe(side, str(name), value, me, pe_of)
             records.append(record)
             entries[(side, str(name))] = entry
+    mapping = _canonical_names(names)
     gathered: List[Any] = [None] * world
-    dist.all_gather_object(gathered, records, group=group)
-    agreed = agree(gathered, names, transform is not None, strict)
+    dist.all_gather_object(gathered, (records, mapping), group=group)
+    differing = [rank for rank, (_, theirs) in enumerate(gathered) if theirs != gathered[0][1]]
+    if differing:
+        _raise_problems([f"the ranks pass different names= mappings: rank 0 "
+                         f"{_show_names(gathered[0][1])}, rank {differing[0]} "
+                         f"{_show_names(gathered[differing[0]][1])} (every rank passes the "
+                         "same)"])
+    agreed = agree([r for r, _ in gathered], names, transform is not None, strict)
     if agreed.problems:
         _raise_problems(agreed.problems)
     plan = _core.make_reshard_plan(agreed.src_layout, agreed.dst_layout)
@@ -610,6 +617,25 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
                           staging_budget=staging_budget,
                           quantize_colocated_on_sender=quantize_colocated_on_sender,
                           staged=staged, max_staged_bytes=max_staged_bytes)
+
+
+def _canonical_names(names: Optional[NameMap]) -> List[tuple]:
+    """``names`` as a sorted list of plain values, the same on ranks that passed the same."""
+    out = []
+    for destination, target in (names or {}).items():
+        if isinstance(target, Fused):
+            out.append((str(destination), "fused", target.sources, target.dim))
+        else:
+            out.append((str(destination), "name", str(target), 0))
+    return sorted(out)
+
+
+def _show_names(mapping: List[tuple]) -> str:
+    if not mapping:
+        return "none"
+    shown = [f"{d!r} -> {t!r}" if kind == "name" else f"{d!r} -> Fused({list(t)}, dim={dim})"
+             for d, kind, t, dim in mapping[:3]]
+    return "{" + ", ".join(shown) + (" ..." if len(mapping) > 3 else "") + "}"
 
 
 def _cuda_device(*maps: Mapping[str, Any]) -> Optional[int]:

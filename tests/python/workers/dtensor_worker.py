@@ -457,6 +457,12 @@ def check_bad_input(me, world, seed):
         "w": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])}, transport=TRANSPORT),
         f"rank(s) {world - 1} passed no tensor for it")
 
+    # Ranks passing different name mappings.
+    expect_refusal(me, "names", lambda: rt.bind({"w": good}, {
+        "w": rt.MeshShard(torch.zeros(8, 6), list(range(world)), ["R"])},
+        names={"w": "w"} if me == 0 else {}, transport=TRANSPORT),
+        "the ranks pass different names=")
+
     # Two ranks describe one destination differently.
     pl = ["S(0)"] if me == 0 else ["S(1)"]
     local = torch.zeros(8 // world, 6) if me == 0 else torch.zeros(8, 6 // world)
@@ -474,6 +480,22 @@ def check_bad_input(me, world, seed):
                  transport=TRANSPORT) as refit:
         refit.run()
     assert torch.equal(dst, g), f"rank {me}: the refit after the refusals"
+
+    # Explicit blocks: each rank the rows [2r, 2r + 2) at their offset, and rank 0 besides a
+    # packed pair of blocks (rows 0-1 and 6-7 one after the other) under another name.
+    rows = torch.zeros(2, 6)
+    dst = {"w": rt.BoxShard(rows, [8, 6], offset=[2 * me, 0])} if me < 4 else {}
+    packed = torch.zeros(4, 6)
+    if me == 0:
+        dst["w2"] = rt.BoxShard(packed, [8, 6], boxes=[([0, 0], [2, 6], [0, 0]),
+                                                     ([6, 0], [2, 6], [2, 0])])
+    # One source into two destinations ("w2" takes "w" too).
+    with rt.bind({"w": good}, dst, names={"w2": "w"}, transport=TRANSPORT) as refit:
+        refit.run()
+    if me < 4:
+        assert torch.equal(rows, g[2 * me:2 * me + 2]), f"rank {me}: explicit block"
+    if me == 0:
+        assert torch.equal(packed, torch.cat([g[0:2], g[6:8]])), "rank 0: packed blocks"
 
 
 def main():
