@@ -845,6 +845,16 @@ class PythonTransform final : public ReshardTransform {
   std::string name_;
 };
 
+// The options execute_reshard_plan, bind and the staged refit take from Python's keywords.
+ReshardOptions refit_options(std::optional<std::uint64_t> staging_budget,
+                             bool quantize_colocated_on_sender, bool strict) {
+  ReshardOptions options;
+  options.staging_budget = staging_budget;
+  options.quantize_colocated_on_sender = quantize_colocated_on_sender;
+  options.allow_unknown_names = !strict;
+  return options;
+}
+
 void bind_execution(nb::module_& m) {
   nb::class_<ScaleTensor>(m, "ScaleTensor")
       .def_prop_ro("dtype", [](const ScaleTensor& s) { return std::string(dtype_name(s.dtype)); })
@@ -951,10 +961,8 @@ void bind_execution(nb::module_& m) {
          std::optional<std::uintptr_t> stream, std::optional<std::uint64_t> staging_budget,
          bool quantize_colocated_on_sender, bool strict) {
         const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
-        ReshardOptions options;
-        options.staging_budget = staging_budget;
-        options.quantize_colocated_on_sender = quantize_colocated_on_sender;
-        options.allow_unknown_names = !strict;
+        const ReshardOptions options =
+            refit_options(staging_budget, quantize_colocated_on_sender, strict);
         nb::gil_scoped_release released;
         return execute_reshard_plan(plan, src_map, dst_map, service, std::move(transform),
                                     stream_of(stream), options);
@@ -970,10 +978,8 @@ void bind_execution(nb::module_& m) {
              std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
              bool strict) {
             auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
-            ReshardOptions options;
-            options.staging_budget = staging_budget;
-            options.quantize_colocated_on_sender = quantize_colocated_on_sender;
-            options.allow_unknown_names = !strict;
+            const ReshardOptions options =
+                refit_options(staging_budget, quantize_colocated_on_sender, strict);
             nb::gil_scoped_release released;
             new (self) Refit(std::move(plan), std::move(src_map), std::move(dst_map), service,
                              std::move(transform), options, stream_of(stream));
@@ -1007,10 +1013,8 @@ void bind_execution(nb::module_& m) {
              std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
              bool strict, std::optional<std::uint64_t> max_staged_bytes) {
             auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
-            ReshardOptions options;
-            options.staging_budget = staging_budget;
-            options.quantize_colocated_on_sender = quantize_colocated_on_sender;
-            options.allow_unknown_names = !strict;
+            const ReshardOptions options =
+                refit_options(staging_budget, quantize_colocated_on_sender, strict);
             nb::gil_scoped_release released;
             new (self)
                 StagedRefit(std::move(plan), std::move(src_map), std::move(dst_map), service,
@@ -1053,10 +1057,8 @@ void bind_execution(nb::module_& m) {
          std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
          std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
          bool strict) {
-        ReshardOptions options;
-        options.staging_budget = staging_budget;
-        options.quantize_colocated_on_sender = quantize_colocated_on_sender;
-        options.allow_unknown_names = !strict;
+        const ReshardOptions options =
+            refit_options(staging_budget, quantize_colocated_on_sender, strict);
         nb::gil_scoped_release released;
         return execution::execute_as_prepared(plan, service, transform, stream_of(stream), options);
       },
