@@ -30,6 +30,10 @@ class Bootstrap {
   virtual void barrier() = 0;
   virtual void send(int peer, std::span<const std::byte> data) = 0;
   virtual std::vector<std::byte> recv(int peer) = 0;
+  // How long a collective or receive waits for the other ranks before it fails naming them. A
+  // copy service sets its own timeout here at init(), so CopyServiceOptions::timeout bounds its
+  // schedule() too. Bootstraps without timeouts of their own (MPI) ignore it.
+  virtual void set_timeout(std::chrono::milliseconds timeout) { (void)timeout; }
 };
 
 struct TcpBootstrapOptions {
@@ -66,6 +70,7 @@ class TcpBootstrap : public Bootstrap {
   void barrier() override;
   void send(int peer, std::span<const std::byte> data) override;
   std::vector<std::byte> recv(int peer) override;
+  void set_timeout(std::chrono::milliseconds timeout) override;
 
  private:
   struct Impl;

@@ -24,6 +24,7 @@ class GroupBootstrap final : public Bootstrap {
   void barrier() override;
   void send(int peer, std::span<const std::byte> data) override;
   std::vector<std::byte> recv(int peer) override;
+  void set_timeout(std::chrono::milliseconds timeout) override { parent_.set_timeout(timeout); }
 
   int parent_rank(int rank) const { return members_.at(rank); }
 

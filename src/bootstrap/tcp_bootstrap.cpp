@@ -294,6 +294,10 @@ std::string TcpBootstrap::make_unique_id(const std::string& host) {
   return host + ":" + std::to_string(net::local_port(probe));
 }
 
+void TcpBootstrap::set_timeout(std::chrono::milliseconds timeout) {
+  impl_->options.timeout = timeout;
+}
+
 int TcpBootstrap::rank() const { return impl_->options.rank; }
 int TcpBootstrap::size() const { return impl_->options.size; }
 int TcpBootstrap::local_rank() const { return impl_->options.local_rank; }

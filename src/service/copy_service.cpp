@@ -329,6 +329,7 @@ void CopyService::init() {
   impl_->require(impl_->state == State::kCreated, "init()");
   set_log_level(impl_->options.log_level);
   set_log_pe(impl_->bootstrap->rank());
+  impl_->bootstrap->set_timeout(impl_->options.timeout);
   impl_->transport = make_transport(*impl_->bootstrap, impl_->options);
   impl_->verify = impl_->verify || impl_->options.verify;
   impl_->state = State::kInitialized;
@@ -438,7 +439,19 @@ ScheduleReport CopyService::schedule() {
         std::min(caps.chunk_bytes, self.options.chunk_bytes.value_or(UINT64_MAX)));
     summary.put<std::uint64_t>(caps.min_chunk_bytes);
     summary.put<std::int64_t>(caps.max_peers_per_round);
-    const auto gathered = self.bootstrap->all_gather(summary.bytes());
+    const auto gathered = [&] {
+      try {
+        return self.bootstrap->all_gather(summary.bytes());
+      } catch (const Error& error) {
+        // The bootstrap names the ranks it waited for; say what they were to do.
+        if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
+        throw Error(error.code(), "schedule() on PE " + std::to_string(self.bootstrap->rank()) +
+                                      ": every PE must call schedule(), and not every one did "
+                                      "within the timeout (" +
+                                      std::to_string(self.options.timeout.count()) +
+                                      " ms) or stayed: " + error.what());
+      }
+    }();
 
     std::vector<RequestClaim> all_sends, all_receives;
     std::ostringstream problems;

@@ -1079,6 +1079,13 @@ def test_remote_copy_service_takes_the_seed_api_by_its_keywords():
         RemoteCopyService(transport="host", group=object())
 
 
+def test_schedule_is_bounded_by_the_services_own_timeout():
+    # RESHARD_TIMEOUT_S is 20 here; CopyService(timeout=3) must bound schedule() on its own.
+    result = launch(2, WORKERS / "schedule_timeout_worker.py", timeout=60, RESHARD_TIMEOUT_S="20")
+    assert_ok(result)
+    assert result.stdout.count(": ok") == 2, result.stdout
+
+
 def test_bootstrap_from_an_address_and_gil_released():
     port = __import__("reshard.launch", fromlist=["_free_port"])._free_port()
     assert_ok(launch(3, WORKERS / "bootstrap_worker.py", "address", port))
