@@ -18,7 +18,6 @@ by this module; the rest of reshard works without it.
 """
 
 from .placements import holdings, shard_order
-from .state_dicts import BoxShard, Fused, MeshShard, StateDictRefit, agree, bind
+from .state_dicts import BoxShard, Fused, MeshShard, StateDictRefit, bind
 
-__all__ = ["BoxShard", "Fused", "MeshShard", "StateDictRefit", "agree", "bind", "holdings",
-           "shard_order"]
+__all__ = ["BoxShard", "Fused", "MeshShard", "StateDictRefit", "bind", "holdings", "shard_order"]
