@@ -876,6 +876,18 @@ void bind_execution(nb::module_& m) {
   nb::class_<ReshardTransform>(m, "ReshardTransform")
       .def_prop_ro("name", &ReshardTransform::name)
       .def("should_transform", &ReshardTransform::should_transform, "param"_a)
+      .def(
+          "should_transform",
+          [](const ReshardTransform& self, const std::string& name) -> bool {
+            // Megatron's hooks take a name; the built-ins choose by shape and dtype too.
+            throw_error(
+                ErrorCode::kInvalidArgument,
+                self.name() + ".should_transform('" + name +
+                    "'): a transform chooses by a parameter's shape and dtype as well as "
+                    "its name: pass a ParamSpec, e.g. should_transform(reshard.ParamSpec('" +
+                    name + "', [4096, 4096], 'bfloat16'))");
+          },
+          "param_name"_a)
       .def("destination_scale", &ReshardTransform::destination_scale, "local_shape"_a);
 
   m.def(

@@ -300,6 +300,15 @@ def test_whole_tensors_register_by_their_bytes(service):
         service.register_send(3, object(), 0)
 
 
+def test_should_transform_given_a_name_says_to_pass_a_param_spec():
+    # Megatron's hooks take a parameter's name; the built-ins need its shape and dtype too.
+    mx = reshard.make_mxfp8_transform(side="receiver")
+    assert mx.should_transform(reshard.ParamSpec("w", [256, 256], "bfloat16"))
+    assert not mx.should_transform(reshard.ParamSpec("norm", [256], "bfloat16"))
+    with pytest.raises(reshard.ReshardError, match=r"pass a ParamSpec, e\.g\. should_transform"):
+        mx.should_transform("layers.0.mlp.fc1.weight")
+
+
 def test_negative_size_is_refused_naming_the_argument(service):
     with pytest.raises(reshard.ReshardError, match="the size -8 is not a non-negative integer"):
         service.register_send(5, np.zeros(8, np.uint8), 0, -8, 0)
