@@ -12,6 +12,7 @@
 
 #include "bench/bench.hpp"
 #include "bench/workloads.hpp"
+#include "core/transport.hpp"
 #include "launch/local_launcher.hpp"
 #include "reshard/reshard.hpp"
 
@@ -34,6 +35,17 @@ std::string plot_script(const char* argv0) {
   if (std::filesystem::exists(installed)) return installed.string();
   return RESHARD_SOURCE_DIR "/tools/bench/plot_results.py";
 }
+
+#ifdef RESHARD_WITH_CUDA
+// The GPU benchmarks on a machine without a visible GPU: one sentence and status 1.
+int no_gpu(const char* command) {
+  std::fprintf(stderr,
+               "reshard %s: no CUDA device is visible here (check CUDA_VISIBLE_DEVICES and the "
+               "driver); the GPU benchmarks need one, `reshard bench` runs on the host\n",
+               command);
+  return 1;
+}
+#endif
 
 }  // namespace
 
@@ -244,6 +256,7 @@ int main(int argc, char** argv) {
     }
     if (*convert_cmd) {
 #ifdef RESHARD_WITH_CUDA
+      if (reshard::visible_cuda_devices() == 0) return no_gpu("bench-convert");
       convert.column_block.clear();
       for (const std::string& layout : convert_layouts)
         convert.column_block.push_back(layout == "column-block");
@@ -271,6 +284,10 @@ int main(int argc, char** argv) {
     }
     bench.transport = reshard::parse_transport_kind(transport);
     for (const std::string& text : gpu_sizes) gpu.sizes.push_back(reshard::parse_bytes(text));
+#ifdef RESHARD_WITH_CUDA
+    // Before any process starts: one sentence, not a CUDA error from every rank.
+    if (*gpu_cmd && reshard::visible_cuda_devices() == 0) return no_gpu("bench-gpu");
+#endif
     const bool under_launcher = std::getenv("RANK") != nullptr ||
                                 std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
                                 std::getenv("PMI_SIZE") != nullptr;
