@@ -49,15 +49,34 @@ std::string built_transports() {
   return names;
 }
 
+// What a build needs for the transport (the Python package's build isolation hides the NVIDIA
+// wheels a build would otherwise find).
+std::string how_to_build(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kCuda:
+      return "a build includes it where CUDA (nvcc) is found";
+    case TransportKind::kNccl:
+      return "a build with CUDA includes it where NCCL is found (the system's, or the "
+             "nvidia-nccl-cu13 wheel installed beside the build: pip install nvidia-nccl-cu13, "
+             "then pip install --no-build-isolation .)";
+    case TransportKind::kNvshmem:
+      return "a build with CUDA includes it where NVSHMEM is found (the nvidia-nvshmem-cu13 "
+             "wheel: pip install nvidia-nvshmem-cu13==3.4.5, then pip install "
+             "--no-build-isolation .)";
+    default:
+      return "see the README's build section";
+  }
+}
+
 bool is_available(TransportKind kind) { return find_entry(kind) != nullptr; }
 
 std::unique_ptr<Transport> make_named(TransportKind kind, Bootstrap& bootstrap,
                                       const CopyServiceOptions& options) {
   const TransportEntry* entry = find_entry(kind);
   if (entry == nullptr) {
-    throw_error(ErrorCode::kUnsupported,
-                std::string("the ") + transport_kind_name(kind) +
-                    " transport is not part of this build (it has: " + built_transports() + ")");
+    throw_error(ErrorCode::kUnsupported, std::string("the ") + transport_kind_name(kind) +
+                                             " transport is not part of this build (it has: " +
+                                             built_transports() + "); " + how_to_build(kind));
   }
   return entry->make(bootstrap, options);
 }

@@ -309,6 +309,17 @@ def test_should_transform_given_a_name_says_to_pass_a_param_spec():
         mx.should_transform("layers.0.mlp.fc1.weight")
 
 
+def test_a_transport_this_build_lacks_says_how_to_get_it():
+    missing = [t for t in ("nvshmem", "nccl", "cuda") if t not in reshard.available_transports()]
+    if not missing:
+        pytest.skip("this build has every transport")
+    advice = {"nvshmem": "pip install nvidia-nvshmem-cu13", "nccl": "pip install nvidia-nccl-cu13",
+              "cuda": "where CUDA (nvcc) is found"}
+    with pytest.raises(reshard.ReshardError, match="not part of this build") as error:
+        reshard.CopyService(missing[0], rank=0, world_size=1).init("WARN")
+    assert advice[missing[0]] in str(error.value), str(error.value)
+
+
 def test_negative_size_is_refused_naming_the_argument(service):
     with pytest.raises(reshard.ReshardError, match="the size -8 is not a non-negative integer"):
         service.register_send(5, np.zeros(8, np.uint8), 0, -8, 0)
