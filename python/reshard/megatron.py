@@ -32,7 +32,7 @@ import hashlib
 import struct
 from typing import Any, List, NamedTuple, Optional, Tuple
 
-from .copy_service import CopyService, _refusal, make_bootstrap
+from .copy_service import CopyService, _refusal, _task_id, _whole_or_range, make_bootstrap
 
 __all__ = ["ReshardCopyService", "RemoteCopyService", "MEGATRON_AVAILABLE"]
 
@@ -363,17 +363,21 @@ class RemoteCopyService(CopyService):
     def register_send(self, task_id: int, src_tensor: Any, src_pos: Optional[int] = None,
                       size: Optional[int] = None, dest_pe: Optional[int] = None,
                       **rows: Any) -> None:
+        task_id = _task_id(task_id)  # refused first, as the base class refuses it
+        src_pos, size, dest_pe = _whole_or_range("register_send", task_id, src_tensor, src_pos,
+                                                 size, dest_pe, "dest_pe")
         super().register_send(task_id, src_tensor, src_pos, size, dest_pe, **rows)
-        self.send_requests.append(RemoteRequest(task_id, *_size_and_peer(src_tensor, src_pos,
-                                                                          size, dest_pe)))
+        self.send_requests.append(RemoteRequest(task_id, int(size), int(dest_pe)))
 
     def register_receive(self, task_id: int, dest_tensor: Any, dest_pos: Optional[int] = None,
                          size: Optional[int] = None, src_pe: Optional[int] = None,
                          **rows: Any) -> None:
         """Receives ``size`` bytes from ``src_pe`` into ``dest_tensor`` at byte ``dest_pos``."""
+        task_id = _task_id(task_id)
+        dest_pos, size, src_pe = _whole_or_range("register_receive", task_id, dest_tensor,
+                                                 dest_pos, size, src_pe, "src_pe")
         super().register_receive(task_id, dest_tensor, dest_pos, size, src_pe, **rows)
-        self.receive_requests.append(RemoteRequest(task_id, *_size_and_peer(
-            dest_tensor, dest_pos, size, src_pe)))
+        self.receive_requests.append(RemoteRequest(task_id, int(size), int(src_pe)))
 
     def clear_requests(self) -> None:
         super().clear_requests()
@@ -388,11 +392,3 @@ class RemoteRequest(NamedTuple):
     size: int  # bytes
     peer: int  # the destination PE of a send, the source PE of a receive
 
-
-def _size_and_peer(tensor: Any, pos: Optional[int], size: Optional[int],
-                   peer: Optional[int]) -> tuple:
-    """(bytes, peer) of a registration that succeeded: a range, or the whole tensor."""
-    from .copy_service import _whole_or_range
-
-    _, size, peer = _whole_or_range("register", 0, tensor, pos, size, peer, "pe")
-    return int(size), int(peer)

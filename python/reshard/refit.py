@@ -97,25 +97,24 @@ class BoundRefit:
             report = self.stage(stream)
             self.commit(stream)
             return report
+        return self._ordered(self._core.run, stream)
+
+    def _ordered(self, call: Any, stream: StreamLike) -> Any:
+        """``call(stream handle)``: on ``stream`` where given; for PyTorch CUDA tensors without
+        one, on PyTorch's current stream and waited for (see :class:`OnCurrentStream`)."""
         if self._ordering.device is None or stream is not None:
-            return self._core.run(stream_handle(stream))
+            return call(stream_handle(stream))
         handle, wait = self._ordering.handle(None)
-        report = self._core.run(handle)
+        result = call(handle)
         wait.synchronize()
-        return report
+        return result
 
     def stage(self, stream: StreamLike = None) -> "_core.ReshardReport":
         """A staged refit (``bind(..., staged=True)``): moves every byte into staging on the
         destination ranks while the destination tensors keep their values (collective, as
         :meth:`run`). A failure here leaves every destination tensor as it was, and its error
         says so. Stream and ordering as for :meth:`run`."""
-        core = self._staged_core("stage")
-        if self._ordering.device is None or stream is not None:
-            return core.stage(stream_handle(stream))
-        handle, wait = self._ordering.handle(None)
-        report = core.stage(handle)
-        wait.synchronize()
-        return report
+        return self._ordered(self._staged_core("stage").stage, stream)
 
     def commit(self, stream: StreamLike = None) -> None:
         """Writes what the last :meth:`stage` staged into this rank's destination tensors, on
@@ -123,13 +122,7 @@ class BoundRefit:
         :attr:`version`. A local device copy of the blocks the plan writes, one launch; with a
         ``stream`` queued there (after a stage queued on it; capturable), otherwise it returns
         when the tensors hold the new values. Refused where nothing is staged."""
-        core = self._staged_core("commit")
-        if self._ordering.device is None or stream is not None:
-            core.commit(stream_handle(stream))
-            return
-        handle, wait = self._ordering.handle(None)
-        core.commit(handle)
-        wait.synchronize()
+        self._ordered(self._staged_core("commit").commit, stream)
 
     @property
     def version(self) -> int:

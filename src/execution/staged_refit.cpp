@@ -31,6 +31,13 @@ std::size_t aligned(std::size_t bytes) {
   return (bytes + kTwinAlignment - 1) / kTwinAlignment * kTwinAlignment;
 }
 
+// A buffer's bytes as one row: how scales (whose blocks no plan piece describes) are copied whole.
+execution::BoxView whole_bytes(const Buffer& buffer) {
+  execution::BoxView view;
+  view.cols = static_cast<std::int64_t>(buffer.bytes);
+  return view;
+}
+
 std::uint64_t bytes_of(const TensorMap& tensors) {
   std::uint64_t total = 0;
   for (const auto& [name, tensor] : tensors) total += tensor.data.bytes + tensor.scale.bytes;
@@ -47,7 +54,6 @@ struct StagedRefit::Impl {
   execution::BlockCopyBatch commit_copies;  // twins -> destinations, the blocks the plan writes
   std::uint64_t version = 0;
   bool staged = false;
-  std::uint64_t staged_bytes = 0;
   int device = -1;             // the GPU of this rank's destinations, -1 on the host
   void* own_stream = nullptr;  // commit() without a stream runs here
 
@@ -90,9 +96,7 @@ struct StagedRefit::Impl {
       twin.scale = carve(tensor.scale);
       if (tensor.scale.bytes > 0) {
         on_gpu = on_gpu || tensor.scale.kind == MemoryKind::kCuda;
-        execution::BoxView whole;
-        whole.cols = static_cast<std::int64_t>(tensor.scale.bytes);
-        seed.add_copy(tensor.scale, twin.scale, whole, 1);
+        seed.add_copy(tensor.scale, twin.scale, whole_bytes(tensor.scale), 1);
       }
       twins.tensors.emplace(name, twin);
     }
@@ -122,11 +126,8 @@ struct StagedRefit::Impl {
                                                   /*merge_full_dims=*/true),
                                element_bytes);
       }
-      if (tensor.scale.bytes > 0) {
-        execution::BoxView whole;
-        whole.cols = static_cast<std::int64_t>(tensor.scale.bytes);
-        commit_copies.add_copy(twin.scale, tensor.scale, whole, 1);
-      }
+      if (tensor.scale.bytes > 0)
+        commit_copies.add_copy(twin.scale, tensor.scale, whole_bytes(tensor.scale), 1);
     }
   }
 };
@@ -151,7 +152,6 @@ StagedRefit::StagedRefit(std::shared_ptr<const ReshardPlan> plan, TensorMap src,
                       ": raise the limit, or refit without staging");
     }
     self.twins = Impl::make_twins(self.dst);
-    self.staged_bytes = needed;
   } catch (...) {
     failure = std::current_exception();
   }
@@ -230,14 +230,13 @@ ReshardReport StagedRefit::update(const TensorMap& src, const TensorMap& dst, vo
   ReshardReport report = self.refit->update(src, retargeted, cuda_stream);
   self.dst = std::move(destinations);
   self.twins = std::move(fresh);
-  self.staged_bytes = bytes_of(self.dst);
   self.list_commit_copies(self.refit->service().my_pe());
   return report;
 }
 
 std::uint64_t StagedRefit::version() const { return impl_->version; }
 bool StagedRefit::staged() const { return impl_->staged; }
-std::uint64_t StagedRefit::staged_bytes() const { return impl_->staged_bytes; }
+std::uint64_t StagedRefit::staged_bytes() const { return bytes_of(impl_->dst); }
 const ReshardReport& StagedRefit::report() const { return impl_->refit->report(); }
 const TensorMap& StagedRefit::sources() const { return impl_->refit->sources(); }
 const TensorMap& StagedRefit::destinations() const { return impl_->dst; }
