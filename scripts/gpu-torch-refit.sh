@@ -5,6 +5,8 @@
 # lines go to $OUT (default build-gpu/logs). TESTS=0 skips the tests, MPS=0 the runs with MPS;
 # MPS=only the runs with MPS alone; ENGINES="auto ce sm" runs the benchmark with each CUDA engine,
 # SAME_DEVICES="kernel delegate stream" (with MPS) with each order of same-GPU copies.
+# DTENSOR_RUNS="PEs:trainer PEs:source ..." (default "4:2:fsdp") sets the benchmark's shapes, e.g.
+# "8:4:fsdp 8:4:fsdp_tp 4:2:fsdp" on 4 GPUs (colocated, then trainer and engine on GPUs apart).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -20,11 +22,16 @@ if [[ ${TESTS:-1} != 0 ]]; then
   grep -E "passed|failed|^FAILED|^SKIPPED" "$OUT/pytest-torch.log" | tail -12
 fi
 bench() {
-  RESHARD_CUDA_SAME_DEVICE=${SAME_DEVICE:-auto} RESHARD_CUDA_ENGINE=${ENGINE:-auto} timeout 240 python3 -m reshard.launch -n 4 tools/bench/dtensor_refit_bench.py \
-    --layers "${LAYERS:-16}" --json "$OUT/dtensor-refit.jsonl" --commit "$commit" \
-    >"$OUT/dtensor-refit-$1-${ENGINE:-auto}-${SAME_DEVICE:-auto}.txt" 2>&1 || status=1
-  echo "== MPS $1, CUDA engine ${ENGINE:-auto}, same-GPU order ${SAME_DEVICE:-auto}"
-  grep -vE "^\s*$" "$OUT/dtensor-refit-$1-${ENGINE:-auto}-${SAME_DEVICE:-auto}.txt" | sed 's/^\[rank 0\] //' | tail -7
+  for run in ${DTENSOR_RUNS:-4:2:fsdp}; do
+    IFS=: read -r pes trainer source <<<"$run"
+    log="$OUT/dtensor-refit-$1-${ENGINE:-auto}-${SAME_DEVICE:-auto}-$pes-$trainer-$source.txt"
+    RESHARD_CUDA_SAME_DEVICE=${SAME_DEVICE:-auto} RESHARD_CUDA_ENGINE=${ENGINE:-auto} timeout 240 \
+      python3 -m reshard.launch -n "$pes" tools/bench/dtensor_refit_bench.py --trainer "$trainer" \
+      --source "$source" --layers "${LAYERS:-16}" --json "$OUT/dtensor-refit.jsonl" \
+      --commit "$commit" >"$log" 2>&1 || status=1
+    echo "== MPS $1, CUDA engine ${ENGINE:-auto}, same-GPU order ${SAME_DEVICE:-auto}, $run"
+    grep -vE "^\s*$" "$log" | sed 's/^\[rank 0\] //' | tail -8
+  done
 }
 if [[ ${MPS:-1} != only ]]; then
   for ENGINE in ${ENGINES:-auto}; do bench off; done
