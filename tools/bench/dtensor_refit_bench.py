@@ -19,7 +19,7 @@ In the same run:
 - the hand-written loop of colocated frameworks: the trainer PEs share their shards through CUDA
   IPC handles (PyTorch's own), every engine PE copies each slice it needs with one ``copy_``
   per slice on its stream, then a barrier;
-- where the trainer PEs have a GPU each: what frameworks do today, ``full_tensor()`` of every
+- where the trainer PEs have a GPU each, each shared with an engine PE: what frameworks do today, ``full_tensor()`` of every
   parameter on the trainer PEs (PyTorch's collectives, NCCL among them), each slice of it the
   engine PE on the same GPU needs copied into that PE's weights (mapped once through CUDA IPC),
   as a hybrid engine loads weights;
@@ -250,7 +250,9 @@ def main():
     # hybrid engine's load_weights slices the gathered tensor.
     gpus = [int(x) for x in svc.all_gather(repr(device.index if cuda else -1).encode())]
     full = None
-    if cuda and len(engine) == len(trainer) and len(set(gpus[:len(trainer)])) == len(trainer):
+    colocated = len(engine) == len(trainer) and all(
+        gpus[t] == gpus[e] for t, e in zip(trainer, engine))
+    if cuda and colocated and len(set(gpus[:len(trainer)])) == len(trainer):
         from torch.multiprocessing.reductions import reduce_tensor
 
         if args.source == "fsdp":
