@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "reshard/copy_service.hpp"
 #include "reshard/plan.hpp"
@@ -52,7 +54,22 @@ struct ReshardOptions {
   // otherwise stay stale without a word. Checked when a refit is prepared and whenever a map
   // holds another number of tensors than the last one checked. true: such tensors are ignored.
   bool allow_unknown_names = false;
+  // Parts of a refit that can run on their own (Refit::run with groups): the group of each of the
+  // plan's parameters, by its index in ReshardPlan::params(); groups are numbered from 0, and
+  // empty means one group. Each group's ops run in phases of their own, group after group (the
+  // staging budget splits a group further where it must), so a run of some groups moves exactly
+  // their parameters' bytes and touches no other destination. Every rank must give the same
+  // groups. layer_groups() makes one group per layer.
+  std::vector<std::uint32_t> param_groups;
 };
+
+// One group per transformer layer, for ReshardOptions::param_groups: parameters whose names hold
+// a number as a dotted part ("decoder.layers.7.mlp.fc1.weight") are grouped by the name up to and
+// including that number ("decoder.layers.7"); the others form "embeddings" (names containing
+// "embed") and "head" (the rest: final norm, output layer). Groups are numbered in the order the
+// plan first names them; `names`, where given, receives each group's name.
+std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan,
+                                        std::vector<std::string>* names = nullptr);
 
 struct ReshardReport {
   // This call registered and scheduled: the first call, or new buffers on any rank (the ranks
@@ -160,6 +177,12 @@ class Refit {
   // after the work queued on the legacy default stream. Refused where the service no longer holds
   // this refit's schedule (clear_requests(), another refit or plan scheduled on it).
   ReshardReport run(void* cuda_stream = nullptr);
+  // Collective: run() of only the given groups of ReshardOptions::param_groups (any order, each
+  // once; they run in group order), bitwise what run() writes into their parameters' destinations
+  // and nothing else. Every rank must run the same groups in the same calls.
+  ReshardReport run(std::span<const std::uint32_t> groups, void* cuda_stream = nullptr);
+  // How many groups the refit was bound with (1 without ReshardOptions::param_groups).
+  std::uint32_t groups() const;
   // Collective: replaces the named tensors (names bound at construction; other tensors stay).
   // Where no rank's tensors differ from those bound (the same buffers, dtype and shape) this is
   // one small all-gather; otherwise every rank prepares and schedules again. A refusal on any

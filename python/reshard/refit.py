@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Union
+import fnmatch
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from . import _core
 from .copy_service import CopyService, StreamLike, stream_handle
@@ -53,6 +54,52 @@ class OnCurrentStream:
         return current.cuda_stream, current
 
 
+GroupsSpec = Union[None, str, Mapping[str, Sequence[str]], Callable[[str], str]]
+
+
+def plan_groups(plan: "_core.ReshardPlan", groups: GroupsSpec) -> tuple:
+    """(the group number of each of the plan's parameters, the groups' names) for ``bind``'s
+    ``groups``: ``"layers"`` (one group per layer, ``"layers.7"``, plus ``"embeddings"`` for
+    names containing ``embed`` and ``"head"`` for the other names without a layer number), a
+    mapping of group names to parameter names or ``fnmatch`` patterns (in its order; a parameter
+    matched by none joins a last group ``"rest"``, one matched by two groups is refused), or a
+    function from a parameter's name to its group's name (groups in the plan's order)."""
+    names = [p.name for p in plan.params]
+    if groups == "layers":
+        numbers, group_names = _core.layer_groups(plan)
+        return list(numbers), list(group_names)
+    if isinstance(groups, str):
+        raise ValueError(f"groups={groups!r}: give 'layers', a mapping of group names to "
+                         "parameter names or patterns, or a function of a parameter's name")
+    if callable(groups):
+        group_names: List[str] = []
+        number: Dict[str, int] = {}
+        numbers = []
+        for name in names:
+            group = groups(name)
+            if not isinstance(group, str):
+                raise TypeError(f"groups({name!r}) returned {group!r}; a group's name (str) "
+                                "is needed")
+            numbers.append(number.setdefault(group, len(number)))
+            if len(group_names) < len(number):
+                group_names.append(group)
+        return numbers, group_names
+    group_names = list(groups)
+    numbers = []
+    for name in names:
+        found = [g for g, (group, patterns) in enumerate(groups.items())
+                 if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)]
+        if len(found) > 1:
+            raise ValueError(f"parameter {name!r} is in groups "
+                             f"{[group_names[g] for g in found]}; a parameter belongs to one")
+        if not found:
+            if "rest" not in group_names:
+                group_names.append("rest")
+            found = [group_names.index("rest")]
+        numbers.append(found[0])
+    return numbers, group_names
+
+
 class BoundRefit:
     """A refit bound once to this rank's tensors (see :func:`bind`): ``run()`` every refit."""
 
@@ -60,7 +107,8 @@ class BoundRefit:
                  service: Union[CopyService, "_core.CopyService"], transform: Any = None,
                  stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
                  quantize_colocated_on_sender: bool = True, strict: bool = True,
-                 staged: bool = False, max_staged_bytes: Optional[Union[int, str]] = None):
+                 staged: bool = False, max_staged_bytes: Optional[Union[int, str]] = None,
+                 groups: GroupsSpec = None):
         from .execution import _budget_bytes
         # The refit's own maps: they hold the tensors (no tensor can be freed under the refit),
         # and a Python transform reads the tensors through them, so update() changes both.
@@ -76,28 +124,72 @@ class BoundRefit:
                      _budget_bytes(staging_budget), bool(quantize_colocated_on_sender),
                      bool(strict))
         self._staged = bool(staged)
+        self._group_names: List[str] = []
+        self._group_number: Dict[str, int] = {}
         if self._staged:
+            if groups is not None:
+                raise ValueError("groups= is for a refit that is not staged (staged=False): a "
+                                 "staged refit stages and commits every parameter")
             self._core = _core.StagedRefit(*arguments, _budget_bytes(max_staged_bytes))
         else:
             if max_staged_bytes is not None:
                 raise ValueError("max_staged_bytes is for a staged refit (staged=True)")
-            self._core = _core.Refit(*arguments)
+            numbers: List[int] = []
+            if groups is not None:
+                numbers, self._group_names = plan_groups(plan, groups)
+                self._group_number = {g: i for i, g in enumerate(self._group_names)}
+            self._core = _core.Refit(*arguments, numbers)
         if wait is not None:
             wait.synchronize()
 
-    def run(self, stream: StreamLike = None) -> "_core.ReshardReport":
+    def run(self, stream: StreamLike = None,
+            groups: Union[None, str, Sequence[str]] = None) -> "_core.ReshardReport":
         """Moves every bound source slice into every rank's bound destination tensors
         (collective: every rank calls it in the same refit). Nothing is looked up, converted or
         checked per tensor and no host collective runs. With a CUDA ``stream`` the work is queued
         there and the call returns at once (capturable in ``torch.cuda.graph``); without one it
         returns when the bytes have landed, ordered after PyTorch's current stream for PyTorch
         CUDA tensors (else after the legacy default stream). The tensors' contents may change
-        between runs; to give the refit other tensors, :meth:`update` it."""
+        between runs; to give the refit other tensors, :meth:`update` it.
+
+        ``groups`` (a refit bound with ``groups=``): only those groups, by name or ``fnmatch``
+        pattern over :attr:`groups` (``"layers.1?"``); bitwise what a whole run writes into their
+        parameters' destinations, nothing else touched. Every rank must run the same groups in
+        the same calls."""
         if self._staged:
             report = self.stage(stream)
             self.commit(stream)
             return report
-        return self._ordered(self._core.run, stream)
+        if groups is None:
+            return self._ordered(self._core.run, stream)
+        chosen = self._chosen_groups(groups)
+        return self._ordered(lambda handle: self._core.run_groups(chosen, handle), stream)
+
+    @property
+    def groups(self) -> List[str]:
+        """The groups the refit was bound with (``bind(..., groups=)``), in the order they run;
+        empty where it was bound without."""
+        return list(self._group_names)
+
+    def _chosen_groups(self, groups: Union[str, Sequence[str]]) -> List[int]:
+        if not self._group_names:
+            raise ValueError("run(groups=...): this refit was bound without groups; bind it "
+                             "with groups='layers' (or a mapping or function) to run parts of it")
+        chosen = set()
+        for wanted in [groups] if isinstance(groups, str) else groups:
+            number = self._group_number.get(wanted)
+            if number is not None:
+                chosen.add(number)
+                continue
+            matched = [i for i, g in enumerate(self._group_names)
+                       if fnmatch.fnmatchcase(g, wanted)]
+            if not matched:
+                shown = ", ".join(self._group_names[:8]) + (
+                    ", ..." if len(self._group_names) > 8 else "")
+                raise ValueError(f"run(groups=...): {wanted!r} names no group of this refit "
+                                 f"(its {len(self._group_names)} groups: {shown})")
+            chosen.update(matched)
+        return sorted(chosen)
 
     def _ordered(self, call: Any, stream: StreamLike) -> Any:
         """``call(stream handle)``: on ``stream`` where given; for PyTorch CUDA tensors without
@@ -196,7 +288,8 @@ def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, An
          service: Union[CopyService, "_core.CopyService"], transform: Any = None, *,
          stream: StreamLike = None, staging_budget: Optional[Union[int, str]] = None,
          quantize_colocated_on_sender: bool = True, strict: bool = True, staged: bool = False,
-         max_staged_bytes: Optional[Union[int, str]] = None) -> BoundRefit:
+         max_staged_bytes: Optional[Union[int, str]] = None,
+         groups: GroupsSpec = None) -> BoundRefit:
     """Binds a refit of ``plan`` to this rank's tensors, once (collective: every rank at once).
 
     ``src`` and ``dst`` map parameter names to this rank's local tensors (arrays, or
@@ -218,6 +311,15 @@ def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, An
     ``run()`` is then ``stage()`` and ``commit()``. The twins cost as much memory as the rank's
     destination tensors (``refit.staged_bytes``); ``max_staged_bytes`` (bytes or ``"8GiB"``)
     refuses a refit that needs more, on every rank, saying how much.
+
+    ``groups`` makes parts of the refit that run on their own, without planning again:
+    ``"layers"`` (one group per layer, plus ``"embeddings"`` and ``"head"``: a layer at a time
+    beside generation), a mapping ``{"lora": ["*.lora_A.*", "*.lora_B.*"]}`` (parameters matched
+    by none form a last group ``"rest"``), or a function of a parameter's name returning its
+    group's name (``lambda name: name`` gives each parameter its own). ``refit.groups`` lists
+    them; ``refit.run(groups=["layers.3"])`` runs some. Each group runs in phases of its own, so
+    a whole ``run()`` of a grouped refit pays a little per group over an ungrouped one; every
+    rank must group alike (refused otherwise).
     """
     return BoundRefit(plan, src, dst, service, transform, stream, staging_budget,
-                      quantize_colocated_on_sender, strict, staged, max_staged_bytes)
+                      quantize_colocated_on_sender, strict, staged, max_staged_bytes, groups)

@@ -981,6 +981,14 @@ void bind_execution(nb::module_& m) {
       },
       "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(), "stream"_a = nb::none(),
       "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true, "strict"_a = true);
+  m.def(
+      "layer_groups",
+      [](const ReshardPlan& plan) {
+        std::vector<std::string> names;
+        std::vector<std::uint32_t> groups = layer_groups(plan, &names);
+        return std::make_pair(std::move(groups), std::move(names));
+      },
+      "plan"_a);
   nb::class_<Refit>(m, "Refit")
       .def(
           "__init__",
@@ -988,17 +996,19 @@ void bind_execution(nb::module_& m) {
              const TensorLists& dst, CopyService& service,
              std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
              std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
-             bool strict) {
+             bool strict, std::vector<std::uint32_t> param_groups) {
             auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
-            const ReshardOptions options =
+            ReshardOptions options =
                 refit_options(staging_budget, quantize_colocated_on_sender, strict);
+            options.param_groups = std::move(param_groups);
             nb::gil_scoped_release released;
             new (self) Refit(std::move(plan), std::move(src_map), std::move(dst_map), service,
                              std::move(transform), options, stream_of(stream));
           },
           "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(),
           "stream"_a = nb::none(), "staging_budget"_a = nb::none(),
-          "quantize_colocated_on_sender"_a = true, "strict"_a = true, nb::keep_alive<1, 5>())
+          "quantize_colocated_on_sender"_a = true, "strict"_a = true,
+          "param_groups"_a = std::vector<std::uint32_t>{}, nb::keep_alive<1, 5>())
       .def(
           "run",
           [](Refit& self, std::optional<std::uintptr_t> stream) {
@@ -1006,6 +1016,15 @@ void bind_execution(nb::module_& m) {
             return self.run(stream_of(stream));
           },
           "stream"_a = nb::none())
+      .def(
+          "run_groups",
+          [](Refit& self, const std::vector<std::uint32_t>& groups,
+             std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release released;
+            return self.run(std::span<const std::uint32_t>(groups), stream_of(stream));
+          },
+          "groups"_a, "stream"_a = nb::none())
+      .def_prop_ro("groups", [](const Refit& self) { return self.groups(); })
       .def(
           "update",
           [](Refit& self, const TensorLists& src, const TensorLists& dst,

@@ -300,10 +300,12 @@ std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
 // packs and unpacks of their non-contiguous slices.
 struct Phase {
   std::vector<std::size_t> sends, receives;  // indices into Prepared::sends / receives
+  std::vector<std::size_t> locals;           // indices into Prepared::locals
   execution::BlockCopyBatch packs, unpacks;
-  // A built-in transform's conversions of the phase, as the first refit queued them (send hooks
-  // and their flush; receive hooks and theirs).
-  execution::ConversionRecording sends_converted, receives_finalized;
+  // A built-in transform's conversions of the phase, as the first refit of the phase queued them
+  // (send hooks and their flush; local conversions; receive hooks and theirs), and whether it ran.
+  execution::ConversionRecording sends_converted, locals_converted, receives_finalized;
+  bool recorded = false;
 };
 
 struct Resharder::Impl {
@@ -314,6 +316,9 @@ struct Resharder::Impl {
   std::optional<std::uint64_t> requested;  // the budget given (option, else environment)
   bool colocated_on_sender;                // ReshardOptions::quantize_colocated_on_sender
   bool allow_unknown_names;                // ReshardOptions::allow_unknown_names
+  // ReshardOptions::param_groups (empty: one group), and how many groups that makes.
+  std::vector<std::uint32_t> param_groups;
+  std::uint32_t group_count = 1;
   // The plan's parameter names (for refusing tensors under others), and the sizes of the maps
   // whose names were last checked.
   std::unordered_set<std::string_view> plan_names;
@@ -343,6 +348,8 @@ struct Resharder::Impl {
     int device = -1;                      // the GPU of the tensors (device_of)
     std::vector<bool> converted_locally;  // by op index in the plan
     std::vector<std::unique_ptr<Phase>> phases;
+    // Each group's phases: [group_phases[g], group_phases[g + 1]).
+    std::vector<std::uint32_t> group_phases;
     std::vector<LocalTensor> tensors;
     // The same, flat (TensorIdentity, shapes one after the other), for the per-refit check.
     std::vector<TensorIdentity> identities;
@@ -351,11 +358,13 @@ struct Resharder::Impl {
     // The maps as given, where each holds only tensors this rank's ops touch (a map of more is
     // checked by name: walking it would read tensors the refit does not use).
     MapWalk src_walk, dst_walk;
-    ReshardReport report;                             // the byte counts, the same at every refit
-    execution::ConversionRecording locals_converted;  // as the phases' recordings
-    // The first refit since the preparation ran to the end, recording the built-in transform's
-    // conversions: the next ones replay them instead of calling its hooks.
-    bool conversions_recorded = false;
+    ReshardReport report;  // the byte counts, the same at every refit
+    // Every phase ran since the preparation, recording the built-in transform's conversions:
+    // the next refits replay them instead of calling its hooks.
+    bool conversions_recorded() const {
+      return std::all_of(phases.begin(), phases.end(),
+                         [](const std::unique_ptr<Phase>& phase) { return phase->recorded; });
+    }
   } prepared;
   std::uint64_t registered_generation = UINT64_MAX;  // the service's, after our schedule
   void* own_stream = nullptr;
@@ -378,6 +387,7 @@ struct Resharder::Impl {
         requested(requested_budget(o)),
         colocated_on_sender(o.quantize_colocated_on_sender),
         allow_unknown_names(o.allow_unknown_names),
+        param_groups(o.param_groups),
         budget(requested.value_or(ReshardOptions::kDefaultStagingBudget)),
         me(s.my_pe()),
         rows_in_place(s.moves_rows_in_place()) {
@@ -405,6 +415,19 @@ struct Resharder::Impl {
       if (ops == &send_ops) source_params = param_names.size();
     }
     for (const ParamSpec& param : plan->params()) plan_names.insert(param.name);
+    if (!param_groups.empty()) {
+      if (param_groups.size() != plan->params().size()) {
+        throw_error(ErrorCode::kInvalidArgument,
+                    "ReshardOptions::param_groups has " + std::to_string(param_groups.size()) +
+                        " entries; the plan has " + std::to_string(plan->params().size()) +
+                        " parameters (one group number each)");
+      }
+      group_count = *std::max_element(param_groups.begin(), param_groups.end()) + 1;
+    }
+  }
+
+  std::uint32_t group_of(const TransferOp& op) const {
+    return param_groups.empty() ? 0 : param_groups[op.param];
   }
 
   // Refuses a tensor under a name the plan does not have (ReshardOptions::allow_unknown_names),
@@ -716,11 +739,13 @@ struct Resharder::Impl {
     hooks();
   }
 
-  // Queues the local ops' conversions on `stream`.
-  void convert_locals(const TensorMap& src, const TensorMap& dst, void* stream, bool replay) {
-    if (prepared.locals.empty()) return;
-    convert_or_replay(prepared.locals_converted, replay, stream, [&] {
-      for (const LocalSide& local : prepared.locals) {
+  // Queues the phase's local ops' conversions on `stream`.
+  void convert_locals(Phase& phase, const TensorMap& src, const TensorMap& dst, void* stream,
+                      bool replay) {
+    if (phase.locals.empty()) return;
+    convert_or_replay(phase.locals_converted, replay, stream, [&] {
+      for (std::size_t index : phase.locals) {
+        const LocalSide& local = prepared.locals[index];
         const std::string& name = local.from.param.name;
         transform->convert_local(local.from, src.at(name), local.to, dst.at(name), stream);
       }
@@ -728,12 +753,17 @@ struct Resharder::Impl {
     });
   }
 
-  // Runs the copy service's first phase and the local ops' conversions side by side: the transfer
-  // on the high-priority stream where there are conversions on a GPU, on `stream` otherwise.
-  void transfer_and_convert_locals(const TensorMap& src, const TensorMap& dst, void* stream,
-                                   bool replay) {
+  // Runs the copy service's phase `p` and the phase's local ops' conversions side by side: the
+  // transfer on the high-priority stream where there are conversions on a GPU, on `stream`
+  // otherwise.
+  void transfer_and_convert_locals(std::uint32_t p, const TensorMap& src, const TensorMap& dst,
+                                   void* stream, bool replay) {
+    Phase& phase = *prepared.phases[p];
+    // The service has phases up to the last any rank registered a request in: one of only local
+    // conversions (a group of them) may lie past them.
+    if (p >= service.phases()) return convert_locals(phase, src, dst, stream, replay);
 #ifdef RESHARD_WITH_CUDA
-    if (!prepared.locals.empty() && stream != nullptr && prepared.device >= 0) {
+    if (!phase.locals.empty() && stream != nullptr && prepared.device >= 0) {
       if (transfer_stream != nullptr && transfer_stream_device != prepared.device) {
         destroy_transfer_stream();
       }
@@ -744,14 +774,14 @@ struct Resharder::Impl {
         transfer_stream_device = prepared.device;
       }
       execution::cuda::order_after(transfer_stream, stream, transfer_fork);
-      service.run_phase(0, transfer_stream);
-      convert_locals(src, dst, stream, replay);
+      service.run_phase(p, transfer_stream);
+      convert_locals(phase, src, dst, stream, replay);
       execution::cuda::order_after(stream, transfer_stream, transfer_join);
       return;
     }
 #endif
-    service.run_phase(0, stream);
-    convert_locals(src, dst, stream, replay);
+    service.run_phase(p, stream);
+    convert_locals(phase, src, dst, stream, replay);
   }
 
 #ifdef RESHARD_WITH_CUDA
@@ -858,12 +888,14 @@ struct Resharder::Impl {
   // Re-runs a custom transform's hooks of a prepared refit; false when it returned other wire
   // buffers than those scheduled (the refit is then prepared again). A built-in transform's
   // send hooks run phase by phase instead (convert_sends), and its buffers are the pool's.
-  bool rerun_transforms(const TensorMap& src, const TensorMap& dst, void* stream) {
+  // Where `phases` is given, only the sides of the phases it marks.
+  bool rerun_transforms(const TensorMap& src, const TensorMap& dst, void* stream,
+                        const std::vector<bool>* phases = nullptr) {
     if (ranged != nullptr || transform == nullptr) return true;
     for (auto [sides, map, sending] :
          {std::tuple{&prepared.sends, &src, true}, std::tuple{&prepared.receives, &dst, false}}) {
       for (Side& side : *sides) {
-        if (!side.transformed) continue;
+        if (!side.transformed || (phases != nullptr && !(*phases)[side.phase])) continue;
         const LocalTensor& tensor = map->at(plan->params()[side.op->param].name);
         if (!same_wire(transform_wire(side, tensor, sending, stream), side.wire)) return false;
       }
@@ -888,10 +920,12 @@ struct Resharder::Impl {
   // Collective: which phase each op of the plan runs in, the same on every rank. Every rank
   // says what staging each of its ops needs (`sized`: bytes per (sending, op task id)) and which
   // ops share another's conversion (`leaders`); an op and those sharing its conversion form a
-  // unit, placed where its first op is. Units are taken in plan order and a new phase begins
-  // where one more would take some rank past the budget. A unit that alone needs more than a
-  // budget the caller gave is refused, on every rank alike; the default budget grows to it.
-  // Carries each rank's verdict on its own preparation so far (gather_verdicts).
+  // unit, placed where its first op is. Units are taken group by group (param_groups), in plan
+  // order within a group; each group begins a phase, and a new phase begins where one more unit
+  // would take some rank past the budget. A unit that alone needs more than a budget the caller
+  // gave is refused, on every rank alike; the default budget grows to it. Records each group's
+  // first phase in prepared.group_phases. Carries each rank's verdict on its own preparation so
+  // far (gather_verdicts), and refuses groups that differ between ranks.
   std::vector<std::uint32_t> assign_phases(
       const std::map<execution::StagingPool::OpKey, std::size_t>& sized,
       const std::map<std::uint32_t, std::uint32_t>& leaders, const std::exception_ptr& failure) {
@@ -899,6 +933,7 @@ struct Resharder::Impl {
     for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
     message::Writer out;
     out.put<std::uint64_t>(budget);
+    out.put<std::uint64_t>(groups_digest());
     std::vector<std::uint64_t> flat;
     for (const auto& [op, bytes] : mine) flat.insert(flat.end(), {op, bytes});
     out.put_array(std::span<const std::uint64_t>(flat));
@@ -919,6 +954,12 @@ struct Resharder::Impl {
                         " has " + budget_text(budget) + ", rank " + std::to_string(rank) + " " +
                         budget_text(theirs) +
                         " (ReshardOptions::staging_budget / RESHARD_STAGING_BUDGET must agree)");
+      }
+      if (in.get<std::uint64_t>() != groups_digest()) {
+        throw_error(ErrorCode::kInvalidArgument,
+                    "the refit's groups (ReshardOptions::param_groups) differ between rank " +
+                        std::to_string(me) + " and rank " + std::to_string(rank) +
+                        ": every rank must group the plan's parameters alike");
       }
       const auto pairs = in.get_array<std::uint64_t>();
       for (std::size_t i = 0; i + 1 < pairs.size(); i += 2)
@@ -944,10 +985,30 @@ struct Resharder::Impl {
                                             << ": the budget is that slice's need");
       }
     }
+    // Group by group, plan order within each (a unit's ops are of one parameter, so of one
+    // group, and its leader comes first).
+    std::vector<std::uint32_t> order(ops);
+    for (std::uint32_t i = 0; i < ops; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+      return group_of(plan->ops()[a]) < group_of(plan->ops()[b]);
+    });
     std::vector<std::uint32_t> phase_of(ops, 0);
     std::vector<std::uint64_t> used(all.size(), 0);
     std::uint32_t phase = 0;
-    for (std::uint32_t i = 0; i < ops; ++i) {
+    std::vector<std::uint32_t>& group_phases = prepared.group_phases;
+    group_phases.assign(group_count + 1, 0);
+    std::uint32_t group = 0;  // groups before it have their phases
+    bool any = false;         // a unit placed in the current phase
+    for (std::uint32_t i : order) {
+      const std::uint32_t op_group = group_of(plan->ops()[i]);
+      if (op_group != group) {
+        // A new group starts a phase of its own; groups without ops have none.
+        if (any) ++phase;
+        any = false;
+        std::fill(used.begin(), used.end(), 0);
+        for (std::uint32_t g = group + 1; g <= op_group; ++g) group_phases[g] = phase;
+        group = op_group;
+      }
       if (unit[i] != i) {
         phase_of[i] = phase_of[unit[i]];
         continue;
@@ -968,14 +1029,24 @@ struct Resharder::Impl {
         }
         full = full || used[rank] + bytes > limit;
       }
-      if (full) {
+      if (full && any) {
         ++phase;
         std::fill(used.begin(), used.end(), 0);
       }
       for (const auto& [rank, bytes] : unit_needs[i]) used[rank] += bytes;
       phase_of[i] = phase;
+      any = true;
     }
+    for (std::uint32_t g = group + 1; g <= group_count; ++g)
+      group_phases[g] = phase + (any ? 1 : 0);
     return phase_of;
+  }
+
+  // A digest of param_groups, which every rank must give alike (FNV-1a).
+  std::uint64_t groups_digest() const {
+    std::uint64_t digest = 1469598103934665603ull;
+    for (std::uint32_t g : param_groups) digest = (digest ^ g) * 1099511628211ull;
+    return digest;
   }
 
   static std::string budget_text(std::uint64_t bytes) {
@@ -1020,8 +1091,6 @@ struct Resharder::Impl {
       prepared.receives.clear();
       prepared.locals.clear();
       prepared.phases.clear();
-      prepared.locals_converted.clear();
-      prepared.conversions_recorded = false;
       prepared.converted_locally.assign(plan->ops().size(), false);
       prepared.report = ReshardReport{};
       check_names(src, dst, false);
@@ -1063,6 +1132,8 @@ struct Resharder::Impl {
           phase_of.empty() ? 1 : *std::max_element(phase_of.begin(), phase_of.end()) + 1;
       for (std::uint32_t p = 0; p < phases; ++p)
         prepared.phases.push_back(std::make_unique<Phase>());
+      for (std::size_t i = 0; i < prepared.locals.size(); ++i)
+        prepared.phases[phase_of_op(prepared.locals[i].from.op)]->locals.push_back(i);
       for (std::uint32_t p = 0; p < phases; ++p) {
         Phase& phase = *prepared.phases[p];
         for (const auto& [ops, map, is_send] :
@@ -1226,9 +1297,9 @@ struct Resharder::Impl {
       if (vouched) rebuild();
       prepare(src, dst, stream, report);
     }
-    if (vouched && transform != nullptr && !(ranged != nullptr && prepared.conversions_recorded))
+    if (vouched && transform != nullptr && !(ranged != nullptr && prepared.conversions_recorded()))
       rebuild();
-    run_phases(src, dst, stream, cuda_stream, clock, report);
+    run_phases(src, dst, stream, cuda_stream, clock, report, nullptr);
     return report;
   }
 
@@ -1246,14 +1317,30 @@ struct Resharder::Impl {
 
   // The prepared refit again, with `src` and `dst` (the prepared tensors, as a bound Refit holds
   // them), or, where null, the tensors the last execute() prepared with (Resharder::rerun).
+  // Where `groups` is given, only those groups' phases (Refit::run with groups).
   ReshardReport rerun(void* cuda_stream, const TensorMap* bound_src = nullptr,
-                      const TensorMap* bound_dst = nullptr) {
+                      const TensorMap* bound_dst = nullptr,
+                      std::span<const std::uint32_t>* groups = nullptr) {
     if (!still_scheduled()) {
       throw_error(ErrorCode::kInvalidState,
                   "rerun: no refit of this plan is prepared on this copy service (call "
                   "execute_reshard_plan, or the Resharder's execute(), first; clear_requests() "
                   "and another plan's schedule on the service drop it)");
     }
+    std::vector<bool> chosen;  // the phases of `groups`
+    if (groups != nullptr) {
+      chosen.assign(prepared.phases.size(), false);
+      for (std::uint32_t g : *groups) {
+        if (g >= group_count) {
+          throw_error(ErrorCode::kInvalidArgument,
+                      "Refit::run: group " + std::to_string(g) + " of a refit of " +
+                          std::to_string(group_count) + " group(s) (ReshardOptions::param_groups)");
+        }
+        for (std::uint32_t p = prepared.group_phases[g]; p < prepared.group_phases[g + 1]; ++p)
+          chosen[p] = true;
+      }
+    }
+    const std::vector<bool>* phases = groups != nullptr ? &chosen : nullptr;
     ReshardReport report;
     void* stream = stream_on(prepared.device, cuda_stream);
     PhaseClock clock{.enabled = service.options().debug.phase_timing,
@@ -1265,9 +1352,9 @@ struct Resharder::Impl {
     TensorMap rebuilt_src, rebuilt_dst;  // left empty where nothing reads them
     const TensorMap* src = bound_src != nullptr ? bound_src : &rebuilt_src;
     const TensorMap* dst = bound_dst != nullptr ? bound_dst : &rebuilt_dst;
-    if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded)) {
+    if (transform != nullptr && (ranged == nullptr || !prepared.conversions_recorded())) {
       if (bound_src == nullptr) maps_of_prepared(rebuilt_src, rebuilt_dst);
-      if (!rerun_transforms(*src, *dst, stream)) {
+      if (!rerun_transforms(*src, *dst, stream, phases)) {
         throw_error(ErrorCode::kInvalidState,
                     "rerun: transform '" + transform->name() +
                         "' returned other wire buffers than the refit was scheduled with: "
@@ -1275,7 +1362,7 @@ struct Resharder::Impl {
       }
     }
     try {
-      run_phases(*src, *dst, stream, cuda_stream, clock, report);
+      run_phases(*src, *dst, stream, cuda_stream, clock, report, phases);
     } catch (const Error& error) {
       // Ranks agree on nothing before a rerun: one that executes the plan (or stops) while its
       // peers rerun leaves them waiting for it. Say which calls must match.
@@ -1290,29 +1377,29 @@ struct Resharder::Impl {
     return report;
   }
 
-  // The prepared refit's phases on `stream` (the caller's `cuda_stream`, or this executor's own,
-  // then waited for).
+  // The prepared refit's phases (those `chosen` marks, where given) on `stream` (the caller's
+  // `cuda_stream`, or this executor's own, then waited for).
   void run_phases(const TensorMap& src, const TensorMap& dst, void* stream,
-                  [[maybe_unused]] void* cuda_stream, PhaseClock& clock, ReshardReport& report) {
-    // A built-in transform's conversions: recorded by the first refit of a preparation, replayed
-    // by the next ones.
-    const bool replay = ranged != nullptr && prepared.conversions_recorded;
+                  [[maybe_unused]] void* cuda_stream, PhaseClock& clock, ReshardReport& report,
+                  const std::vector<bool>* chosen) {
+    bool replayed = ranged != nullptr;
     // Phase by phase, in stream order: the next phase's conversions reuse the staging of this
     // one, and the copy service lets a phase write a peer's memory only once the peer finished
     // the phases before it.
-    for (std::size_t p = 0; p < prepared.phases.size(); ++p) {
+    for (std::uint32_t p = 0; p < prepared.phases.size(); ++p) {
+      if (chosen != nullptr && !(*chosen)[p]) continue;
       Phase& phase = *prepared.phases[p];
+      // A built-in transform's conversions: recorded by the first run of the phase since the
+      // preparation, replayed by the next ones.
+      const bool replay = ranged != nullptr && phase.recorded;
+      replayed = replayed && replay;
       convert_or_replay(phase.sends_converted, replay, stream, [&] {
         if (ranged != nullptr) convert_sends(phase, src, stream);
         if (transform) transform->flush(stream);  // the send hooks' conversions
       });
       phase.packs.run(stream);
       clock.mark(report.prepare_seconds);
-      if (p == 0) {
-        transfer_and_convert_locals(src, dst, stream, replay);
-      } else {
-        service.run_phase(static_cast<std::uint32_t>(p), stream);
-      }
+      transfer_and_convert_locals(p, src, dst, stream, replay);
       clock.mark(report.transfer_seconds);
       phase.unpacks.run(stream);
       convert_or_replay(phase.receives_finalized, replay, stream, [&] {
@@ -1320,9 +1407,9 @@ struct Resharder::Impl {
         if (transform) transform->flush(stream);
       });
       clock.mark(report.finalize_seconds);
+      phase.recorded = ranged != nullptr;
     }
-    prepared.conversions_recorded = ranged != nullptr;
-    report.conversions_replayed = replay;
+    report.conversions_replayed = replayed;
 #ifdef RESHARD_WITH_CUDA
     if (cuda_stream == nullptr && stream != nullptr) execution::cuda::synchronize_stream(stream);
 #endif
@@ -1343,7 +1430,8 @@ Resharder::Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& servi
 bool Resharder::same_options(const ReshardOptions& options) const {
   return Impl::requested_budget(options) == impl_->requested &&
          options.quantize_colocated_on_sender == impl_->colocated_on_sender &&
-         options.allow_unknown_names == impl_->allow_unknown_names;
+         options.allow_unknown_names == impl_->allow_unknown_names &&
+         options.param_groups == impl_->param_groups;
 }
 
 Resharder::~Resharder() = default;
@@ -1504,6 +1592,14 @@ ReshardReport Refit::run(void* cuda_stream) {
   return impl_->executor.rerun(cuda_stream, &impl_->src, &impl_->dst);
 }
 
+ReshardReport Refit::run(std::span<const std::uint32_t> groups, void* cuda_stream) {
+  if (const std::string why = impl_->unusable(); !why.empty())
+    throw_error(ErrorCode::kInvalidState, why);
+  return impl_->executor.rerun(cuda_stream, &impl_->src, &impl_->dst, &groups);
+}
+
+std::uint32_t Refit::groups() const { return impl_->executor.group_count; }
+
 ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
   Impl& self = *impl_;
   std::exception_ptr failure;
@@ -1561,6 +1657,39 @@ ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cu
   report_ = self.executor.prepared.report;
   report_.rescheduled = true;
   return report_;
+}
+
+std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan, std::vector<std::string>* names) {
+  // The name up to and including its first dotted part that is all digits, or empty.
+  auto layer_of = [](std::string_view name) -> std::string_view {
+    std::size_t start = 0;
+    while (start <= name.size()) {
+      const std::size_t end = std::min(name.find('.', start), name.size());
+      const std::string_view part = name.substr(start, end - start);
+      if (!part.empty() &&
+          std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        return name.substr(0, end);
+      start = end + 1;
+    }
+    return {};
+  };
+  std::vector<std::uint32_t> groups(plan.params().size());
+  std::vector<std::string> found;
+  std::unordered_map<std::string_view, std::uint32_t> number;
+  auto group_named = [&](std::string_view name) {
+    auto [it, added] = number.emplace(name, static_cast<std::uint32_t>(found.size()));
+    if (added) found.emplace_back(name);
+    return it->second;
+  };
+  for (std::size_t i = 0; i < plan.params().size(); ++i) {
+    const std::string& name = plan.params()[i].name;
+    const std::string_view layer = layer_of(name);
+    groups[i] = group_named(!layer.empty()                            ? layer
+                            : name.find("embed") != std::string::npos ? "embeddings"
+                                                                      : "head");
+  }
+  if (names != nullptr) *names = std::move(found);
+  return groups;
 }
 
 const TensorMap& Refit::sources() const { return impl_->src; }

@@ -1246,6 +1246,15 @@ def test_staged_refit(case, n):
     assert result.stdout.count(f": ok {case}") == survivors, result.stdout
 
 
+# ---- parts of a bound refit: groups run on their own ----
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_refit_groups_run_alone_write_only_their_parameters(n):
+    result = launch(n, WORKERS / "refit_groups_worker.py", 10 + n, timeout=240)
+    assert_ok(result)
+    assert result.stdout.count(": ok") == n, result.stdout
+
+
 # ---- PyTorch DTensor state dicts (reshard.torch), gloo ----
 
 NO_TORCH = "needs PyTorch"
@@ -1345,6 +1354,14 @@ def has_cupy_gpus(n) -> bool:
         return cupy.cuda.runtime.getDeviceCount() >= n
     except Exception:
         return False
+
+
+@pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)
+@pytest.mark.parametrize("n", [2, 4])
+def test_gpu_refit_groups_run_alone_write_only_their_parameters(n):
+    result = launch(n, WORKERS / "refit_groups_worker.py", 20 + n, "cuda", timeout=300)
+    assert_ok(result)
+    assert result.stdout.count(": ok") == n, result.stdout
 
 
 @pytest.mark.skipif(gpu_count() < 1, reason=ONE_GPU)

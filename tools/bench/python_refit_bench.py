@@ -61,6 +61,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--staged", action="store_true",
                         help="also a staged refit: stage(), commit() and both, timed apart")
+    parser.add_argument("--groups", action="store_true",
+                        help="also the refit bound with groups='layers': a whole run, and a "
+                             "loop running one group at a time")
     parser.add_argument("--json")
     parser.add_argument("--commit", help="source revision recorded in the JSON line")
     args = parser.parse_args()
@@ -161,6 +164,27 @@ def main():
                   "bytes": staged_refit.staged_bytes}
         staged_refit.close()
 
+    # One group per layer (after the checks above, as the staged refit).
+    grouped = None
+    if args.groups:
+        refit.close()
+        grouped_refit = reshard.bind(plan, src, dst, svc, groups="layers")
+        names = grouped_refit.groups
+        per_group = {name: [] for name in names}
+
+        def loop():
+            for name in names:
+                start = time.perf_counter()
+                grouped_refit.run(groups=name)
+                per_group[name].append(time.perf_counter() - start)
+
+        whole_s, _ = time_each(grouped_refit.run)
+        loop_s, _ = time_each(loop)
+        wrong += wrong_after(loop)
+        grouped = {"whole": whole_s, "loop": loop_s, "groups": len(names),
+                   "per_group": {name: statistics.median(t) for name, t in per_group.items()}}
+        grouped_refit.close()
+
     if me == 0:
         print(f"python refit: {spec.name} ({args.layers} layers), {src_par} -> {dst_par} on {n} "
               f"PEs, transport {svc.transport}, torch {torch.__version__} on {args.device}")
@@ -176,6 +200,11 @@ def main():
                   f"{staged['commit'] * 1e3:.3f} ms = {staged['commit'] / bound:.2f}x the run, "
                   f"stage+commit {staged['both'] * 1e3:.3f} ms = {staged['both'] / bound:.2f}x; "
                   f"{staged['bytes'] / 2**20:.0f} MiB staged on PE 0")
+        if grouped is not None:
+            print(f"  groups='layers' ({grouped['groups']} groups): a whole run "
+                  f"{grouped['whole'] * 1e3:.3f} ms = {grouped['whole'] / bound:.2f}x the "
+                  f"ungrouped run; a group at a time {grouped['loop'] * 1e3:.3f} ms = "
+                  f"{grouped['loop'] / bound:.2f}x")
         print(f"  wrong elements in {len(sample)} sampled destinations (slowest PE): {wrong}")
         if args.json:
             commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
@@ -193,6 +222,11 @@ def main():
                                "staged_commit_median_s": staged["commit"],
                                "staged_both_median_s": staged["both"],
                                "staged_bytes_pe0": staged["bytes"]})
+            if grouped is not None:
+                record.update({"groups": grouped["groups"],
+                               "grouped_whole_median_s": grouped["whole"],
+                               "grouped_loop_median_s": grouped["loop"],
+                               "grouped_per_group_median_s": grouped["per_group"]})
             with open(args.json, "a") as out:
                 out.write(json.dumps(record) + "\n")
     svc.finalize()

@@ -1,0 +1,180 @@
+"""One rank of a job that binds refits with groups and runs them a part at a time, checking every
+destination element: after a run of some groups, exactly their parameters hold the source's
+values and every other destination still holds what it held (a sentinel), bitwise; a loop over
+all groups writes what a whole run writes. Random layouts from a seed; with a cast transform
+(conversions recorded per phase, groups of local conversions only) and a staging budget. Then the refusals: an unknown group, groups on a refit bound without them, groups that
+differ between ranks (the same error on every rank). Prints "rank R: ok" at the end.
+
+    refit_groups_worker.py SEED [host|cuda]
+"""
+
+import random
+import sys
+
+import numpy as np
+
+import reshard
+
+SENTINEL = 0x7E57
+
+
+def main():
+    seed = int(sys.argv[1])
+    transport = sys.argv[2] if len(sys.argv) > 2 else "host"
+    svc = reshard.CopyService(transport).init("WARN")
+    me, n = svc.my_pe, svc.n_pes
+    rng = random.Random(seed)
+    if transport == "cuda":
+        import torch
+        torch.cuda.set_device(svc.device)
+
+    def layouts():
+        options = [reshard.Parallelism(tp=n), reshard.Parallelism(dp=n),
+                   reshard.Parallelism(replicas=n)]
+        if n % 2 == 0:
+            options += [reshard.Parallelism(tp=n // 2, replicas=2),
+                        reshard.Parallelism(tp=2, dp=n // 2)]
+        return rng.choice(options), rng.choice(options)
+
+    def array(values):
+        """Host memory, or a PyTorch CUDA tensor of the same bits on the CUDA transport."""
+        if transport != "cuda":
+            return values
+        import torch
+        if values.dtype == np.uint16:
+            values = values.view(np.int16)
+        return torch.from_numpy(values).cuda()
+
+    def host(tensor):
+        return tensor if isinstance(tensor, np.ndarray) else tensor.cpu().numpy()
+
+    cases = [("plain", None, None), ("cast", None, "float32"),
+             ("cast in phases", "256KiB", "float32")]
+    for case, budget, cast in cases:
+        model = reshard.toy_model(rng.randint(2, 4), 64)
+        src_par, dst_par = layouts()
+        plan = reshard.make_reshard_plan(reshard.build_layout(model, src_par),
+                                         reshard.build_layout(model, dst_par))
+
+        def whole(p, step):
+            return ((np.arange(np.prod(p.shape), dtype=np.uint32) * 2654435761 >> 9) + step * 31
+                    + len(p.name)).astype(np.uint16).reshape(p.shape) & 0x3FFF
+
+        def fill(layout, p, step):
+            local = np.zeros(layout.local_shape(me, p.name), np.uint16)
+            for offset, extent, local_at in layout.pieces(me, p.name):
+                local[tuple(slice(o, o + e) for o, e in zip(local_at, extent))] = \
+                    whole(p, step)[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
+            return local
+
+        src, dst = {}, {}
+        for p in plan.params:
+            if plan.src_layout.local_shape(me, p.name) is not None:
+                src[p.name] = reshard.LocalTensor(array(fill(plan.src_layout, p, 1)),
+                                                  dtype="bfloat16")
+            shape = plan.dst_layout.local_shape(me, p.name)
+            if shape is not None:
+                if cast:  # bf16 bits into float32 destinations
+                    dst[p.name] = array(np.zeros(shape, np.float32))
+                else:
+                    dst[p.name] = reshard.LocalTensor(array(np.zeros(shape, np.uint16)),
+                                                      dtype="bfloat16")
+
+        def dst_bits(name):
+            value = dst[name]
+            data = value.data if isinstance(value, reshard.LocalTensor) else value
+            if cast:
+                return (host(data).view(np.uint32) >> 16).astype(np.uint16)
+            return host(data).view(np.uint16)
+
+        def set_sentinel():
+            for value in dst.values():
+                data = value.data if isinstance(value, reshard.LocalTensor) else value
+                if cast:
+                    data[...] = float(np.array([SENTINEL << 16], np.uint32).view(np.float32)[0])
+                else:
+                    data[...] = SENTINEL
+
+        transform = reshard.make_cast_transform("float32") if cast else None
+        refit = reshard.bind(plan, src, dst, svc, transform, staging_budget=budget,
+                             groups="layers")
+        groups = refit.groups
+        names = {p.name: p for p in plan.params}
+        group_of = dict(zip([p.name for p in plan.params],
+                            [groups[g] for g in reshard._core.layer_groups(plan)[0]]))
+        assert len(groups) == len(set(group_of.values())), (groups, group_of)
+
+        def check(done, what):
+            for name in dst:
+                got = dst_bits(name)
+                if group_of[name] in done:
+                    want = fill(plan.dst_layout, names[name], 1)
+                else:
+                    want = np.full(got.shape, SENTINEL, np.uint16)
+                assert np.array_equal(got, want), \
+                    f"rank {me}, {case} ({src_par} -> {dst_par}), {what}: '{name}' differs"
+
+        # Each group alone, in a random order; then random sets at once (patterns included).
+        for group in rng.sample(groups, len(groups)):
+            set_sentinel()
+            refit.run(groups=[group])
+            check({group}, f"a run of group {group} alone")
+        for _ in range(3):
+            chosen = set(rng.sample(groups, rng.randint(1, len(groups))))
+            set_sentinel()
+            refit.run(groups=sorted(chosen))
+            check(chosen, f"a run of groups {sorted(chosen)}")
+        set_sentinel()
+        refit.run(groups="layers.*")
+        check({g for g in groups if g.startswith("layers.")}, "a run of the pattern layers.*")
+        # A layer-at-a-time loop writes what a whole run writes.
+        set_sentinel()
+        for group in groups:
+            refit.run(groups=group)
+        check(set(groups), "a loop over every group")
+        set_sentinel()
+        refit.run()
+        check(set(groups), "a whole run")
+        assert refit.report.phases >= len(groups), (refit.report.phases, groups)
+
+        try:
+            refit.run(groups=["no.such.group"])
+            raise AssertionError("an unknown group was accepted")
+        except ValueError as error:
+            assert "'no.such.group' names no group" in str(error), error
+        refit.close()
+
+    # Without groups: run(groups=) is refused, saying how to bind them.
+    refit = reshard.bind(plan, src, dst, svc, transform)
+    try:
+        refit.run(groups=["layers.0"])
+        raise AssertionError("groups on a refit bound without them were accepted")
+    except ValueError as error:
+        assert "bound without groups" in str(error), error
+    refit.close()
+
+    # Ranks that group differently: refused on every rank alike, before anything is scheduled.
+    try:
+        reshard.bind(plan, src, dst, svc, transform,
+                     groups="layers" if me else (lambda name: "one"))
+        raise AssertionError("different groups on different ranks were accepted")
+    except reshard.ReshardError as error:
+        assert "groups (ReshardOptions::param_groups) differ between rank" in str(error), error
+    # The service stays usable: a corrected bind works.
+    refit = reshard.bind(plan, src, dst, svc, transform, groups=lambda name: name)
+    assert refit.groups == [p.name for p in plan.params]
+    set_sentinel()
+    refit.run(groups=[plan.params[-1].name])
+    check_names = {plan.params[-1].name}
+    for name in dst:
+        got = dst_bits(name)
+        want = (fill(plan.dst_layout, names[name], 1) if name in check_names else
+                np.full(got.shape, SENTINEL, np.uint16))
+        assert np.array_equal(got, want), f"rank {me}, one parameter's group: '{name}' differs"
+    refit.close()
+    svc.finalize()
+    print(f"rank {me}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
