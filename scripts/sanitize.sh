@@ -13,7 +13,7 @@ cmake -S . -B build-asan "${common[@]}" -DRESHARD_SANITIZE=address,undefined >/d
 cmake --build build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900 -LE gpu
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900 -LE "gpu|soak"
 
 cmake -S . -B build-tsan "${common[@]}" -DRESHARD_SANITIZE=thread >/dev/null
 cmake --build build-tsan

@@ -1,6 +1,6 @@
 // The reshard command line: `reshard bench` (the copy benchmark; launches its own processes when
 // started outside a launcher; `reshard bench plot` draws results), `bench-gpu`, `bench-refit`,
-// `bench-plan` and `bench-scheduler`.
+// `bench-soak`, `bench-plan` and `bench-scheduler`.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -136,6 +136,45 @@ int main(int argc, char** argv) {
   refit_cmd->add_option("-n,--np", nprocs, "processes when not under a launcher");
   refit_cmd->add_option("--json", refit.json_path, "append the result as a JSON line");
   refit_cmd->add_option("--commit", refit.commit, "source revision recorded in the JSON line");
+
+  reshard::bench::SoakBenchOptions soak;
+  std::string soak_transport = "auto";
+  auto* soak_cmd = app.add_subcommand(
+      "bench-soak",
+      "Run one bound model refit many times: time, host and device memory per window, checked");
+  soak_cmd
+      ->add_option("-m,--model", soak.refit.model,
+                   "llama3-8b, qwen3-30b-a3b or toy (Llama-shaped, hidden size 512)")
+      ->check(CLI::IsMember({"llama3-8b", "qwen3-30b-a3b", "toy"}));
+  soak_cmd
+      ->add_option("--layers", soak.refit.layers,
+                   "layers (default: Llama-3-8B 16, Qwen3-30B-A3B 48, toy 4)")
+      ->check(CLI::Range(0, 1000));
+  soak_cmd
+      ->add_option("--transform", soak.refit.transform,
+                   "none, mxfp8, mxfp8-receiver, fp8-block or fp8-block-receiver")
+      ->check(
+          CLI::IsMember({"none", "mxfp8", "mxfp8-receiver", "fp8-block", "fp8-block-receiver"}));
+  soak_cmd->add_option("-t,--transport", soak_transport, "auto, host, cuda, nvshmem or nccl");
+  soak_cmd->add_option("--staging-budget", soak.refit.staging_budget,
+                       "most staging memory per PE (default RESHARD_STAGING_BUDGET, else 512MiB)");
+  soak_cmd->add_option("-r,--refits", soak.refits, "timed refits")->check(CLI::Range(1, 10000000));
+  soak_cmd->add_option("-w,--window", soak.window, "refits per window (median, memory)")
+      ->check(CLI::Range(1, 1000000));
+  soak_cmd->add_option("--warmup", soak.warmup, "untimed refits first")
+      ->check(CLI::Range(0, 100000));
+  soak_cmd
+      ->add_option("--verify-every", soak.verify_every,
+                   "one more refit into cleared destinations, checked, every so many (0: never)")
+      ->check(CLI::Range(0, 10000000));
+  soak_cmd
+      ->add_option("--max-slowdown", soak.max_slowdown,
+                   "the last window's median over the first's that still passes")
+      ->check(CLI::Range(1.0, 100.0));
+  soak_cmd->add_option("-n,--np", nprocs, "processes when not under a launcher");
+  soak_cmd->add_option("--json", soak.refit.json_path,
+                       "append each window and the verdict as JSON lines");
+  soak_cmd->add_option("--commit", soak.refit.commit, "source revision recorded in the JSON lines");
 
   reshard::bench::PlanBenchOptions plan;
   auto* plan_cmd = app.add_subcommand(
@@ -307,6 +346,11 @@ int main(int argc, char** argv) {
     if (*refit_cmd) {
       refit.transport = reshard::parse_transport_kind(refit_transport);
       wrong = reshard::bench::run_refit_bench(bootstrap, refit);
+    } else if (*soak_cmd) {
+      soak.refit.transport = reshard::parse_transport_kind(soak_transport);
+      const int failed = reshard::bench::run_soak_bench(bootstrap, soak);
+      if (failed != 0) std::fprintf(stderr, "reshard bench-soak: %d check(s) failed\n", failed);
+      return failed != 0 ? 1 : 0;
     } else if (*gpu_cmd) {
 #ifdef RESHARD_WITH_CUDA
       wrong = reshard::bench::run_gpu_bench(bootstrap, gpu);

@@ -70,6 +70,9 @@ struct ReshardOptions {
 // plan first names them; `names`, where given, receives each group's name.
 std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan,
                                         std::vector<std::string>* names = nullptr);
+// The same rule over parameter names (one group number per name).
+std::vector<std::uint32_t> layer_groups(std::span<const std::string> params,
+                                        std::vector<std::string>* names = nullptr);
 
 struct ReshardReport {
   // This call registered and scheduled: the first call, or new buffers on any rank (the ranks

@@ -54,19 +54,33 @@ class OnCurrentStream:
         return current.cuda_stream, current
 
 
-GroupsSpec = Union[None, str, Mapping[str, Sequence[str]], Callable[[str], str]]
+class GroupNumbers(tuple):
+    """Groups already resolved: (the group number of each of the plan's parameters, the groups'
+    names), as :func:`name_groups` returns them."""
+
+    def __new__(cls, numbers: Sequence[int], names: Sequence[str]):
+        return super().__new__(cls, (list(numbers), list(names)))
+
+
+GroupsSpec = Union[None, str, Mapping[str, Sequence[str]], Callable[[str], str], GroupNumbers]
 
 
 def plan_groups(plan: "_core.ReshardPlan", groups: GroupsSpec) -> tuple:
-    """(the group number of each of the plan's parameters, the groups' names) for ``bind``'s
-    ``groups``: ``"layers"`` (one group per layer, ``"layers.7"``, plus ``"embeddings"`` for
+    """:func:`name_groups` of the plan's parameter names."""
+    return name_groups([p.name for p in plan.params], groups)
+
+
+def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
+    """(the group number of each name, the groups' names) for ``bind``'s ``groups``:
+    ``"layers"`` (one group per layer, ``"layers.7"``, plus ``"embeddings"`` for
     names containing ``embed`` and ``"head"`` for the other names without a layer number), a
     mapping of group names to parameter names or ``fnmatch`` patterns (in its order; a parameter
     matched by none joins a last group ``"rest"``, one matched by two groups is refused), or a
     function from a parameter's name to its group's name (groups in the plan's order)."""
-    names = [p.name for p in plan.params]
+    if isinstance(groups, GroupNumbers):
+        return groups
     if groups == "layers":
-        numbers, group_names = _core.layer_groups(plan)
+        numbers, group_names = _core.layer_groups(list(names))
         return list(numbers), list(group_names)
     if isinstance(groups, str):
         raise ValueError(f"groups={groups!r}: give 'layers', a mapping of group names to "

@@ -983,12 +983,13 @@ void bind_execution(nb::module_& m) {
       "staging_budget"_a = nb::none(), "quantize_colocated_on_sender"_a = true, "strict"_a = true);
   m.def(
       "layer_groups",
-      [](const ReshardPlan& plan) {
+      [](const std::vector<std::string>& params) {
         std::vector<std::string> names;
-        std::vector<std::uint32_t> groups = layer_groups(plan, &names);
+        std::vector<std::uint32_t> groups =
+            layer_groups(std::span<const std::string>(params), &names);
         return std::make_pair(std::move(groups), std::move(names));
       },
-      "plan"_a);
+      "params"_a);
   nb::class_<Refit>(m, "Refit")
       .def(
           "__init__",

@@ -1660,6 +1660,13 @@ ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cu
 }
 
 std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan, std::vector<std::string>* names) {
+  std::vector<std::string> params;
+  for (const ParamSpec& param : plan.params()) params.push_back(param.name);
+  return layer_groups(std::span<const std::string>(params), names);
+}
+
+std::vector<std::uint32_t> layer_groups(std::span<const std::string> params,
+                                        std::vector<std::string>* names) {
   // The name up to and including its first dotted part that is all digits, or empty.
   auto layer_of = [](std::string_view name) -> std::string_view {
     std::size_t start = 0;
@@ -1673,7 +1680,7 @@ std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan, std::vector<std
     }
     return {};
   };
-  std::vector<std::uint32_t> groups(plan.params().size());
+  std::vector<std::uint32_t> groups(params.size());
   std::vector<std::string> found;
   std::unordered_map<std::string_view, std::uint32_t> number;
   auto group_named = [&](std::string_view name) {
@@ -1681,8 +1688,8 @@ std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan, std::vector<std
     if (added) found.emplace_back(name);
     return it->second;
   };
-  for (std::size_t i = 0; i < plan.params().size(); ++i) {
-    const std::string& name = plan.params()[i].name;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params[i];
     const std::string_view layer = layer_of(name);
     groups[i] = group_named(!layer.empty()                            ? layer
                             : name.find("embed") != std::string::npos ? "embeddings"

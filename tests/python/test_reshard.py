@@ -1269,6 +1269,7 @@ NO_TORCH = "needs PyTorch"
     ("fsdp_tp", 4, 0),                       # FSDP2 over TP (_StridedShard), MXFP8 destinations
     ("group", 4, 0),                         # in a process group of ranks 1-3
     ("bad_input", 4, 0), ("bad_input", 2, 0),
+    ("groups", 3, 0),                        # bind(groups=) over the destination names
 ])
 def test_torch_state_dicts(case, n, seed):
     result = launch(n, WORKERS / "dtensor_worker.py", case, seed, timeout=300)
@@ -1515,7 +1516,7 @@ def test_gpu_a_transform_written_for_megatron_runs_unchanged():
 
 @pytest.mark.skipif(gpu_count() < 1 or not has_torch(), reason=ONE_GPU)
 @pytest.mark.parametrize("case,n", [("refits", 4), ("refits", 2), ("fsdp", 4), ("fsdp_tp", 4),
-                                    ("same_mesh", 4)])
+                                    ("same_mesh", 4), ("groups", 2)])
 def test_gpu_torch_state_dicts(case, n):
     # CUDA tensors, PEs sharing the GPUs there are; the process group on gloo.
     result = launch(n, WORKERS / "dtensor_worker.py", case, 5, "cuda", timeout=300)

@@ -152,6 +152,28 @@ struct RefitBenchOptions {
 std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                               const RefitBenchOptions& options);
 
+// `reshard bench-soak`: one bound refit of a model run many times, as an RL job refits for
+// hours: per window of refits, the slowest PE's median time, host RSS, device memory in use and
+// /dev/shm in use (the most on any PE); every so many refits, one more into cleared destinations,
+// checked. Passes when the last window's median is within max_slowdown of the first's, memory
+// grew by no more than the noise allowed, and every checked byte is right.
+struct SoakBenchOptions {
+  RefitBenchOptions refit;  // model, layers, transform, transport, staging budget, json, commit
+  int refits = 2000;
+  int window = 100;
+  int warmup = 20;         // refits before the first window
+  int verify_every = 500;  // 0: never
+  double max_slowdown = 1.05;
+  // Growth from the first window to the last allowed as noise: device memory comes in 2 MiB
+  // pages; the host allocator and the Python-free bench keep RSS within a few MiB.
+  std::int64_t max_device_growth = 2 << 20;
+  std::int64_t max_rss_growth = 8 << 20;
+  std::int64_t max_shm_growth = 1 << 20;
+};
+
+// Runs the soak; returns the number of checks that failed (0: time, memory and bytes held).
+int run_soak_bench(std::shared_ptr<Bootstrap> bootstrap, const SoakBenchOptions& options);
+
 struct PlanBenchOptions {
   int layers = 61;
   int experts = 384;

@@ -2,12 +2,16 @@
 // or Qwen3-30B-A3B EP 4 -> EP 2 x expert-TP 2) through the planner and the executor, timed per
 // refit on the slowest PE, against the plan's lower bound. PEs that share a GPU (colocated) are
 // timed beside the hand-written IPC copy loop and the one-process copy of the same bytes.
+#include <sys/statvfs.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <sstream>
 
 #include "bench/bench.hpp"
 #include "core/env.hpp"
@@ -214,6 +218,81 @@ std::pair<Parallelism, Parallelism> layouts_for(const std::string& model, int n)
   return {{.tp = n}, {.tp = n / 2, .replicas = 2}};
 }
 
+// The transform a bench option names ("none": null), applied to parameters whose name holds
+// `only` (all where empty).
+std::shared_ptr<ReshardTransform> bench_transform(const std::string& name,
+                                                  const std::string& only) {
+  if (name == "mxfp8")
+    return make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp, only);
+  if (name == "mxfp8-receiver")
+    return make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp, only);
+  if (name == "fp8-block") return make_fp8_block_transform(QuantizeSide::kSender, only);
+  if (name == "fp8-block-receiver") return make_fp8_block_transform(QuantizeSide::kReceiver, only);
+  return nullptr;
+}
+
+// One PE's tensors of a model refit: its source shards filled with the pattern, its destinations
+// zeroed (FP8 data and scales where the transform writes them), all owned here.
+struct RefitTensors {
+  std::vector<std::unique_ptr<Tensor>> memory;
+  std::vector<Tensor*> destinations;  // every destination buffer (data and scales)
+  TensorMap src, dst;
+
+  RefitTensors(const ReshardPlan& plan, const ReshardTransform* transform, PeId me, bool gpu,
+               Progress& progress) {
+    for (std::uint32_t p = 0; p < plan.params().size(); ++p) {
+      progress.note("filling the tensors: parameter " + std::to_string(p + 1) + " of " +
+                    std::to_string(plan.params().size()));
+      const ParamSpec& param = plan.params()[p];
+      if (const Shard* shard = plan.src_layout().find_shard(me, p)) {
+        auto t = allocate(Box::whole(shard->local_shape).elements() * 2, gpu);
+        upload(*t, source_values(param, *shard));
+        src[param.name] = {t->buffer, DType::kBFloat16, {}};
+        memory.push_back(std::move(t));
+      }
+      if (const Shard* shard = plan.dst_layout().find_shard(me, p)) {
+        const std::size_t elements = Box::whole(shard->local_shape).elements();
+        LocalTensor tensor;
+        if (transform && transform->should_transform(param)) {
+          auto data = allocate(elements, gpu);
+          auto scale =
+              allocate(transform->destination_scale(shard->local_shape).value().bytes(), gpu);
+          tensor = {data->buffer, DType::kFloat8E4M3, scale->buffer};
+          destinations.push_back(data.get());
+          destinations.push_back(scale.get());
+          memory.push_back(std::move(data));
+          memory.push_back(std::move(scale));
+        } else {
+          auto data = allocate(elements * 2, gpu);
+          tensor = {data->buffer, DType::kBFloat16, {}};
+          destinations.push_back(data.get());
+          memory.push_back(std::move(data));
+        }
+        dst[param.name] = tensor;
+      }
+    }
+  }
+
+  void clear_destinations() {
+    for (Tensor* t : destinations) clear(*t);
+  }
+
+  // Wrong bytes in a sample of this PE's bf16 destinations.
+  std::uint64_t sampled_wrong_bytes(const ReshardPlan& plan, PeId me) {
+    std::uint64_t wrong = 0;
+    for (std::uint32_t p = 0; p < plan.params().size(); ++p) {
+      const ParamSpec& param = plan.params()[p];
+      const Shard* shard = plan.dst_layout().find_shard(me, p);
+      if (shard == nullptr || dst[param.name].dtype != DType::kBFloat16) continue;
+      const auto it = std::find_if(memory.begin(), memory.end(), [&](const auto& t) {
+        return t->buffer.data == dst[param.name].data.data;
+      });
+      wrong += verify_sample(param, *shard, download(**it));
+    }
+    return wrong;
+  }
+};
+
 }  // namespace
 
 std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
@@ -229,57 +308,17 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   const auto [from, to] = layouts_for(options.model, n);
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, from), build_layout(model, to)));
-  std::shared_ptr<ReshardTransform> transform;
   const std::string& only = options.transform_only;
-  if (options.transform == "mxfp8") {
-    transform = make_mxfp8_transform(QuantizeSide::kSender, MxScaleRounding::kOcp, only);
-  } else if (options.transform == "mxfp8-receiver") {
-    transform = make_mxfp8_transform(QuantizeSide::kReceiver, MxScaleRounding::kOcp, only);
-  } else if (options.transform == "fp8-block") {
-    transform = make_fp8_block_transform(QuantizeSide::kSender, only);
-  } else if (options.transform == "fp8-block-receiver") {
-    transform = make_fp8_block_transform(QuantizeSide::kReceiver, only);
-  }
+  const std::shared_ptr<ReshardTransform> transform = bench_transform(options.transform, only);
   const std::string transform_name =
       !transform
           ? "none"
           : transform->name() + (only.empty() ? "" : " (parameters matching '" + only + "')");
 
   Progress progress("bench-refit", me == 0);
-  std::vector<std::unique_ptr<Tensor>> memory;
-  std::vector<Tensor*> destinations;
-  TensorMap src, dst;
-  for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-    progress.note("filling the tensors: parameter " + std::to_string(p + 1) + " of " +
-                  std::to_string(plan->params().size()));
-    const ParamSpec& param = plan->params()[p];
-    if (const Shard* shard = plan->src_layout().find_shard(me, p)) {
-      auto t = allocate(Box::whole(shard->local_shape).elements() * 2, gpu);
-      upload(*t, source_values(param, *shard));
-      src[param.name] = {t->buffer, DType::kBFloat16, {}};
-      memory.push_back(std::move(t));
-    }
-    if (const Shard* shard = plan->dst_layout().find_shard(me, p)) {
-      const std::size_t elements = Box::whole(shard->local_shape).elements();
-      LocalTensor tensor;
-      if (transform && transform->should_transform(param)) {
-        auto data = allocate(elements, gpu);
-        auto scale =
-            allocate(transform->destination_scale(shard->local_shape).value().bytes(), gpu);
-        tensor = {data->buffer, DType::kFloat8E4M3, scale->buffer};
-        destinations.push_back(data.get());
-        destinations.push_back(scale.get());
-        memory.push_back(std::move(data));
-        memory.push_back(std::move(scale));
-      } else {
-        auto data = allocate(elements * 2, gpu);
-        tensor = {data->buffer, DType::kBFloat16, {}};
-        destinations.push_back(data.get());
-        memory.push_back(std::move(data));
-      }
-      dst[param.name] = tensor;
-    }
-  }
+  RefitTensors tensors(*plan, transform.get(), me, gpu, progress);
+  TensorMap& src = tensors.src;
+  TensorMap& dst = tensors.dst;
 
   ReshardReport report;
   ReshardOptions reshard_options;
@@ -371,17 +410,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
 
   // Wrong bytes in a sample of the BF16 destinations, the most on any PE.
   auto sampled_wrong_bytes = [&] {
-    std::uint64_t wrong = 0;
-    for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
-      const ParamSpec& param = plan->params()[p];
-      const Shard* shard = plan->dst_layout().find_shard(me, p);
-      if (shard == nullptr || dst[param.name].dtype != DType::kBFloat16) continue;
-      const auto it = std::find_if(memory.begin(), memory.end(), [&](const auto& t) {
-        return t->buffer.data == dst[param.name].data.data;
-      });
-      wrong += verify_sample(param, *shard, download(**it));
-    }
-    return max_over_pes(*bootstrap, wrong);
+    return max_over_pes(*bootstrap, tensors.sampled_wrong_bytes(*plan, me));
   };
   const std::uint64_t wrong = sampled_wrong_bytes();
 
@@ -415,7 +444,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                   "--transform");
     }
     IpcCopyLoop loop(*bootstrap, *plan, src, dst);
-    for (Tensor* t : destinations) clear(*t);
+    tensors.clear_destinations();
     baseline_median = time_each([&] { loop.run(); });
     baseline_wrong = sampled_wrong_bytes();
 #else
@@ -429,7 +458,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     CopyService baseline(bootstrap, baseline_options);
     baseline.init(LogLevel::kWarn);
     baseline_name = baseline.transport_name();
-    for (Tensor* t : destinations) clear(*t);
+    tensors.clear_destinations();
     baseline_median = time_refits(baseline);
     baseline.finalize();
     baseline_wrong = sampled_wrong_bytes();
@@ -533,9 +562,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << (transform ? transform->name() : "none") << "\","
            << (transform && !only.empty() ? "\"transform_only\":\"" + only + "\"," : "")
            << "\"median_s\":" << median << ",\"rerun_median_s\":" << rerun_median
-           << ",\"bound_median_s\":" << bound_median
-           << ",\"check_median_s\":" << check_median << ",\"agree_median_s\":" << agree_median
-           << ",\"total_bytes\":" << stats.total_bytes << ",\"local_bytes\":" << stats.local_bytes
+           << ",\"bound_median_s\":" << bound_median << ",\"check_median_s\":" << check_median
+           << ",\"agree_median_s\":" << agree_median << ",\"total_bytes\":" << stats.total_bytes
+           << ",\"local_bytes\":" << stats.local_bytes
            << ",\"locally_converted_bytes_pe0\":" << report.locally_converted_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
@@ -569,6 +598,179 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     }
   }
   return wrong + baseline_wrong;
+}
+
+namespace {
+
+// Memory in use by this process and its GPU, for the soak's windows.
+struct MemoryInUse {
+  std::int64_t rss = 0;     // this process's resident set
+  std::int64_t device = 0;  // this PE's GPU, all processes on it
+  std::int64_t shm = 0;     // /dev/shm, all processes
+
+  static MemoryInUse now([[maybe_unused]] int device) {
+    MemoryInUse used;
+    std::ifstream statm("/proc/self/statm");
+    std::int64_t pages = 0, resident = 0;
+    if (statm >> pages >> resident) used.rss = resident * sysconf(_SC_PAGESIZE);
+    struct statvfs shm{};
+    if (statvfs("/dev/shm", &shm) == 0)
+      used.shm = static_cast<std::int64_t>((shm.f_blocks - shm.f_bfree) * shm.f_frsize);
+#ifdef RESHARD_WITH_CUDA
+    if (device >= 0) {
+      std::size_t free = 0, total = 0;
+      cudaSetDevice(device);
+      if (cudaMemGetInfo(&free, &total) == cudaSuccess)
+        used.device = static_cast<std::int64_t>(total - free);
+    }
+#endif
+    return used;
+  }
+};
+
+}  // namespace
+
+int run_soak_bench(std::shared_ptr<Bootstrap> bootstrap, const SoakBenchOptions& options) {
+  const RefitBenchOptions& refit = options.refit;
+  if (options.refits < options.window || options.window < 1) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "bench-soak: --refits " + std::to_string(options.refits) +
+                    " must hold at least one --window of " + std::to_string(options.window));
+  }
+  CopyService service(bootstrap, bench_service_options(refit.transport));
+  service.init(LogLevel::kWarn);
+  const PeId me = service.my_pe();
+  const int n = service.n_pes();
+  const bool gpu = service.transport_name() != "host";
+  const int device = gpu ? service.device() : -1;
+  // "toy": a Llama-shaped model of hidden size 512, small enough for a CPU soak in CI.
+  const ModelSpec model =
+      refit.model == "qwen3-30b-a3b" ? qwen3_30b_a3b_model(refit.layers > 0 ? refit.layers : 48)
+      : refit.model == "toy"         ? toy_model(refit.layers > 0 ? refit.layers : 4, 512)
+                                     : llama3_8b_model(refit.layers > 0 ? refit.layers : 16);
+  const auto [from, to] = layouts_for(refit.model, n);
+  auto plan = std::make_shared<const ReshardPlan>(
+      make_reshard_plan(build_layout(model, from), build_layout(model, to)));
+  const std::shared_ptr<ReshardTransform> transform =
+      bench_transform(refit.transform, refit.transform_only);
+  Progress progress("bench-soak", me == 0, std::chrono::seconds(10));
+  RefitTensors tensors(*plan, transform.get(), me, gpu, progress);
+  ReshardOptions reshard_options;
+  if (!refit.staging_budget.empty()) {
+    reshard_options.staging_budget = refit.staging_budget == "unlimited"
+                                         ? ReshardOptions::kUnlimited
+                                         : parse_bytes(refit.staging_budget);
+  }
+  Refit bound(plan, tensors.src, tensors.dst, service, transform, reshard_options);
+
+  struct Window {
+    int refits_done = 0;
+    double median_s = 0;
+    MemoryInUse used;
+    std::uint64_t wrong = 0;
+  };
+  std::vector<Window> windows;
+  std::uint64_t wrong = 0;
+  std::vector<double> times;
+  const std::string engine =
+      service.transport_name() == "cuda" ? service.options().cuda.engine : "";
+  std::ofstream json;
+  if (me == 0 && !refit.json_path.empty()) json.open(refit.json_path, std::ios::app);
+  auto record_head = [&] {
+    std::ostringstream out;
+    out << "\"date\":\"" << utc_date() << "\",\"commit\":\"" << refit.commit << "\",\"device\":\""
+        << device_name() << "\",\"versions\":\"" << component_versions() << "\",\"model\":\""
+        << model.name << "\",\"layers\":" << model.layers << ",\"pes\":" << n << ",\"transport\":\""
+        << service.transport_name() << "\",\"engine\":\"" << engine << "\",\"transform\":\""
+        << (transform ? transform->name() : "none") << "\"";
+    return out.str();
+  };
+  if (me == 0) {
+    std::printf(
+        "soak: %s (%d layers), %s -> %s on %d PEs, transport %s%s%s, transform %s: %d "
+        "refits in windows of %d after %d warm-up, checked every %d\n",
+        model.name.c_str(), model.layers, from.str().c_str(), to.str().c_str(), n,
+        service.transport_name().c_str(), engine.empty() ? "" : " engine ", engine.c_str(),
+        transform ? transform->name().c_str() : "none", options.refits, options.window,
+        options.warmup, options.verify_every);
+    std::printf("%8s | %10s | %10s | %12s | %10s | %6s\n", "refits", "median ms", "RSS MiB",
+                "device MiB", "shm MiB", "wrong");
+  }
+  for (int i = 0; i < options.warmup; ++i) bound.run();
+  // One checked refit in the warm-up too: what checking allocates once (host copies of the
+  // destinations) is then in the first window, not growth between windows.
+  auto checked_refit = [&] {
+    bootstrap->barrier();
+    tensors.clear_destinations();
+    bootstrap->barrier();
+    bound.run();
+    return max_over_pes(*bootstrap, tensors.sampled_wrong_bytes(*plan, me));
+  };
+  if (options.verify_every > 0) wrong += checked_refit();
+  for (int i = 1; i <= options.refits; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    bound.run();
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    // One more refit into cleared destinations, untimed, then a sample of them checked.
+    if (options.verify_every > 0 && i % options.verify_every == 0) wrong += checked_refit();
+    if (i % options.window != 0) continue;
+    std::sort(times.begin(), times.end());
+    Window window;
+    window.refits_done = i;
+    window.median_s = max_over_pes(*bootstrap, times[times.size() / 2]);
+    times.clear();
+    const MemoryInUse used = MemoryInUse::now(device);
+    window.used = {max_over_pes(*bootstrap, used.rss), max_over_pes(*bootstrap, used.device),
+                   max_over_pes(*bootstrap, used.shm)};
+    window.wrong = wrong;
+    windows.push_back(window);
+    progress.note("refit " + std::to_string(i) + " of " + std::to_string(options.refits));
+    if (me == 0) {
+      std::printf("%8d | %10.3f | %10.1f | %12.1f | %10.1f | %6llu\n", i, window.median_s * 1e3,
+                  window.used.rss / 1048576.0, window.used.device / 1048576.0,
+                  window.used.shm / 1048576.0, static_cast<unsigned long long>(wrong));
+      if (json.is_open()) {
+        json << "{\"bench\":\"soak_window\"," << record_head() << ",\"refits_done\":" << i
+             << ",\"window\":" << options.window << ",\"median_s\":" << window.median_s
+             << ",\"rss_bytes\":" << window.used.rss
+             << ",\"device_used_bytes\":" << window.used.device
+             << ",\"shm_used_bytes\":" << window.used.shm << ",\"wrong\":" << wrong << "}\n";
+      }
+    }
+  }
+  const Window& first = windows.front();
+  const Window& last = windows.back();
+  const double slowdown = last.median_s / first.median_s;
+  const std::int64_t rss_growth = last.used.rss - first.used.rss;
+  const std::int64_t device_growth = last.used.device - first.used.device;
+  const std::int64_t shm_growth = last.used.shm - first.used.shm;
+  int failed = 0;
+  failed += slowdown > options.max_slowdown;
+  failed += rss_growth > options.max_rss_growth;
+  failed += device_growth > options.max_device_growth;
+  failed += shm_growth > options.max_shm_growth;
+  failed += wrong > 0;
+  if (me == 0) {
+    auto mib = [](std::int64_t bytes) { return bytes / 1048576.0; };
+    std::printf(
+        "last window / first: time %.3fx (at most %.2fx), RSS %+.1f MiB (at most %.1f), "
+        "device %+.1f MiB (at most %.1f), /dev/shm %+.1f MiB (at most %.1f), wrong bytes "
+        "%llu: %s\n",
+        slowdown, options.max_slowdown, mib(rss_growth), mib(options.max_rss_growth),
+        mib(device_growth), mib(options.max_device_growth), mib(shm_growth),
+        mib(options.max_shm_growth), static_cast<unsigned long long>(wrong),
+        failed == 0 ? "held" : "FAILED");
+    if (json.is_open()) {
+      json << "{\"bench\":\"soak\"," << record_head() << ",\"refits\":" << options.refits
+           << ",\"window\":" << options.window << ",\"first_median_s\":" << first.median_s
+           << ",\"last_median_s\":" << last.median_s << ",\"slowdown\":" << slowdown
+           << ",\"rss_growth_bytes\":" << rss_growth << ",\"device_growth_bytes\":" << device_growth
+           << ",\"shm_growth_bytes\":" << shm_growth << ",\"wrong\":" << wrong
+           << ",\"passed\":" << (failed == 0 ? "true" : "false") << "}\n";
+    }
+  }
+  return failed;
 }
 
 }  // namespace reshard::bench

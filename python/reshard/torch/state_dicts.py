@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from .. import _core
 from ..copy_service import CopyService, _refusal
 from ..execution import LocalTensor
-from ..refit import BoundRefit
+from ..refit import BoundRefit, GroupNumbers, name_groups
 from .placements import Placement, describe_placements, holdings, mesh_coordinates, placement_of
 
 SOURCE, DESTINATION = "source", "destination"
@@ -530,7 +530,8 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
          group: Any = None, transport: str = "auto", transform: Any = None,
          stream: Any = None, staging_budget: Optional[Union[int, str]] = None,
          quantize_colocated_on_sender: bool = True, strict: bool = True, staged: bool = False,
-         max_staged_bytes: Optional[Union[int, str]] = None) -> StateDictRefit:
+         max_staged_bytes: Optional[Union[int, str]] = None,
+         groups: Any = None) -> StateDictRefit:
     """Binds a refit from this rank's source state dict to this rank's destination state dict
     (collective over ``group``, default the whole ``torch.distributed`` world: every rank
     calls it, a rank holding one side or neither passing ``None`` or ``{}`` for the other).
@@ -550,6 +551,9 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
     ``transform``, ``stream``, ``staging_budget``, ``quantize_colocated_on_sender``, ``staged``
     and ``max_staged_bytes`` as for :func:`reshard.bind` (``staged=True``: ``refit.stage()``
     while the engine serves, ``refit.commit()`` on each engine rank when it pauses).
+    ``groups`` as for :func:`reshard.bind`, over the destination names (``"layers"``, a mapping
+    of group names to destination names or patterns, or a function of a destination name):
+    ``refit.run(groups=...)`` then moves only those destinations' bytes.
     """
     import torch.distributed as dist
 
@@ -612,8 +616,13 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
     if core.my_pe != me or core.n_pes != world:
         raise _refusal(f"reshard.torch.bind: the service's PE {core.my_pe} of {core.n_pes} is "
                        f"not this rank {me} of the {world} ranks of the process group")
+    if groups is not None:
+        # The groups of the destinations, taken by the plan's names of them.
+        destinations = [agreed.plan_names[p.name][1] for p in plan.params]
+        numbers, group_names = name_groups(destinations, groups)
+        groups = GroupNumbers(numbers, group_names)
     return StateDictRefit(plan, local_src, local_dst, service, owns, agreed.plan_names,
-                          translate, transform=transform, stream=stream,
+                          translate, groups=groups, transform=transform, stream=stream,
                           staging_budget=staging_budget,
                           quantize_colocated_on_sender=quantize_colocated_on_sender,
                           staged=staged, max_staged_bytes=max_staged_bytes)

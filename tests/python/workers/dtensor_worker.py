@@ -248,6 +248,38 @@ def check_same_mesh(me, world, seed):
             assert same_bits(dst["w"].to_local(), want.to_local()), f"rank {me}: cross-mesh"
 
 
+def check_groups(me, world, seed):
+    """bind(groups=...) over the destination names (another name than the source's for the
+    layers): a run of some groups writes exactly those destinations, bitwise as redistribute
+    places them; the others keep their values."""
+    rng = random.Random(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    sources = ["embed.weight"] + [f"model.layers.{i}.w" for i in range(3)] + ["lm_head.weight"]
+    names = {(f"engine.layers.{s.split('.')[2]}.w" if "layers" in s else s): s for s in sources}
+    src, dst, want = {}, {}, {}
+    for destination, source in names.items():
+        g = whole(rng, random_shape(rng, 2), torch.float32).cpu()
+        src[source] = on_device(distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None))
+        placed = distribute_tensor(g, mesh, [Shard(1)], src_data_rank=None)
+        want[destination] = placed.to_local()
+        dst[destination] = on_device(DTensor.from_local(torch.full_like(placed.to_local(), 7.0),
+                                                        mesh, [Shard(1)], run_check=False,
+                                                        shape=placed.shape,
+                                                        stride=placed.stride()))
+    with rt.bind(src, dst, names=names, groups="layers", transport=TRANSPORT) as refit:
+        assert sorted(refit.groups) == ["embeddings", "engine.layers.0", "engine.layers.1",
+                                        "engine.layers.2", "head"], refit.groups
+        refit.run(groups=["engine.layers.1", "head"])
+        for destination, value in dst.items():
+            written = destination in ("engine.layers.1.w", "lm_head.weight")
+            expected = want[destination] if written else torch.full_like(want[destination], 7.0)
+            assert same_bits(value.to_local(), expected), \
+                f"rank {me}: '{destination}' after a run of two groups"
+        refit.run()
+        for destination, value in dst.items():
+            assert same_bits(value.to_local(), want[destination]), f"rank {me}: '{destination}'"
+
+
 class Block(torch.nn.Module):
     """A Llama-shaped block: separate q, k, v, o and gate, up, down projections."""
 
@@ -510,7 +542,7 @@ def main():
     me, world = dist.get_rank(), dist.get_world_size()
     {"holdings": check_holdings, "refits": check_refits, "same_mesh": check_same_mesh,
      "fsdp": check_fsdp, "fsdp_tp": check_fsdp_tp, "group": check_group,
-     "bad_input": check_bad_input}[case](me, world, seed)
+     "bad_input": check_bad_input, "groups": check_groups}[case](me, world, seed)
     dist.barrier()
     print(f"rank {me}: ok {case}")
     dist.destroy_process_group()
