@@ -20,7 +20,8 @@ import reshard
 
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "workers"
-EXAMPLES = HERE.parent.parent / "examples" / "python"
+ROOT = HERE.parent.parent
+EXAMPLES = ROOT / "examples" / "python"
 
 
 def gpu_count() -> int:
@@ -1061,6 +1062,49 @@ def has_megatron() -> bool:
     except Exception:
         return False
     return True
+
+
+MEGATRON_TESTS = ROOT.parent / "shared" / "megatron-tests"
+
+
+def megatron_suite_outcomes(stdout):
+    """{(layout, backend): outcome} from rank 0's report of Megatron's test_model_swap.py."""
+    found = {}
+    for outcome, layout, backend in re.findall(
+            r"\[rank 0\] (PASSED|FAILED|XFAIL|XPASS|SKIPPED|ERROR) \S*test_swap_gpt_parametrized"
+            r"\[([0-9None-]+)-(gloo|reshard|nvshmem|moves-nothing|nccl)\]", stdout):
+        found[(layout, backend)] = outcome
+    return found
+
+
+@pytest.mark.skipif(not has_megatron(), reason="needs megatron-core (and PyTorch)")
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.19.0"])
+def test_megatron_own_model_swap_suite_with_reshard_services(tag):
+    # Megatron-LM's own tests/unit_tests/resharding/test_model_swap.py, unchanged, at the
+    # release tag of the installed megatron-core, on 4 ranks: reshard's ReshardCopyService and
+    # Megatron's NVSHMEMCopyService over reshard's RemoteCopyService must pass every layout
+    # Megatron's Gloo service passes, and a service that moves nothing must fail every one.
+    import megatron.core
+    folder = MEGATRON_TESTS / tag
+    if not folder.is_dir():
+        pytest.skip(f"Megatron's tests at {tag} are not at {MEGATRON_TESTS}")
+    wanted = tag.removeprefix("core_v").rsplit(".", 1)[0]
+    if not megatron.core.__version__.startswith(wanted + "."):
+        pytest.skip(f"megatron-core {megatron.core.__version__} is installed; the tests of {tag} "
+                    f"need {wanted}.x (PyPI here has no other)")
+    result = launch(4, ROOT / "tests" / "megatron" / "run_model_swap.py", folder, timeout=1500,
+                    RESHARD_TIMEOUT_S="60")
+    outcomes = megatron_suite_outcomes(result.stdout)
+    passed = {layout for (layout, backend), o in outcomes.items()
+              if backend == "gloo" and o == "PASSED"}
+    assert len(passed) >= 5, result.stdout[-4000:] + result.stderr[-4000:]
+    for backend in ("reshard", "nvshmem"):
+        mine = {layout for (layout, b), o in outcomes.items() if b == backend and o == "PASSED"}
+        assert mine == passed, (backend, sorted(passed - mine), sorted(mine - passed))
+    controls = {layout: o for (layout, b), o in outcomes.items() if b == "moves-nothing"}
+    assert set(controls) >= passed and all(o in ("XFAIL", "SKIPPED") for o in controls.values()), \
+        controls
+    assert_ok(result)
 
 
 # (source TP, PP, destination TP, PP) on 4 ranks: TP and PP changes, both, either way.
