@@ -154,7 +154,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
 
 // `reshard bench-soak`: one bound refit of a model run many times, as an RL job refits for
 // hours: per window of refits, the slowest PE's median time, host RSS, device memory in use and
-// /dev/shm in use (the most on any PE); every so many refits, one more into cleared destinations,
+// the /dev/shm segments it maps (the most on any PE); every so many refits, one more into cleared destinations,
 // checked. Passes when the last window's median is within max_slowdown of the first's, memory
 // grew by no more than the noise allowed, and every checked byte is right.
 struct SoakBenchOptions {

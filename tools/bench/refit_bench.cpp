@@ -2,7 +2,6 @@
 // or Qwen3-30B-A3B EP 4 -> EP 2 x expert-TP 2) through the planner and the executor, timed per
 // refit on the slowest PE, against the plan's lower bound. PEs that share a GPU (colocated) are
 // timed beside the hand-written IPC copy loop and the one-process copy of the same bytes.
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -606,16 +605,22 @@ namespace {
 struct MemoryInUse {
   std::int64_t rss = 0;     // this process's resident set
   std::int64_t device = 0;  // this PE's GPU, all processes on it
-  std::int64_t shm = 0;     // /dev/shm, all processes
+  std::int64_t shm = 0;     // /dev/shm segments this process maps
 
   static MemoryInUse now([[maybe_unused]] int device) {
     MemoryInUse used;
     std::ifstream statm("/proc/self/statm");
     std::int64_t pages = 0, resident = 0;
     if (statm >> pages >> resident) used.rss = resident * sysconf(_SC_PAGESIZE);
-    struct statvfs shm{};
-    if (statvfs("/dev/shm", &shm) == 0)
-      used.shm = static_cast<std::int64_t>((shm.f_blocks - shm.f_bfree) * shm.f_frsize);
+    // Shared memory this process maps (/dev/shm segments, unlinked ones too): what it would
+    // leak; /dev/shm as a whole holds other jobs' segments.
+    std::ifstream maps("/proc/self/maps");
+    for (std::string line; std::getline(maps, line);) {
+      unsigned long begin = 0, end = 0;
+      if (line.find(" /dev/shm/") != std::string::npos &&
+          std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) == 2)
+        used.shm += static_cast<std::int64_t>(end - begin);
+    }
 #ifdef RESHARD_WITH_CUDA
     if (device >= 0) {
       std::size_t free = 0, total = 0;
