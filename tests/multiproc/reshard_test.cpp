@@ -266,13 +266,15 @@ RankTensors make_tensors(const ReshardPlan& plan, PeId me, int device,
 }
 
 // Compares every element (and scale) this rank's destination holds; returns the mismatches.
+// Where `only` is given, the parameters it marks (by index) alone.
 std::size_t verify(const ReshardPlan& plan, PeId me, RankTensors& t,
-                   const std::map<std::string, Expected>& expected) {
+                   const std::map<std::string, Expected>& expected,
+                   const std::vector<bool>* only = nullptr) {
   std::size_t wrong = 0;
   const Layout& dst = plan.dst_layout();
   for (std::uint32_t p = 0; p < dst.params().size(); ++p) {
     const Shard* shard = dst.find_shard(me, p);
-    if (shard == nullptr) continue;
+    if (shard == nullptr || (only != nullptr && !(*only)[p])) continue;
     const ParamSpec& param = dst.params()[p];
     const Expected& want = expected.at(param.name);
     const std::vector<std::byte> got = t.dst[param.name]->download();
@@ -1207,6 +1209,56 @@ TEST(StagedRefit, StageLeavesTheDestinationsAndCommitWritesWhatARunWrites) {
     } catch (const Error& error) {
       EXPECT_EQ(error.code(), ErrorCode::kInvalidState);
       EXPECT_NE(std::string(error.what()).find("nothing is staged"), std::string::npos);
+    }
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// Bound with a group per layer, a run of one group writes exactly its parameters' destinations
+// (every other byte stays poisoned), with and without a transform; a run of every group one at a
+// time writes what a whole run writes; groups past the refit's are refused.
+TEST(RefitGroups, EachGroupAloneWritesItsParametersAndNothingElse) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  for (const Mode mode : {Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver}) {
+    SCOPED_TRACE(mode_name(mode));
+    const auto plan = dp_to_replicas(n);
+    auto transform = transform_for(mode);
+    const auto expected = expectations(*plan, mode, transform.get());
+    RankTensors tensors = make_tensors(*plan, me, my_device(), expected, transform.get());
+    std::vector<std::string> names;
+    ReshardOptions options;
+    options.param_groups = layer_groups(*plan, &names);
+    Refit refit(plan, tensors.src_map, tensors.dst_map, *service, transform, options);
+    ASSERT_EQ(refit.groups(), names.size());
+    ASSERT_GT(names.size(), 1u);
+    for (std::uint32_t g = 0; g < refit.groups(); ++g) {
+      poison(tensors);
+      const std::uint32_t chosen[] = {g};
+      refit.run(chosen);
+      std::vector<bool> in_group(plan->params().size());
+      for (std::size_t p = 0; p < in_group.size(); ++p) in_group[p] = options.param_groups[p] == g;
+      EXPECT_EQ(verify(*plan, me, tensors, expected, &in_group), 0u) << "group " << names[g];
+      for (std::uint32_t p = 0; p < plan->params().size(); ++p) {
+        const std::string& name = plan->params()[p].name;
+        if (in_group[p] || !tensors.dst.count(name)) continue;
+        const auto bytes = tensors.dst.at(name)->download();
+        EXPECT_EQ(std::count(bytes.begin(), bytes.end(), std::byte{0xee}),
+                  static_cast<std::ptrdiff_t>(bytes.size()))
+            << "'" << name << "' was written by a run of group " << names[g];
+      }
+    }
+    poison(tensors);
+    for (std::uint32_t g = 0; g < refit.groups(); ++g) refit.run(std::span(&g, 1));
+    EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "a group at a time";
+    expect_run_writes_all(refit, *plan, me, tensors, expected, "a whole run of a grouped refit");
+    const std::uint32_t past[] = {refit.groups()};
+    try {
+      refit.run(past);
+      ADD_FAILURE() << "a group past the refit's ran";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
     }
   }
   EXPECT_TRUE(all_pes(!HasFailure()));
