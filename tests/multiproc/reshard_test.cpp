@@ -1109,6 +1109,25 @@ std::shared_ptr<const ReshardPlan> dp_to_replicas(int n) {
   return experts_to_replicas(toy_model(2, 64, 24), n);
 }
 
+// The bound-refit tests' refit in one mode on this rank: dp_to_replicas(n), the mode's transform,
+// the values every destination must hold, and this rank's tensors.
+struct ModeRefit {
+  std::shared_ptr<const ReshardPlan> plan;
+  std::shared_ptr<ReshardTransform> transform;
+  std::map<std::string, Expected> expected;
+  RankTensors tensors;
+};
+
+ModeRefit mode_refit(Mode mode, PeId me, int n) {
+  ModeRefit r{dp_to_replicas(n), transform_for(mode), {}, {}};
+  r.expected = expectations(*r.plan, mode, r.transform.get());
+  r.tensors = make_tensors(*r.plan, me, my_device(), r.expected, r.transform.get());
+  return r;
+}
+
+// Without a transform, a cast, MXFP8 quantized on arrival.
+constexpr Mode kBoundRefitModes[] = {Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver};
+
 void poison(RankTensors& tensors) {
   for (auto& [name, memory] : tensors.dst)
     memory->upload(std::vector<std::byte>(memory->download().size(), std::byte{0xee}));
@@ -1130,12 +1149,10 @@ TEST(BoundRefit, RunsAgainAndUpdatesOneTensor) {
   auto service = make_service();
   const PeId me = service->my_pe();
   const int n = service->n_pes();
-  for (const Mode mode : {Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver}) {
+  for (const Mode mode : kBoundRefitModes) {
     SCOPED_TRACE(mode_name(mode));
-    const auto plan = dp_to_replicas(n);
-    auto transform = transform_for(mode);
-    const auto expected = expectations(*plan, mode, transform.get());
-    RankTensors tensors = make_tensors(*plan, me, my_device(), expected, transform.get());
+    ModeRefit refit_of_mode = mode_refit(mode, me, n);
+    auto& [plan, transform, expected, tensors] = refit_of_mode;
     Refit refit(plan, tensors.src_map, tensors.dst_map, *service, transform);
     EXPECT_TRUE(refit.report().rescheduled);
     for (int run = 0; run < 3; ++run) {
@@ -1176,12 +1193,10 @@ TEST(StagedRefit, StageLeavesTheDestinationsAndCommitWritesWhatARunWrites) {
   auto service = make_service();
   const PeId me = service->my_pe();
   const int n = service->n_pes();
-  for (const Mode mode : {Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver}) {
+  for (const Mode mode : kBoundRefitModes) {
     SCOPED_TRACE(mode_name(mode));
-    const auto plan = dp_to_replicas(n);
-    auto transform = transform_for(mode);
-    const auto expected = expectations(*plan, mode, transform.get());
-    RankTensors tensors = make_tensors(*plan, me, my_device(), expected, transform.get());
+    ModeRefit refit_of_mode = mode_refit(mode, me, n);
+    auto& [plan, transform, expected, tensors] = refit_of_mode;
     StagedRefit refit(plan, tensors.src_map, tensors.dst_map, *service, transform);
     std::uint64_t destination_bytes = 0;
     for (const auto& [name, tensor] : tensors.dst_map)
@@ -1221,12 +1236,10 @@ TEST(RefitGroups, EachGroupAloneWritesItsParametersAndNothingElse) {
   auto service = make_service();
   const PeId me = service->my_pe();
   const int n = service->n_pes();
-  for (const Mode mode : {Mode::kPlain, Mode::kCastFp32, Mode::kMxReceiver}) {
+  for (const Mode mode : kBoundRefitModes) {
     SCOPED_TRACE(mode_name(mode));
-    const auto plan = dp_to_replicas(n);
-    auto transform = transform_for(mode);
-    const auto expected = expectations(*plan, mode, transform.get());
-    RankTensors tensors = make_tensors(*plan, me, my_device(), expected, transform.get());
+    ModeRefit refit_of_mode = mode_refit(mode, me, n);
+    auto& [plan, transform, expected, tensors] = refit_of_mode;
     std::vector<std::string> names;
     ReshardOptions options;
     options.param_groups = layer_groups(*plan, &names);
