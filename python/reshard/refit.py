@@ -65,11 +65,6 @@ class GroupNumbers(tuple):
 GroupsSpec = Union[None, str, Mapping[str, Sequence[str]], Callable[[str], str], GroupNumbers]
 
 
-def plan_groups(plan: "_core.ReshardPlan", groups: GroupsSpec) -> tuple:
-    """:func:`name_groups` of the plan's parameter names."""
-    return name_groups([p.name for p in plan.params], groups)
-
-
 def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
     """(the group number of each name, the groups' names) for ``bind``'s ``groups``:
     ``"layers"`` (one group per layer, ``"layers.7"``, plus ``"embeddings"`` for
@@ -86,8 +81,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
         raise ValueError(f"groups={groups!r}: give 'layers', a mapping of group names to "
                          "parameter names or patterns, or a function of a parameter's name")
     if callable(groups):
-        group_names: List[str] = []
-        number: Dict[str, int] = {}
+        number: Dict[str, int] = {}  # in the order the names first give each group
         numbers = []
         for name in names:
             group = groups(name)
@@ -95,9 +89,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
                 raise TypeError(f"groups({name!r}) returned {group!r}; a group's name (str) "
                                 "is needed")
             numbers.append(number.setdefault(group, len(number)))
-            if len(group_names) < len(number):
-                group_names.append(group)
-        return numbers, group_names
+        return numbers, list(number)
     group_names = list(groups)
     numbers = []
     for name in names:
@@ -150,7 +142,8 @@ class BoundRefit:
                 raise ValueError("max_staged_bytes is for a staged refit (staged=True)")
             numbers: List[int] = []
             if groups is not None:
-                numbers, self._group_names = plan_groups(plan, groups)
+                numbers, self._group_names = name_groups([p.name for p in plan.params],
+                                                         groups)
                 self._group_number = {g: i for i, g in enumerate(self._group_names)}
             self._core = _core.Refit(*arguments, numbers)
         if wait is not None:
