@@ -230,6 +230,27 @@ std::shared_ptr<ReshardTransform> bench_transform(const std::string& name,
   return nullptr;
 }
 
+// The model a bench names, with its --layers or a default: Qwen3-30B-A3B 48, Llama-3-8B
+// `llama_layers`, and "toy", a Llama-shaped model of hidden size 512 small enough for CPUs, 4.
+ModelSpec bench_model(const RefitBenchOptions& options, int llama_layers) {
+  const auto layers = [&](int fallback) { return options.layers > 0 ? options.layers : fallback; };
+  if (options.model == "qwen3-30b-a3b") return qwen3_30b_a3b_model(layers(48));
+  if (options.model == "toy") return toy_model(layers(4), 512);
+  return llama3_8b_model(layers(llama_layers));
+}
+
+// The executor's options a bench gives (staging budget, where colocated slices are quantized).
+ReshardOptions bench_reshard_options(const RefitBenchOptions& options) {
+  ReshardOptions reshard_options;
+  reshard_options.quantize_colocated_on_sender = options.quantize_colocated_on_sender;
+  if (options.staging_budget == "unlimited") {
+    reshard_options.staging_budget = ReshardOptions::kUnlimited;
+  } else if (!options.staging_budget.empty()) {
+    reshard_options.staging_budget = parse_bytes(options.staging_budget);
+  }
+  return reshard_options;
+}
+
 // One PE's tensors of a model refit: its source shards filled with the pattern, its destinations
 // zeroed (FP8 data and scales where the transform writes them), all owned here.
 struct RefitTensors {
@@ -301,9 +322,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   const PeId me = service.my_pe();
   const int n = service.n_pes();
   const bool gpu = service.transport_name() != "host";
-  const ModelSpec model = options.model == "qwen3-30b-a3b"
-                              ? qwen3_30b_a3b_model(options.layers > 0 ? options.layers : 48)
-                              : llama3_8b_model(options.layers > 0 ? options.layers : 32);
+  const ModelSpec model = bench_model(options, 32);
   const auto [from, to] = layouts_for(options.model, n);
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, from), build_layout(model, to)));
@@ -320,13 +339,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   TensorMap& dst = tensors.dst;
 
   ReshardReport report;
-  ReshardOptions reshard_options;
-  reshard_options.quantize_colocated_on_sender = options.quantize_colocated_on_sender;
-  if (options.staging_budget == "unlimited") {
-    reshard_options.staging_budget = ReshardOptions::kUnlimited;
-  } else if (!options.staging_budget.empty()) {
-    reshard_options.staging_budget = parse_bytes(options.staging_budget);
-  }
+  const ReshardOptions reshard_options = bench_reshard_options(options);
   // Median of the slowest PE's time per `refit()`, after the warm-up.
   auto time_each = [&](const auto& refit) {
     std::vector<double> times;
@@ -648,11 +661,7 @@ int run_soak_bench(std::shared_ptr<Bootstrap> bootstrap, const SoakBenchOptions&
   const int n = service.n_pes();
   const bool gpu = service.transport_name() != "host";
   const int device = gpu ? service.device() : -1;
-  // "toy": a Llama-shaped model of hidden size 512, small enough for a CPU soak in CI.
-  const ModelSpec model =
-      refit.model == "qwen3-30b-a3b" ? qwen3_30b_a3b_model(refit.layers > 0 ? refit.layers : 48)
-      : refit.model == "toy"         ? toy_model(refit.layers > 0 ? refit.layers : 4, 512)
-                                     : llama3_8b_model(refit.layers > 0 ? refit.layers : 16);
+  const ModelSpec model = bench_model(refit, 16);
   const auto [from, to] = layouts_for(refit.model, n);
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, from), build_layout(model, to)));
@@ -660,19 +669,11 @@ int run_soak_bench(std::shared_ptr<Bootstrap> bootstrap, const SoakBenchOptions&
       bench_transform(refit.transform, refit.transform_only);
   Progress progress("bench-soak", me == 0, std::chrono::seconds(10));
   RefitTensors tensors(*plan, transform.get(), me, gpu, progress);
-  ReshardOptions reshard_options;
-  if (!refit.staging_budget.empty()) {
-    reshard_options.staging_budget = refit.staging_budget == "unlimited"
-                                         ? ReshardOptions::kUnlimited
-                                         : parse_bytes(refit.staging_budget);
-  }
-  Refit bound(plan, tensors.src, tensors.dst, service, transform, reshard_options);
+  Refit bound(plan, tensors.src, tensors.dst, service, transform, bench_reshard_options(refit));
 
   struct Window {
-    int refits_done = 0;
     double median_s = 0;
     MemoryInUse used;
-    std::uint64_t wrong = 0;
   };
   std::vector<Window> windows;
   std::uint64_t wrong = 0;
@@ -722,13 +723,11 @@ int run_soak_bench(std::shared_ptr<Bootstrap> bootstrap, const SoakBenchOptions&
     if (i % options.window != 0) continue;
     std::sort(times.begin(), times.end());
     Window window;
-    window.refits_done = i;
     window.median_s = max_over_pes(*bootstrap, times[times.size() / 2]);
     times.clear();
     const MemoryInUse used = MemoryInUse::now(device);
     window.used = {max_over_pes(*bootstrap, used.rss), max_over_pes(*bootstrap, used.device),
                    max_over_pes(*bootstrap, used.shm)};
-    window.wrong = wrong;
     windows.push_back(window);
     progress.note("refit " + std::to_string(i) + " of " + std::to_string(options.refits));
     if (me == 0) {
