@@ -19,9 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 base=${1:?usage: scripts/gpu-ab.sh BASE (a commit to compare this checkout with)}
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OUT=${OUT:-build-gpu/logs}
-mkdir -p "$OUT"
+source scripts/gpu-env.sh
 head=$(bash scripts/commit-label.sh)
 base_src="build-gpu/ab-base-src"
 base_env=()

@@ -10,8 +10,7 @@
 # with groups="layers" (a whole run, a group at a time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OUT=${OUT:-build-gpu/logs}
+source scripts/gpu-env.sh
 bash scripts/gpu-build.sh || exit 1
 commit=$(bash scripts/commit-label.sh)
 export PYTHONPATH=$PWD/build-gpu/python

@@ -11,8 +11,7 @@
 # budgets, or sizes such as 1GiB) widen the refits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OUT=${OUT:-build-gpu/logs}
+source scripts/gpu-env.sh
 bash scripts/gpu-build.sh
 commit=$(bash scripts/commit-label.sh)
 gpus=$(nvidia-smi -L | wc -l)

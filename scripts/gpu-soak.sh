@@ -6,9 +6,7 @@
 # RUNS="name:PEs:transport:CUDA engine:model:layers ..." narrows the sweep.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OUT=${OUT:-build-gpu/logs}
-mkdir -p "$OUT"
+source scripts/gpu-env.sh
 bash scripts/gpu-build.sh || exit 1
 commit=$(bash scripts/commit-label.sh)
 status=0

@@ -6,9 +6,7 @@
 # bounds each group (default 280). Logs go to $OUT (default build-gpu/logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OUT=${OUT:-build-gpu/logs}
-mkdir -p "$OUT"
+source scripts/gpu-env.sh
 bash scripts/gpu-build.sh || exit 1
 declare -A pattern=(
   [plans-cuda]='^gpu_reshard_cuda_(2|4)_pes$'

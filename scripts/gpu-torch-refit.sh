@@ -9,9 +9,7 @@
 # "8:4:fsdp 8:4:fsdp_tp 4:2:fsdp" on 4 GPUs (colocated, then trainer and engine on GPUs apart).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OUT=${OUT:-build-gpu/logs}
-mkdir -p "$OUT"
+source scripts/gpu-env.sh
 bash scripts/gpu-build.sh || exit 1
 commit=$(bash scripts/commit-label.sh)
 export PYTHONPATH=$PWD/build-gpu/python

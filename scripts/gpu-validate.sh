@@ -6,9 +6,7 @@
 # $OUT (default build-gpu/logs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# NVLink multicast stays off on shared machines.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OUT=${OUT:-build-gpu/logs}
+source scripts/gpu-env.sh
 bash scripts/gpu-build.sh
 status=0
 ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 \
