@@ -93,6 +93,10 @@ struct ReshardReport {
   // phases the refit ran in (see ReshardOptions::staging_budget).
   std::uint64_t staging_bytes = 0;
   std::uint32_t phases = 1;
+  // The phases alternated between two halves of the budget, each phase's unpacks and conversions
+  // on arrival running on the GPU beside the next phase's transfer (a refit in phases on a GPU
+  // where some rank reads staging after its bytes land, and every slice fits in half the budget).
+  bool pipelined = false;
   // A built-in transform's conversions were queued as the last refit queued them, without calling
   // its hooks again (every refit after the first with the same tensors).
   bool conversions_replayed = false;

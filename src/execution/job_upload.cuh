@@ -42,7 +42,10 @@ struct JobList {
 };
 
 // Host-side job lists reach the device through pinned memory and a copy queued on the stream, so
-// a flush never waits for the GPU; the previous copy must have left the pinned buffer first. The
+// a flush never waits for the GPU: each kept list has a pinned buffer of its own, which its own
+// previous copy (that of the list used longest ago) must have left first; a copy queued on a
+// stream that waits for other work (a pipelined refit's conversions on arrival wait for the
+// bytes) then holds up no upload for other work. The
 // last few lists stay in device memory, each under its own, and a list equal to one of them is
 // not sent again: refits that queue the same jobs (the same tensors) upload nothing, also when a
 // refit runs in phases that each queue lists of their own.
@@ -52,9 +55,9 @@ class JobUpload {
     for (Entry& entry : entries_) {
       if (entry.used != nullptr) cudaEventDestroy(entry.used);
       if (entry.device != nullptr) cudaFree(entry.device);
+      if (entry.uploaded != nullptr) cudaEventDestroy(entry.uploaded);
+      if (entry.pinned != nullptr) cudaFreeHost(entry.pinned);
     }
-    if (done_ != nullptr) cudaEventDestroy(done_);
-    if (pinned_ != nullptr) cudaFreeHost(pinned_);
   }
   const std::byte* upload(const std::vector<std::byte>& bytes, cudaStream_t stream) {
     ++clock_;
@@ -70,13 +73,13 @@ class JobUpload {
       }
     }
     Entry& entry = replaceable();
-    if (done_ == nullptr)
-      RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-    RESHARD_CUDA_CHECK(cudaEventSynchronize(done_));  // the last upload has left pinned_
-    if (bytes.size() > pinned_capacity_) {
-      if (pinned_ != nullptr) RESHARD_CUDA_CHECK(cudaFreeHost(pinned_));
-      pinned_capacity_ = std::max<std::size_t>(bytes.size(), 2 * pinned_capacity_);
-      RESHARD_CUDA_CHECK(cudaMallocHost(&pinned_, pinned_capacity_));
+    if (entry.uploaded == nullptr)
+      RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&entry.uploaded, cudaEventDisableTiming));
+    RESHARD_CUDA_CHECK(cudaEventSynchronize(entry.uploaded));  // its last copy left `pinned`
+    if (bytes.size() > entry.pinned_capacity) {
+      if (entry.pinned != nullptr) RESHARD_CUDA_CHECK(cudaFreeHost(entry.pinned));
+      entry.pinned_capacity = std::max<std::size_t>(bytes.size(), 2 * entry.pinned_capacity);
+      RESHARD_CUDA_CHECK(cudaMallocHost(&entry.pinned, entry.pinned_capacity));
     }
     if (bytes.size() > entry.capacity) {
       // cudaFree waits for the device, so no queued kernel still reads the old list.
@@ -87,10 +90,10 @@ class JobUpload {
       // A kernel queued on another stream may still read the list being replaced.
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, entry.used, 0));
     }
-    std::memcpy(pinned_, bytes.data(), bytes.size());
+    std::memcpy(entry.pinned, bytes.data(), bytes.size());
     RESHARD_CUDA_CHECK(
-        cudaMemcpyAsync(entry.device, pinned_, bytes.size(), cudaMemcpyHostToDevice, stream));
-    RESHARD_CUDA_CHECK(cudaEventRecord(done_, stream));
+        cudaMemcpyAsync(entry.device, entry.pinned, bytes.size(), cudaMemcpyHostToDevice, stream));
+    RESHARD_CUDA_CHECK(cudaEventRecord(entry.uploaded, stream));
     entry.bytes = bytes;
     entry.last_use = clock_;
     current_ = &entry;
@@ -121,6 +124,9 @@ class JobUpload {
     std::vector<std::byte> bytes;  // what `device` holds
     cudaEvent_t used = nullptr;    // after the last kernel queued on it
     std::uint64_t last_use = 0;
+    void* pinned = nullptr;  // where `bytes` are copied from
+    std::size_t pinned_capacity = 0;
+    cudaEvent_t uploaded = nullptr;  // after the last copy from `pinned`
   };
   // A new entry while there are fewer than kKept, else the one used longest ago.
   Entry& replaceable() {
@@ -136,9 +142,6 @@ class JobUpload {
   std::vector<Entry> entries_;
   Entry* current_ = nullptr;
   std::uint64_t clock_ = 0;
-  void* pinned_ = nullptr;
-  std::size_t pinned_capacity_ = 0;
-  cudaEvent_t done_ = nullptr;
 };
 
 // The jobs followed by their first items (the prefix of `items_of`) and then the `uneven` views,

@@ -350,6 +350,9 @@ struct Resharder::Impl {
     std::vector<std::unique_ptr<Phase>> phases;
     // Each group's phases: [group_phases[g], group_phases[g + 1]).
     std::vector<std::uint32_t> group_phases;
+    // The phases alternate between two staging regions (assign_phases): on a GPU, a phase's
+    // unpacks and conversions on arrival run beside the next phase's transfer.
+    bool pipelined = false;
     std::vector<LocalTensor> tensors;
     // The same, flat (TensorIdentity, shapes one after the other), for the per-refit check.
     std::vector<TensorIdentity> identities;
@@ -376,6 +379,9 @@ struct Resharder::Impl {
   void* transfer_stream = nullptr;
   void* transfer_fork = nullptr;
   void* transfer_join = nullptr;
+  // A pipelined refit's (run_pipelined): recorded on the caller's stream once the last phase that
+  // used each staging region has been read.
+  void* region_read[2] = {nullptr, nullptr};
   int transfer_stream_device = -1;
 
   Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s, std::shared_ptr<ReshardTransform> t,
@@ -764,15 +770,7 @@ struct Resharder::Impl {
     if (p >= service.phases()) return convert_locals(phase, src, dst, stream, replay);
 #ifdef RESHARD_WITH_CUDA
     if (!phase.locals.empty() && stream != nullptr && prepared.device >= 0) {
-      if (transfer_stream != nullptr && transfer_stream_device != prepared.device) {
-        destroy_transfer_stream();
-      }
-      if (transfer_stream == nullptr) {
-        transfer_stream = execution::cuda::create_stream(prepared.device, /*high_priority=*/true);
-        transfer_fork = execution::cuda::create_event(prepared.device);
-        transfer_join = execution::cuda::create_event(prepared.device);
-        transfer_stream_device = prepared.device;
-      }
+      use_transfer_stream();
       execution::cuda::order_after(transfer_stream, stream, transfer_fork);
       service.run_phase(p, transfer_stream);
       convert_locals(phase, src, dst, stream, replay);
@@ -785,11 +783,61 @@ struct Resharder::Impl {
   }
 
 #ifdef RESHARD_WITH_CUDA
+  // The high-priority stream and its events, on the tensors' GPU.
+  void use_transfer_stream() {
+    if (transfer_stream != nullptr && transfer_stream_device != prepared.device) {
+      destroy_transfer_stream();
+    }
+    if (transfer_stream != nullptr) return;
+    transfer_stream = execution::cuda::create_stream(prepared.device, /*high_priority=*/true);
+    transfer_fork = execution::cuda::create_event(prepared.device);
+    transfer_join = execution::cuda::create_event(prepared.device);
+    for (void*& event : region_read) event = execution::cuda::create_event(prepared.device);
+    transfer_stream_device = prepared.device;
+  }
+
   void destroy_transfer_stream() {
     execution::cuda::destroy_stream(transfer_stream_device, transfer_stream);
-    execution::cuda::destroy_event(transfer_stream_device, transfer_fork);
-    execution::cuda::destroy_event(transfer_stream_device, transfer_join);
+    for (void* event : {transfer_fork, transfer_join, region_read[0], region_read[1]})
+      execution::cuda::destroy_event(transfer_stream_device, event);
     transfer_stream = nullptr;
+  }
+
+  // A pipelined refit (Prepared::pipelined) of the phases `chosen` marks (all where null): each
+  // phase's send-side conversions, packs and transfer on the high-priority stream, its local
+  // conversions, unpacks and conversions on arrival on `stream`, after its bytes landed; so a
+  // phase's arrivals are read while the next phase's bytes land in the other staging region. A
+  // phase writes a region (its own conversions, and peers, whose copies into this rank's memory
+  // wait until its transfer starts here) only once the last phase that used the region has been
+  // read. `stream` ends after all of it.
+  void run_pipelined(const TensorMap& src, const TensorMap& dst, void* stream,
+                     const std::vector<bool>* chosen, bool& replayed) {
+    use_transfer_stream();
+    execution::cuda::order_after(transfer_stream, stream, transfer_fork);
+    bool region_in_use[2] = {false, false};
+    for (std::uint32_t p = 0; p < prepared.phases.size(); ++p) {
+      if (chosen != nullptr && !(*chosen)[p]) continue;
+      Phase& phase = *prepared.phases[p];
+      const bool replay = ranged != nullptr && phase.recorded;
+      replayed = replayed && replay;
+      if (region_in_use[p % 2]) execution::cuda::wait_event(transfer_stream, region_read[p % 2]);
+      convert_or_replay(phase.sends_converted, replay, transfer_stream, [&] {
+        if (ranged != nullptr) convert_sends(phase, src, transfer_stream);
+        if (transform) transform->flush(transfer_stream);
+      });
+      phase.packs.run(transfer_stream);
+      if (p < service.phases()) service.run_phase(p, transfer_stream);
+      convert_locals(phase, src, dst, stream, replay);
+      execution::cuda::order_after(stream, transfer_stream, transfer_join);
+      phase.unpacks.run(stream);
+      convert_or_replay(phase.receives_finalized, replay, stream, [&] {
+        finalize_receives(phase, dst, stream);
+        if (transform) transform->flush(stream);
+      });
+      execution::cuda::record_event(region_read[p % 2], stream);
+      region_in_use[p % 2] = true;
+      phase.recorded = ranged != nullptr;
+    }
   }
 #endif
 
@@ -930,10 +978,15 @@ struct Resharder::Impl {
       const std::map<execution::StagingPool::OpKey, std::size_t>& sized,
       const std::map<std::uint32_t, std::uint32_t>& leaders, const std::exception_ptr& failure) {
     std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
-    for (const auto& [key, bytes] : sized) mine[op_index.at(key.second)] += bytes;
+    bool reads_arrivals = false;  // on a GPU, staging that bytes land in before being read again
+    for (const auto& [key, bytes] : sized) {
+      mine[op_index.at(key.second)] += bytes;
+      reads_arrivals = reads_arrivals || (!key.first && prepared.device >= 0);
+    }
     message::Writer out;
     out.put<std::uint64_t>(budget);
     out.put<std::uint64_t>(groups_digest());
+    out.put<std::uint8_t>(reads_arrivals ? 1 : 0);
     std::vector<std::uint64_t> flat;
     for (const auto& [op, bytes] : mine) flat.insert(flat.end(), {op, bytes});
     out.put_array(std::span<const std::uint64_t>(flat));
@@ -941,6 +994,7 @@ struct Resharder::Impl {
     for (const auto& [op, leader] : leaders) flat.insert(flat.end(), {op, leader});
     out.put_array(std::span<const std::uint64_t>(flat));
     const auto all = gather_verdicts(out.bytes(), failure);
+    bool any_reads_arrivals = false;
     const std::size_t ops = plan->ops().size();
     std::vector<std::uint32_t> unit(ops);
     for (std::uint32_t i = 0; i < ops; ++i) unit[i] = i;
@@ -961,6 +1015,7 @@ struct Resharder::Impl {
                         std::to_string(me) + " and rank " + std::to_string(rank) +
                         ": every rank must group the plan's parameters alike");
       }
+      any_reads_arrivals = in.get<std::uint8_t>() != 0 || any_reads_arrivals;
       const auto pairs = in.get_array<std::uint64_t>();
       for (std::size_t i = 0; i + 1 < pairs.size(); i += 2)
         needs.at(pairs[i]).emplace_back(static_cast<PeId>(rank), pairs[i + 1]);
@@ -983,6 +1038,31 @@ struct Resharder::Impl {
                                             << " of staging, more than the default budget of "
                                             << format_bytes(budget)
                                             << ": the budget is that slice's need");
+      }
+    }
+    // Where some rank reads staging after its bytes land (unpacks, conversions on arrival, on a
+    // GPU) and the refit runs in phases anyway, the phases alternate between two halves of the
+    // budget: a phase's arrivals are read beside the next phase's transfer instead of after it
+    // (run_pipelined). Only where every unit fits in a half, so no refit that runs within the
+    // budget is refused for it.
+    prepared.pipelined = false;
+    // A custom transform's hooks run on the host at their own pace: not beside a transfer.
+    const bool custom_transform = transform != nullptr && ranged == nullptr;
+    if (any_reads_arrivals && !custom_transform && limit != ReshardOptions::kUnlimited) {
+      std::uint64_t largest_unit = 0;
+      std::map<PeId, std::uint64_t> total;
+      for (const auto& per_rank : unit_needs) {
+        for (const auto& [rank, bytes] : per_rank) {
+          largest_unit = std::max(largest_unit, bytes);
+          total[rank] += bytes;
+        }
+      }
+      const bool in_phases =
+          group_count > 1 || std::any_of(total.begin(), total.end(),
+                                         [&](const auto& entry) { return entry.second > limit; });
+      if (in_phases && largest_unit <= limit / 2) {
+        limit /= 2;
+        prepared.pipelined = true;
       }
     }
     // Group by group, plan order within each (a unit's ops are of one parameter, so of one
@@ -1125,9 +1205,11 @@ struct Resharder::Impl {
     ReshardReport& counts = prepared.report;
     try {
       auto phase_of_op = [&](const TransferOp& op) { return phase_of[&op - plan->ops().data()]; };
-      staging.arrange([&](const execution::StagingPool::OpKey& key) {
-        return phase_of[op_index.at(key.second)];
-      });
+      staging.arrange(
+          [&](const execution::StagingPool::OpKey& key) {
+            return phase_of[op_index.at(key.second)];
+          },
+          prepared.pipelined ? 2 : 1);
       const std::uint32_t phases =
           phase_of.empty() ? 1 : *std::max_element(phase_of.begin(), phase_of.end()) + 1;
       for (std::uint32_t p = 0; p < phases; ++p)
@@ -1383,10 +1465,19 @@ struct Resharder::Impl {
                   [[maybe_unused]] void* cuda_stream, PhaseClock& clock, ReshardReport& report,
                   const std::vector<bool>* chosen) {
     bool replayed = ranged != nullptr;
+#ifdef RESHARD_WITH_CUDA
+    // Phase timing waits for each phase, which a pipeline would not show.
+    const bool pipelined =
+        prepared.pipelined && stream != nullptr && prepared.device >= 0 && !clock.enabled;
+    if (pipelined) run_pipelined(src, dst, stream, chosen, replayed);
+#else
+    const bool pipelined = false;
+#endif
+    report.pipelined = pipelined;
     // Phase by phase, in stream order: the next phase's conversions reuse the staging of this
     // one, and the copy service lets a phase write a peer's memory only once the peer finished
     // the phases before it.
-    for (std::uint32_t p = 0; p < prepared.phases.size(); ++p) {
+    for (std::uint32_t p = 0; !pipelined && p < prepared.phases.size(); ++p) {
       if (chosen != nullptr && !(*chosen)[p]) continue;
       Phase& phase = *prepared.phases[p];
       // A built-in transform's conversions: recorded by the first run of the phase since the

@@ -136,41 +136,55 @@ std::optional<StagingPool::Key> StagingPool::sized_owner(const void* data) const
   return it->second;
 }
 
-std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of) {
+std::size_t StagingPool::arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of,
+                                 std::uint32_t regions) {
   sizing_ = false;
-  // Per place: where each phase has got to, and the largest phase.
+  // Per place: where each phase has got to, the largest phase of each region, and the bytes of
+  // all regions (the arena).
   struct Place {
     Buffer like;
     std::map<std::uint32_t, std::size_t> used;
-    std::size_t largest = 0;
+    std::vector<std::size_t> largest;
+    std::size_t arena_bytes = 0;
   };
   std::vector<Place> places;
   auto place_of = [&](const Buffer& like) -> Place& {
     for (Place& p : places) {
       if (same_place(p.like, like)) return p;
     }
-    return places.emplace_back(Place{like, {}, 0});
+    return places.emplace_back(Place{like, {}, std::vector<std::size_t>(regions, 0), 0});
   };
   std::vector<std::size_t> offsets(sized_.size());
+  std::vector<std::uint32_t> region_of(sized_.size());
   for (std::size_t i = 0; i < sized_.size(); ++i) {
     const auto [sending, task, index] = sized_[i].key;
     Place& place = place_of(sized_[i].like);
-    std::size_t& used = place.used[phase_of({sending, task})];
+    const std::uint32_t phase = phase_of({sending, task});
+    std::size_t& used = place.used[phase];
     offsets[i] = used;
+    region_of[i] = phase % regions;
     used += slot_bytes(sized_[i].bytes);
-    place.largest = std::max(place.largest, used);
+    place.largest[region_of[i]] = std::max(place.largest[region_of[i]], used);
   }
   std::size_t held = 0;
-  for (const Place& place : places) held += place.largest;
+  for (Place& place : places) {
+    for (std::size_t bytes : place.largest) place.arena_bytes += bytes;
+    held += place.arena_bytes;
+  }
+  // Each region starts where the ones before it end.
+  for (std::size_t i = 0; i < sized_.size(); ++i) {
+    const Place& place = place_of(sized_[i].like);
+    for (std::uint32_t r = 0; r < region_of[i]; ++r) offsets[i] += place.largest[r];
+  }
   // Arenas of places this refit stages nothing in go.
   std::erase_if(arenas_, [&](const Staging& memory) {
     return std::none_of(places.begin(), places.end(), [&](const Place& place) {
-      return place.largest > 0 && same_place(place.like, memory.buffer());
+      return place.arena_bytes > 0 && same_place(place.like, memory.buffer());
     });
   });
   for (std::size_t i = 0; i < sized_.size(); ++i) {
     const Sized& s = sized_[i];
-    Staging& memory = arena(s.like, place_of(s.like).largest);
+    Staging& memory = arena(s.like, place_of(s.like).arena_bytes);
     Slot& slot = slots_[s.key];
     slot.buffer = s.like;
     slot.buffer.data = memory.data() + offsets[i];

@@ -277,4 +277,14 @@ void order_after(void* later, void* earlier, void* event) {
   RESHARD_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(later), point, 0));
 }
 
+void record_event(void* event, void* stream) {
+  RESHARD_CUDA_CHECK(
+      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+}
+
+void wait_event(void* stream, void* event) {
+  RESHARD_CUDA_CHECK(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+}
+
 }  // namespace reshard::execution::cuda

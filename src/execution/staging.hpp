@@ -43,8 +43,10 @@ class Staging {
 //
 // A refit bounded by a staging budget sizes first (start_sizing: slot() hands out no memory and
 // records what each key asks for), then arrange() gives every sized key its place in one arena
-// per memory place, the keys of one phase side by side and every phase from the arena's start:
-// phases run one after the other and reuse the same memory.
+// per memory place, the keys of one phase side by side and every phase from the start of its
+// region: phases run one after the other and reuse the same memory. With two regions, phase p
+// takes region p % 2, so a phase's staging is still read (its unpacks and conversions on arrival)
+// while the next phase's bytes land beside it.
 class StagingPool {
  public:
   using Key = std::tuple<bool, TaskId, int>;  // (sending, op task id, buffer index)
@@ -65,9 +67,11 @@ class StagingPool {
   const std::map<OpKey, std::size_t>& sized_bytes() const { return sized_by_op_; }
   // While sizing: the key whose slot a buffer slot() returned starts at, if `data` is one.
   std::optional<Key> sized_owner(const void* data) const;
-  // Ends sizing: places every sized key in its phase (`phase_of` by (sending, op task id)).
-  // Returns the bytes of the largest phase, summed over memory places: what the refit holds.
-  std::size_t arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of);
+  // Ends sizing: places every sized key in its phase (`phase_of` by (sending, op task id)), the
+  // phases in `regions` (1 or 2) regions one after the other. Returns the bytes of the largest
+  // phase of each region, summed over regions and memory places: what the refit holds.
+  std::size_t arrange(const std::function<std::uint32_t(const OpKey&)>& phase_of,
+                      std::uint32_t regions = 1);
 
   std::size_t reserved_bytes() const;
 
@@ -173,6 +177,9 @@ void destroy_event(int device, void* event);
 // Work queued on `later` from now on waits for the work queued on `earlier` so far (`event`
 // records the point).
 void order_after(void* later, void* earlier, void* event);
+// The two halves of order_after, for a wait queued later than the point it waits for.
+void record_event(void* event, void* stream);
+void wait_event(void* stream, void* event);
 }  // namespace cuda
 #endif
 

@@ -415,27 +415,31 @@ std::uint64_t strided_slice_bytes(const ReshardPlan& plan, PeId me) {
 // converts; any, without one) but not a whole refit of the test models. An op's wire buffers on
 // one rank are at most its bytes, or twice that for fp32 on the wire of a bf16 parameter and for
 // both ends of a local op packed (no transform).
-std::uint64_t small_budget(const ReshardPlan& plan, const ReshardTransform* transform, Mode mode) {
+std::uint64_t small_budget(const ReshardPlan& plan, const ReshardTransform* transform, Mode mode,
+                           int ops = 1) {
   std::uint64_t largest = 0;
   for (const TransferOp& op : plan.ops()) {
     if (transform == nullptr || transform->should_transform(plan.params()[op.param]))
       largest = std::max(largest, op.bytes);
   }
   const bool twice = mode == Mode::kFp32Wire || mode == Mode::kPlain;
-  return (twice ? 2 : 1) * largest + 4096;
+  return ops * ((twice ? 2 : 1) * largest + 4096);
 }
 
 // The phases the refits ran in and the staging they held (the largest of the refits').
 struct CaseResult {
   std::uint32_t phases = 1;
   std::uint64_t staging_bytes = 0;
+  bool pipelined = false;  // a refit's phases alternated between two staging regions
 };
 
-// `bounded`: the refits run within small_budget() (0 where the transform and the transport need
-// no staging), in phases; every byte is checked all the same.
+// `bounded`: the refits run within small_budget() for `ops_in_budget` of the largest ops (0 where
+// the transform and the transport need no staging), in phases; every byte is checked all the
+// same.
 CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c, Mode mode,
-                    bool bounded = false) {
-  SCOPED_TRACE(c.name + " " + mode_name(mode) + (bounded ? " within a small budget" : ""));
+                    bool bounded = false, int ops_in_budget = 1) {
+  SCOPED_TRACE(c.name + " " + mode_name(mode) +
+               (bounded ? " within a budget of " + std::to_string(ops_in_budget) + " op(s)" : ""));
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, c.src), build_layout(model, c.dst)));
   ReshardOptions options;
@@ -461,7 +465,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   if (bounded) {
     const bool stages = mode != Mode::kPlain || !service.moves_rows_in_place();
     auto transform = transform_for(mode);
-    options.staging_budget = stages ? small_budget(*plan, transform.get(), mode) : 0;
+    options.staging_budget = stages ? small_budget(*plan, transform.get(), mode, ops_in_budget) : 0;
     const auto expected = expectations(*plan, mode, transform.get());
     RankTensors tensors =
         make_tensors(*plan, service.my_pe(), my_device(), expected, transform.get());
@@ -518,6 +522,9 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     EXPECT_EQ(report.conversions_replayed, mode != Mode::kPlain && refit == 1) << "refit " << refit;
     if (options.staging_budget) EXPECT_LE(report.staging_bytes, *options.staging_budget);
     if (bounded) EXPECT_EQ(report.phases > 1, phases_needed) << report.phases << " phases";
+    if (report.pipelined) EXPECT_GT(report.phases, 1u) << "pipelined: two phases at least";
+    if (!on_gpu()) EXPECT_FALSE(report.pipelined) << "no pipeline without a GPU";
+    result.pipelined = result.pipelined || report.pipelined;
     result.phases = std::max(result.phases, report.phases);
     result.staging_bytes = std::max(result.staging_bytes, report.staging_bytes);
     EXPECT_EQ(report.locally_converted_bytes, locally_converted)
@@ -608,6 +615,27 @@ TEST_P(ReshardInPhases, EveryDestinationElementMatchesWithinASmallBudget) {
   } else if (GetParam() != Mode::kPlain && service->n_pes() % 2 == 0) {
     EXPECT_GT(most_phases, 1u) << "the budget was meant to be smaller than a refit";
   }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
+// On a GPU, where bytes land in staging that is read again (conversions on arrival; packed slices
+// on transports that do not move rows in place), a budget of two ops: the phases alternate
+// between its halves, each phase's arrivals read beside the next phase's transfer, and every
+// element still matches.
+TEST_P(ReshardInPhases, PipelinedPhasesMatchEveryDestinationElement) {
+  auto service = make_service();
+  if (!on_gpu()) GTEST_SKIP() << "a pipeline needs GPU streams";
+  if (service->n_pes() > 4) GTEST_SKIP() << "covered at 1-4 PEs";
+  const Mode mode = GetParam();
+  const bool reads_arrivals = mode == Mode::kMxReceiver || mode == Mode::kFp32Wire ||
+                              (mode == Mode::kPlain && !service->moves_rows_in_place());
+  if (!reads_arrivals) GTEST_SKIP() << "nothing is read after it lands";
+  bool pipelined = false;
+  for (const Case& c : cases_for(service->n_pes())) {
+    const bool moe = c.src.ep > 1 || c.dst.ep > 1;
+    pipelined = run_case(*service, test_model(moe), c, mode, true, 2).pipelined || pipelined;
+  }
+  if (service->n_pes() % 2 == 0) EXPECT_TRUE(pipelined) << "no refit ran pipelined";
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 

@@ -551,8 +551,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                                  (static_cast<double>(pes_per_gpu) * source_shard)
                            : 0.0,
           format_bytes(report.strided_bytes).c_str(), format_bytes(report.packed_bytes).c_str());
-      std::printf("  staging held by PE 0: %s in %u phase(s) (budget %s)\n",
+      std::printf("  staging held by PE 0: %s in %u phase(s)%s (budget %s)\n",
                   format_bytes(measured.staging_bytes).c_str(), measured.phases,
+                  measured.pipelined ? ", pipelined (arrivals read beside the next transfer)" : "",
                   options.staging_budget.empty() ? "default" : options.staging_budget.c_str());
     }
     if (report.prepare_seconds + report.transfer_seconds + report.finalize_seconds > 0) {
@@ -596,7 +597,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
              << ",\"strided_bytes_pe0\":" << report.strided_bytes
              << ",\"packed_bytes_pe0\":" << report.packed_bytes
              << ",\"staging_bytes_pe0\":" << measured.staging_bytes
-             << ",\"phases\":" << measured.phases << ",\"staging_budget\":\""
+             << ",\"phases\":" << measured.phases
+             << ",\"pipelined\":" << (measured.pipelined ? "true" : "false")
+             << ",\"staging_budget\":\""
              << (options.staging_budget.empty() ? "default" : options.staging_budget) << "\""
              << ",\"quantize_colocated_on_sender\":"
              << (options.quantize_colocated_on_sender ? "true" : "false");
