@@ -83,6 +83,12 @@ struct DebugOptions {
   // execute_reshard_plan waits for each of its phases (prepare, transfer, finalize) and reports
   // their times; the waits slow the refit. RESHARD_PHASE_TIMING.
   bool phase_timing = false;
+  // A refit in phases on GPUs that no two PEs share, where some rank reads staging after its
+  // bytes land (conversions on arrival, packed slices), alternates its phases between two halves
+  // of the staging budget and reads each phase's arrivals beside the next phase's transfer
+  // (ReshardReport::pipelined). false on any rank: one phase after the other, each in the whole
+  // budget. RESHARD_PIPELINED_PHASES.
+  bool pipelined_phases = true;
   // Streams the CUDA copy engine's peers are spread over, 1..kMaxCudaCeStreams (one copy at a
   // time per GPU is what NVSwitch serves best). RESHARD_CUDA_CE_STREAMS.
   static constexpr int kMaxCudaCeStreams = 8;

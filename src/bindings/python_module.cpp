@@ -425,6 +425,7 @@ void bind_options(nb::module_& m) {
       .def_rw("cuda_trace", &DebugOptions::cuda_trace)
       .def_rw("nvshmem_trace", &DebugOptions::nvshmem_trace)
       .def_rw("phase_timing", &DebugOptions::phase_timing)
+      .def_rw("pipelined_phases", &DebugOptions::pipelined_phases)
       .def_rw("cuda_ce_streams", &DebugOptions::cuda_ce_streams)
       .def_rw("cuda_unroll", &DebugOptions::cuda_unroll)
       .def_rw("cuda_early_launch", &DebugOptions::cuda_early_launch)

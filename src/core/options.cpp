@@ -38,6 +38,7 @@ constexpr Variable kVariables[] = {
     {"debug.cuda_trace", "RESHARD_CUDA_TRACE"},
     {"debug.nvshmem_trace", "RESHARD_NVSHMEM_TRACE"},
     {"debug.phase_timing", "RESHARD_PHASE_TIMING"},
+    {"debug.pipelined_phases", "RESHARD_PIPELINED_PHASES"},
     {"debug.cuda_ce_streams", "RESHARD_CUDA_CE_STREAMS"},
     {"debug.cuda_unroll", "RESHARD_CUDA_UNROLL"},
     {"debug.cuda_early_launch", "RESHARD_CUDA_EARLY_LAUNCH"},
@@ -204,6 +205,7 @@ CopyServiceOptions CopyServiceOptions::from_environment() {
   read("debug.cuda_trace", o.debug.cuda_trace);
   read("debug.nvshmem_trace", o.debug.nvshmem_trace);
   read("debug.phase_timing", o.debug.phase_timing);
+  read("debug.pipelined_phases", o.debug.pipelined_phases);
   read("debug.cuda_ce_streams", o.debug.cuda_ce_streams);
   read("debug.cuda_unroll", o.debug.cuda_unroll);
   read("debug.cuda_early_launch", o.debug.cuda_early_launch);

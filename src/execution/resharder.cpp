@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <span>
 #include <sstream>
 #include <string>
@@ -987,6 +988,8 @@ struct Resharder::Impl {
     out.put<std::uint64_t>(budget);
     out.put<std::uint64_t>(groups_digest());
     out.put<std::uint8_t>(reads_arrivals ? 1 : 0);
+    out.put<std::uint8_t>(service.options().debug.pipelined_phases ? 1 : 0);
+    out.put<std::uint64_t>(prepared.device >= 0 ? gpu_identity() : 0);
     std::vector<std::uint64_t> flat;
     for (const auto& [op, bytes] : mine) flat.insert(flat.end(), {op, bytes});
     out.put_array(std::span<const std::uint64_t>(flat));
@@ -994,7 +997,8 @@ struct Resharder::Impl {
     for (const auto& [op, leader] : leaders) flat.insert(flat.end(), {op, leader});
     out.put_array(std::span<const std::uint64_t>(flat));
     const auto all = gather_verdicts(out.bytes(), failure);
-    bool any_reads_arrivals = false;
+    bool any_reads_arrivals = false, every_rank_pipelines = true, gpu_shared = false;
+    std::set<std::uint64_t> gpus;  // the ranks' GPUs (gpu_identity)
     const std::size_t ops = plan->ops().size();
     std::vector<std::uint32_t> unit(ops);
     for (std::uint32_t i = 0; i < ops; ++i) unit[i] = i;
@@ -1016,6 +1020,9 @@ struct Resharder::Impl {
                         ": every rank must group the plan's parameters alike");
       }
       any_reads_arrivals = in.get<std::uint8_t>() != 0 || any_reads_arrivals;
+      every_rank_pipelines = in.get<std::uint8_t>() != 0 && every_rank_pipelines;
+      const auto gpu = in.get<std::uint64_t>();
+      if (gpu != 0) gpu_shared = !gpus.insert(gpu).second || gpu_shared;
       const auto pairs = in.get_array<std::uint64_t>();
       for (std::size_t i = 0; i + 1 < pairs.size(); i += 2)
         needs.at(pairs[i]).emplace_back(static_cast<PeId>(rank), pairs[i + 1]);
@@ -1044,11 +1051,15 @@ struct Resharder::Impl {
     // GPU) and the refit runs in phases anyway, the phases alternate between two halves of the
     // budget: a phase's arrivals are read beside the next phase's transfer instead of after it
     // (run_pipelined). Only where every unit fits in a half, so no refit that runs within the
-    // budget is refused for it.
+    // budget is refused for it; not with a custom transform (its hooks run on the host at their
+    // own pace); not where PEs share a GPU: there the conversions take the SMs that the transfer
+    // kernels of the GPU's other PEs wait for (4x H200, 2 PEs per GPU, Llama-3-8B MXFP8 on
+    // arrival: 31.5 ms in phases one after the other, 85.5 ms pipelined); and not where any rank
+    // turns it off (DebugOptions::pipelined_phases).
     prepared.pipelined = false;
-    // A custom transform's hooks run on the host at their own pace: not beside a transfer.
     const bool custom_transform = transform != nullptr && ranged == nullptr;
-    if (any_reads_arrivals && !custom_transform && limit != ReshardOptions::kUnlimited) {
+    if (any_reads_arrivals && every_rank_pipelines && !gpu_shared && !custom_transform &&
+        limit != ReshardOptions::kUnlimited) {
       std::uint64_t largest_unit = 0;
       std::map<PeId, std::uint64_t> total;
       for (const auto& per_rank : unit_needs) {

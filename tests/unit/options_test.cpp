@@ -86,6 +86,7 @@ TEST(Options, EveryVariableLandsInItsField) {
       {"RESHARD_CUDA_TRACE", "1", [](auto& o) { return o.debug.cuda_trace; }},
       {"RESHARD_NVSHMEM_TRACE", "1", [](auto& o) { return o.debug.nvshmem_trace; }},
       {"RESHARD_PHASE_TIMING", "1", [](auto& o) { return o.debug.phase_timing; }},
+      {"RESHARD_PIPELINED_PHASES", "0", [](auto& o) { return !o.debug.pipelined_phases; }},
       {"RESHARD_CUDA_CE_STREAMS", "3", [](auto& o) { return o.debug.cuda_ce_streams == 3; }},
       {"RESHARD_CUDA_UNROLL", "4", [](auto& o) { return o.debug.cuda_unroll == 4; }},
       {"RESHARD_CUDA_EARLY_LAUNCH", "0", [](auto& o) { return !o.debug.cuda_early_launch; }},
