@@ -249,8 +249,9 @@ class CopyService:
     >>> svc.schedule(); svc.run(); svc.run()
     >>> svc.clear_requests(); svc.finalize()
 
-    ``transport`` is ``"auto"``, ``"host"``, ``"cuda"``, ``"nvshmem"`` or ``"nccl"``
-    (``RESHARD_TRANSPORT`` overrides it); ``bootstrap`` is anything :func:`make_bootstrap`
+    ``transport`` is ``"auto"``, ``"host"``, ``"cuda"``, ``"nvshmem"`` or ``"nccl"``; a
+    transport named here is the one used, and ``"auto"`` (the default) takes
+    ``RESHARD_TRANSPORT`` where it is set; ``bootstrap`` is anything :func:`make_bootstrap`
     accepts. Registered tensors are kept alive by the service until ``clear_requests()`` or
     ``finalize()``.
 
@@ -293,7 +294,7 @@ class CopyService:
 
     def _choose_transport(self, transport: str) -> None:
         """Before init(): sets up ``transport`` instead of the one asked for at construction
-        (``RESHARD_TRANSPORT`` still overrides it), on the same bootstrap and settings."""
+        (``"auto"``: ``RESHARD_TRANSPORT`` where set), on the same bootstrap and settings."""
         if self._service.initialized:
             raise _core.ReshardError("_choose_transport() after init()")
         self._service = _core.CopyService(transport, self._bootstrap, self._service.options)

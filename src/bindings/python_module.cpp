@@ -505,8 +505,9 @@ void bind_copy_service(nb::module_& m) {
             nb::gil_scoped_release released;
             if (!bootstrap) bootstrap = make_default_bootstrap();
             if (options) {
-              // As the constructor without options: RESHARD_TRANSPORT overrides `transport`.
-              if (!env::transport()) options->transport = kind;
+              // As the constructor without options: a transport named in code wins;
+              // RESHARD_TRANSPORT (the options' default) chooses where the code says "auto".
+              if (kind != TransportKind::kAuto) options->transport = kind;
               new (self) CopyService(std::move(bootstrap), *options);
             } else {
               new (self) CopyService(std::move(bootstrap), kind);

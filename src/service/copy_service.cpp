@@ -289,9 +289,11 @@ void CopyService::Impl::fail(const Error& error) {
 
 namespace {
 
+// The environment's options, with the transport named in code: RESHARD_TRANSPORT chooses only
+// where the code leaves it to the job (kAuto).
 CopyServiceOptions environment_with(TransportKind transport) {
   CopyServiceOptions options = CopyServiceOptions::from_environment();
-  if (!env::transport()) options.transport = transport;
+  if (transport != TransportKind::kAuto) options.transport = transport;
   return options;
 }
 

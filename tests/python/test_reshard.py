@@ -141,6 +141,24 @@ def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service):
     service.run()  # the service stays usable
 
 
+def test_a_transport_named_in_code_wins_over_the_environment(monkeypatch):
+    # RESHARD_TRANSPORT names a transport this CPU job cannot use: code that names "host" must
+    # still get the host transport, with or without settings; "auto" takes the environment's.
+    monkeypatch.setenv("RESHARD_TRANSPORT", "cuda")
+    for service in (reshard.CopyService("host"), reshard.CopyService("host", timeout=5)):
+        try:
+            assert service.options.transport == "host"
+            service.init("WARN")
+            assert service.transport == "host"
+        finally:
+            service.finalize()
+    left_to_the_job = reshard.CopyService()
+    try:
+        assert left_to_the_job.options.transport == "cuda"
+    finally:
+        left_to_the_job.finalize()
+
+
 def test_service_settings_are_keywords_with_the_environment_as_default(monkeypatch):
     monkeypatch.setenv("RESHARD_TIMEOUT_S", "7")
     monkeypatch.setenv("RESHARD_CUDA_ENGINE", "ce")
@@ -1388,9 +1406,7 @@ def test_gpu_copy_service_on_each_gpu_transport(transport):
         pytest.skip(f"this build has no {transport} transport")
     if transport == "nccl" and gpu_count() < 2:
         pytest.skip("NCCL needs a GPU per rank (it refuses two ranks on one GPU)")
-    # RESHARD_TRANSPORT overrides the transport the worker asks for.
-    assert_ok(launch(2, WORKERS / "copy_service_worker.py", 9, "torch-cuda",
-                     RESHARD_TRANSPORT=transport))
+    assert_ok(launch(2, WORKERS / "copy_service_worker.py", 9, "torch-cuda", transport))
 
 
 def has_cupy_gpus(n) -> bool:

@@ -153,12 +153,15 @@ TEST(Options, AServiceRefusesBadOptionsWhenMade) {
   }
 }
 
-// The legacy constructor keeps its rule: RESHARD_TRANSPORT overrides the transport named in
-// code; the options constructor takes the options as given.
-TEST(Options, TheEnvironmentOverridesOnlyTheLegacyConstructor) {
+// Code wins over the environment: a transport named in code is the one used, and
+// RESHARD_TRANSPORT chooses only where the code says kAuto; the options constructor takes the
+// options as given.
+TEST(Options, ATransportNamedInCodeWinsOverTheEnvironment) {
   ScopedEnv scoped("RESHARD_TRANSPORT", "host");
-  CopyService legacy(TransportKind::kCuda);
-  EXPECT_EQ(legacy.transport(), TransportKind::kHost);
+  CopyService named(TransportKind::kCuda);
+  EXPECT_EQ(named.transport(), TransportKind::kCuda);
+  CopyService left_to_the_job(TransportKind::kAuto);
+  EXPECT_EQ(left_to_the_job.transport(), TransportKind::kHost);
   CopyServiceOptions options;
   options.transport = TransportKind::kCuda;
   CopyService given(options);

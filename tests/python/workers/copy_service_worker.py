@@ -2,12 +2,13 @@
 derives from the same seed, run twice and checked byte for byte, then a request without a partner
 that schedule() must refuse on every PE.
 
-    worker.py SEED [numpy|torch-cuda|cupy-cuda|jax-cuda]
+    worker.py SEED [numpy|torch-cuda|cupy-cuda|jax-cuda] [TRANSPORT]
+
+TRANSPORT: the transport to name in code (default: host for numpy, else cuda).
 
 JAX arrays are immutable to JAX, so the jax-cuda destination is zero only before the first run.
 """
 
-import os
 import sys
 
 import numpy as np
@@ -17,12 +18,11 @@ import reshard
 
 def main() -> int:
     seed, memory = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "numpy")
-    transport = "host" if memory == "numpy" else "cuda"
+    transport = sys.argv[3] if len(sys.argv) > 3 else "host" if memory == "numpy" else "cuda"
     svc = reshard.CopyService(transport=transport).init("WARN")
     me, n = svc.my_pe, svc.n_pes
-    forced = os.environ.get("RESHARD_TRANSPORT")
-    if forced and svc.transport != forced:
-        print(f"PE {me}: RESHARD_TRANSPORT={forced} but the service runs {svc.transport}",
+    if svc.transport != transport:
+        print(f"PE {me}: asked for {transport} but the service runs {svc.transport}",
               file=sys.stderr)
         return 1
     rng = np.random.default_rng(seed)
