@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build-gpu/logs}
 mkdir -p "$OUT"
-args=(-DCMAKE_BUILD_TYPE=Release)
+args=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=native)
 [[ -d .deps/cli11 ]] && args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/cli11")
 [[ -d .deps/googletest ]] && args+=(-DRESHARD_GTEST_SOURCE="$PWD/.deps/googletest")
 command -v ninja >/dev/null && args+=(-G Ninja)

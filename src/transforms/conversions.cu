@@ -914,9 +914,7 @@ __device__ __noinline__ uint2 encode_unplainly(Raw<S> raw, float s, float recipr
     if (plain) {
       const float q_low = settled_quotient(low, s, reciprocal);
       const float q_high = settled_quotient(high, s, reciprocal);
-      std::uint16_t bits;
-      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q_high), "f"(q_low));
-      pair[i] = bits;
+      pair[i] = formats::e4m3_pair(q_low, q_high);
     } else {
       pair[i] = block_encode_pair(low, high, s, reciprocal);
     }
@@ -930,9 +928,7 @@ __device__ __forceinline__ uint2 e4m3_codes(const float (&q)[kPerLane]) {
   std::uint32_t pair[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    std::uint16_t bits;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bits) : "f"(q[2 * i + 1]), "f"(q[2 * i]));
-    pair[i] = bits;
+    pair[i] = formats::e4m3_pair(q[2 * i], q[2 * i + 1]);
   }
   return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
 }

@@ -230,6 +230,20 @@ RESHARD_HD std::uint8_t mx_encode(float value, std::uint8_t scale_bits) {
   return scaled_to_e4m3(value, 127 - static_cast<int>(scale_bits));
 }
 
+// Two values in E4M3 (round to nearest even, saturating at 448, NaN 0x7f), `low` in the low
+// byte: the FP8 conversion instruction where the GPU has it (Ada and later), else the integer
+// path, which gives the same bits.
+RESHARD_HD std::uint16_t e4m3_pair(float low, float high) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  std::uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
+  return pair;
+#else
+  return static_cast<std::uint16_t>(scaled_to_e4m3(low, 0) |
+                                    (static_cast<std::uint16_t>(scaled_to_e4m3(high, 0)) << 8));
+#endif
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 // mx_encode of two values of a block whose scale is not NaN (so no value is NaN or infinite),
 // `factor` = power_of_two(127 - scale_bits), `low` in the low byte: with the FP8 conversion
@@ -245,6 +259,17 @@ __device__ __forceinline__ std::uint16_t mx_encode_finite_pair(float low, float 
   std::uint16_t pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(scaled_high), "f"(scaled_low));
   return pair;
+}
+#elif defined(__CUDA_ARCH__)
+// GPUs before Ada have no FP8 conversion instruction: the integer path, with the exponent that
+// `factor` (a power of two, subnormal only as 2^-127) stands for.
+__device__ __forceinline__ std::uint16_t mx_encode_finite_pair(float low, float high,
+                                                               float factor) {
+  const std::uint32_t bits = float_bits(factor);
+  const int exponent = bits >= 0x00800000u ? static_cast<int>(bits >> 23) - 127 : -127;
+  return static_cast<std::uint16_t>(
+      scaled_to_e4m3(low, exponent) |
+      (static_cast<std::uint16_t>(scaled_to_e4m3(high, exponent)) << 8));
 }
 #endif
 
