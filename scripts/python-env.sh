@@ -35,6 +35,10 @@ if [[ ! -x $env_dir/bin/python ]]; then
     echo "reshard: PyTorch not installed; its tests will skip" >&2
   fi
 fi
-# Without build isolation the build sees the environment's NCCL wheel; PATH puts its Python first
-# for CMake.
-PATH="$PWD/$env_dir/bin:$PATH" "$env_dir/bin/python" -m pip install -q --no-build-isolation .
+# Without build isolation the build uses the environment's scikit-build-core and nanobind; PATH
+# puts its Python first for CMake. The build folder stays under build/ between runs (a plain
+# `pip install .` builds in a temporary one), and the kernels are built for this machine's GPUs.
+source scripts/cuda-architectures.sh
+PATH="$PWD/$env_dir/bin:$PATH" "$env_dir/bin/python" -m pip install -q --no-build-isolation \
+  --config-settings=build-dir=build/pip \
+  --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="$cuda_architectures" .
