@@ -63,6 +63,7 @@ def assert_ok(result):
 
 # ---- one process ----
 
+@pytest.mark.quick
 def test_component_versions_name_this_build():
     versions = reshard.component_versions()
     assert versions.startswith("reshard " + reshard.__version__)
@@ -70,6 +71,7 @@ def test_component_versions_name_this_build():
         assert (component in versions) == (transport in reshard.available_transports())
 
 
+@pytest.mark.quick
 def test_host_transport_is_always_available():
     assert "host" in reshard.available_transports()
 
@@ -81,6 +83,7 @@ def service():
     svc.finalize()
 
 
+@pytest.mark.quick
 def test_single_pe_copies_bytes_in_place(service):
     assert (service.my_pe, service.n_pes, service.initialized) == (0, 1, True)
     src = np.arange(100, dtype=np.float32)
@@ -100,6 +103,7 @@ def test_the_host_transport_waits_in_no_stream(service):
     assert not service.waits_in_stream_front_end
 
 
+@pytest.mark.quick
 def test_strided_rows_move_a_column_block_in_place(service):
     # Columns 2..5 of a 6 x 8 float32 matrix land as columns 4..7 of another; a transposed cut
     # (rows of 8 bytes on the sender, 16 on the receiver) of the same stream works too.
@@ -130,6 +134,7 @@ def test_strided_rows_that_disagree_or_overreach_are_refused(service):
         service.register_send(6, matrix, 0, 4, 0, rows=(-1,), pitches=(8,))
 
 
+@pytest.mark.quick
 def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service):
     service.verify = True
     assert service.verify
@@ -148,6 +153,7 @@ def test_verify_mode_passes_clean_runs_and_names_a_corrupted_task(service):
     service.run()  # the service stays usable
 
 
+@pytest.mark.quick
 def test_a_transport_named_in_code_wins_over_the_environment(monkeypatch):
     # RESHARD_TRANSPORT names a transport this CPU job cannot use: code that names "host" must
     # still get the host transport, with or without settings; "auto" takes the environment's.
@@ -258,6 +264,7 @@ def test_registered_torch_parameters_move_and_non_arrays_are_refused_naming_the_
     assert refused.value.tasks == [6]
 
 
+@pytest.mark.quick
 def test_range_outside_the_buffer_is_refused_naming_the_task(service):
     with pytest.raises(reshard.ReshardError, match="task 3") as error:
         service.register_send(3, np.zeros(16, np.uint8), 10, 8, 0)
@@ -311,6 +318,7 @@ def test_task_id_is_stable_across_processes_and_the_advice_names_it(service):
     np.testing.assert_array_equal(dst, src)
 
 
+@pytest.mark.quick
 def test_whole_tensors_register_by_their_bytes(service):
     # register_send(task, tensor, pe): every byte, not a count of elements taken for bytes.
     src = np.arange(1000, dtype=np.float32)
@@ -388,6 +396,7 @@ def test_bad_bootstrap_is_refused():
         reshard.make_bootstrap("no-port-here", rank=0, world_size=1)
 
 
+@pytest.mark.quick
 def test_plan_is_deterministic_and_conserves_bytes():
     model = reshard.toy_model(2, 256, 4)
     a = reshard.build_layout(model, reshard.Parallelism(tp=2, dp=2, ep=2))
@@ -518,6 +527,7 @@ def test_a_rerun_moves_the_new_values_of_the_tensors_it_was_given(service):
         reshard.rerun_reshard_plan(plan, service)
 
 
+@pytest.mark.quick
 def test_a_bound_refit_holds_its_tensors_runs_and_updates(service):
     plan, src, dst = _one_pe_plan()
     refit = reshard.bind(plan, src, dst, service)
@@ -714,6 +724,7 @@ def test_where_colocated_slices_are_quantized_is_a_keyword(service):
             np.testing.assert_array_equal(results[0][name].scale, results[1][name].scale)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", ["mxfp8", "fp8-block"])
 def test_a_scale_tensor_of_another_type_or_shape_is_refused(service, kind):
     # float32 is the natural mistake for MXFP8 (block FP8 uses float32 scales): its E8M0 bytes
@@ -760,6 +771,7 @@ def test_a_scale_tensor_of_another_type_or_shape_is_refused(service, kind):
     reshard.execute_reshard_plan(plan, src, flat, service, transform)
 
 
+@pytest.mark.quick
 def test_a_tensor_under_a_name_the_plan_lacks_is_refused_unless_not_strict(service):
     # An engine parameter the model spec lacks would never be written: refused by default,
     # naming it (execute_reshard_plan and bind); strict=False ignores it.
@@ -828,6 +840,7 @@ def test_python_transform_errors_propagate(service):
         reshard.execute_reshard_plan(plan, src, dst, service, _BrokenTransform(fail, fail))
 
 
+@pytest.mark.quick
 def test_tensor_of_the_wrong_shape_is_refused_naming_both_shapes(service):
     plan, src, dst = _one_pe_plan()
     param = next(p for p in plan.params if len(p.shape) == 2 and p.shape[0] != p.shape[1])
@@ -895,6 +908,44 @@ def test_entries_that_are_no_arrays_are_refused_naming_the_tensor(service):
     with pytest.raises(reshard.ReshardError, match=rf"destination tensor '{name}' is read-only"):
         reshard.execute_reshard_plan(plan, src, {**dst, name: reshard.LocalTensor(
             frozen, dtype="bfloat16")}, service)
+
+
+def readme_blocks(language):
+    """The README's fenced code blocks in `language`, each as (heading above it, text)."""
+    heading, blocks = "", []
+    text = (HERE.parent.parent / "README.md").read_text()
+    for match in re.finditer(rf"^(#+ [^\n]*)$|^```{language}\n(.*?)^```$", text, re.M | re.S):
+        if match.group(1):
+            heading = match.group(1)
+        else:
+            blocks.append((heading, match.group(2)))
+    return blocks
+
+
+@pytest.mark.quick
+def test_the_readme_first_refit_runs_as_pasted(tmp_path):
+    """The README's first Python program, saved and run as it says, checks every element."""
+    [program] = [code for heading, code in readme_blocks("python") if "first refit" in heading]
+    script = tmp_path / "refit.py"
+    script.write_text(program)
+    result = launch(4, script, timeout=120)
+    assert_ok(result)
+    assert result.stdout.count("every element as expected") == 4, result.stdout
+
+
+def test_the_readme_snippets_are_python_and_the_examples_code():
+    """Every Python block of the README compiles; its C++ block is a piece of the example the
+    build compiles and the tests run (examples/ring_exchange.cpp), line for line."""
+    python = readme_blocks("python")
+    assert python
+    for heading, code in python:
+        compile(code, f"README.md ({heading})", "exec")
+    example = (HERE.parent.parent / "examples" / "ring_exchange.cpp").read_text()
+    example_lines = [line.strip() for line in example.splitlines()]
+    [(heading, cpp)] = readme_blocks("cpp")
+    lines = [line.strip() for line in cpp.splitlines()]
+    start = example_lines.index(lines[0])
+    assert example_lines[start:start + len(lines)] == lines, "README's C++ differs from the example"
 
 
 def test_every_test_the_docs_cite_exists():
