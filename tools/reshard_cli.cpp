@@ -73,18 +73,22 @@ int main(int argc, char** argv) {
       ->add_option("-n,--np", nprocs,
                    "processes to start when not under reshard-run/torchrun/mpirun")
       ->check(CLI::Range(1, 1024));
-  bench_cmd->add_option("-t,--transport", transport, "auto or host");
+  bench_cmd->add_option("-t,--transport", transport,
+                        "auto or host: the workloads are in host memory, which only the host "
+                        "transport moves (the GPU transports cuda, nvshmem and nccl: bench-gpu, "
+                        "bench-refit)");
   bench_cmd->add_option("--seed", bench.seed, "workload seed");
   bench_cmd->add_option("--json", bench.json_path, "append results as JSON lines to this file");
   bench_cmd->add_flag("--verify", bench.verify,
                       "also time every workload in verify mode (checksums) and report its cost");
 
   std::vector<std::string> plot_inputs;
-  std::string plot_out = "bench/plots";
+  std::string plot_out;  // default: beside the first results file
   auto* plot_cmd = bench_cmd->add_subcommand(
       "plot", "Draw PNG charts of benchmark results (JSON lines) with matplotlib");
   plot_cmd->add_option("results", plot_inputs, "JSON-lines result files")->required();
-  plot_cmd->add_option("--out", plot_out, "directory for the charts");
+  plot_cmd->add_option("--out", plot_out,
+                       "directory for the charts (default: the folder of the first results file)");
 
   reshard::bench::SchedulerBenchOptions sched;
   std::string chunk_text = "1MiB";
@@ -277,6 +281,12 @@ int main(int argc, char** argv) {
       // The drawing is Python (matplotlib): run the script that ships with the sources.
       std::vector<std::string> args = {"python3", plot_script(argv[0])};
       args.insert(args.end(), plot_inputs.begin(), plot_inputs.end());
+      if (plot_out.empty()) {
+        // Beside the records, never into the caller's working directory unasked.
+        const std::string& first = plot_inputs.front();
+        const auto slash = first.find_last_of('/');
+        plot_out = slash == std::string::npos ? "." : first.substr(0, slash == 0 ? 1 : slash);
+      }
       args.insert(args.end(), {"--out", plot_out});
       std::vector<char*> argv_plot;
       for (std::string& arg : args) argv_plot.push_back(arg.data());
@@ -319,6 +329,15 @@ int main(int argc, char** argv) {
     bench.size = reshard::parse_bytes(size_text);
     if (*bench_cmd && bench.size == 0) {
       std::fprintf(stderr, "reshard bench: --size must be at least 1 byte\n");
+      return 2;
+    }
+    // One process has no peer: every workload would move 0 bytes between PEs.
+    const char* world = std::getenv("WORLD_SIZE");
+    const int bench_pes = world != nullptr ? std::atoi(world) : nprocs;
+    if (*bench_cmd && !*plot_cmd && bench_pes < 2) {
+      std::fprintf(stderr,
+                   "reshard bench: with one process nothing moves between processes; run it with "
+                   "-n 2 or more\n");
       return 2;
     }
     bench.transport = reshard::parse_transport_kind(transport);

@@ -11,7 +11,7 @@ namespace reshard {
 
 enum class ErrorCode {
   kInvalidArgument,  // a caller passed something malformed (bad PE, range outside its buffer)
-  kInvalidState,     // an call out of order (run() before schedule(), register after finalize())
+  kInvalidState,     // a call out of order (run() before schedule(), register after finalize())
   kValidation,       // the registered requests do not form a consistent transfer set
   kTimeout,          // a peer did not answer within the configured time
   kPeerFailure,      // a peer died or aborted
@@ -25,12 +25,14 @@ const char* error_code_name(ErrorCode code);
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message, std::vector<std::uint64_t> tasks = {})
-      : std::runtime_error(message), code_(code), tasks_(std::move(tasks)) {}
+      : std::runtime_error(message), code_(code), tasks_(unique_in_order(std::move(tasks))) {}
   ErrorCode code() const noexcept { return code_; }
-  // Validation errors: the task ids the problems name (so layers above can say what they are).
+  // Validation errors: the task ids the problems name (so layers above can say what they are),
+  // each once, in the order the problems name them.
   const std::vector<std::uint64_t>& tasks() const noexcept { return tasks_; }
 
  private:
+  static std::vector<std::uint64_t> unique_in_order(std::vector<std::uint64_t> tasks);
   ErrorCode code_;
   std::vector<std::uint64_t> tasks_;
 };

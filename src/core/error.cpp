@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <unordered_set>
 
 namespace reshard {
 
@@ -25,6 +26,12 @@ const char* error_code_name(ErrorCode code) {
       return "integrity";
   }
   return "unknown";
+}
+
+std::vector<std::uint64_t> Error::unique_in_order(std::vector<std::uint64_t> tasks) {
+  std::unordered_set<std::uint64_t> seen;
+  std::erase_if(tasks, [&](std::uint64_t task) { return !seen.insert(task).second; });
+  return tasks;
 }
 
 void throw_error(ErrorCode code, const std::string& message) {

@@ -18,7 +18,9 @@ std::string cuda_versions() {
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   if (cudaDriverGetVersion(&driver) != cudaSuccess) cudaGetLastError();
-  return ", CUDA runtime " + std::to_string(runtime) + ", driver " + std::to_string(driver);
+  // No driver (a machine without a GPU): say so rather than "driver 0".
+  return ", CUDA runtime " + std::to_string(runtime) +
+         (driver > 0 ? ", driver " + std::to_string(driver) : ", no CUDA driver");
 }
 
 int visible_cuda_devices() noexcept {

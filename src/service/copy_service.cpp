@@ -335,8 +335,13 @@ void CopyService::init() {
   impl_->transport = make_transport(*impl_->bootstrap, impl_->options);
   impl_->verify = impl_->verify || impl_->options.verify;
   impl_->state = State::kInitialized;
-  RESHARD_LOG(kInfo, "copy service ready: PE " << my_pe() << " of " << n_pes() << ", transport "
-                                               << impl_->transport->name());
+  // Once for the job at INFO (PE 0), each PE's own line at DEBUG.
+  if (my_pe() == 0) {
+    RESHARD_LOG(kInfo, "copy service ready: " << n_pes() << " PE" << (n_pes() > 1 ? "s" : "")
+                                              << ", transport " << impl_->transport->name());
+  }
+  RESHARD_LOG(kDebug, "copy service ready: PE " << my_pe() << " of " << n_pes() << ", transport "
+                                                << impl_->transport->name());
 }
 
 int CopyService::my_pe() const { return impl_->bootstrap->rank(); }

@@ -49,22 +49,21 @@ std::string built_transports() {
   return names;
 }
 
-// What a build needs for the transport (the Python package's build isolation hides the NVIDIA
-// wheels a build would otherwise find).
+// What a build needs for the transport.
 std::string how_to_build(TransportKind kind) {
   switch (kind) {
     case TransportKind::kCuda:
       return "a build includes it where CUDA (nvcc) is found";
     case TransportKind::kNccl:
       return "a build with CUDA includes it where NCCL is found (the system's, or the "
-             "nvidia-nccl-cu13 wheel installed beside the build: pip install nvidia-nccl-cu13, "
-             "then pip install --no-build-isolation .)";
+             "nvidia-nccl-cu13 wheel in the environment the package is installed into: pip "
+             "install nvidia-nccl-cu13, then pip install . again)";
     case TransportKind::kNvshmem:
       return "a build with CUDA includes it where NVSHMEM is found (the nvidia-nvshmem-cu13 "
-             "wheel: pip install nvidia-nvshmem-cu13==3.4.5, then pip install "
-             "--no-build-isolation .)";
+             "wheel in the environment the package is installed into: pip install "
+             "nvidia-nvshmem-cu13==3.4.5, then pip install . again)";
     default:
-      return "see the README's build section";
+      return "see the README's \"What you need\"";
   }
 }
 

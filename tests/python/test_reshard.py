@@ -397,6 +397,25 @@ def test_bad_bootstrap_is_refused():
 
 
 @pytest.mark.quick
+def test_the_planner_classes_say_what_they_are():
+    """Each planner class has a docstring, and its repr says what the object holds instead of an
+    address."""
+    model = reshard.toy_model(layers=2, hidden=256)
+    trainer = reshard.build_layout(model, reshard.Parallelism(tp=2))
+    plan = reshard.make_reshard_plan(trainer, reshard.build_layout(model, reshard.Parallelism()))
+    objects = [model, model.params[0], model.params[0].spec, reshard.Parallelism(tp=2), trainer,
+               plan, plan.ops[0], plan.stats]
+    for obj in objects:
+        assert type(obj).__doc__, f"{type(obj).__name__} has no docstring"
+        assert " object at 0x" not in repr(obj), f"{type(obj).__name__}: {obj!r}"
+        assert repr(obj).startswith(type(obj).__name__), repr(obj)
+    assert "layers=2" in repr(model) and "ranks 0..1" in repr(trainer)
+    assert model.params[0].stage in ("layer", "first", "last")
+    assert "split_row_align" in reshard.make_reshard_plan.__doc__
+    assert "torch.chunk" in reshard.build_layout.__doc__
+
+
+@pytest.mark.quick
 def test_plan_is_deterministic_and_conserves_bytes():
     model = reshard.toy_model(2, 256, 4)
     a = reshard.build_layout(model, reshard.Parallelism(tp=2, dp=2, ep=2))

@@ -11,6 +11,11 @@
 namespace reshard {
 namespace {
 
+TEST(Types, AnErrorNamesEachTaskOnceInTheOrderGiven) {
+  const Error error(ErrorCode::kValidation, "x", {7, 3, 7, 9, 3, 3});
+  EXPECT_EQ(error.tasks(), (std::vector<std::uint64_t>{7, 3, 9}));
+}
+
 TEST(Types, ParsesByteCounts) {
   EXPECT_EQ(parse_bytes("4096"), 4096u);
   EXPECT_EQ(parse_bytes("4KiB"), 4096u);
