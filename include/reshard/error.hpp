@@ -18,6 +18,7 @@ enum class ErrorCode {
   kSystem,           // an operating-system call failed
   kUnsupported,      // the transport or build lacks what was asked for
   kIntegrity,        // verify mode: bytes arrived different from what was sent
+  kInterrupted,      // the user stopped a wait (Ctrl-C, where the embedding program checks it)
 };
 
 const char* error_code_name(ErrorCode code);

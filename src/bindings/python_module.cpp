@@ -16,10 +16,12 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "bindings/tensor_snapshot.hpp"
 #include "core/env.hpp"
+#include "core/interrupt.hpp"
 #include "execution/verdicts.hpp"
 #include "launch/local_launcher.hpp"
 #include "reshard/bootstrap.hpp"
@@ -314,6 +316,19 @@ Box box_of(const std::vector<std::int64_t>& offset, const std::vector<std::int64
   return box;
 }
 
+// The thread Python handles signals on: reshard's waits there run Python's signal handlers (so
+// Ctrl-C raises KeyboardInterrupt in a blocked init(), schedule() or run()); other threads have
+// none to run.
+std::thread::id python_main_thread;
+
+bool python_interrupted() {
+  if (std::this_thread::get_id() != python_main_thread || !Py_IsInitialized()) return false;
+  nb::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  PyErr_Clear();  // raised again as KeyboardInterrupt once the wait has ended (bind_errors)
+  return true;
+}
+
 void bind_errors(nb::module_& m) {
   static nb::object error_type = nb::steal(
       PyErr_NewExceptionWithDoc("reshard._core.ReshardError",
@@ -325,6 +340,10 @@ void bind_errors(nb::module_& m) {
     try {
       std::rethrow_exception(thrown);
     } catch (const Error& error) {
+      if (error.code() == ErrorCode::kInterrupted) {
+        PyErr_SetString(PyExc_KeyboardInterrupt, error.what());
+        return;
+      }
       nb::object instance = error_type(nb::str(error.what()));
       instance.attr("code") = nb::str(error_code_name(error.code()));
       instance.attr("tasks") = nb::cast(error.tasks());
@@ -1211,6 +1230,8 @@ NB_MODULE(_core, m) {
   nb::set_leak_warnings(false);
 #endif
   reshard::python::bind_errors(m);
+  reshard::python::python_main_thread = std::this_thread::get_id();
+  reshard::set_interrupt_check(&reshard::python::python_interrupted);
   reshard::python::bind_bootstrap(m);
   reshard::python::bind_launcher(m);
   reshard::python::bind_copy_service(m);

@@ -1,6 +1,7 @@
 // Bootstrap over MPI for jobs started by mpirun/srun. Collectives are non-blocking and polled, so
 // even here a rank that never arrives becomes a timeout instead of a hang.
 #include "core/env.hpp"
+#include "core/interrupt.hpp"
 #include "reshard/bootstrap.hpp"
 #include "reshard/error.hpp"
 
@@ -119,6 +120,7 @@ class MpiBootstrap : public Bootstrap {
                                              " (a rank did not arrive; raise RESHARD_TIMEOUT_S "
                                              "if it is only slow)");
       }
+      throw_if_interrupted(("MPI " + what).c_str(), deadline - timeout_);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <thread>
 
+#include "core/interrupt.hpp"
 #include "reshard/error.hpp"
 
 namespace reshard::net {
@@ -20,6 +21,11 @@ namespace {
 int remaining_ms(Deadline deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   return left.count() <= 0 ? 0 : static_cast<int>(std::min<long long>(left.count(), 1 << 30));
+}
+
+// One poll of a wait: until the deadline, but no longer than a check for interruption allows.
+int slice_ms(Deadline deadline) {
+  return std::min<int>(remaining_ms(deadline), static_cast<int>(kInterruptCheckPeriod.count()));
 }
 
 [[noreturn]] void throw_timeout(const std::string& whom) {
@@ -83,6 +89,7 @@ std::string peer_address(const Socket& socket) {
 }
 
 Socket connect_to(const std::string& host, int port, Deadline deadline, const std::string& whom) {
+  const auto started = Clock::now();
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
@@ -107,18 +114,21 @@ Socket connect_to(const std::string& host, int port, Deadline deadline, const st
       throw_error(ErrorCode::kTimeout, "timed out connecting to " + whom + " at " + host + ":" +
                                            service + " (" + std::strerror(errno) + ")");
     }
+    throw_if_interrupted(("connecting to " + whom).c_str(), started);
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(200));
+    pause = std::min(pause * 2, std::chrono::milliseconds(kInterruptCheckPeriod));
   }
 }
 
 bool wait_readable(int fd, Deadline deadline) {
+  const auto started = Clock::now();
   while (true) {
     pollfd entry{fd, POLLIN, 0};
-    int rc = ::poll(&entry, 1, remaining_ms(deadline));
+    const int rc = ::poll(&entry, 1, slice_ms(deadline));
     if (rc > 0) return true;
-    if (rc == 0) return false;
-    if (errno != EINTR) throw_system_error("poll()");
+    if (rc < 0 && errno != EINTR) throw_system_error("poll()");
+    if (rc == 0 && Clock::now() >= deadline) return false;
+    throw_if_interrupted("a bootstrap's exchange with its peers", started);
   }
 }
 
@@ -132,6 +142,7 @@ Socket accept_one(const Socket& listener, Deadline deadline, const std::string& 
 
 void send_all(const Socket& socket, std::span<const std::byte> data, Deadline deadline,
               const std::string& whom) {
+  const auto started = Clock::now();
   std::size_t sent = 0;
   while (sent < data.size()) {
     ssize_t n =
@@ -142,7 +153,10 @@ void send_all(const Socket& socket, std::span<const std::byte> data, Deadline de
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
       pollfd entry{socket.fd(), POLLOUT, 0};
-      if (::poll(&entry, 1, remaining_ms(deadline)) == 0) throw_timeout(whom);
+      if (::poll(&entry, 1, slice_ms(deadline)) == 0) {
+        if (Clock::now() >= deadline) throw_timeout(whom);
+        throw_if_interrupted(("sending to " + whom).c_str(), started);
+      }
       continue;
     }
     throw_error(ErrorCode::kPeerFailure,

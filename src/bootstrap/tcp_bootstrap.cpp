@@ -8,6 +8,7 @@
 
 #include "bootstrap/socket.hpp"
 #include "core/env.hpp"
+#include "core/interrupt.hpp"
 #include "core/message.hpp"
 #include "reshard/bootstrap.hpp"
 #include "reshard/error.hpp"
@@ -162,6 +163,7 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
   arrived[0] = true;
   int pending = n - 1;
   const auto deadline = root_deadline();
+  const auto started = net::Clock::now();
   try {
     while (pending > 0) {
       std::vector<pollfd> polls;
@@ -174,7 +176,17 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
       }
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - net::Clock::now());
-      const int rc = left.count() > 0 ? ::poll(polls.data(), polls.size(), left.count()) : 0;
+      const int rc =
+          left.count() > 0
+              ? ::poll(
+                    polls.data(), polls.size(),
+                    static_cast<int>(
+                        std::min(left, std::chrono::milliseconds(kInterruptCheckPeriod)).count()))
+              : 0;
+      if (rc == 0 && left > kInterruptCheckPeriod) {
+        throw_if_interrupted(what, started);
+        continue;
+      }
       if (rc == 0) {
         std::string missing;
         for (int r : ranks) missing += (missing.empty() ? "" : ", ") + std::to_string(r);

@@ -24,6 +24,8 @@ const char* error_code_name(ErrorCode code) {
       return "unsupported";
     case ErrorCode::kIntegrity:
       return "integrity";
+    case ErrorCode::kInterrupted:
+      return "interrupted";
   }
   return "unknown";
 }

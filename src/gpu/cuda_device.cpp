@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 
+#include "core/interrupt.hpp"
 #include "core/message.hpp"
 #include "core/processes.hpp"
 #include "core/transport.hpp"
@@ -237,6 +238,7 @@ std::string wait_until(const std::function<bool()>& finished, std::span<const pi
       }
       return text + " (CopyServiceOptions::timeout / RESHARD_TIMEOUT_S sets the limit)";
     }
+    throw_if_interrupted(what.c_str(), start);
     std::this_thread::sleep_for(std::chrono::microseconds(
         Clock::now() - start > std::chrono::milliseconds(100) ? 1000 : 20));
   }

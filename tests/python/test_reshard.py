@@ -1314,6 +1314,64 @@ def test_launch_names_the_rank_that_failed_first_and_prefixes_lines(tmp_path):
             "[rank 0] started", "[rank 1] started", "[rank 2] started"]
 
 
+@pytest.mark.parametrize("blocked_in", ["init", "run"])
+def test_ctrl_c_stops_a_call_blocked_on_a_peer_with_keyboard_interrupt(tmp_path, blocked_in):
+    """Ctrl-C (SIGINT) while a call waits for a peer that never comes raises KeyboardInterrupt at
+    once, not at the timeout (60 s here), and the process exits with it."""
+    import signal
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "blocked.py"
+    # "init": rank 0 of 2 waits for rank 1 to join; "run": a job of 2 whose rank 1 never calls
+    # run() (it sleeps), so rank 0's run waits for its bytes.
+    script.write_text(f"""
+import os, sys, time
+import numpy as np
+import reshard
+def waiting():
+    open(r"{tmp_path / 'waiting.pid'}", "w").write(str(os.getpid()))
+    print("waiting", flush=True)
+if "{blocked_in}" == "init":
+    waiting()
+    reshard.CopyService("host", bootstrap="127.0.0.1:{port}", rank=0, world_size=2).init("WARN")
+else:
+    svc = reshard.CopyService("host").init("WARN")
+    me = svc.my_pe
+    src = np.ones(1 << 16, np.uint8); dst = np.zeros(1 << 16, np.uint8)
+    svc.register_send(me, src, 0, src.nbytes, 1 - me)
+    svc.register_receive(1 - me, dst, 0, dst.nbytes, 1 - me)
+    svc.schedule()
+    if me == 1:
+        time.sleep(300)
+    waiting()
+    svc.run()
+""")
+    env = dict(os.environ, RESHARD_TIMEOUT_S="60", PYTHONPATH=os.pathsep.join(filter(None, [
+        str(Path(reshard.__file__).parent.parent), os.environ.get("PYTHONPATH")])))
+    if blocked_in == "init":
+        command = [sys.executable, str(script)]
+    else:
+        command = [sys.executable, "-m", "reshard.launch", "-n", "2", str(script)]
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        assert "waiting" in job.stdout.readline()
+        time.sleep(1.5)  # well inside the call's wait
+        start = time.monotonic()
+        # Only the PE that waits (the launcher would pass a Ctrl-C on to every rank).
+        os.kill(int((tmp_path / "waiting.pid").read_text()), signal.SIGINT)
+        _, stderr = job.communicate(timeout=30 * TIME_SCALE)
+        assert time.monotonic() - start < 10, "the interrupt waited for the timeout"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    assert "KeyboardInterrupt" in stderr and "interrupted (Ctrl-C)" in stderr, stderr
+
+
 def test_launch_refuses_zero_processes_without_a_traceback():
     result = subprocess.run([sys.executable, "-m", "reshard.launch", "-n", "0", "x.py"],
                             capture_output=True, text=True, timeout=60 * TIME_SCALE)

@@ -17,6 +17,7 @@
 
 #include "core/env.hpp"
 #include "core/host_copy.hpp"
+#include "core/interrupt.hpp"
 #include "core/message.hpp"
 #include "core/processes.hpp"
 #include "core/transport.hpp"
@@ -326,6 +327,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     const auto now = Clock::now();
     if (now < next_check) continue;
     next_check = now + std::chrono::milliseconds(2);
+    throw_if_interrupted("a run of the host transport", last_progress);
     std::string waiting;  // every peer this PE still waits for, for the timeout message
     bool can_progress = false;
     for (PeId peer = 0; peer < n_pes_ && !can_progress; ++peer) {
