@@ -41,7 +41,9 @@ struct InboxHeader {
   std::int32_t pe;
   std::int32_t pid;
   std::atomic<std::uint32_t> aborted;
-  char abort_reason[244];
+  // Why the PE failed, whole: the rest of the header's page (its peers repeat it in their errors;
+  // a timeout's reason names the PEs behind and the setting, which 244 bytes used to cut off).
+  char abort_reason[4032];
   // Calls of run() the PE has begun: a peer that timed out names the PE that is behind.
   std::atomic<std::uint64_t> runs;
 };
