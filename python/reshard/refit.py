@@ -132,19 +132,15 @@ class BoundRefit:
         self._staged = bool(staged)
         self._group_names: List[str] = []
         self._group_number: Dict[str, int] = {}
+        numbers: List[int] = []
+        if groups is not None:
+            numbers, self._group_names = name_groups([p.name for p in plan.params], groups)
+            self._group_number = {g: i for i, g in enumerate(self._group_names)}
         if self._staged:
-            if groups is not None:
-                raise ValueError("groups= is for a refit that is not staged (staged=False): a "
-                                 "staged refit stages and commits every parameter")
-            self._core = _core.StagedRefit(*arguments, _budget_bytes(max_staged_bytes))
+            self._core = _core.StagedRefit(*arguments, _budget_bytes(max_staged_bytes), numbers)
         else:
             if max_staged_bytes is not None:
                 raise ValueError("max_staged_bytes is for a staged refit (staged=True)")
-            numbers: List[int] = []
-            if groups is not None:
-                numbers, self._group_names = name_groups([p.name for p in plan.params],
-                                                         groups)
-                self._group_number = {g: i for i, g in enumerate(self._group_names)}
             self._core = _core.Refit(*arguments, numbers)
         if wait is not None:
             wait.synchronize()
@@ -164,8 +160,8 @@ class BoundRefit:
         parameters' destinations, nothing else touched. Every rank must run the same groups in
         the same calls."""
         if self._staged:
-            report = self.stage(stream)
-            self.commit(stream)
+            report = self.stage(stream, groups)
+            self.commit(stream, groups)
             return report
         if groups is None:
             return self._ordered(self._core.run, stream)
@@ -178,9 +174,9 @@ class BoundRefit:
         empty where it was bound without."""
         return list(self._group_names)
 
-    def _chosen_groups(self, groups: Union[str, Sequence[str]]) -> List[int]:
+    def _chosen_groups(self, groups: Union[str, Sequence[str]], call: str = "run") -> List[int]:
         if not self._group_names:
-            raise ValueError("run(groups=...): this refit was bound without groups; bind it "
+            raise ValueError(f"{call}(groups=...): this refit was bound without groups; bind it "
                              "with groups='layers' (or a mapping or function) to run parts of it")
         chosen = set()
         for wanted in [groups] if isinstance(groups, str) else groups:
@@ -193,7 +189,7 @@ class BoundRefit:
             if not matched:
                 shown = ", ".join(self._group_names[:8]) + (
                     ", ..." if len(self._group_names) > 8 else "")
-                raise ValueError(f"run(groups=...): {wanted!r} names no group of this refit "
+                raise ValueError(f"{call}(groups=...): {wanted!r} names no group of this refit "
                                  f"(its {len(self._group_names)} groups: {shown})")
             chosen.update(matched)
         return sorted(chosen)
@@ -208,20 +204,34 @@ class BoundRefit:
         wait.synchronize()
         return result
 
-    def stage(self, stream: StreamLike = None) -> "_core.ReshardReport":
+    def stage(self, stream: StreamLike = None,
+              groups: Union[None, str, Sequence[str]] = None) -> "_core.ReshardReport":
         """A staged refit (``bind(..., staged=True)``): moves every byte into staging on the
         destination ranks while the destination tensors keep their values (collective, as
         :meth:`run`). A failure here leaves every destination tensor as it was, and its error
-        says so. Stream and ordering as for :meth:`run`."""
-        return self._ordered(self._staged_core("stage").stage, stream)
+        says so. Stream and ordering as for :meth:`run`. ``groups`` (a refit bound with
+        ``groups=``): only those groups, as :meth:`run` takes them; what other groups staged
+        stays staged."""
+        core = self._staged_core("stage")
+        if groups is None:
+            return self._ordered(core.stage, stream)
+        chosen = self._chosen_groups(groups, "stage")
+        return self._ordered(lambda handle: core.stage_groups(chosen, handle), stream)
 
-    def commit(self, stream: StreamLike = None) -> None:
+    def commit(self, stream: StreamLike = None,
+               groups: Union[None, str, Sequence[str]] = None) -> None:
         """Writes what the last :meth:`stage` staged into this rank's destination tensors, on
         this rank alone (no collective: each engine rank commits when it pauses), and advances
-        :attr:`version`. A local device copy of the blocks the plan writes, one launch; with a
-        ``stream`` queued there (after a stage queued on it; capturable), otherwise it returns
-        when the tensors hold the new values. Refused where nothing is staged."""
-        self._ordered(self._staged_core("commit").commit, stream)
+        :attr:`version`. A local device copy of the blocks the plan writes, one launch per group;
+        with a ``stream`` queued there (after a stage queued on it; capturable), otherwise it
+        returns when the tensors hold the new values. Refused where nothing is staged.
+        ``groups``: only those groups' parameters switch (each must be staged; a layer at a time,
+        say), the others keep their values."""
+        core = self._staged_core("commit")
+        if groups is None:
+            return self._ordered(core.commit, stream)
+        chosen = self._chosen_groups(groups, "commit")
+        self._ordered(lambda handle: core.commit_groups(chosen, handle), stream)
 
     @property
     def version(self) -> int:
@@ -230,8 +240,15 @@ class BoundRefit:
 
     @property
     def staged(self) -> bool:
-        """Whether a :meth:`stage` succeeded since the last :meth:`commit`."""
+        """Whether every group is staged: a :meth:`stage` succeeded since the last
+        :meth:`commit`."""
         return self._staged_core("staged").staged
+
+    @property
+    def staged_groups(self) -> List[str]:
+        """The groups staged since their last commit (a refit bound with ``groups=``)."""
+        numbers = self._staged_core("staged_groups").staged_groups
+        return [self._group_names[g] for g in numbers] if self._group_names else []
 
     @property
     def staged_bytes(self) -> int:

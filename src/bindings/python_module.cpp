@@ -1152,10 +1152,12 @@ void bind_execution(nb::module_& m) {
              const TensorLists& dst, CopyService& service,
              std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
              std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
-             bool strict, std::optional<std::uint64_t> max_staged_bytes) {
+             bool strict, std::optional<std::uint64_t> max_staged_bytes,
+             std::vector<std::uint32_t> param_groups) {
             auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
-            const ReshardOptions options =
+            ReshardOptions options =
                 refit_options(staging_budget, quantize_colocated_on_sender, strict);
+            options.param_groups = std::move(param_groups);
             nb::gil_scoped_release released;
             new (self)
                 StagedRefit(std::move(plan), std::move(src_map), std::move(dst_map), service,
@@ -1164,7 +1166,8 @@ void bind_execution(nb::module_& m) {
           "plan"_a, "src"_a, "dst"_a, "service"_a, "transform"_a = nb::none(),
           "stream"_a = nb::none(), "staging_budget"_a = nb::none(),
           "quantize_colocated_on_sender"_a = true, "strict"_a = true,
-          "max_staged_bytes"_a = nb::none(), nb::keep_alive<1, 5>())
+          "max_staged_bytes"_a = nb::none(), "param_groups"_a = std::vector<std::uint32_t>{},
+          nb::keep_alive<1, 5>())
       .def(
           "stage",
           [](StagedRefit& self, std::optional<std::uintptr_t> stream) {
@@ -1173,12 +1176,29 @@ void bind_execution(nb::module_& m) {
           },
           "stream"_a = nb::none())
       .def(
+          "stage_groups",
+          [](StagedRefit& self, const std::vector<std::uint32_t>& groups,
+             std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release released;
+            return self.stage(std::span<const std::uint32_t>(groups), stream_of(stream));
+          },
+          "groups"_a, "stream"_a = nb::none())
+      .def(
           "commit",
           [](StagedRefit& self, std::optional<std::uintptr_t> stream) {
             nb::gil_scoped_release released;
             self.commit(stream_of(stream));
           },
           "stream"_a = nb::none())
+      .def(
+          "commit_groups",
+          [](StagedRefit& self, const std::vector<std::uint32_t>& groups,
+             std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release released;
+            self.commit(std::span<const std::uint32_t>(groups), stream_of(stream));
+          },
+          "groups"_a, "stream"_a = nb::none())
+      .def_prop_ro("staged_groups", &StagedRefit::staged_groups)
       .def(
           "update",
           [](StagedRefit& self, const TensorLists& src, const TensorLists& dst,

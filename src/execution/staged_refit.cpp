@@ -2,9 +2,13 @@
 // commits them.
 #include "reshard/staged_refit.hpp"
 
+#include <algorithm>
+#include <deque>
 #include <exception>
 #include <map>
+#include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -48,16 +52,28 @@ std::uint64_t bytes_of(const TensorMap& tensors) {
 
 struct StagedRefit::Impl {
   std::shared_ptr<const ReshardPlan> plan;
-  TensorMap dst;                            // the destination tensors the caller bound
-  Twins twins;                              // what the refit writes instead
-  std::optional<Refit> refit;               // bound to the sources and the twins
-  execution::BlockCopyBatch commit_copies;  // twins -> destinations, the blocks the plan writes
+  TensorMap dst;               // the destination tensors the caller bound
+  Twins twins;                 // what the refit writes instead
+  std::optional<Refit> refit;  // bound to the sources and the twins
+  // The group of each of the plan's parameters (ReshardOptions::param_groups; empty: one group).
+  std::vector<std::uint32_t> param_groups;
+  // Per group: twins -> destinations, the blocks the plan writes of its parameters (a deque:
+  // the batches own uploads and do not move).
+  std::deque<execution::BlockCopyBatch> commit_copies;
+  std::vector<bool> staged;  // per group: staged since its last commit
   std::uint64_t version = 0;
-  bool staged = false;
   int device = -1;             // the GPU of this rank's destinations, -1 on the host
   void* own_stream = nullptr;  // commit() without a stream runs here
 
-  Impl(std::shared_ptr<const ReshardPlan> p, TensorMap d) : plan(std::move(p)), dst(std::move(d)) {}
+  Impl(std::shared_ptr<const ReshardPlan> p, TensorMap d, std::vector<std::uint32_t> groups)
+      : plan(std::move(p)), dst(std::move(d)), param_groups(std::move(groups)) {}
+
+  std::uint32_t group_count() const { return static_cast<std::uint32_t>(commit_copies.size()); }
+
+  // What the destinations hold, for the errors that say nothing was written.
+  std::string holding() const {
+    return "; the destination tensors hold version " + std::to_string(version);
+  }
 
   ~Impl() {
 #ifdef RESHARD_WITH_CUDA
@@ -107,10 +123,62 @@ struct StagedRefit::Impl {
     return twins;
   }
 
-  // The blocks of this rank's destination tensors the plan writes, twin to tensor; scales whole.
-  void list_commit_copies(PeId me) {
+  // Collective: stages `groups` (all of them where `whole`), which lose their staged values
+  // first: a failure leaves them unstaged and every destination as it was.
+  ReshardReport stage(std::span<const std::uint32_t> groups, bool whole, void* cuda_stream) {
+    for (std::uint32_t g : groups) {
+      if (g < staged.size()) staged[g] = false;
+    }
+    try {
+      ReshardReport report = whole ? refit->run(cuda_stream) : refit->run(groups, cuda_stream);
+      for (std::uint32_t g : groups) staged[g] = true;
+      return report;
+    } catch (const Error& error) {
+      throw Error(error.code(),
+                  std::string(error.what()) +
+                      " [a staged refit: no destination tensor was written" + holding() + "]",
+                  error.tasks());
+    }
+  }
+
+  // Writes the staged twins of `groups` (checked) into the destinations; advances the version.
+  void commit(std::span<const std::uint32_t> groups, void* cuda_stream) {
+    if (device < 0) {
+      for (std::uint32_t g : groups) commit_copies[g].run(nullptr);
+    } else {
+#ifdef RESHARD_WITH_CUDA
+      void* stream = cuda_stream;
+      if (stream == nullptr) {
+        if (own_stream == nullptr) own_stream = execution::cuda::create_stream(device);
+        // After what the caller queued on the legacy default stream (its tensors' writes).
+        execution::cuda::wait_for_default_stream(device, own_stream);
+        stream = own_stream;
+      }
+      for (std::uint32_t g : groups) {
+        if (!commit_copies[g].empty()) commit_copies[g].run(stream);
+      }
+      if (cuda_stream == nullptr) execution::cuda::synchronize_stream(stream);
+#else
+      (void)cuda_stream;
+      throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
+#endif
+    }
+    for (std::uint32_t g : groups) staged[g] = false;
+    ++version;
+  }
+
+  // The blocks of this rank's destination tensors the plan writes, twin to tensor, by group;
+  // scales whole.
+  void list_commit_copies(PeId me, std::uint32_t groups) {
     commit_copies.clear();
+    commit_copies.resize(groups);
+    staged.assign(groups, false);
     device = -1;
+    std::unordered_map<std::string_view, std::uint32_t> group_of;
+    if (!param_groups.empty()) {
+      for (std::size_t i = 0; i < plan->params().size(); ++i)
+        group_of.emplace(plan->params()[i].name, param_groups[i]);
+    }
     const Layout& layout = plan->dst_layout();
     for (const auto& [name, tensor] : dst) {
       const LocalTensor& twin = twins.tensors.at(name);
@@ -119,15 +187,18 @@ struct StagedRefit::Impl {
       const Shard* shard =
           param == nullptr ? nullptr : layout.find_shard(me, layout.param_index(name));
       if (shard == nullptr) continue;  // a name the plan lacks (allowed): nothing lands there
+      const auto group = group_of.find(name);
+      execution::BlockCopyBatch& copies =
+          commit_copies[group == group_of.end() ? 0 : group->second];
       const std::size_t element_bytes = dtype_size(tensor.dtype);
       for (const Piece& piece : shard->pieces) {
-        commit_copies.add_copy(twin.data, tensor.data,
-                               execution::view_of(shard->local_box(piece), shard->local_shape,
-                                                  /*merge_full_dims=*/true),
-                               element_bytes);
+        copies.add_copy(twin.data, tensor.data,
+                        execution::view_of(shard->local_box(piece), shard->local_shape,
+                                           /*merge_full_dims=*/true),
+                        element_bytes);
       }
       if (tensor.scale.bytes > 0)
-        commit_copies.add_copy(twin.scale, tensor.scale, whole_bytes(tensor.scale), 1);
+        copies.add_copy(twin.scale, tensor.scale, whole_bytes(tensor.scale), 1);
     }
   }
 };
@@ -136,7 +207,7 @@ StagedRefit::StagedRefit(std::shared_ptr<const ReshardPlan> plan, TensorMap src,
                          CopyService& service, std::shared_ptr<ReshardTransform> transform,
                          const ReshardOptions& options, void* cuda_stream,
                          std::optional<std::uint64_t> max_staged_bytes)
-    : impl_(std::make_unique<Impl>(plan, std::move(dst))) {
+    : impl_(std::make_unique<Impl>(plan, std::move(dst), options.param_groups)) {
   Impl& self = *impl_;
   // Collective: a rank whose twins would pass the limit (or cannot have them) stops every rank
   // before anything is allocated or scheduled.
@@ -158,7 +229,7 @@ StagedRefit::StagedRefit(std::shared_ptr<const ReshardPlan> plan, TensorMap src,
   execution::gather_verdicts(service, {}, failure);
   self.refit.emplace(std::move(plan), std::move(src), self.twins.tensors, service,
                      std::move(transform), options, cuda_stream);
-  self.list_commit_copies(service.my_pe());
+  self.list_commit_copies(service.my_pe(), self.refit->groups());
 }
 
 StagedRefit::~StagedRefit() = default;
@@ -166,54 +237,54 @@ StagedRefit::StagedRefit(StagedRefit&&) noexcept = default;
 StagedRefit& StagedRefit::operator=(StagedRefit&&) noexcept = default;
 
 ReshardReport StagedRefit::stage(void* cuda_stream) {
-  Impl& self = *impl_;
-  self.staged = false;
-  try {
-    ReshardReport report = self.refit->run(cuda_stream);
-    self.staged = true;
-    return report;
-  } catch (const Error& error) {
-    throw Error(error.code(),
-                std::string(error.what()) +
-                    " [a staged refit: no destination tensor was written; they hold version " +
-                    std::to_string(self.version) + "]",
-                error.tasks());
-  }
+  std::vector<std::uint32_t> every(impl_->group_count());
+  for (std::uint32_t g = 0; g < every.size(); ++g) every[g] = g;
+  return impl_->stage(every, /*whole=*/true, cuda_stream);
+}
+
+ReshardReport StagedRefit::stage(std::span<const std::uint32_t> groups, void* cuda_stream) {
+  return impl_->stage(groups, /*whole=*/false, cuda_stream);
 }
 
 void StagedRefit::commit(void* cuda_stream) {
   Impl& self = *impl_;
-  if (!self.staged) {
-    throw_error(ErrorCode::kInvalidState,
-                "StagedRefit::commit: nothing is staged (no stage() since the last commit(), or "
-                "the last stage() failed); the destination tensors hold version " +
-                    std::to_string(self.version));
-  }
-  if (self.device < 0 || self.commit_copies.empty()) {
-    self.commit_copies.run(nullptr);
-  } else {
-#ifdef RESHARD_WITH_CUDA
-    void* stream = cuda_stream;
-    if (stream == nullptr) {
-      if (self.own_stream == nullptr) self.own_stream = execution::cuda::create_stream(self.device);
-      // After what the caller queued on the legacy default stream (its tensors' writes).
-      execution::cuda::wait_for_default_stream(self.device, self.own_stream);
-      stream = self.own_stream;
+  if (!staged()) {
+    std::string missing;
+    for (std::uint32_t g = 0; g < self.group_count(); ++g) {
+      if (!self.staged[g]) missing += (missing.empty() ? "" : ", ") + std::to_string(g);
     }
-    self.commit_copies.run(stream);
-    if (cuda_stream == nullptr) execution::cuda::synchronize_stream(stream);
-#else
-    (void)cuda_stream;
-    throw_error(ErrorCode::kUnsupported, "GPU tensors need a build with CUDA");
-#endif
+    throw_error(ErrorCode::kInvalidState,
+                std::string("StagedRefit::commit: nothing is staged (no stage() since the last "
+                            "commit(), or the last stage() failed)") +
+                    (self.group_count() > 1 ? " for group(s) " + missing : "") + self.holding());
   }
-  self.staged = false;
-  ++self.version;
+  std::vector<std::uint32_t> every(self.group_count());
+  for (std::uint32_t g = 0; g < every.size(); ++g) every[g] = g;
+  self.commit(every, cuda_stream);
+}
+
+void StagedRefit::commit(std::span<const std::uint32_t> groups, void* cuda_stream) {
+  Impl& self = *impl_;
+  for (std::uint32_t g : groups) {
+    if (g >= self.group_count()) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "StagedRefit::commit: group " + std::to_string(g) + " of a refit of " +
+                      std::to_string(self.group_count()) + " group(s)" + self.holding());
+    }
+    if (!self.staged[g]) {
+      throw_error(ErrorCode::kInvalidState,
+                  "StagedRefit::commit: group " + std::to_string(g) +
+                      " is not staged (no stage of it since its last commit, or that stage "
+                      "failed); nothing was committed" +
+                      self.holding());
+    }
+  }
+  self.commit(groups, cuda_stream);
 }
 
 ReshardReport StagedRefit::update(const TensorMap& src, const TensorMap& dst, void* cuda_stream) {
   Impl& self = *impl_;
-  self.staged = false;
+  std::fill(self.staged.begin(), self.staged.end(), false);
   // New twins for every destination (the replaced ones and the rest: one arena, no space left
   // behind); the refit's own update() checks the names and schedules again. A refused update
   // leaves the bound tensors and twins as they were.
@@ -230,12 +301,21 @@ ReshardReport StagedRefit::update(const TensorMap& src, const TensorMap& dst, vo
   ReshardReport report = self.refit->update(src, retargeted, cuda_stream);
   self.dst = std::move(destinations);
   self.twins = std::move(fresh);
-  self.list_commit_copies(self.refit->service().my_pe());
+  self.list_commit_copies(self.refit->service().my_pe(), self.refit->groups());
   return report;
 }
 
 std::uint64_t StagedRefit::version() const { return impl_->version; }
-bool StagedRefit::staged() const { return impl_->staged; }
+bool StagedRefit::staged() const {
+  return std::all_of(impl_->staged.begin(), impl_->staged.end(), [](bool s) { return s; });
+}
+std::vector<std::uint32_t> StagedRefit::staged_groups() const {
+  std::vector<std::uint32_t> groups;
+  for (std::uint32_t g = 0; g < impl_->group_count(); ++g) {
+    if (impl_->staged[g]) groups.push_back(g);
+  }
+  return groups;
+}
 std::uint64_t StagedRefit::staged_bytes() const { return bytes_of(impl_->dst); }
 const ReshardReport& StagedRefit::report() const { return impl_->refit->report(); }
 const TensorMap& StagedRefit::sources() const { return impl_->refit->sources(); }

@@ -3,7 +3,8 @@ destination element: after a run of some groups, exactly their parameters hold t
 values and every other destination still holds what it held (a sentinel), bitwise; a loop over
 all groups writes what a whole run writes. Random layouts from a seed; with a cast transform
 (conversions recorded per phase, groups of local conversions only) and a staging budget. Then the refusals: an unknown group, groups on a refit bound without them, groups that
-differ between ranks (the same error on every rank). Prints "rank R: ok" at the end.
+differ between ranks (the same error on every rank). A staged refit with groups: stage and commit
+a group at a time, each commit switching exactly its groups. Prints "rank R: ok" at the end.
 
     refit_groups_worker.py SEED [host|cuda]
 """
@@ -159,6 +160,35 @@ def main():
         expect_refusal(lambda: refit.run(groups=["no.such.group"]), ValueError,
                        "'no.such.group' names no group")
         refit.close()
+
+        # Staged, a group at a time: a stage writes no destination; a commit switches exactly
+        # its groups; a group not staged is refused with nothing written.
+        staged = reshard.bind(plan, src, dst, svc, transform, staging_budget=budget,
+                              groups="layers", staged=True)
+        assert staged.groups == groups, (staged.groups, groups)
+        order = rng.sample(groups, len(groups))
+        first, rest = order[0], order[1:]
+        set_sentinel()
+        staged.stage(groups=[first])
+        check(set(), f"a stage of group {first}")
+        assert staged.staged_groups == [first] and not staged.staged, staged.staged_groups
+        if rest:
+            expect_refusal(lambda: staged.commit(groups=rest[:1]), reshard.ReshardError,
+                           "is not staged")
+            check(set(), "a refused commit")
+        staged.commit(groups=[first])
+        check({first}, f"a commit of group {first}")
+        assert staged.version == 1 and staged.staged_groups == [], staged.staged_groups
+        staged.stage()
+        assert staged.staged
+        staged.commit(groups=rest)
+        check(set(groups), "the rest committed after a whole stage")
+        set_sentinel()
+        staged.commit(groups=[first])  # still staged by the whole stage
+        check({first}, f"group {first} committed last")
+        expect_refusal(lambda: staged.commit(), reshard.ReshardError, "nothing is staged")
+        assert staged.version == 3, staged.version
+        staged.close()
 
     # Without groups: run(groups=) is refused, saying how to bind them.
     refit = reshard.bind(plan, src, dst, svc, transform)
