@@ -36,12 +36,14 @@ std::string describe(const Buffer& buffer);
 // sender's rows need not look like its receiver's. `dims == 0` is one contiguous run of
 // `row_bytes` bytes.
 struct StridedRange {
-  static constexpr int kMaxDims = 7;
+  // Outer dimensions over the rows (a tensor's dimensions but its last; a block of a tensor of
+  // kMaxDims dimensions, layout.hpp, needs at most kMaxDims - 1 of them).
+  static constexpr int kMaxOuterDims = 7;
   std::size_t pos = 0;
   std::uint64_t row_bytes = 0;
   int dims = 0;
-  std::array<std::uint64_t, kMaxDims> extent{};
-  std::array<std::uint64_t, kMaxDims> stride{};
+  std::array<std::uint64_t, kMaxOuterDims> extent{};
+  std::array<std::uint64_t, kMaxOuterDims> stride{};
 
   static StridedRange contiguous(std::size_t pos, std::size_t bytes) { return {pos, bytes}; }
   // `rows` rows of `row_bytes`, `pitch` bytes apart (a 2-D box, as cudaMemcpy2D takes it).

@@ -126,12 +126,12 @@ Buffer buffer_of(const AnyArray& array, const Describe& what) {
 StridedRange strided_range(TaskId task, std::size_t pos, std::size_t size,
                            const std::vector<std::uint64_t>& rows,
                            const std::vector<std::uint64_t>& pitches) {
-  if (rows.size() != pitches.size() || rows.size() > StridedRange::kMaxDims) {
+  if (rows.size() != pitches.size() || rows.size() > StridedRange::kMaxOuterDims) {
     throw Error(ErrorCode::kInvalidArgument,
                 "task " + std::to_string(task) + ": rows has " + std::to_string(rows.size()) +
                     " extents and pitches " + std::to_string(pitches.size()) +
                     " strides; give one stride (in bytes) per extent, at most " +
-                    std::to_string(StridedRange::kMaxDims),
+                    std::to_string(StridedRange::kMaxOuterDims),
                 {task});
   }
   StridedRange range{pos, size, static_cast<int>(rows.size())};

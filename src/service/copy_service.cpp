@@ -195,9 +195,9 @@ StridedRange CopyService::Impl::check_request(const char* call, TaskId task, con
              std::to_string(size) + ") lies outside its " + describe(buffer));
     }
   } else {
-    if (range.dims < 0 || range.dims > StridedRange::kMaxDims) {
+    if (range.dims < 0 || range.dims > StridedRange::kMaxOuterDims) {
       refuse("a strided range has " + std::to_string(range.dims) + " dimensions (0.." +
-             std::to_string(StridedRange::kMaxDims) + " allowed)");
+             std::to_string(StridedRange::kMaxOuterDims) + " allowed)");
     }
     // In 128 bits, so that extents whose product wraps around are refused, not believed.
     using Wide = unsigned __int128;
