@@ -398,7 +398,7 @@ void bind_bootstrap(nb::module_& m) {
   m.def("mpi_bootstrap_available", &mpi_bootstrap_available);
 }
 
-// The local launcher (tools/launch) behind `python -m reshard.launch`: the same one reshard-run
+// The local launcher (src/launch) behind `python -m reshard.launch`: the same one reshard-run
 // uses. The job's output goes to this process's stdout and stderr; the GIL is released while it
 // runs.
 void bind_launcher(nb::module_& m) {
