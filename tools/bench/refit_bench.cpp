@@ -498,6 +498,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                 model.name.c_str(), model.layers, format_bytes(model.total_bytes()).c_str(),
                 from.str().c_str(), to.str().c_str(), n, service.transport_name().c_str(),
                 transform_name.c_str());
+    std::printf(
+        "  (a layout: tp, dp, pp, ep, etp = tensor, data, pipeline, expert and in-expert tensor "
+        "parallel sizes; xN = N replicas side by side; @R = its first rank)\n");
     std::printf("  plan: %s\n", plan->summary().c_str());
     if (report.locally_converted_bytes > 0) {
       std::printf("  local ops converted in place while the transfer runs (PE 0): %s\n",
