@@ -2,8 +2,11 @@
 # On a GPU machine: builds reshard and runs the GPU test suite (ctest -L gpu) in groups, one after
 # the other, each within its own time limit, so a device call of a few minutes covers a part and
 # a hang in one group cannot eat the others; prints one table (tests, passed, failed, skipped,
-# seconds per group). GROUPS_TO_RUN="plans-cuda copies-cuda ..." narrows it; GROUP_TIMEOUT (s)
-# bounds each group (default 280). Logs go to $OUT (default build-gpu/logs).
+# seconds per group), a row as each group ends, so a device call cut short still shows what ran.
+# GROUPS_TO_RUN="plans-cuda copies-cuda ..." narrows it; GROUP_TIMEOUT (s) bounds each group
+# (default 280). Each GPU test costs 13-17 s of process and CUDA start-up, so the whole suite
+# takes about 15 minutes of one H200: run it in two calls, GROUPS_TO_RUN="plans-cuda copies-cuda
+# kernels colocated" and then the rest. Logs go to $OUT (default build-gpu/logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh
@@ -23,7 +26,7 @@ declare -A pattern=(
 order="plans-cuda copies-cuda kernels colocated plans-nvshmem copies-nvshmem mixed plans-mixed
   plans-nccl copies-nccl"
 status=0
-rows=()
+printf '%-15s | %5s | %6s | %6s | %7s | %7s |\n' group tests passed failed skipped seconds
 for group in ${GROUPS_TO_RUN:-$order}; do
   log="$OUT/suite-$group.log"
   start=$(date +%s)
@@ -38,10 +41,8 @@ for group in ${GROUPS_TO_RUN:-$order}; do
   note=""
   [[ $rc == 124 ]] && note="group timed out after ${GROUP_TIMEOUT:-280} s"
   [[ $rc != 0 ]] && status=1
-  rows+=("$(printf '%-15s | %5d | %6d | %6d | %7d | %7d | %s' "$group" "$total" "$passed" \
-    "$failed" "$skipped" "$seconds" "$note")")
+  printf '%-15s | %5d | %6d | %6d | %7d | %7d | %s\n' "$group" "$total" "$passed" "$failed" \
+    "$skipped" "$seconds" "$note"
 done
-printf '%-15s | %5s | %6s | %6s | %7s | %7s |\n' group tests passed failed skipped seconds
-printf '%s\n' "${rows[@]}"
 grep -hE "\(Failed\)|\(Timeout\)" "$OUT"/suite-*.log | sort -u | head -20
 exit $status
