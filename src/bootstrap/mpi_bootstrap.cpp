@@ -120,7 +120,7 @@ class MpiBootstrap : public Bootstrap {
                                              " (a rank did not arrive; raise RESHARD_TIMEOUT_S "
                                              "if it is only slow)");
       }
-      throw_if_interrupted(("MPI " + what).c_str(), deadline - timeout_);
+      throw_if_interrupted(what.c_str(), deadline - timeout_);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
