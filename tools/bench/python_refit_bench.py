@@ -2,7 +2,7 @@
 """A model refit as a Python user runs it, with PyTorch tensors, timed per call on the slowest PE.
 
     python -m reshard.launch -n 2 tools/bench/python_refit_bench.py [--model qwen3-30b-a3b]
-        [--layers 12] [--device cuda|cpu] [--staged] [--json FILE]
+        [--layers 12] [--device cuda|cpu] [--staged] [--groups] [--graph] [--json FILE]
 
 The layouts are `reshard bench-refit`'s (Llama-3-8B TP n -> TP n/2 x 2 replicas; Qwen3-30B-A3B
 TP n/2 x DP 2 x EP n -> TP n x EP n/2 x expert-TP 2), so the figures stand beside its C++ ones
@@ -64,6 +64,9 @@ def main():
     parser.add_argument("--groups", action="store_true",
                         help="also the refit bound with groups='layers': a whole run, and a "
                              "loop running one group at a time")
+    parser.add_argument("--graph", action="store_true",
+                        help="also the bound run captured once in a CUDA graph "
+                             "(torch.cuda.graph) and replayed: host time of a replay")
     parser.add_argument("--json")
     parser.add_argument("--commit", help="source revision recorded in the JSON line")
     args = parser.parse_args()
@@ -150,6 +153,26 @@ def main():
 
     wrong = wrong_after(refit.run)
 
+    # Captured once, replayed: what an engine that captures its refit in a graph pays a refit.
+    graphed = None
+    if args.graph and args.device == "cuda":
+        with torch.cuda.stream(stream):
+            refit.run(stream)
+        stream.synchronize()
+        barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            refit.run(stream)
+        barrier()
+
+        def replay_waited():
+            graph.replay()  # on the current stream, as torch replays
+            torch.cuda.synchronize()
+
+        replayed, replay_issued = time_each(graph.replay, torch.cuda.synchronize)
+        wrong += wrong_after(replay_waited)
+        graphed = {"replay": replayed, "host": replay_issued}
+
     # Staged (after the checks above: binding it replaces the bound refit's schedule on svc).
     staged = None
     if args.staged:
@@ -195,6 +218,10 @@ def main():
         if queued is not None:
             print(f"  run(stream) then synchronize:                {queued * 1e3:.3f} ms "
                   f"(host time of the call {issued * 1e6:.1f} us)")
+        if graphed is not None:
+            print(f"  CUDA graph replay then synchronize:          "
+                  f"{graphed['replay'] * 1e3:.3f} ms (host time of replay() "
+                  f"{graphed['host'] * 1e6:.1f} us)")
         if staged is not None:
             print(f"  staged: stage() {staged['stage'] * 1e3:.3f} ms, commit() (the pause) "
                   f"{staged['commit'] * 1e3:.3f} ms = {staged['commit'] / bound:.2f}x the run, "
@@ -217,6 +244,9 @@ def main():
                       "execute_median_s": executed, "rerun_median_s": rerun,
                       "bound_median_s": bound, "bound_stream_median_s": queued,
                       "bound_issue_median_s": issued, "wrong": wrong}
+            if graphed is not None:
+                record.update({"graph_replay_median_s": graphed["replay"],
+                               "graph_replay_host_median_s": graphed["host"]})
             if staged is not None:
                 record.update({"staged_stage_median_s": staged["stage"],
                                "staged_commit_median_s": staged["commit"],
