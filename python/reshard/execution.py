@@ -89,7 +89,7 @@ def execute_reshard_plan(
     it (as ``load_state_dict(strict=True)`` refuses one); ``strict=False`` ignores such tensors.
     Every rank must pass the same.
     """
-    from .refit import OnCurrentStream, torch_cuda_device
+    from .refit import OnCurrentStream, torch_cuda_device, wait_after_transfers
     core = service.core if isinstance(service, CopyService) else service
     budget = _budget_bytes(staging_budget)
     on_sender = bool(quantize_colocated_on_sender)
@@ -106,7 +106,7 @@ def execute_reshard_plan(
                                            bool(strict))
         if report is not None:
             if wait is not None:
-                wait.synchronize()
+                wait_after_transfers(core, wait)
             return report
     tensors = (_entries(src), _entries(dst))
     try:
@@ -122,7 +122,7 @@ def execute_reshard_plan(
                     if isinstance(src, dict) and isinstance(dst, dict) else None)
         service._prepared_refit = (key, snapshot) if snapshot is not None else None
     if wait is not None:
-        wait.synchronize()
+        wait_after_transfers(core, wait)
     return report
 
 

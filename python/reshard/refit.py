@@ -54,6 +54,15 @@ class OnCurrentStream:
         return current.cuda_stream, current
 
 
+def wait_after_transfers(service: Any, stream: Any) -> None:
+    """Waits for a PyTorch stream a refit ran on. Its transfers wait for peers, so they are
+    waited for first through the copy service, which notices a peer that exited or stopped and
+    gives up at its timeout (the stream's own wait would never end); what the stream holds after
+    them is local work."""
+    service.synchronize()
+    stream.synchronize()
+
+
 class GroupNumbers(tuple):
     """Groups already resolved: (the group number of each of the plan's parameters, the groups'
     names), as :func:`name_groups` returns them."""
@@ -143,7 +152,7 @@ class BoundRefit:
                 raise ValueError("max_staged_bytes is for a staged refit (staged=True)")
             self._core = _core.Refit(*arguments, numbers)
         if wait is not None:
-            wait.synchronize()
+            self._wait(wait)
 
     def run(self, stream: StreamLike = None,
             groups: Union[None, str, Sequence[str]] = None) -> "_core.ReshardReport":
@@ -194,15 +203,22 @@ class BoundRefit:
             chosen.update(matched)
         return sorted(chosen)
 
-    def _ordered(self, call: Any, stream: StreamLike) -> Any:
+    def _ordered(self, call: Any, stream: StreamLike, transfers: bool = True) -> Any:
         """``call(stream handle)``: on ``stream`` where given; for PyTorch CUDA tensors without
-        one, on PyTorch's current stream and waited for (see :class:`OnCurrentStream`)."""
+        one, on PyTorch's current stream and waited for (see :class:`OnCurrentStream`).
+        ``transfers``: whether the call moves bytes between ranks (not a commit)."""
         if self._ordering.device is None or stream is not None:
             return call(stream_handle(stream))
         handle, wait = self._ordering.handle(None)
         result = call(handle)
-        wait.synchronize()
+        self._wait(wait, transfers)
         return result
+
+    def _wait(self, wait: Any, transfers: bool = True) -> None:
+        if transfers:
+            wait_after_transfers(self._service, wait)
+        else:
+            wait.synchronize()
 
     def stage(self, stream: StreamLike = None,
               groups: Union[None, str, Sequence[str]] = None) -> "_core.ReshardReport":
@@ -229,9 +245,9 @@ class BoundRefit:
         say), the others keep their values."""
         core = self._staged_core("commit")
         if groups is None:
-            return self._ordered(core.commit, stream)
+            return self._ordered(core.commit, stream, transfers=False)
         chosen = self._chosen_groups(groups, "commit")
-        self._ordered(lambda handle: core.commit_groups(chosen, handle), stream)
+        self._ordered(lambda handle: core.commit_groups(chosen, handle), stream, transfers=False)
 
     @property
     def version(self) -> int:
@@ -273,7 +289,7 @@ class BoundRefit:
         handle, wait = self._ordering.handle(stream)
         report = self._core.update(_entries(src), _entries(dst), handle)
         if wait is not None:
-            wait.synchronize()
+            self._wait(wait)
         # Only now: a refused update leaves the refit's tensors (and a Python transform's view
         # of them) as they were.
         self._src.update(src)

@@ -635,6 +635,17 @@ struct Resharder::Impl {
 #endif
   }
 
+#ifdef RESHARD_WITH_CUDA
+  // Waits for this executor's own stream, where a refit without the caller's stream ran. The
+  // transfers on it wait for peers, so they are waited for first through the copy service, whose
+  // wait notices a peer that exited or stopped and gives up at the service's timeout; what is
+  // queued after them (unpacks, conversions on arrival) is local and always ends.
+  void wait_for_own_stream(void* stream) {
+    service.synchronize();
+    execution::cuda::synchronize_stream(stream);
+  }
+#endif
+
   // The wire buffers the transform returns for a transformed side (its hooks run at every refit:
   // the sender's converts the data now).
   std::vector<execution::WireRange> transform_wire(const Side& side, const LocalTensor& tensor,
@@ -1513,7 +1524,7 @@ struct Resharder::Impl {
     }
     report.conversions_replayed = replayed;
 #ifdef RESHARD_WITH_CUDA
-    if (cuda_stream == nullptr && stream != nullptr) execution::cuda::synchronize_stream(stream);
+    if (cuda_stream == nullptr && stream != nullptr) wait_for_own_stream(stream);
 #endif
     report.bytes_sent = prepared.report.bytes_sent;
     report.bytes_received = prepared.report.bytes_received;
@@ -1653,7 +1664,7 @@ struct Refit::Impl {
     executor.gather_verdicts({}, failure);
     executor.prepare(src, dst, stream, report);
 #ifdef RESHARD_WITH_CUDA
-    if (cuda_stream == nullptr && stream != nullptr) execution::cuda::synchronize_stream(stream);
+    if (cuda_stream == nullptr && stream != nullptr) executor.wait_for_own_stream(stream);
 #endif
     bound = true;
   }

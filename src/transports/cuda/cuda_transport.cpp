@@ -1197,6 +1197,9 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
 
 void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) noexcept {
   if (status_ == nullptr) return;
+  RESHARD_LOG(kDebug, "PE " << me_ << " gives up its run on CUDA device " << device_ << ": "
+                            << (code == kStatusTimeout ? "timed out" : "cancelled")
+                            << " waiting for PE " << peer);
   host_failure_.record(code, peer, phase);
   cancel_waits(status_);
   // The kernels after the waits copy nothing once this word is set (see KernelArgs::failure).
