@@ -373,6 +373,7 @@ struct Resharder::Impl {
   std::uint64_t registered_generation = UINT64_MAX;  // the service's, after our schedule
   void* own_stream = nullptr;
   int own_stream_device = -1;
+  int loaded_kernels_on = -1;  // the GPU execution::cuda::load_kernels loaded them on
   // With local conversions on a GPU, the transfer runs on a stream of the highest priority,
   // ordered after the caller's (fork) and before the caller's later work (join), while the
   // conversions run on the caller's: the GPU's CTA scheduler then gives the transfer's kernels
@@ -1198,6 +1199,12 @@ struct Resharder::Impl {
       check_names(src, dst, false);
       tensors = tensors_used(src, dst);
       prepared.device = device_of(src, dst);
+#ifdef RESHARD_WITH_CUDA
+      if (prepared.device >= 0 && loaded_kernels_on != prepared.device) {
+        execution::cuda::load_kernels(prepared.device);
+        loaded_kernels_on = prepared.device;
+      }
+#endif
       for (const TransferOp* op : send_ops) {
         if (op->local() && converts_locally(*op, src, dst)) continue;
         sending.push_back(op);

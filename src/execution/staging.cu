@@ -7,6 +7,7 @@
 #include "gpu/async_copy.cuh"
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
+#include "transforms/conversions.hpp"
 
 namespace reshard::execution::cuda {
 namespace {
@@ -248,6 +249,13 @@ void* create_stream(int device, bool high_priority) {
 void destroy_stream(int device, void* stream) {
   DeviceScope scope(device);
   cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+void load_kernels(int device) {
+  DeviceScope scope(device);
+  cudaFuncAttributes attributes{};
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_blocks_kernel));
+  load_conversion_kernels();
 }
 
 void synchronize_stream(void* stream) {

@@ -169,6 +169,9 @@ void run_block_copies(const std::vector<BlockCopy>& copies, bool uploaded, void*
 void* create_stream(int device, bool high_priority = false);
 void destroy_stream(int device, void* stream);
 void synchronize_stream(void* stream);
+// Loads the executor's kernels (block copies, conversions) on `device` now, before any refit
+// queues work behind a peer's wait (see reshard::cuda::load_copy_kernels).
+void load_kernels(int device);
 // `own` (from create_stream) waits for the work queued on the legacy default stream so far: what a
 // caller that gives no stream has queued its tensors' writes on.
 void wait_for_default_stream(int device, void* own);

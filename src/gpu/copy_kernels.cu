@@ -638,4 +638,13 @@ void launch_end(const KernelArgs& args, cudaStream_t stream) {
   RESHARD_CUDA_CHECK(cudaGetLastError());
 }
 
+void load_copy_kernels() {
+  cudaFuncAttributes attributes{};
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fused_copy_kernel));
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, plain_copy_kernel));
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, flagged_copy_kernel));
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, begin_kernel));
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, end_kernel));
+}
+
 }  // namespace reshard::cuda

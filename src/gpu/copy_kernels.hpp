@@ -67,4 +67,11 @@ int fused_copy_ctas_per_sm();
 void launch_begin(const KernelArgs& args, cudaStream_t stream, bool early_launch);
 void launch_end(const KernelArgs& args, cudaStream_t stream);
 
+// Loads these kernels on the current device now. CUDA loads a kernel at its first launch (lazy
+// loading, its default), and loading waits for the device's work: a first launch queued behind a
+// stream wait on a peer that died does not return, and holds the driver's lock the watchdog needs
+// to release that wait (2 PEs on one H200, 2026-11-29). Transports load them at init, before any
+// run queues a wait.
+void load_copy_kernels();
+
 }  // namespace reshard::cuda

@@ -1507,6 +1507,43 @@ void clear_queued(ConversionUploads& uploads) {
 
 }  // namespace
 
+namespace {
+
+template <typename Kernel>
+void load(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+}
+
+// f.template operator()<T>() for each floating-point type a conversion reads or writes.
+template <typename F>
+void for_each_float_type(F f) {
+  f.template operator()<DType::kFloat32>();
+  f.template operator()<DType::kBFloat16>();
+  f.template operator()<DType::kFloat16>();
+}
+
+// Each instance launch_casts, launch_mx and launch_blocks choose from (both chunk sizes).
+template <DType S>
+void load_from() {
+  constexpr int kTiles = kCastTiles<S>;
+  constexpr int kFewer = S == DType::kFloat32 ? kTiles / 2 : kTiles;
+  for_each_float_type([]<DType D>() {
+    load(cast_kernel<S, D, kTiles>);
+    load(cast_kernel<S, D, kFewer>);
+  });
+  load(mx_quantize_kernel<S, kMxTiles<S>>);
+  load(mx_quantize_kernel<S, kMxTiles<S> / 2>);
+  load(block_quantize_kernel<S>);
+}
+
+}  // namespace
+
+void load_conversion_kernels() {
+  for_each_float_type([]<DType S>() { load_from<S>(); });
+  load(swizzle_kernel);
+}
+
 void launch_queued(ConversionUploads& uploads, void* stream) {
   // One launch per kind and pair of dtypes: casts, MXFP8, block FP8, then the scale swizzles.
   // What a failed launch leaves queued is dropped with it, not launched again by the next flush.

@@ -170,6 +170,9 @@ void queue(ConversionUploads& uploads, const BlockFp8Job& job);
 void queue(ConversionUploads& uploads, const SwizzleJob& job);
 std::size_t queued_jobs(const ConversionUploads& uploads);
 void launch_queued(ConversionUploads& uploads, void* stream);
+// Loads every conversion kernel launch_queued may launch on the current device now (see
+// reshard::cuda::load_copy_kernels: a first launch behind a peer's stuck wait would not return).
+void load_conversion_kernels();
 }  // namespace cuda
 #endif
 

@@ -1719,16 +1719,9 @@ def test_gpu_torch_state_dicts(case, n):
     assert result.stdout.count(f": ok {case}") == n, result.stdout
 
 
-DEAD_SAME_GPU_PEER_HANGS = pytest.mark.xfail(
-    strict=True, reason="a known defect: with 2 PEs sharing one H200 (MPS off), the survivor of a "
-    "peer that exits after binding hangs instead of failing within RESHARD_TIMEOUT_S "
-    "(2026-11-28): in stage() or in reading its tensors after it")
-
-
 @pytest.mark.skipif(gpu_count() < 1 or not has_torch(), reason=ONE_GPU)
-@pytest.mark.parametrize("case,n", [("commit", 2), ("commit", 4),
-                                    pytest.param("dead_peer", 2,
-                                                 marks=DEAD_SAME_GPU_PEER_HANGS)])
+@pytest.mark.parametrize("case,n", [("commit", 2), ("commit", 4), ("dead_peer", 2),
+                                    ("dead_peer", 4)])
 def test_gpu_staged_refit(case, n):
     result = launch(n, WORKERS / "staged_refit_worker.py", case, "torch-cuda",
                     timeout=90 if case == "dead_peer" else 240, RESHARD_TIMEOUT_S="10")

@@ -274,6 +274,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
   device_ = select_device(bootstrap, options.device);
   DeviceScope scope(device_);
+  load_copy_kernels();
   engine_ = options.cuda.engine;
   copy_engine_min_bytes_ = options.cuda.ce_min_bytes;
   copy_engine_streams_used_ = options.debug.cuda_ce_streams;

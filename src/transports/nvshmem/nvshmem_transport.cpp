@@ -387,6 +387,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
   timeout_ = options.timeout;
   device_ = cuda::select_device(bootstrap, options.device);
   cuda::DeviceScope scope(device_);
+  cuda::load_copy_kernels();
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   ctas_per_sm_ = cuda::flagged_copy_ctas_per_sm();
   {
