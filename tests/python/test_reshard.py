@@ -1215,6 +1215,25 @@ def test_megatron_swap_model_weights_through_reshard_matches_its_gloo_service(ch
     assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
 
 
+# Mixture-of-experts GPTs (Megatron's local spec: router, SequentialMLP experts, a shared expert)
+# on 4 ranks: TP changes of the experts' matrices, PP into TP, and expert parallelism 2 -> 4 (at
+# megatron-core 0.16.1 Megatron's plan matches SequentialMLP experts by their local names under
+# EP; see the worker), each bitwise equal to Megatron's Gloo service.
+MEGATRON_MOE_CHANGES = ["2 1 1 1 experts=4 shared=1", "1 1 2 1 experts=4",
+                        "1 2 2 1 experts=4 shared=1", "1 1 1 1 experts=4 src_ep=2 dst_ep=4"]
+
+
+@pytest.mark.skipif(not has_megatron(), reason="needs megatron-core (and PyTorch)")
+@pytest.mark.parametrize("change", MEGATRON_MOE_CHANGES)
+def test_megatron_moe_swap_model_weights_through_reshard_matches_its_gloo_service(change):
+    layout, options = change.split()[:4], change.split()[4:]
+    result = launch(4, WORKERS / "megatron_refit_worker.py", *layout, 3, "cpu", *options,
+                    timeout=300)
+    assert_ok(result)
+    assert "experts, EP" in result.stdout
+    assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
+
+
 def test_remote_copy_service_takes_the_seed_api_by_its_keywords():
     from reshard.megatron import RemoteCopyService
 

@@ -6,7 +6,16 @@ parameter must come out bitwise equal between the two (and written: none left ze
 must plan on the first refit only.
 
     megatron_refit_worker.py SRC_TP SRC_PP DST_TP DST_PP [REFITS] [cpu|cuda] [plain|mxfp8|mxfp8-send]
-                             [together|apart]
+                             [together|apart] [experts=E src_ep=N dst_ep=N shared=1]
+
+``experts=E``: a mixture-of-experts GPT (Megatron's local spec: a router and E experts per layer in
+its ``SequentialMLP``, their matrices split by tensor parallelism as the dense ones are), with
+``shared=1`` a shared expert beside them, and expert parallelism ``src_ep`` / ``dst_ep`` (default
+1) on each side. Both services move what Megatron's plan says, and the check is the same: bitwise
+equal to Megatron's Gloo service. (Megatron's refit at megatron-core 0.16.1 tells expert-parallel
+parameters apart by ``allreduce=False``, which its ``SequentialMLP`` does not set, so under expert
+parallelism its plan matches ``local_experts.i`` by that local name, whichever global expert a
+rank holds there: a property of Megatron's plan, the same through either service.)
 
 ``together`` (collocated, the default): both models span every rank. ``apart`` (non-collocated,
 megatron-core >= 0.17): the source lives on the first half of the ranks, the destination on the
@@ -39,12 +48,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-DEVICE = sys.argv[6] if len(sys.argv) > 6 else "cpu"
-MODE = sys.argv[7] if len(sys.argv) > 7 else "plain"
-APART = len(sys.argv) > 8 and sys.argv[8] == "apart"
+ARGS = [arg for arg in sys.argv[1:] if "=" not in arg]
+OPTIONS = dict(arg.split("=", 1) for arg in sys.argv[1:] if "=" in arg)
+DEVICE = ARGS[5] if len(ARGS) > 5 else "cpu"
+MODE = ARGS[6] if len(ARGS) > 6 else "plain"
+APART = len(ARGS) > 7 and ARGS[7] == "apart"
 MXFP8 = MODE in ("mxfp8", "mxfp8-send")
+EXPERTS = int(OPTIONS.get("experts", 0))
+SRC_EP, DST_EP = int(OPTIONS.get("src_ep", 1)), int(OPTIONS.get("dst_ep", 1))
 if DEVICE == "cpu":
     torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
+    # Megatron's router places its weights on the current CUDA device: here, the CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
 if MXFP8:
     from megatron.core.inference.quantization import mxfp8_tensor
     from megatron.core.resharding.transforms import MXFP8ReshardTransform
@@ -79,22 +94,23 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from reshard.megatron import ReshardCopyService  # noqa: E402
 
 
-def process_groups(tp, pp, first, size):
-    """Megatron's process groups for a model of TP x PP x DP on ranks first .. first + size - 1
+def process_groups(tp, pp, first, size, ep=1):
+    """Megatron's process groups for a model of TP x EP x PP x DP on ranks first .. first + size - 1
     (DP fills them). Every rank takes part in making them, as torch.distributed requires."""
-    dp = size // (tp * pp)
-    grid = HyperCommGrid([tp, 1, 1, pp, dp], ["tp", "cp", "ep", "pp", "dp"], rank_offset=first)
+    dp = size // (tp * ep * pp)
+    grid = HyperCommGrid([tp, 1, ep, pp, dp], ["tp", "cp", "ep", "pp", "dp"], rank_offset=first)
     tp_group, pp_group, dp_group = grid.create_pg("tp"), grid.create_pg("pp"), grid.create_pg("dp")
     # Embedding groups (first and last stage of each pipeline): every rank creates every one, in
-    # the same order, as torch.distributed requires; the grid numbers TP fastest, then PP, DP.
+    # the same order, as torch.distributed requires; the grid numbers TP fastest, then EP, PP, DP.
     embd = pos_embd = None
     for d in range(dp):
-        for t in range(tp):
-            stages = [first + t + tp * (p + pp * d) for p in range(pp)]
-            first_last = dist.new_group(ranks=sorted({stages[0], stages[-1]}))
-            first_stage = dist.new_group(ranks=[stages[0]])
-            if dist.get_rank() in stages:
-                embd, pos_embd = first_last, first_stage
+        for e in range(ep):
+            for t in range(tp):
+                stages = [first + t + tp * (e + ep * (p + pp * d)) for p in range(pp)]
+                first_last = dist.new_group(ranks=sorted({stages[0], stages[-1]}))
+                first_stage = dist.new_group(ranks=[stages[0]])
+                if dist.get_rank() in stages:
+                    embd, pos_embd = first_last, first_stage
     return ProcessGroupCollection(
         tp=tp_group, cp=grid.create_pg("cp"), pp=pp_group, ep=grid.create_pg("ep"),
         dp=dp_group, tp_cp=grid.create_pg(["tp", "cp"]), mp=grid.create_pg(["tp", "cp", "ep", "pp"]),
@@ -105,17 +121,19 @@ def process_groups(tp, pp, first, size):
     )
 
 
-def build_model(base, tp, pp, first=0, size=None):
+def build_model(base, tp, pp, first=0, size=None, ep=1):
     """The model on ranks first .. first + size - 1 (all by default); None on the others."""
     size = dist.get_world_size() - first if size is None else size
     config = copy.deepcopy(base)
     config.tensor_model_parallel_size = tp
     config.pipeline_model_parallel_size = pp
-    groups = process_groups(tp, pp, first, size)
+    config.expert_model_parallel_size = ep
+    groups = process_groups(tp, pp, first, size, ep)
     if not first <= dist.get_rank() < first + size:
         return None
     stage = dist.get_group_rank(groups.pp, dist.get_rank())
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS or None, moe_grouped_gemm=False)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=128, max_sequence_length=16, pre_process=stage == 0,
                      post_process=stage == pp - 1, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope", pg_collection=groups)
@@ -135,24 +153,30 @@ def mxfp8_transform(model):
 
 
 def main():
-    src_tp, src_pp, dst_tp, dst_pp = map(int, sys.argv[1:5])
-    refits = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    src_tp, src_pp, dst_tp, dst_pp = map(int, ARGS[:4])
+    refits = int(ARGS[4]) if len(ARGS) > 4 else 3
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     dist.init_process_group("gloo")
     me = dist.get_rank()
     torch.manual_seed(1234)
     dtype = torch.bfloat16 if MXFP8 else torch.float32
+    moe = {}
+    if EXPERTS:
+        moe = dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=64, add_bias_linear=False,
+                   moe_token_dispatcher_type="alltoall")
+        if OPTIONS.get("shared") == "1":
+            moe["moe_shared_expert_intermediate_size"] = 64
     base = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8,
                              num_query_groups=4, ffn_hidden_size=128, gated_linear_unit=True,
                              use_cpu_initialization=True, params_dtype=dtype,
                              pipeline_dtype=dtype, bf16=MXFP8, hidden_dropout=0.0,
-                             attention_dropout=0.0)
+                             attention_dropout=0.0, **moe)
     half = dist.get_world_size() // 2
     src_ranks, dst_ranks = ((0, half), (half, half)) if APART else ((0, None), (0, None))
-    src = build_model(base, src_tp, src_pp, *src_ranks)
-    dst_gloo = build_model(base, dst_tp, dst_pp, *dst_ranks)
-    dst_reshard = build_model(base, dst_tp, dst_pp, *dst_ranks)
+    src = build_model(base, src_tp, src_pp, *src_ranks, ep=SRC_EP)
+    dst_gloo = build_model(base, dst_tp, dst_pp, *dst_ranks, ep=DST_EP)
+    dst_reshard = build_model(base, dst_tp, dst_pp, *dst_ranks, ep=DST_EP)
     holds_dst = dst_reshard is not None
 
     gloo = GlooCopyService()
@@ -227,7 +251,8 @@ def main():
     ok = torch.tensor([0 if failures else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if me == 0 and ok.item():
-        print(f"megatron refit TP{src_tp} PP{src_pp} -> TP{dst_tp} PP{dst_pp} on {DEVICE}"
+        moe = f" with {EXPERTS} experts, EP{SRC_EP} -> EP{DST_EP}" if EXPERTS else ""
+        print(f"megatron refit TP{src_tp} PP{src_pp} -> TP{dst_tp} PP{dst_pp}{moe} on {DEVICE}"
               f"{', non-collocated' if APART else ''}"
               f"{' through MXFP8ReshardTransform' if MODE == 'mxfp8' else ''}"
               f"{' through MXFP8ReshardTransform(convert_on_send=True)' if MODE == 'mxfp8-send' else ''}"
