@@ -57,7 +57,12 @@ struct ParamSpec {
   std::string name;
   std::vector<std::int64_t> shape;
   DType dtype = DType::kBFloat16;
+  // The block [0, real_shape[d]) of `shape` that holds the model's values where the layout pads
+  // the parameter (a vocabulary padded to a multiple of 128 x TP, as Megatron pads it): plans move
+  // only that block, and two layouts may pad a parameter differently. Empty: all of `shape`.
+  std::vector<std::int64_t> real_shape;
 
+  const std::vector<std::int64_t>& real() const { return real_shape.empty() ? shape : real_shape; }
   std::int64_t elements() const;
   std::size_t bytes() const { return static_cast<std::size_t>(elements()) * dtype_size(dtype); }
 };

@@ -26,6 +26,9 @@ struct ModelParam {
   Stage stage = Stage::kLayer;
   int layer = 0;
   int expert = -1;  // >= 0: an expert weight, owned by one expert-parallel rank
+  // Its tp_dim (dim 0 where it has none) indexes the vocabulary (embeddings, output head): a
+  // Parallelism with vocab_multiple pads it (ParamSpec::real_shape keeps the model's size).
+  bool vocab = false;
 };
 
 struct ModelSpec {
@@ -49,6 +52,10 @@ struct Parallelism {
   int ep = 1;
   int etp = 1;
   PeId rank_offset = 0;
+  // Vocabulary rows (ModelParam::vocab) padded up to a multiple of this, as the framework pads
+  // them: Megatron-LM to make_vocab_size_divisible_by x tp (128 x tp by default), vLLM to 64.
+  // Plans move the real rows only, so each side may pad its own way. 0: no padding.
+  std::int64_t vocab_multiple = 0;
 
   int world() const { return tp * dp * pp * replicas; }
   std::string str() const;  // "tp4 dp2 pp1 ep1 etp1 x1 @0"

@@ -607,22 +607,28 @@ const char* stage_name(Stage stage) {
 void bind_layouts(nb::module_& m) {
   nb::class_<ParamSpec>(m, "ParamSpec",
                         "A parameter of a model: its name, global shape and dtype (\"bfloat16\", "
-                        "\"float32\", \"float16\", \"fp8\", ...).")
+                        "\"float32\", \"float16\", \"fp8\", ...). `real_shape`, where the layout "
+                        "pads the parameter (a vocabulary padded to a multiple of 128 x TP): the "
+                        "block [0, real_shape[d]) holding the model's values, the only part plans "
+                        "move, so two layouts may pad it differently (None: all of `shape`).")
       .def(
           "__init__",
           [](ParamSpec* self, std::string name, std::vector<std::int64_t> shape,
-             const std::string& dtype) {
-            new (self) ParamSpec{std::move(name), std::move(shape), parse_dtype(dtype)};
+             const std::string& dtype, std::optional<std::vector<std::int64_t>> real_shape) {
+            new (self) ParamSpec{std::move(name), std::move(shape), parse_dtype(dtype),
+                                 real_shape.value_or(std::vector<std::int64_t>{})};
           },
-          "name"_a, "shape"_a, "dtype"_a = "bfloat16")
+          "name"_a, "shape"_a, "dtype"_a = "bfloat16", "real_shape"_a = nb::none())
       .def_ro("name", &ParamSpec::name)
       .def_ro("shape", &ParamSpec::shape)
+      .def_prop_ro("real_shape", [](const ParamSpec& p) { return p.real(); })
       .def_prop_ro("dtype", [](const ParamSpec& p) { return std::string(dtype_name(p.dtype)); })
       .def_prop_ro("bytes", &ParamSpec::bytes)
       .def("__repr__", [](const ParamSpec& p) {
-        std::string shape;
-        for (std::int64_t d : p.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
-        return "ParamSpec('" + p.name + "', [" + shape + "], " + dtype_name(p.dtype) + ")";
+        std::string text =
+            "ParamSpec('" + p.name + "', " + shape_str(p.shape) + ", " + dtype_name(p.dtype);
+        if (p.real() != p.shape) text += ", real_shape=" + shape_str(p.real());
+        return text + ")";
       });
 
   nb::class_<Layout>(m, "Layout",
@@ -700,11 +706,13 @@ void bind_layouts(nb::module_& m) {
                          "separately and held one after the other (fused QKV: [q, k, v] rows; "
                          "empty: one); `stage`, the pipeline stage that holds it (\"layer\": the "
                          "stage of `layer`; \"first\": embeddings; \"last\": final norm and head); "
-                         "`expert`, the expert it belongs to (-1: none).")
+                         "`expert`, the expert it belongs to (-1: none); `vocab`, whether its "
+                         "tp_dim (or dim 0) indexes the vocabulary, which a Parallelism's "
+                         "vocab_multiple pads.")
       .def(
           "__init__",
           [](ModelParam* self, ParamSpec spec, int tp_dim, std::vector<std::int64_t> packed,
-             const std::string& stage, int layer, int expert) {
+             const std::string& stage, int layer, int expert, bool vocab) {
             Stage where = Stage::kLayer;
             if (stage == "first") {
               where = Stage::kFirst;
@@ -714,16 +722,18 @@ void bind_layouts(nb::module_& m) {
               throw_error(ErrorCode::kInvalidArgument,
                           "stage must be 'layer', 'first' or 'last', not '" + stage + "'");
             }
-            new (self) ModelParam{std::move(spec), tp_dim, std::move(packed), where, layer, expert};
+            new (self)
+                ModelParam{std::move(spec), tp_dim, std::move(packed), where, layer, expert, vocab};
           },
           "spec"_a, "tp_dim"_a = -1, "packed"_a = std::vector<std::int64_t>{}, "stage"_a = "layer",
-          "layer"_a = 0, "expert"_a = -1)
+          "layer"_a = 0, "expert"_a = -1, "vocab"_a = false)
       .def_ro("spec", &ModelParam::spec)
       .def_ro("tp_dim", &ModelParam::tp_dim)
       .def_ro("packed", &ModelParam::packed)
       .def_prop_ro("stage", [](const ModelParam& p) { return stage_name(p.stage); })
       .def_ro("layer", &ModelParam::layer)
       .def_ro("expert", &ModelParam::expert)
+      .def_ro("vocab", &ModelParam::vocab)
       .def("__repr__", [](const ModelParam& p) {
         std::string text = "ModelParam('" + p.spec.name + "', tp_dim=" + std::to_string(p.tp_dim);
         if (!p.packed.empty()) {
@@ -735,6 +745,7 @@ void bind_layouts(nb::module_& m) {
         text +=
             std::string(", stage='") + stage_name(p.stage) + "', layer=" + std::to_string(p.layer);
         if (p.expert >= 0) text += ", expert=" + std::to_string(p.expert);
+        if (p.vocab) text += ", vocab=True";
         return text + ")";
       });
 
@@ -766,15 +777,18 @@ void bind_layouts(nb::module_& m) {
                           "expert (ep, with etp-way tensor parallelism inside each expert) "
                           "parallelism, `replicas` whole copies side by side, on ranks "
                           "rank_offset .. rank_offset + world - 1 (Megatron's rank order: tp "
-                          "fastest, then dp, then pp).")
+                          "fastest, then dp, then pp). `vocab_multiple`: vocabulary rows "
+                          "(ModelParam.vocab) padded up to a multiple of it, as the framework "
+                          "pads them (Megatron-LM: 128 x tp; vLLM: 64); plans move the real rows "
+                          "only, so each side may pad its own way.")
       .def(
           "__init__",
           [](Parallelism* self, int tp, int dp, int pp, int replicas, int ep, int etp,
-             PeId rank_offset) {
-            new (self) Parallelism{tp, dp, pp, replicas, ep, etp, rank_offset};
+             PeId rank_offset, std::int64_t vocab_multiple) {
+            new (self) Parallelism{tp, dp, pp, replicas, ep, etp, rank_offset, vocab_multiple};
           },
           "tp"_a = 1, "dp"_a = 1, "pp"_a = 1, "replicas"_a = 1, "ep"_a = 1, "etp"_a = 1,
-          "rank_offset"_a = 0)
+          "rank_offset"_a = 0, "vocab_multiple"_a = 0)
       .def_rw("tp", &Parallelism::tp)
       .def_rw("dp", &Parallelism::dp)
       .def_rw("pp", &Parallelism::pp)
@@ -782,6 +796,7 @@ void bind_layouts(nb::module_& m) {
       .def_rw("ep", &Parallelism::ep)
       .def_rw("etp", &Parallelism::etp)
       .def_rw("rank_offset", &Parallelism::rank_offset)
+      .def_rw("vocab_multiple", &Parallelism::vocab_multiple)
       .def_prop_ro("world", &Parallelism::world)
       .def("__repr__", [](const Parallelism& p) { return "Parallelism(" + p.str() + ")"; });
 

@@ -145,9 +145,20 @@ std::uint32_t Layout::add_param(const ParamSpec& param) {
     }
   }
   Box::whole(param.shape);  // checks the rank
+  if (!param.real_shape.empty()) {
+    bool inside = param.real_shape.size() == param.shape.size();
+    for (std::size_t d = 0; inside && d < param.shape.size(); ++d)
+      inside = param.real_shape[d] >= 0 && param.real_shape[d] <= param.shape[d];
+    if (!inside) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "parameter '" + param.name + "': its real shape " + shape_str(param.real_shape) +
+                      " must lie inside its padded shape " + shape_str(param.shape) +
+                      ", dimension by dimension");
+    }
+  }
   if (auto it = index_.find(param.name); it != index_.end()) {
     const ParamSpec& known = params_[it->second];
-    if (known.shape != param.shape || known.dtype != param.dtype) {
+    if (known.shape != param.shape || known.dtype != param.dtype || known.real() != param.real()) {
       throw_error(ErrorCode::kInvalidArgument,
                   "parameter '" + param.name + "' added twice: " + shape_str(known.shape) + " " +
                       dtype_name(known.dtype) + " and " + shape_str(param.shape) + " " +

@@ -19,6 +19,7 @@ void check_parallelism(const ModelSpec& model, const Parallelism& par) {
     if (dim < 1) refuse("parallel sizes must be >= 1, got " + par.str());
   }
   if (par.rank_offset < 0) refuse("rank_offset must be >= 0, got " + par.str());
+  if (par.vocab_multiple < 0) refuse("vocab_multiple must be >= 0, got " + par.str());
   if ((par.tp * par.dp) % (par.ep * par.etp) != 0) {
     refuse("ep x etp = " + std::to_string(par.ep * par.etp) +
            " must divide tp x dp = " + std::to_string(par.tp * par.dp) + " (" + par.str() + ")");
@@ -90,6 +91,20 @@ void split_shard(const ModelParam& param, int parts, int index,
   local_shape[dim] = local_at;
 }
 
+// `param` as a layout padding its vocabulary to a multiple of `multiple` holds it.
+ModelParam padded(const ModelParam& param, std::int64_t multiple) {
+  if (!param.vocab || multiple <= 0) return param;
+  const int dim = std::max(param.tp_dim, 0);
+  if (dim >= static_cast<int>(param.spec.shape.size()) || !param.packed.empty()) {
+    refuse("parameter '" + param.spec.name + "': a vocabulary is padded along its tp_dim (or dim " +
+           "0), which must exist and hold no packed partitions");
+  }
+  ModelParam out = param;
+  out.spec.real_shape = param.spec.shape;
+  out.spec.shape[dim] = (param.spec.shape[dim] + multiple - 1) / multiple * multiple;
+  return out;
+}
+
 }  // namespace
 
 std::uint64_t ModelSpec::total_bytes() const {
@@ -102,6 +117,7 @@ std::string Parallelism::str() const {
   std::ostringstream text;
   text << "tp" << tp << " dp" << dp << " pp" << pp << " ep" << ep << " etp" << etp << " x"
        << replicas << " @" << rank_offset;
+  if (vocab_multiple > 0) text << " vocab%" << vocab_multiple;
   return text.str();
 }
 
@@ -112,7 +128,8 @@ Layout build_layout(const ModelSpec& model, const Parallelism& par) {
   const int experts_per_rank = model.experts > 0 ? model.experts / par.ep : 0;
   std::vector<std::int64_t> local_shape;
   std::vector<Piece> pieces;
-  for (const ModelParam& param : model.params) {
+  for (const ModelParam& model_param : model.params) {
+    const ModelParam param = padded(model_param, par.vocab_multiple);
     layout.add_param(param.spec);
     const int stage = stage_of(param, model, par.pp);
     if (param.expert >= model.experts && param.expert >= 0) {
@@ -156,8 +173,10 @@ void add(ModelSpec& model, std::string name, std::vector<std::int64_t> shape, in
 
 void add_embeddings(ModelSpec& model, std::int64_t vocab, std::int64_t hidden) {
   add(model, "embed_tokens.weight", {vocab, hidden}, 0, 0, Stage::kFirst);
+  model.params.back().vocab = true;
   add(model, "norm.weight", {hidden}, -1, 0, Stage::kLast);
   add(model, "lm_head.weight", {vocab, hidden}, 0, 0, Stage::kLast);
+  model.params.back().vocab = true;
 }
 
 void add_attention(ModelSpec& model, const std::string& at, int layer, const DenseDims& d) {

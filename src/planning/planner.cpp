@@ -133,12 +133,15 @@ class Planner {
                                               "' is in the destination layout but not in the "
                                               "source layout");
     }
-    if (have->shape != want.shape || have->dtype != want.dtype) {
+    // Padding may differ (each side pads as its framework does); the values may not.
+    if (have->real() != want.real() || have->dtype != want.dtype) {
+      const auto described = [](const ParamSpec& p) {
+        return Box::whole(p.real()).str() + " " + dtype_name(p.dtype) +
+               (p.real() != p.shape ? " (padded to " + shape_str(p.shape) + ")" : "");
+      };
       throw_error(ErrorCode::kValidation,
                   "parameter '" + want.name + "' differs between the layouts: source " +
-                      Box::whole(have->shape).str() + " " + dtype_name(have->dtype) +
-                      ", destination " + Box::whole(want.shape).str() + " " +
-                      dtype_name(want.dtype));
+                      described(*have) + ", destination " + described(want));
     }
     return src_.param_index(want.name);
   }
@@ -183,8 +186,11 @@ class Planner {
   void cover_shard(const Shard& shard, std::vector<Region>& regions) {
     regions.clear();
     const std::vector<SourceGroup>& groups = groups_[shard.param];
+    // Only the real values move: a destination's padding keeps what it holds.
+    const Box real = Box::whole(dst_.params()[shard.param].real());
     for (std::uint32_t k = 0; k < shard.pieces.size(); ++k) {
-      const Box& want = shard.pieces[k].global;
+      const Box want = intersect(shard.pieces[k].global, real);
+      if (want.empty()) continue;
       ordered_.clear();
       for (const SourceGroup& group : groups) {
         if (intersect(group.box, want).empty()) continue;

@@ -1215,6 +1215,13 @@ def test_megatron_swap_model_weights_through_reshard_matches_its_gloo_service(ch
     assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_vocabularies_padded_differently_move_only_their_real_rows(n):
+    result = launch(n, WORKERS / "padded_vocab_worker.py")
+    assert_ok(result)
+    assert result.stdout.count(": ok (source ParamSpec('embed.weight'") == n, result.stdout
+
+
 # Mixture-of-experts GPTs (Megatron's local spec: router, SequentialMLP experts, a shared expert)
 # on 4 ranks: TP changes of the experts' matrices, PP into TP, and expert parallelism 2 -> 4 (at
 # megatron-core 0.16.1 Megatron's plan matches SequentialMLP experts by their local names under

@@ -456,6 +456,68 @@ TEST(Layouts, UnevenTensorParallelSplitsAsTorchChunks) {
   }
 }
 
+// A vocabulary of 1,000 rows padded as Megatron pads it over TP 2 (to a multiple of 128 x 2:
+// 1,024) on one side and as another framework pads it over TP 3 (to a multiple of 96: 1,056) on
+// the other: the plan moves every real row into its place once and no padding row.
+TEST(Layouts, VocabulariesPaddedDifferentlyMoveOnlyTheirRealRows) {
+  const auto vocab_model = [](std::int64_t vocab) {
+    ModelSpec model{"padded", 1, 0, {}};
+    for (const char* name : {"embed.weight", "head.weight"}) {
+      ModelParam param;
+      param.spec = {name, {vocab, 16}, DType::kBFloat16};
+      param.tp_dim = 0;
+      param.stage = name[0] == 'e' ? Stage::kFirst : Stage::kLast;
+      param.vocab = true;
+      model.params.push_back(param);
+    }
+    return model;
+  };
+  const ModelSpec model = vocab_model(1000);
+  const auto src =
+      std::make_shared<const Layout>(build_layout(model, {.tp = 2, .vocab_multiple = 256}));
+  const auto dst =
+      std::make_shared<const Layout>(build_layout(model, {.tp = 3, .vocab_multiple = 96}));
+  ASSERT_EQ(src->params()[0].shape, (std::vector<std::int64_t>{1024, 16}));
+  ASSERT_EQ(src->params()[0].real(), (std::vector<std::int64_t>{1000, 16}));
+  ASSERT_EQ(dst->params()[0].shape, (std::vector<std::int64_t>{1056, 16}));
+  EXPECT_EQ(dst->find_shard(2, 0)->local_shape, (std::vector<std::int64_t>{352, 16}));
+  const ReshardPlan plan = make_reshard_plan(src, dst);
+  for (std::uint32_t param = 0; param < 2; ++param) {
+    std::vector<int> written(1056, 0);
+    for (const TransferOp& op : plan.ops()) {
+      if (op.param != param) continue;
+      const Shard* to = dst->find_shard(op.dst_rank, param);
+      ASSERT_NE(to, nullptr);
+      // Lands where the destination rank holds those rows, from where the source rank holds them.
+      EXPECT_EQ(op.dst_box().offset[0] + to->pieces[0].global.offset[0], op.region.offset[0]);
+      const Shard* from = src->find_shard(op.src_rank, param);
+      ASSERT_NE(from, nullptr);
+      EXPECT_EQ(op.src_box().offset[0] + from->pieces[0].global.offset[0], op.region.offset[0]);
+      for (std::int64_t row = 0; row < op.region.extent[0]; ++row)
+        ++written[op.region.offset[0] + row];
+    }
+    for (std::int64_t row = 0; row < 1056; ++row)
+      EXPECT_EQ(written[row], row < 1000 ? 1 : 0) << "row " << row;
+  }
+  EXPECT_EQ(plan.stats().total_bytes, 2ull * 1000 * 16 * 2);
+
+  // The real rows must agree; padding alone may differ.
+  const auto other = std::make_shared<const Layout>(build_layout(vocab_model(1001), {.tp = 3}));
+  try {
+    make_reshard_plan(src, other);
+    FAIL() << "vocabularies of 1,000 and 1,001 rows were planned";
+  } catch (const Error& error) {
+    EXPECT_NE(
+        std::string(error.what())
+            .find("source [0:1000, 0:16] bfloat16 (padded to [1024, 16]), destination [0:1001"),
+        std::string::npos)
+        << error.what();
+  }
+  Layout layout;
+  EXPECT_THROW(layout.add_param({"p", {8, 4}, DType::kBFloat16, {9, 4}}), Error);
+  EXPECT_THROW(layout.add_param({"p", {8, 4}, DType::kBFloat16, {8}}), Error);
+}
+
 TEST(Layouts, MegatronRankOrderIsTensorThenDataThenPipeline) {
   const ModelSpec model = toy_model(2, 64);
   const Layout layout = build_layout(model, {.tp = 2, .dp = 2, .pp = 2, .rank_offset = 10});
