@@ -76,8 +76,9 @@ bench() {  # build (head or base), then the reshard arguments
     >"$OUT/ab-last.txt" 2>&1 ||
     { echo "   failed (exit $?): $OUT/ab-$build.txt"; tail -2 "$OUT/ab-last.txt"; status=1; }
   cat "$OUT/ab-last.txt" >>"$OUT/ab-$build.txt"
-  grep -E "median of|baseline|ceiling in this run|per-peer|^\[rank 0\] [0-9]+ [KMG]iB" \
-    "$OUT/ab-last.txt" | sed 's/^\[rank 0\] */   /'
+  # (The base build may be older: its rows may still carry the launcher's "[rank 0] ".)
+  grep -E "median of|baseline|ceiling in this run|per-peer|^(\[rank 0\] )?[0-9]+ [KMG]iB" \
+    "$OUT/ab-last.txt" | sed -E 's/^(\[rank 0\] *)?/   /'
 }
 refits=${REFITS:-$default_refits}
 [[ $refits == none ]] && refits=""

@@ -353,6 +353,15 @@ int main(int argc, char** argv) {
       reshard::LaunchOptions launch;
       launch.n_procs = nprocs;
       launch.name = "reshard";
+      // One program to its user: rank 0 prints the tables, so its lines go out as they are;
+      // other ranks' lines (warnings) keep their prefix.
+      launch.output = [](const std::string& line, bool to_stderr) {
+        static const std::string kRankZero = "[rank 0] ";
+        const bool own = line.compare(0, kRankZero.size(), kRankZero) == 0;
+        std::FILE* out = to_stderr ? stderr : stdout;
+        std::fprintf(out, "%s\n", own ? line.c_str() + kRankZero.size() : line.c_str());
+        std::fflush(out);
+      };
       launch.command.push_back(self_executable(argv[0]));
       for (int i = 1; i < argc; ++i) launch.command.push_back(argv[i]);
       const reshard::LaunchResult result = reshard::launch_local(launch);

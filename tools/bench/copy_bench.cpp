@@ -121,29 +121,35 @@ Row bench_workload(Bootstrap& bootstrap, CopyService& service, const Workload& w
 
 double gbps(std::uint64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
 
-void print_table(const std::vector<Row>& rows, const CopyBenchOptions& options,
-                 const char* transport) {
-  std::printf("\nreshard bench: transport %s, %d PEs, size %s, %d timed runs after %d warm-up\n",
-              transport, rows.empty() ? 0 : rows.front().pes, format_bytes(options.size).c_str(),
-              options.iterations, options.warmup);
+// The table is printed a row at a time, as each workload finishes (a long run shows progress).
+void print_header(const CopyBenchOptions& options, int pes, const char* transport) {
+  std::printf("reshard bench: transport %s, %d PEs, size %s, %d timed runs after %d warm-up\n",
+              transport, pes, format_bytes(options.size).c_str(), options.iterations,
+              options.warmup);
   std::printf("%-8s %9s %11s %11s %10s %10s %9s %8s %7s %s%s\n", "workload", "requests", "bytes/PE",
               "time/run", "GB/s/PE", "memcpy", "vs copy", "sched", "rounds",
               options.verify ? "verify-mode " : "", "verified");
-  for (const Row& r : rows) {
-    const double achieved = gbps(r.bound_bytes, r.seconds_per_run);
-    const double ceiling = gbps(r.bound_bytes, r.memcpy_seconds);
-    char verify_cell[32] = "";
-    if (options.verify) {
-      std::snprintf(verify_cell, sizeof verify_cell, "%9.2fx  ",
-                    r.seconds_per_run > 0 ? r.verify_seconds_per_run / r.seconds_per_run : 0.0);
-    }
-    std::printf(
-        "%-8s %9llu %11s %9.1f us %10.2f %10.2f %8.2fx %7.3fx %7u %s%s\n", r.workload.c_str(),
-        static_cast<unsigned long long>(r.requests), format_bytes(r.bound_bytes).c_str(),
-        r.seconds_per_run * 1e6, achieved, ceiling, ceiling > 0 ? achieved / ceiling : 0.0,
-        r.bound_ratio, r.rounds, verify_cell,
-        r.wrong_bytes == 0 ? "yes" : (std::to_string(r.wrong_bytes) + " WRONG BYTES").c_str());
+  std::fflush(stdout);
+}
+
+void print_row(const Row& r, const CopyBenchOptions& options) {
+  const double achieved = gbps(r.bound_bytes, r.seconds_per_run);
+  const double ceiling = gbps(r.bound_bytes, r.memcpy_seconds);
+  char verify_cell[32] = "";
+  if (options.verify) {
+    std::snprintf(verify_cell, sizeof verify_cell, "%9.2fx  ",
+                  r.seconds_per_run > 0 ? r.verify_seconds_per_run / r.seconds_per_run : 0.0);
   }
+  std::printf(
+      "%-8s %9llu %11s %9.1f us %10.2f %10.2f %8.2fx %7.3fx %7u %s%s\n", r.workload.c_str(),
+      static_cast<unsigned long long>(r.requests), format_bytes(r.bound_bytes).c_str(),
+      r.seconds_per_run * 1e6, achieved, ceiling, ceiling > 0 ? achieved / ceiling : 0.0,
+      r.bound_ratio, r.rounds, verify_cell,
+      r.wrong_bytes == 0 ? "yes" : (std::to_string(r.wrong_bytes) + " WRONG BYTES").c_str());
+  std::fflush(stdout);
+}
+
+void print_footer(const CopyBenchOptions& options) {
   std::printf(
       "bytes/PE: the lower bound, max over PEs of bytes sent or received; GB/s/PE: that over "
       "time/run;\nmemcpy: one memcpy of the same bytes on every PE at once, measured in this run; "
@@ -178,13 +184,16 @@ std::uint64_t run_copy_bench(std::shared_ptr<Bootstrap> bootstrap,
   service.init(LogLevel::kWarn);
   std::vector<Row> rows;
   std::uint64_t wrong = 0;
+  const bool printing = bootstrap->rank() == 0;
+  if (printing) print_header(options, bootstrap->size(), "host");
   for (const std::string& kind : options.workloads) {
     const Workload workload = make_workload(kind, bootstrap->size(), options.size, options.seed);
     rows.push_back(bench_workload(*bootstrap, service, workload, options));
     wrong += rows.back().wrong_bytes;
+    if (printing) print_row(rows.back(), options);
   }
-  if (bootstrap->rank() == 0) {
-    print_table(rows, options, "host");
+  if (printing) {
+    print_footer(options);
     if (!options.json_path.empty()) append_json(options.json_path, rows, options, "host");
     std::fflush(stdout);
   }
