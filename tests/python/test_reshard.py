@@ -1493,6 +1493,7 @@ NO_TORCH = "needs PyTorch"
     ("group", 4, 0),                         # in a process group of ranks 1-3
     ("bad_input", 4, 0), ("bad_input", 2, 0),
     ("groups", 3, 0),                        # bind(groups=) over the destination names
+    ("padded", 3, 0),                        # a vocabulary each side pads its own way
 ])
 def test_torch_state_dicts(case, n, seed):
     result = launch(n, WORKERS / "dtensor_worker.py", case, seed, timeout=300)

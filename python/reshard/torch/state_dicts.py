@@ -340,9 +340,11 @@ def _source_holdings(records: List[_Record], problems: List[str]
 
 
 def agree(all_records: List[List[_Record]], names: Optional[NameMap], has_transform: bool,
-          strict: bool) -> _Agreed:
+          strict: bool, real_shapes: Optional[Mapping[str, List[int]]] = None) -> _Agreed:
     """The layouts every rank derives from every rank's records (pure: the same on every
-    rank), or the problems that stop the refit."""
+    rank), or the problems that stop the refit. ``real_shapes``: source name -> the block of
+    real values where the sides pad that parameter (see :func:`bind`)."""
+    reals = dict(real_shapes or {})
     agreed = _Agreed()
     problems = agreed.problems
     by_entry: Dict[Tuple[str, str], List[_Record]] = {}
@@ -413,10 +415,25 @@ def agree(all_records: List[List[_Record]], names: Optional[NameMap], has_transf
             whole[fused_dim] = sum(s[fused_dim] for s in shapes)
         else:
             whole = list(shapes[0])
-        if record.shape is not None and record.shape != whole:
+        real = reals.get(parts[0]) if fused_dim is None else None
+        if fused_dim is not None and any(s in reals for s in parts):
+            problems.append(f"destination '{name}' fuses {list(parts)}: real_shapes= applies to "
+                            "a destination that takes one source whole")
+            continue
+        # A padded parameter: each side's global shape is its own; the real block moves.
+        dst_whole = list(record.shape) if real is not None and record.shape is not None \
+            else whole
+        if real is not None and not (len(real) == len(whole) == len(dst_whole) and all(
+                0 <= r <= min(a, b) for r, a, b in zip(real, whole, dst_whole))):
+            problems.append(f"real_shapes['{parts[0]}'] = {list(real)} does not lie inside the "
+                            f"source's {whole} and the destination '{name}''s {dst_whole}")
+            continue
+        if record.shape is not None and record.shape != dst_whole:
             problems.append(f"destination '{name}' is {record.shape}, its source"
                             f"{'s' if len(parts) > 1 else ''} {list(parts)} "
-                            f"{'fuse to' if fused_dim is not None else 'is'} {whole}")
+                            f"{'fuse to' if fused_dim is not None else 'is'} {whole}"
+                            + ("" if fused_dim is not None else
+                               " (real_shapes= where the sides pad it differently)"))
             continue
         if not has_transform and (len(dtypes) != 1 or record.dtype not in dtypes):
             problems.append(f"destination '{name}' is {record.dtype}, its source"
@@ -430,6 +447,8 @@ def agree(all_records: List[List[_Record]], names: Optional[NameMap], has_transf
         if record.mesh is None and len(parts) == 1:
             held_parts = [{r.rank: _Holding(r.local_shape, r.boxes)
                            for r in by_entry[(DESTINATION, name)]}]
+        elif real is not None:
+            held_parts = [_mesh_holdings(record, dst_whole)]
         else:
             held_parts = [_mesh_holdings(record, shape) for shape in shapes]
         if fused_dim is not None:
@@ -448,8 +467,9 @@ def agree(all_records: List[List[_Record]], names: Optional[NameMap], has_transf
             agreed.plan_names[plan_name] = (source, name, index)
             shape, dtype, src_held = sources[source]
             try:
-                _add(src_layout, plan_name, shape, dtype, src_held)
-                _add(dst_layout, plan_name, shape, dtype, held_parts[index])
+                _add(src_layout, plan_name, shape, dtype, src_held, real)
+                _add(dst_layout, plan_name, dst_whole if real is not None else shape, dtype,
+                     held_parts[index], real)
             except _core.ReshardError as error:
                 problems.append(f"'{source}' -> '{name}': {error}")
     agreed.src_layout, agreed.dst_layout = src_layout, dst_layout
@@ -477,8 +497,8 @@ def _fuse(held_parts: List[Dict[int, _Holding]], dim: int) -> List[Dict[int, _Ho
 
 
 def _add(layout: Any, name: str, shape: List[int], dtype: str,
-         held: Dict[int, _Holding]) -> None:
-    layout.add_param(_core.ParamSpec(name, shape, dtype))
+         held: Dict[int, _Holding], real: Optional[List[int]] = None) -> None:
+    layout.add_param(_core.ParamSpec(name, shape, dtype, real_shape=real))
     for pe in sorted(held):
         holding = held[pe]
         layout.add_packed_shard(pe, name, holding.local_shape, holding.pieces)
@@ -531,7 +551,8 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
          stream: Any = None, staging_budget: Optional[Union[int, str]] = None,
          quantize_colocated_on_sender: bool = True, strict: bool = True, staged: bool = False,
          max_staged_bytes: Optional[Union[int, str]] = None,
-         groups: Any = None) -> StateDictRefit:
+         groups: Any = None,
+         real_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> StateDictRefit:
     """Binds a refit from this rank's source state dict to this rank's destination state dict
     (collective over ``group``, default the whole ``torch.distributed`` world: every rank
     calls it, a rank holding one side or neither passing ``None`` or ``{}`` for the other).
@@ -554,6 +575,11 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
     ``groups`` as for :func:`reshard.bind`, over the destination names (``"layers"``, a mapping
     of group names to destination names or patterns, or a function of a destination name):
     ``refit.run(groups=...)`` then moves only those destinations' bytes.
+
+    ``real_shapes`` maps a source name to the block of its real values where the sides pad the
+    parameter differently (a vocabulary padded to a multiple of 128 x TP by the trainer and of
+    64 by the engine): each side's global shape is then its own, only the block
+    ``[0, real[d])`` moves, and a destination's padding keeps what it holds.
     """
     import torch.distributed as dist
 
@@ -572,15 +598,23 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
             records.append(record)
             entries[(side, str(name))] = entry
     mapping = _canonical_names(names)
+    reals = {str(k): [int(d) for d in v] for k, v in sorted((real_shapes or {}).items())}
     gathered: List[Any] = [None] * world
-    dist.all_gather_object(gathered, (records, mapping), group=group)
-    differing = [rank for rank, (_, theirs) in enumerate(gathered) if theirs != gathered[0][1]]
+    dist.all_gather_object(gathered, (records, mapping, reals), group=group)
+    differing = [rank for rank, (_, theirs, _) in enumerate(gathered)
+                 if theirs != gathered[0][1]]
     if differing:
         _raise_problems([f"the ranks pass different names= mappings: rank 0 "
                          f"{_show_names(gathered[0][1])}, rank {differing[0]} "
                          f"{_show_names(gathered[differing[0]][1])} (every rank passes the "
                          "same)"])
-    agreed = agree([r for r, _ in gathered], names, transform is not None, strict)
+    differing = [rank for rank, (_, _, theirs) in enumerate(gathered)
+                 if theirs != gathered[0][2]]
+    if differing:
+        _raise_problems([f"the ranks pass different real_shapes=: rank 0 {gathered[0][2]}, rank "
+                         f"{differing[0]} {gathered[differing[0]][2]} (every rank passes the "
+                         "same)"])
+    agreed = agree([r for r, _, _ in gathered], names, transform is not None, strict, reals)
     if agreed.problems:
         _raise_problems(agreed.problems)
     plan = _core.make_reshard_plan(agreed.src_layout, agreed.dst_layout)

@@ -1,7 +1,8 @@
 """One rank of a torch.distributed (gloo) job that checks reshard.torch against PyTorch's own
 DTensors; prints "rank R: ok CASE" per case.
 
-    dtensor_worker.py holdings|refits|same_mesh|fsdp|bad_input [seed] [device]
+    dtensor_worker.py holdings|refits|same_mesh|fsdp|fsdp_tp|group|bad_input|groups|padded
+                      [seed] [device]
 
 - holdings: where reshard places every rank's elements for random meshes (1-D and 2-D, any
   ranks), placements (Shard, Replicate, _StridedShard as FSDP2 makes it) and uneven shapes,
@@ -11,6 +12,7 @@ DTensors; prints "rank R: ok CASE" per case.
 - same_mesh: refits within one mesh compared bitwise with ``DTensor.redistribute``.
 - fsdp: a real ``fully_shard`` model on ranks 0-1 into an engine layout (TP 2 x 2 replicas on
   every rank, QKV and gate/up fused) and into a DTensor on other ranks.
+- padded: a vocabulary padded differently by each side (real_shapes=): only real rows move.
 - bad_input: Partial, mismatched shapes, missing names, ranks disagreeing: the same error on
   every rank before any byte moves, then a good refit on the same ranks.
 """
@@ -450,6 +452,48 @@ def check_group(me, world, seed):
         assert same_bits(dst["w"].local, want), f"rank {me}: the group's refit"
 
 
+def check_padded(me, world, seed):
+    """A vocabulary of 1,000 rows padded by the trainer to a multiple of 128 x TP (a DTensor,
+    Shard(0) over every rank) and by the engine to a multiple of 96 (MeshShard over the ranks in
+    reverse; a whole padded copy as a plain tensor on rank 0): with real_shapes= only the real
+    rows move, the sources' padding (a marker) never arrives and the destinations' padding keeps
+    its sentinel. Then the refusals: different real_shapes on one rank, a real shape larger than
+    a side's."""
+    real, cols = 1000, 16
+    src_rows = -(-real // (128 * world)) * 128 * world
+    dst_rows = -(-real // 96) * 96
+    g = whole(random.Random(seed), [src_rows, cols], torch.float32)
+    g[real:] = -7.0  # the trainer's padding: must never arrive
+    trainer = mesh_of(list(range(world)), [world])
+    engine = mesh_of(list(reversed(range(world))), [world])
+    src = {"embed": as_dtensor(torch_local(g, trainer, [Shard(0)]), trainer, [Shard(0)], g)}
+    index = list(reversed(range(world))).index(me)
+    rows = chunk(torch.empty(dst_rows), world, index, 0).shape[0]
+    dst = {"embed": rt.MeshShard(torch.full((rows, cols), 5.0, device=g.device), engine,
+                                 ["S(0)"], shape=[dst_rows, cols])}
+    if me == 0:
+        dst["head"] = torch.full((dst_rows, cols), 5.0, device=g.device)
+    names = {"head": "embed"}  # every rank passes the same names=
+    with rt.bind(src, dst, names=names, transport=TRANSPORT,
+                 real_shapes={"embed": [real, cols]}) as refit:
+        refit.run()
+    want = torch.full((dst_rows, cols), 5.0, device=g.device)
+    want[:real] = g[:real]
+    assert same_bits(dst["embed"].local, chunk(want, world, index, 0)), \
+        f"rank {me}: the padded refit's shard"
+    if me == 0:
+        assert same_bits(dst["head"], want), "rank 0: the padded refit's whole copy"
+    expect_refusal(me, "real_shapes differ", lambda: rt.bind(
+        src, dst, names=names, transport=TRANSPORT,
+        real_shapes={"embed": [real - (me == world - 1), cols]}),
+        "different real_shapes=")
+    expect_refusal(me, "real shape too large", lambda: rt.bind(
+        src, dst, names=names, transport=TRANSPORT, real_shapes={"embed": [dst_rows + 1, cols]}),
+        "does not lie inside")
+    expect_refusal(me, "padded without real_shapes", lambda: rt.bind(
+        src, dst, names=names, transport=TRANSPORT), "real_shapes= where the sides pad")
+
+
 def expect_refusal(me, what, call, *needles):
     try:
         call()
@@ -542,7 +586,8 @@ def main():
     me, world = dist.get_rank(), dist.get_world_size()
     {"holdings": check_holdings, "refits": check_refits, "same_mesh": check_same_mesh,
      "fsdp": check_fsdp, "fsdp_tp": check_fsdp_tp, "group": check_group,
-     "bad_input": check_bad_input, "groups": check_groups}[case](me, world, seed)
+     "bad_input": check_bad_input, "groups": check_groups,
+     "padded": check_padded}[case](me, world, seed)
     dist.barrier()
     print(f"rank {me}: ok {case}")
     dist.destroy_process_group()
