@@ -253,8 +253,7 @@ void destroy_stream(int device, void* stream) {
 
 void load_kernels(int device) {
   DeviceScope scope(device);
-  cudaFuncAttributes attributes{};
-  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, copy_blocks_kernel));
+  ::reshard::cuda::load_kernel(copy_blocks_kernel);
   load_conversion_kernels();
 }
 

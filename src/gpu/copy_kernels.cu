@@ -639,12 +639,11 @@ void launch_end(const KernelArgs& args, cudaStream_t stream) {
 }
 
 void load_copy_kernels() {
-  cudaFuncAttributes attributes{};
-  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fused_copy_kernel));
-  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, plain_copy_kernel));
-  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, flagged_copy_kernel));
-  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, begin_kernel));
-  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, end_kernel));
+  load_kernel(fused_copy_kernel);
+  load_kernel(plain_copy_kernel);
+  load_kernel(flagged_copy_kernel);
+  load_kernel(begin_kernel);
+  load_kernel(end_kernel);
 }
 
 }  // namespace reshard::cuda

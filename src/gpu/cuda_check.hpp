@@ -22,3 +22,15 @@ namespace reshard::cuda {
     if (reshard_cuda_status_ != cudaSuccess)                          \
       ::reshard::cuda::throw_cuda_error(reshard_cuda_status_, #call); \
   } while (0)
+
+namespace reshard::cuda {
+
+// Loads `kernel` on the current device now rather than at its first launch (CUDA's lazy
+// loading), which waits for the device's work: see load_copy_kernels.
+template <typename... Args>
+void load_kernel(void (*kernel)(Args...)) {
+  cudaFuncAttributes attributes{};
+  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+}
+
+}  // namespace reshard::cuda

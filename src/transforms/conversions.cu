@@ -37,12 +37,18 @@ template <DType S>
 constexpr int kCastVectors = S == DType::kFloat32 ? 2 : 1;  // 16-byte loads of a lane's 8
 template <DType S>
 constexpr int kCastTiles = 8 / kCastVectors<S>;  // 4 KiB of source a chunk
+// The smaller chunks run_chunked takes where a launch would leave warps idle: half for float32
+// sources, the same for 16-bit ones (see run_chunked).
+template <DType S>
+constexpr int kFewerCastTiles = S == DType::kFloat32 ? kCastTiles<S> / 2 : kCastTiles<S>;
 // MXFP8 lanes take 16 elements (two 16-byte loads of bfloat16; a block is two lanes, one shuffle):
 // half the work per element of finding rows and scales (0.77 -> 0.89 of the copy rate on one
 // H100, 2026-11-24).
 constexpr int kMxPerLane = 16;
 template <DType S>
 constexpr int kMxTiles = S == DType::kFloat32 ? 2 : 4;  // 4 KiB of source a chunk
+template <DType S>
+constexpr int kFewerMxTiles = kMxTiles<S> / 2;
 // A job's lane vectors: rows of `per_row.divisor` vectors from `first_row` of its views on. Jobs
 // of 2^31 vectors or more are split by rows, so a vector's index fits in 32 bits.
 struct VectorSpan {
@@ -1448,8 +1454,7 @@ void run_chunked(const TaskList<Task>& list, JobUpload& upload, cudaStream_t str
 // Launches `list`'s tasks: casts from S to D (launch_queued empties the lists after).
 template <DType S, DType D>
 void launch_casts(const TaskList<CastTask>& list, JobUpload& upload, cudaStream_t stream) {
-  constexpr int kTiles = kCastTiles<S>;
-  run_chunked<kTiles, S == DType::kFloat32 ? kTiles / 2 : kTiles>(
+  run_chunked<kCastTiles<S>, kFewerCastTiles<S>>(
       list, upload, stream, [](auto tiles, unsigned grid, JobList<CastTask> jobs, cudaStream_t s) {
         cast_kernel<S, D, decltype(tiles)::value><<<grid, kThreads, 0, s>>>(jobs);
       });
@@ -1458,7 +1463,7 @@ void launch_casts(const TaskList<CastTask>& list, JobUpload& upload, cudaStream_
 template <DType S>
 void launch_mx(const TaskList<MxTask>& list, JobUpload& upload, cudaStream_t stream) {
   // Whole warps only (256-thread CTAs), so the shuffles are legal.
-  run_chunked<kMxTiles<S>, kMxTiles<S> / 2>(
+  run_chunked<kMxTiles<S>, kFewerMxTiles<S>>(
       list, upload, stream, [](auto tiles, unsigned grid, JobList<MxTask> jobs, cudaStream_t s) {
         mx_quantize_kernel<S, decltype(tiles)::value><<<grid, kThreads, 0, s>>>(jobs);
       });
@@ -1509,39 +1514,32 @@ void clear_queued(ConversionUploads& uploads) {
 
 namespace {
 
-template <typename Kernel>
-void load(Kernel kernel) {
-  cudaFuncAttributes attributes{};
-  RESHARD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+// The floating-point types a conversion reads or writes.
+template <DType... Types>
+struct FloatTypes {};
+using ConvertedTypes = FloatTypes<DType::kFloat32, DType::kBFloat16, DType::kFloat16>;
+
+// Each instance launch_casts, launch_mx and launch_blocks choose from for sources of type S
+// (both chunk sizes; casts to each of `To`).
+template <DType S, DType... To>
+void load_from(FloatTypes<To...>) {
+  (::reshard::cuda::load_kernel(cast_kernel<S, To, kCastTiles<S>>), ...);
+  (::reshard::cuda::load_kernel(cast_kernel<S, To, kFewerCastTiles<S>>), ...);
+  ::reshard::cuda::load_kernel(mx_quantize_kernel<S, kMxTiles<S>>);
+  ::reshard::cuda::load_kernel(mx_quantize_kernel<S, kFewerMxTiles<S>>);
+  ::reshard::cuda::load_kernel(block_quantize_kernel<S>);
 }
 
-// f.template operator()<T>() for each floating-point type a conversion reads or writes.
-template <typename F>
-void for_each_float_type(F f) {
-  f.template operator()<DType::kFloat32>();
-  f.template operator()<DType::kBFloat16>();
-  f.template operator()<DType::kFloat16>();
-}
-
-// Each instance launch_casts, launch_mx and launch_blocks choose from (both chunk sizes).
-template <DType S>
-void load_from() {
-  constexpr int kTiles = kCastTiles<S>;
-  constexpr int kFewer = S == DType::kFloat32 ? kTiles / 2 : kTiles;
-  for_each_float_type([]<DType D>() {
-    load(cast_kernel<S, D, kTiles>);
-    load(cast_kernel<S, D, kFewer>);
-  });
-  load(mx_quantize_kernel<S, kMxTiles<S>>);
-  load(mx_quantize_kernel<S, kMxTiles<S> / 2>);
-  load(block_quantize_kernel<S>);
+template <DType... From>
+void load_all(FloatTypes<From...> types) {
+  (load_from<From>(types), ...);
 }
 
 }  // namespace
 
 void load_conversion_kernels() {
-  for_each_float_type([]<DType S>() { load_from<S>(); });
-  load(swizzle_kernel);
+  load_all(ConvertedTypes{});
+  ::reshard::cuda::load_kernel(swizzle_kernel);
 }
 
 void launch_queued(ConversionUploads& uploads, void* stream) {
