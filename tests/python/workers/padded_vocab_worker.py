@@ -40,6 +40,11 @@ def main():
     plan = reshard.make_reshard_plan(src_layout, dst_layout)
     failures = []
     real = {p.spec.name: p.spec.shape for p in spec.params}
+
+    def real_rows(name, offset, extent):
+        """How many of a block's rows (from its first) hold real values."""
+        return max(0, min(extent[0], real[name][0] - offset[0]))
+
     src, dst = {}, {}
     for index, param in enumerate(spec.params):
         name = param.spec.name
@@ -47,7 +52,7 @@ def main():
         if shape is not None:
             tensor = np.full(shape, PADDING, dtype=np.uint16)
             for offset, extent, local_at in src_layout.pieces(me, name):
-                rows = max(0, min(extent[0], real[name][0] - offset[0]))
+                rows = real_rows(name, offset, extent)
                 if rows:
                     where = tuple(slice(a, a + e) for a, e in zip(local_at, [rows] + extent[1:]))
                     tensor[where] = element_values(index, offset, [rows] + extent[1:], real[name])
@@ -62,7 +67,7 @@ def main():
             if name not in dst:
                 continue
             for offset, extent, local_at in dst_layout.pieces(me, name):
-                rows = max(0, min(extent[0], real[name][0] - offset[0]))
+                rows = real_rows(name, offset, extent)
                 block = dst[name][tuple(slice(a, a + e) for a, e in zip(local_at, extent))]
                 want = element_values(index, offset, [rows] + extent[1:], real[name])
                 if not np.array_equal(block[:rows], want):
