@@ -11,7 +11,8 @@
 # machines get the working tree, and its .git may be older than the tree (label the head with
 # RESHARD_COMMIT there). Or "env:VAR=VALUE[,VAR=VALUE...]": this build against itself run with
 # those variables set (an option's A/B without a second build), labelled "HEAD+VAR=VALUE...".
-# REFITS: "model:layers:transport:transform ..." or "none" (layers 0: the model's; default on
+# REFITS: "model:layers:transport:transform[:only] ..." or "none" (layers 0: the model's; only: the
+# transform's --transform-only, e.g. "fp8-block-receiver:layers."; default on
 # several GPUs: Llama and Qwen at full depth on cuda, Llama on nvshmem and with MXFP8; on one GPU:
 # Llama 16 and Qwen 12 layers, Llama with MXFP8); REPEATS: runs of each build (default 2); SIZES:
 # bench-gpu sizes ("" skips the sweep); CONVERT: bench-convert arguments ("all" for the whole
@@ -83,11 +84,11 @@ bench() {  # build (head or base), then the reshard arguments
 refits=${REFITS:-$default_refits}
 [[ $refits == none ]] && refits=""
 for refit in $refits; do
-  IFS=: read -r model layers transport transform <<<"$refit"
+  IFS=: read -r model layers transport transform only <<<"$refit"
   for ((r = 0; r < ${REPEATS:-2}; ++r)); do
     for build in head base; do
       bench "$build" bench-refit -n "$n" -m "$model" --layers "$layers" -t "$transport" \
-        --transform "$transform" -i 10
+        --transform "$transform" ${only:+--transform-only "$only"} -i 10
     done
   done
 done

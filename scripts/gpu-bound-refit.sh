@@ -7,7 +7,8 @@
 # build-gpu/logs). REFITS="qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4" (model:layers:PEs)
 # narrows the sweep; TESTS=0 skips the tests, TESTS=ctest runs only the GPU_TESTS ctest pattern;
 # STAGED=1 times the staged refit too (stage(), the commit() pause); LAYER_GROUPS=1 the refit bound
-# with groups="layers" (a whole run, a group at a time).
+# with groups="layers" (a whole run, a group at a time); GRAPH=1 the run captured in a CUDA graph
+# and replayed (host time of a replay, the graph's nodes by kind).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh
@@ -39,7 +40,7 @@ for refit in ${REFITS:-qwen3-30b-a3b:12:2 llama3-8b:16:2 qwen3-30b-a3b:24:4}; do
   grep -E "median|ceiling" "$OUT/refit-$model-$layers-$pes.txt" | sed 's/^\[rank 0\] //'
   timeout 300 python3 -m reshard.launch -n "$pes" tools/bench/python_refit_bench.py \
     --model "$model" --layers "$layers" --json "$OUT/python-refit.jsonl" --commit "$commit" \
-    --iters "${PY_ITERS:-20}" ${STAGED:+--staged} ${LAYER_GROUPS:+--groups} \
+    --iters "${PY_ITERS:-20}" ${STAGED:+--staged} ${LAYER_GROUPS:+--groups} ${GRAPH:+--graph} \
     >"$OUT/python-$model-$layers-$pes.txt" 2>&1 || status=1
   grep -vE "^\s*$" "$OUT/python-$model-$layers-$pes.txt" | sed 's/^\[rank 0\] //' | tail -8
 done

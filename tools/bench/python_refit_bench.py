@@ -50,6 +50,32 @@ def blocks(layout, me, name):
                tuple(slice(o, o + e) for o, e in zip(local_at, extent)))
 
 
+# CUgraphNodeType, in the driver's order.
+NODE_KINDS = ["kernel", "memcpy", "memset", "host", "graph", "empty", "wait_event",
+              "event_record", "ext_semas_signal", "ext_semas_wait", "mem_alloc", "mem_free",
+              "batch_mem_op", "conditional"]
+
+
+def graph_nodes_by_kind(graph) -> dict:
+    """The captured graph's nodes counted by kind (the driver's cuGraphGetNodes and
+    cuGraphNodeGetType on torch's raw graph): what a replay launches."""
+    import ctypes
+    driver = ctypes.CDLL("libcuda.so.1")
+    raw = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    if driver.cuGraphGetNodes(raw, None, ctypes.byref(count)) != 0:
+        raise RuntimeError("cuGraphGetNodes failed")
+    nodes = (ctypes.c_void_p * count.value)()
+    driver.cuGraphGetNodes(raw, nodes, ctypes.byref(count))
+    kinds: dict = {}
+    for node in nodes:
+        kind = ctypes.c_int(0)
+        driver.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        name = NODE_KINDS[kind.value] if kind.value < len(NODE_KINDS) else str(kind.value)
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-30b-a3b",
@@ -160,9 +186,11 @@ def main():
             refit.run(stream)
         stream.synchronize()
         barrier()
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept: its nodes are counted
         with torch.cuda.graph(graph, stream=stream):
             refit.run(stream)
+        graph.instantiate()
+        nodes = graph_nodes_by_kind(graph)
         barrier()
 
         def replay_waited():
@@ -171,7 +199,7 @@ def main():
 
         replayed, replay_issued = time_each(graph.replay, torch.cuda.synchronize)
         wrong += wrong_after(replay_waited)
-        graphed = {"replay": replayed, "host": replay_issued}
+        graphed = {"replay": replayed, "host": replay_issued, "nodes": nodes}
 
     # Staged (after the checks above: binding it replaces the bound refit's schedule on svc).
     staged = None
@@ -221,7 +249,8 @@ def main():
         if graphed is not None:
             print(f"  CUDA graph replay then synchronize:          "
                   f"{graphed['replay'] * 1e3:.3f} ms (host time of replay() "
-                  f"{graphed['host'] * 1e6:.1f} us)")
+                  f"{graphed['host'] * 1e6:.1f} us); nodes on PE 0: "
+                  + ", ".join(f"{count} {kind}" for kind, count in graphed["nodes"].items()))
         if staged is not None:
             print(f"  staged: stage() {staged['stage'] * 1e3:.3f} ms, commit() (the pause) "
                   f"{staged['commit'] * 1e3:.3f} ms = {staged['commit'] / bound:.2f}x the run, "
@@ -246,7 +275,8 @@ def main():
                       "bound_issue_median_s": issued, "wrong": wrong}
             if graphed is not None:
                 record.update({"graph_replay_median_s": graphed["replay"],
-                               "graph_replay_host_median_s": graphed["host"]})
+                               "graph_replay_host_median_s": graphed["host"],
+                               "graph_nodes_pe0": graphed["nodes"]})
             if staged is not None:
                 record.update({"staged_stage_median_s": staged["stage"],
                                "staged_commit_median_s": staged["commit"],
