@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "none", "ipc-loop", "host", "cuda", "nvshmem", "nccl"}));
   refit_cmd->add_option("--staging-budget", refit.staging_budget,
                         "most staging memory per PE (e.g. 512MiB, 0, unlimited; default "
-                        "RESHARD_STAGING_BUDGET, else 512MiB): larger refits run in phases");
+                        "RESHARD_STAGING_BUDGET, else 2GiB): larger refits run in phases");
   refit_cmd->add_flag("!--receiver-quantizes-colocated", refit.quantize_colocated_on_sender,
                       "transforms on arrival quantize on the receiver even between PEs on one GPU "
                       "(by default the sender does there: same bits, half the bytes)");
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
           CLI::IsMember({"none", "mxfp8", "mxfp8-receiver", "fp8-block", "fp8-block-receiver"}));
   soak_cmd->add_option("-t,--transport", soak_transport, "auto, host, cuda, nvshmem or nccl");
   soak_cmd->add_option("--staging-budget", soak.refit.staging_budget,
-                       "most staging memory per PE (default RESHARD_STAGING_BUDGET, else 512MiB)");
+                       "most staging memory per PE (default RESHARD_STAGING_BUDGET, else 2GiB)");
   soak_cmd->add_option("-r,--refits", soak.refits, "timed refits")->check(CLI::Range(1, 10000000));
   soak_cmd->add_option("-w,--window", soak.window, "refits per window (median, memory)")
       ->check(CLI::Range(1, 1000000));

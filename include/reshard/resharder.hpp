@@ -32,7 +32,10 @@ using TensorMap = std::unordered_map<std::string, LocalTensor>;
 
 struct ReshardOptions {
   static constexpr std::uint64_t kUnlimited = UINT64_MAX;
-  static constexpr std::uint64_t kDefaultStagingBudget = 512ull << 20;
+  // 2 GiB, about 1.5% of an H200: at 512 MiB a refit quantizing on arrival ran in so many phases
+  // that their handshakes cost 1.19x (Llama-3-8B) and 1.80x (Qwen3-30B-A3B) the bf16 refit on 2
+  // H200s, at 2 GiB 1.04x and 1.06x (docs/performance.md).
+  static constexpr std::uint64_t kDefaultStagingBudget = 2ull << 30;
   // Most bytes of staging one rank holds at once: the wire buffers of the built-in transforms
   // (FP8 data and scales, casts, bf16 landing before a conversion on arrival) and slices packed
   // for transports that do not move rows in place. A refit that needs more runs in phases, each

@@ -78,7 +78,7 @@ def execute_reshard_plan(
     buffers, slices packed for NCCL): bytes, or a string such as ``"512MiB"`` or
     ``"unlimited"``. A refit that needs more runs in phases that reuse the same memory; a slice
     that alone needs more is refused, naming it; ``0`` allows no staging. Default:
-    ``RESHARD_STAGING_BUDGET``, else 512 MiB. Every rank must pass the same.
+    ``RESHARD_STAGING_BUDGET``, else 2 GiB. Every rank must pass the same.
 
     Built-in transforms that quantize on arrival quantize on the sender instead for slices between
     two ranks on the same GPU (colocated processes): the same bits, half the bytes moved, no bf16

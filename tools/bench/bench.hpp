@@ -136,7 +136,7 @@ struct RefitBenchOptions {
   // transport and NCCL is built), "none", "ipc-loop" (IpcCopyLoop), or a transport name.
   std::string baseline = "auto";
   // ReshardOptions::staging_budget: a byte count ("512MiB"), "unlimited", or empty for the
-  // default (RESHARD_STAGING_BUDGET, else 512 MiB).
+  // default (RESHARD_STAGING_BUDGET, else 2 GiB).
   std::string staging_budget;
   // ReshardOptions::quantize_colocated_on_sender (false: quantized-on-arrival slices between PEs
   // on one GPU stay on the receiver, as between GPUs).

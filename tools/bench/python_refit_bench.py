@@ -198,8 +198,22 @@ def main():
             torch.cuda.synchronize()
 
         replayed, replay_issued = time_each(graph.replay, torch.cuda.synchronize)
+        # The same graph launched through the driver alone (cuGraphLaunch), and a graph of one
+        # small PyTorch kernel replayed: which part of a replay's host time is whose.
+        import ctypes
+        driver = ctypes.CDLL("libcuda.so.1")
+        graph_exec = ctypes.c_void_p(graph.raw_cuda_graph_exec())
+        current = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _, driver_issued = time_each(lambda: driver.cuGraphLaunch(graph_exec, current),
+                                     torch.cuda.synchronize)
+        scratch = torch.zeros(1024, device=device)
+        small = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(small, stream=stream):
+            scratch.add_(1)
+        _, small_issued = time_each(small.replay, torch.cuda.synchronize)
         wrong += wrong_after(replay_waited)
-        graphed = {"replay": replayed, "host": replay_issued, "nodes": nodes}
+        graphed = {"replay": replayed, "host": replay_issued, "nodes": nodes,
+                   "driver_host": driver_issued, "small_host": small_issued}
 
     # Staged (after the checks above: binding it replaces the bound refit's schedule on svc).
     staged = None
@@ -251,6 +265,8 @@ def main():
                   f"{graphed['replay'] * 1e3:.3f} ms (host time of replay() "
                   f"{graphed['host'] * 1e6:.1f} us); nodes on PE 0: "
                   + ", ".join(f"{count} {kind}" for kind, count in graphed["nodes"].items()))
+            print(f"    host time of cuGraphLaunch of it alone {graphed['driver_host'] * 1e6:.1f} us;"
+                  f" of a one-kernel PyTorch graph's replay() {graphed['small_host'] * 1e6:.1f} us")
         if staged is not None:
             print(f"  staged: stage() {staged['stage'] * 1e3:.3f} ms, commit() (the pause) "
                   f"{staged['commit'] * 1e3:.3f} ms = {staged['commit'] / bound:.2f}x the run, "
@@ -276,7 +292,9 @@ def main():
             if graphed is not None:
                 record.update({"graph_replay_median_s": graphed["replay"],
                                "graph_replay_host_median_s": graphed["host"],
-                               "graph_nodes_pe0": graphed["nodes"]})
+                               "graph_nodes_pe0": graphed["nodes"],
+                               "graph_driver_launch_host_median_s": graphed["driver_host"],
+                               "small_graph_replay_host_median_s": graphed["small_host"]})
             if staged is not None:
                 record.update({"staged_stage_median_s": staged["stage"],
                                "staged_commit_median_s": staged["commit"],
