@@ -23,6 +23,7 @@ enum class ErrorCode {
 
 const char* error_code_name(ErrorCode code);
 
+
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message, std::vector<std::uint64_t> tasks = {})
@@ -36,6 +37,14 @@ class Error : public std::runtime_error {
   static std::vector<std::uint64_t> unique_in_order(std::vector<std::uint64_t> tasks);
   ErrorCode code_;
   std::vector<std::uint64_t> tasks_;
+};
+
+// A collective that every rank failed alike (rank 0 gave up waiting for a late rank and told the
+// others): nothing it was to agree on took effect and the bootstrap stays in step, so the call that
+// ran it may be made again on every rank.
+class CollectiveAbandoned : public Error {
+ public:
+  using Error::Error;
 };
 
 [[noreturn]] void throw_error(ErrorCode code, const std::string& message);

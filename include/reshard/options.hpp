@@ -125,8 +125,14 @@ struct CopyServiceOptions {
   std::optional<int> node_size;
   // CUDA device of this PE; nullopt: local rank modulo the visible devices. RESHARD_DEVICE.
   std::optional<int> device;
-  // How long any wait on a peer may last before it fails naming the peer. RESHARD_TIMEOUT_S.
+  // How long a wait on a peer may last before it fails naming the peer, once every PE it waits for
+  // has arrived (begun the same schedule() or run()): a transfer or exchange that stalls.
+  // RESHARD_TIMEOUT_S.
   std::chrono::milliseconds timeout{30000};
+  // How long schedule() and run() wait for a PE that has not begun them yet: an RL engine entering
+  // the refit while its trainer finishes a long step arrives minutes late without anything being
+  // wrong (NCCL and torch.distributed allow 10 minutes too). RESHARD_ARRIVAL_TIMEOUT_S.
+  std::chrono::milliseconds arrival_timeout{600000};
   // Verify mode (see CopyService::set_verify). RESHARD_VERIFY.
   bool verify = false;
   // Caps the scheduler's chunk size (nullopt: the transport's). RESHARD_CHUNK_BYTES.

@@ -256,7 +256,9 @@ class CopyService:
     ``finalize()``.
 
     Every other setting is a keyword, with the matching ``RESHARD_*`` variable as its default
-    (C++: ``CopyServiceOptions``): ``timeout`` (seconds), ``verify``, ``chunk_bytes``,
+    (C++: ``CopyServiceOptions``): ``timeout`` (seconds a wait on PEs that have all arrived may
+    last: a stalled transfer), ``arrival_timeout`` (seconds ``schedule()`` and ``run()`` wait for a
+    PE that has not begun them yet, 600 by default), ``verify``, ``chunk_bytes``,
     ``log_level``, ``node_size``, ``inter_node_transport``, and one dict per transport and for
     diagnosis: ``host={"staging_bytes": ...}``, ``cuda={"engine": "sm", "same_device":
     "delegate", ...}``, ``nccl={"nonblocking": False}``, ``nvshmem={"staging_bytes": "1GiB",

@@ -185,6 +185,13 @@ void bind_options(nb::module_& m) {
             o.timeout = std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
           },
           "seconds")
+      .def_prop_rw(
+          "arrival_timeout",
+          [](const CopyServiceOptions& o) { return o.arrival_timeout.count() / 1000.0; },
+          [](CopyServiceOptions& o, double seconds) {
+            o.arrival_timeout = std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
+          },
+          "seconds")
       .def_rw("verify", &CopyServiceOptions::verify)
       .def_rw("chunk_bytes", &CopyServiceOptions::chunk_bytes)
       .def_prop_rw(

@@ -203,7 +203,7 @@ void send_frame(const Socket& socket, FrameKind kind, std::span<const std::byte>
 Frame recv_frame(const Socket& socket, Deadline deadline, const std::string& whom) {
   FrameHeader header{};
   recv_all(socket, std::as_writable_bytes(std::span(&header, 1)), deadline, whom);
-  if (header.kind < 1 || header.kind > 3 || header.bytes > (std::uint64_t{1} << 40)) {
+  if (header.kind < 1 || header.kind > 4 || header.bytes > (std::uint64_t{1} << 40)) {
     throw_error(ErrorCode::kPeerFailure, "malformed bootstrap message from " + whom);
   }
   Frame frame;

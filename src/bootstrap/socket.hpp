@@ -55,7 +55,9 @@ void recv_all(const Socket& socket, std::span<std::byte> data, Deadline deadline
               const std::string& whom);
 
 // Length-prefixed messages with a kind, so an abort notice can travel where data was expected.
-enum class FrameKind : std::uint32_t { kData = 1, kAbort = 2, kHello = 3 };
+// kGiveUp: rank 0 gave up on one collective (a rank was late) and tells every rank, so all of them
+// fail it alike and go on to the next.
+enum class FrameKind : std::uint32_t { kData = 1, kAbort = 2, kHello = 3, kGiveUp = 4 };
 
 struct Frame {
   FrameKind kind = FrameKind::kData;

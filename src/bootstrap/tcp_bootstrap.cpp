@@ -35,6 +35,9 @@ struct TcpBootstrap::Impl {
   std::vector<Endpoint> p2p_endpoints;
   std::map<int, net::Socket> p2p_out;
   std::map<int, net::Socket> p2p_in;
+  // Collectives begun, the same count on every rank: each one's frames carry it, so a late rank's
+  // contribution to a collective rank 0 gave up on is told from its next one and dropped.
+  std::uint64_t collectives = 0;
 
   bool is_root() const { return options.rank == 0; }
   net::Deadline root_deadline() const { return net::Clock::now() + options.timeout; }
@@ -47,6 +50,7 @@ struct TcpBootstrap::Impl {
   std::vector<std::vector<std::byte>> gather_and_share(std::span<const std::byte> mine,
                                                        const char* what);
   void abort_members(const std::string& reason, int skip_rank);
+  [[noreturn]] void give_up(std::uint64_t collective, const std::string& reason);
   const net::Socket& outgoing(int peer);
   const net::Socket& incoming(int peer);
 };
@@ -62,6 +66,23 @@ void TcpBootstrap::Impl::abort_members(const std::string& reason, int skip_rank)
       // That rank is gone too; the others still get the message.
     }
   }
+}
+
+// Rank 0 ends a collective in which a rank is late: every rank that is there gets the give-up
+// now, a late one when it arrives (before it would wait for the reply), so all fail it alike.
+void TcpBootstrap::Impl::give_up(std::uint64_t collective, const std::string& reason) {
+  message::Writer frame;
+  frame.put<std::uint64_t>(collective);
+  frame.put_string(reason);
+  for (int r = 1; r < options.size; ++r) {
+    try {
+      send_frame(to_ranks[r], net::FrameKind::kGiveUp, frame.bytes(),
+                 net::Clock::now() + std::chrono::milliseconds(500), rank_name(r));
+    } catch (const Error&) {
+      // That rank is gone: its next collective fails on the broken link.
+    }
+  }
+  throw CollectiveAbandoned(ErrorCode::kTimeout, reason);
 }
 
 void TcpBootstrap::Impl::connect_all() {
@@ -140,22 +161,35 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
     std::span<const std::byte> mine, const char* what) {
   const int n = options.size;
   if (n == 1) return {std::vector<std::byte>(mine.begin(), mine.end())};
+  const std::uint64_t collective = ++collectives;
   if (!is_root()) {
     const auto deadline = member_deadline();
-    send_frame(to_root, net::FrameKind::kData, mine, deadline, "rank 0");
-    net::Frame reply =
-        net::recv_frame(to_root, deadline,
-                        std::string("rank 0 to complete ") + what + " (it waits for every rank)");
-    if (reply.kind == net::FrameKind::kAbort) {
-      throw_error(ErrorCode::kPeerFailure,
-                  std::string(what) + " failed: " +
-                      std::string(reinterpret_cast<const char*>(reply.payload.data()),
-                                  reply.payload.size()));
+    message::Writer contribution;
+    contribution.put<std::uint64_t>(collective);
+    contribution.put_array(mine);
+    send_frame(to_root, net::FrameKind::kData, contribution.bytes(), deadline, "rank 0");
+    for (;;) {
+      net::Frame reply =
+          net::recv_frame(to_root, deadline,
+                          std::string("rank 0 to complete ") + what + " (it waits for every rank)");
+      if (reply.kind == net::FrameKind::kAbort) {
+        throw_error(ErrorCode::kPeerFailure,
+                    std::string(what) + " failed: " +
+                        std::string(reinterpret_cast<const char*>(reply.payload.data()),
+                                    reply.payload.size()));
+      }
+      message::Reader reader(reply.payload);
+      // Older: the end of a collective this rank stopped waiting for on its own.
+      if (reader.get<std::uint64_t>() < collective) continue;
+      if (reply.kind == net::FrameKind::kGiveUp) {
+        throw CollectiveAbandoned(ErrorCode::kTimeout,
+                                  "rank 0 gave up on this " + std::string(what) + ": " +
+                                      reader.get_string());
+      }
+      std::vector<std::vector<std::byte>> all(n);
+      for (int r = 0; r < n; ++r) all[r] = reader.get_array<std::byte>();
+      return all;
     }
-    message::Reader reader(reply.payload);
-    std::vector<std::vector<std::byte>> all(n);
-    for (int r = 0; r < n; ++r) all[r] = reader.get_array<std::byte>();
-    return all;
   }
   std::vector<std::vector<std::byte>> all(n);
   all[0].assign(mine.begin(), mine.end());
@@ -190,9 +224,11 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
       if (rc == 0) {
         std::string missing;
         for (int r : ranks) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-        throw_error(ErrorCode::kTimeout, std::string("timed out in ") + what +
-                                             " waiting for rank(s) " + missing +
-                                             " (raise RESHARD_TIMEOUT_S if they are only slow)");
+        give_up(collective, std::string("timed out in ") + what + " after " +
+                                std::to_string(options.timeout.count() / 1000.0).substr(0, 5) +
+                                " s waiting for rank(s) " + missing +
+                                " (every rank failed it alike; raise the timeout if they are "
+                                "only slow)");
       }
       if (rc < 0) {
         if (errno == EINTR) continue;
@@ -208,16 +244,28 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
                           std::string(reinterpret_cast<const char*>(frame.payload.data()),
                                       frame.payload.size()));
         }
-        all[r] = std::move(frame.payload);
+        message::Reader reader(frame.payload);
+        const std::uint64_t tag = reader.get<std::uint64_t>();
+        if (tag < collective) continue;  // its part of a collective given up on: dropped
+        if (tag > collective) {
+          throw_error(ErrorCode::kInvalidState,
+                      rank_name(r) + " is in collective " + std::to_string(tag) +
+                          " where rank 0 is in " + std::to_string(collective) +
+                          ": the ranks called different collectives");
+        }
+        all[r] = reader.get_array<std::byte>();
         arrived[r] = true;
         --pending;
       }
     }
+  } catch (const CollectiveAbandoned&) {
+    throw;  // every rank told already
   } catch (const Error& error) {
     abort_members(error.what(), -1);
     throw;
   }
   message::Writer reply;
+  reply.put<std::uint64_t>(collective);
   for (const auto& part : all) reply.put_array(std::span<const std::byte>(part));
   for (int r = 1; r < n; ++r) {
     send_frame(to_ranks[r], net::FrameKind::kData, reply.bytes(), deadline, rank_name(r));

@@ -26,16 +26,28 @@ int get_int(const char* name, int fallback) {
               std::string(name) + "='" + *value + "' is not an integer");
 }
 
-std::chrono::milliseconds timeout() {
-  auto value = get("RESHARD_TIMEOUT_S");
-  if (!value) return std::chrono::milliseconds(30000);
+namespace {
+
+std::chrono::milliseconds positive_seconds(const char* name, std::chrono::milliseconds unset) {
+  auto value = get(name);
+  if (!value) return unset;
   try {
     double seconds = std::stod(*value);
     if (seconds > 0) return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
   } catch (const std::exception&) {
   }
   throw_error(ErrorCode::kInvalidArgument,
-              "RESHARD_TIMEOUT_S='" + *value + "' is not a positive number of seconds");
+              std::string(name) + "='" + *value + "' is not a positive number of seconds");
+}
+
+}  // namespace
+
+std::chrono::milliseconds timeout() {
+  return positive_seconds("RESHARD_TIMEOUT_S", std::chrono::milliseconds(30000));
+}
+
+std::chrono::milliseconds arrival_timeout() {
+  return positive_seconds("RESHARD_ARRIVAL_TIMEOUT_S", std::chrono::milliseconds(600000));
 }
 
 std::optional<LogLevel> log_level() {

@@ -14,6 +14,8 @@ namespace reshard::env {
 
 // RESHARD_TIMEOUT_S: how long any wait on a peer may last (default 30 s).
 std::chrono::milliseconds timeout();
+// RESHARD_ARRIVAL_TIMEOUT_S (default 600 s): how long to wait for a PE that has not arrived yet.
+std::chrono::milliseconds arrival_timeout();
 // RESHARD_LOG_LEVEL: overrides the level passed to init().
 std::optional<LogLevel> log_level();
 // RESHARD_STAGING_BUDGET: most staging memory the executor holds per rank at once ("unlimited" for

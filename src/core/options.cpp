@@ -22,6 +22,7 @@ constexpr Variable kVariables[] = {
     {"node_size", "RESHARD_NODE_SIZE"},
     {"device", "RESHARD_DEVICE"},
     {"timeout", "RESHARD_TIMEOUT_S"},
+    {"arrival_timeout", "RESHARD_ARRIVAL_TIMEOUT_S"},
     {"verify", "RESHARD_VERIFY"},
     {"chunk_bytes", "RESHARD_CHUNK_BYTES"},
     {"log_level", "RESHARD_LOG_LEVEL"},
@@ -161,6 +162,10 @@ void Checker::check(const CopyServiceOptions& o) const {
   if (o.device && *o.device < 0) refuse("device", std::to_string(*o.device), "is negative");
   if (o.timeout.count() <= 0)
     refuse("timeout", std::to_string(o.timeout.count()) + " ms", "must be positive");
+  if (o.arrival_timeout.count() <= 0) {
+    refuse("arrival_timeout", std::to_string(o.arrival_timeout.count()) + " ms",
+           "must be positive");
+  }
   if (o.chunk_bytes && *o.chunk_bytes == 0) refuse("chunk_bytes", "0", "must be positive");
   one_of("cuda.engine", o.cuda.engine, {"auto", "sm", "ce", "autotune"});
   one_of("cuda.same_device", o.cuda.same_device, {"auto", "delegate", "stream", "kernel"});
@@ -189,6 +194,7 @@ CopyServiceOptions CopyServiceOptions::from_environment() {
   read("node_size", o.node_size);
   read("device", o.device);
   o.timeout = env::timeout();
+  o.arrival_timeout = env::arrival_timeout();
   read("verify", o.verify);
   read("chunk_bytes", o.chunk_bytes);
   o.log_level = env::log_level().value_or(o.log_level);

@@ -446,17 +446,30 @@ ScheduleReport CopyService::schedule() {
         std::min(caps.chunk_bytes, self.options.chunk_bytes.value_or(UINT64_MAX)));
     summary.put<std::uint64_t>(caps.min_chunk_bytes);
     summary.put<std::int64_t>(caps.max_peers_per_round);
+    // Where the PEs meet: one may come minutes after the others (a trainer finishing its step),
+    // so this wait has the arrival timeout.
     const auto gathered = [&] {
+      self.bootstrap->set_timeout(self.options.arrival_timeout);
       try {
-        return self.bootstrap->all_gather(summary.bytes());
+        auto all = self.bootstrap->all_gather(summary.bytes());
+        self.bootstrap->set_timeout(self.options.timeout);
+        return all;
       } catch (const Error& error) {
+        self.bootstrap->set_timeout(self.options.timeout);
         // The bootstrap names the ranks it waited for; say what they were to do.
+        const std::string what =
+            "schedule() on PE " + std::to_string(self.bootstrap->rank()) +
+            ": every PE must call schedule(), and not every one did within the arrival timeout (" +
+            std::to_string(self.options.arrival_timeout.count() / 1000.0).substr(0, 5) +
+            " s; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
+        if (dynamic_cast<const CollectiveAbandoned*>(&error) != nullptr) {
+          throw CollectiveAbandoned(error.code(),
+                                    what + ": " + error.what() +
+                                        "; nothing was scheduled and the service is usable: call "
+                                        "schedule() again on every PE");
+        }
         if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
-        throw Error(error.code(), "schedule() on PE " + std::to_string(self.bootstrap->rank()) +
-                                      ": every PE must call schedule(), and not every one did "
-                                      "within the timeout (" +
-                                      std::to_string(self.options.timeout.count()) +
-                                      " ms) or stayed: " + error.what());
+        throw Error(error.code(), what + " or stayed: " + error.what());
       }
     }();
 
@@ -529,6 +542,8 @@ ScheduleReport CopyService::schedule() {
     // Validation errors are raised identically on every PE; the service stays usable so the
     // caller may clear_requests() and try again.
     if (error.code() == ErrorCode::kValidation) throw;
+    // Every PE failed the meeting alike and nothing was prepared: schedule() may be called again.
+    if (dynamic_cast<const CollectiveAbandoned*>(&error) != nullptr) throw;
     self.fail(error);
   }
 }

@@ -51,6 +51,8 @@ def launch(n, script, *args, timeout=240, **extra_env):
     env = dict(os.environ, **extra_env, PYTHONPATH=os.pathsep.join(filter(None, [
         str(Path(reshard.__file__).parent.parent), os.environ.get("PYTHONPATH")])))
     env.setdefault("RESHARD_TIMEOUT_S", "20")
+    # A late or stopped PE fails the others within the test's limit, arriving or mid-transfer.
+    env.setdefault("RESHARD_ARRIVAL_TIMEOUT_S", env["RESHARD_TIMEOUT_S"])
     limit = timeout * TIME_SCALE
     return subprocess.run([sys.executable, "-m", "reshard.launch", "-n", str(n), "--timeout",
                            str(limit - 10), str(script), *map(str, args)], env=env,
@@ -1264,9 +1266,9 @@ def test_remote_copy_service_takes_the_seed_api_by_its_keywords():
         RemoteCopyService(transport="host", group=object())
 
 
-def test_schedule_is_bounded_by_the_services_own_timeout():
-    # RESHARD_TIMEOUT_S is 20 here; CopyService(timeout=3) must bound schedule() on its own.
-    result = launch(2, WORKERS / "schedule_timeout_worker.py", timeout=60, RESHARD_TIMEOUT_S="20")
+def test_a_late_pe_has_the_arrival_timeout_and_a_schedule_it_missed_can_be_retried():
+    # RESHARD_*TIMEOUT_S are 20 here; the service's own settings (1 s, 4 s) must be the ones used.
+    result = launch(2, WORKERS / "late_arrival_worker.py", timeout=90, RESHARD_TIMEOUT_S="20")
     assert_ok(result)
     assert result.stdout.count(": ok") == 2, result.stdout
 

@@ -106,6 +106,42 @@ TEST(TcpBootstrap, NamesTheRankThatLeavesDuringACollective) {
   EXPECT_NE(errors[2].find("rank 1"), std::string::npos) << errors[2];
 }
 
+// Rank 2 comes to collectives 0 and 2 after rank 0 gave up on them (3 s late, 2 s timeout):
+// every rank fails those alike (CollectiveAbandoned, naming rank 2), and collectives 1 and 3, which
+// rank 2 joins in time, gather every rank's part of them (its part of the abandoned ones dropped).
+TEST(TcpBootstrap, ACollectiveGivenUpOnFailsEveryRankAlikeAndTheNextOneWorks) {
+  const std::string id = TcpBootstrap::make_unique_id();
+  const int size = 3;
+  std::vector<std::vector<std::string>> abandoned(size), gathered(size);
+  const auto errors = run_ranks(size, [&](int rank) {
+    TcpBootstrap bootstrap(options_for(id, rank, size, 2s));
+    bootstrap.barrier();
+    for (int round = 0; round < 4; ++round) {
+      if (rank == 2 && round % 2 == 0) std::this_thread::sleep_for(3s);
+      try {
+        const auto all = bootstrap.all_gather(bytes_of(std::to_string(rank) + "." +
+                                                       std::to_string(round)));
+        std::string joined;
+        for (const auto& part : all) joined += text_of(part) + " ";
+        gathered[rank].push_back(joined);
+      } catch (const CollectiveAbandoned& error) {
+        EXPECT_EQ(error.code(), ErrorCode::kTimeout);
+        abandoned[rank].push_back(std::to_string(round) + ": " + error.what());
+      }
+    }
+  });
+  for (int rank = 0; rank < size; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    ASSERT_EQ(abandoned[rank].size(), 2u) << "rank " << rank;
+    EXPECT_EQ(abandoned[rank][0].substr(0, 3), "0: ") << abandoned[rank][0];
+    EXPECT_EQ(abandoned[rank][1].substr(0, 3), "2: ") << abandoned[rank][1];
+    for (const std::string& why : abandoned[rank])
+      EXPECT_NE(why.find("rank(s) 2"), std::string::npos) << why;
+    EXPECT_EQ(gathered[rank], (std::vector<std::string>{"0.1 1.1 2.1 ", "0.3 1.3 2.3 "}))
+        << "rank " << rank;
+  }
+}
+
 TEST(TcpBootstrap, RefusesBadArguments) {
   TcpBootstrapOptions bad;
   bad.rank = 3;

@@ -45,6 +45,7 @@ TEST(Env, ServiceSettingsRefuseBadValuesNamingTheVariable) {
   expect_refused("RESHARD_CUDA_BYTES_PER_CTA", "1KiB", read_options);
   expect_refused("RESHARD_CUDA_CE_MIN_BYTES", "lots", read_options);
   expect_refused("RESHARD_TIMEOUT_S", "-2", read_options);
+  expect_refused("RESHARD_ARRIVAL_TIMEOUT_S", "soon", read_options);
   expect_refused("RESHARD_NCCL_NONBLOCKING", "yes", read_options);
   expect_refused("RESHARD_NCCL_GROUP_SPANS", "-3", read_options);
   expect_refused("RESHARD_NVSHMEM_SEND_STREAM", "yes", read_options);

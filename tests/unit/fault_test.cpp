@@ -54,6 +54,12 @@ std::string line_of(const Outcome& outcome, int rank, const std::string& marker)
   return {};
 }
 
+// Both limits, for transfers and for PEs arriving: a fault test waits for either.
+void set_timeouts(const char* seconds) {
+  ::setenv("RESHARD_TIMEOUT_S", seconds, 1);
+  ::setenv("RESHARD_ARRIVAL_TIMEOUT_S", seconds, 1);
+}
+
 std::string all_lines(const Outcome& outcome) {
   std::string text;
   for (const auto& line : outcome.lines) text += line + "\n";
@@ -61,7 +67,7 @@ std::string all_lines(const Outcome& outcome) {
 }
 
 TEST(Faults, PeKilledMidRunFailsTheOthersQuicklyAndCleanly) {
-  ::setenv("RESHARD_TIMEOUT_S", "10", 1);
+  set_timeouts("10");
   const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "die"}, false);
   EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
   EXPECT_EQ(outcome.result.exit_codes[1], 128 + SIGKILL);
@@ -86,7 +92,7 @@ std::vector<std::string> survivor_errors(const Outcome& outcome) {
 }
 
 TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
-  ::setenv("RESHARD_TIMEOUT_S", "2", 1);
+  set_timeouts("2");
   const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "stall"}, true);
   EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
   const std::vector<std::string> errors = survivor_errors(outcome);
@@ -103,7 +109,7 @@ TEST(Faults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
 // PE 1 stops calling run() after two runs and stays alive: whoever times out names PE 1 as the
 // one behind (by the run() calls each PE has begun), not the peer it happened to wait for.
 TEST(Faults, PeThatCallsRunLessOftenIsNamedBehindByTheOthers) {
-  ::setenv("RESHARD_TIMEOUT_S", "2", 1);
+  set_timeouts("2");
   const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "behind"}, true);
   EXPECT_LT(outcome.seconds, 30.0) << all_lines(outcome);
   const std::vector<std::string> errors = survivor_errors(outcome);
@@ -122,7 +128,7 @@ TEST(Faults, PeThatCallsRunLessOftenIsNamedBehindByTheOthers) {
 // its node mate fails inside the node, the other node when its inter-node part meets the dead PE
 // (or its failed mate, whichever it notices first) — every survivor in bounded time.
 TEST(Faults, PeKilledInAMixedScheduleFailsEveryNode) {
-  ::setenv("RESHARD_TIMEOUT_S", "10", 1);
+  set_timeouts("10");
   ::setenv("RESHARD_NODE_SIZE", "2", 1);
   ::setenv("CUDA_VISIBLE_DEVICES", "", 1);  // auto stays on CPU memory on a GPU machine too
   const Outcome outcome = launch(4, {RESHARD_FAULT_WORKER, "die", "auto"}, false);
@@ -213,7 +219,7 @@ class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
 };
 
 TEST_P(GpuFaults, PeKilledMidRunFailsTheOthersNamingIt) {
-  ::setenv("RESHARD_TIMEOUT_S", "10", 1);
+  set_timeouts("10");
   const Outcome outcome =
       launch(GetParam().pes, {RESHARD_FAULT_WORKER, "die", GetParam().transport}, false);
   EXPECT_LT(outcome.seconds, 90.0) << all_lines(outcome);
@@ -228,7 +234,7 @@ TEST_P(GpuFaults, PeKilledMidRunFailsTheOthersNamingIt) {
 }
 
 TEST_P(GpuFaults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
-  ::setenv("RESHARD_TIMEOUT_S", "3", 1);
+  set_timeouts("3");
   const Outcome outcome =
       launch(GetParam().pes, {RESHARD_FAULT_WORKER, "stall", GetParam().transport}, true);
   EXPECT_LT(outcome.seconds, 90.0) << all_lines(outcome);

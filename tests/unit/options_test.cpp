@@ -26,6 +26,7 @@ TEST(Options, WithoutVariablesTheEnvironmentGivesTheDefaults) {
   EXPECT_EQ(read.node_size, defaults.node_size);
   EXPECT_EQ(read.device, defaults.device);
   EXPECT_EQ(read.timeout, defaults.timeout);
+  EXPECT_EQ(read.arrival_timeout, defaults.arrival_timeout);
   EXPECT_EQ(read.verify, defaults.verify);
   EXPECT_EQ(read.chunk_bytes, defaults.chunk_bytes);
   EXPECT_EQ(read.log_level, defaults.log_level);
@@ -66,6 +67,8 @@ TEST(Options, EveryVariableLandsInItsField) {
       {"RESHARD_NODE_SIZE", "4", [](auto& o) { return o.node_size == 4; }},
       {"RESHARD_DEVICE", "3", [](auto& o) { return o.device == 3; }},
       {"RESHARD_TIMEOUT_S", "2.5", [](auto& o) { return o.timeout.count() == 2500; }},
+      {"RESHARD_ARRIVAL_TIMEOUT_S", "900",
+       [](auto& o) { return o.arrival_timeout.count() == 900000; }},
       {"RESHARD_VERIFY", "1", [](auto& o) { return o.verify; }},
       {"RESHARD_CHUNK_BYTES", "64KiB", [](auto& o) { return o.chunk_bytes == 65536u; }},
       {"RESHARD_LOG_LEVEL", "debug", [](auto& o) { return o.log_level == LogLevel::kDebug; }},
@@ -113,6 +116,7 @@ TEST(Options, OutOfRangeValuesAreRefusedNamingTheField) {
       {"cuda.ctas_per_peer", [](auto& o) { o.cuda.ctas_per_peer = 1025; }},
       {"cuda.bytes_per_cta", [](auto& o) { o.cuda.bytes_per_cta = 1024; }},
       {"timeout", [](auto& o) { o.timeout = std::chrono::milliseconds(0); }},
+      {"arrival_timeout", [](auto& o) { o.arrival_timeout = std::chrono::milliseconds(-1); }},
       {"node_size", [](auto& o) { o.node_size = 0; }},
       {"device", [](auto& o) { o.device = -1; }},
       {"chunk_bytes", [](auto& o) { o.chunk_bytes = 0; }},

@@ -108,6 +108,7 @@ class HostTransport final : public Transport {
   int n_pes_;
   std::uint64_t slot_bytes_ = 0;
   std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds arrival_timeout_;  // for peers that have not begun this run
   std::vector<host::ShmSegment> inboxes_;
   bool finalized_ = false;
   // Per peer, in round order, the batches that share each slot: consecutive batches to one peer
@@ -138,7 +139,8 @@ HostTransport::HostTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     : bootstrap_(bootstrap),
       my_pe_(bootstrap.rank()),
       n_pes_(bootstrap.size()),
-      timeout_(options.timeout) {
+      timeout_(options.timeout),
+      arrival_timeout_(options.arrival_timeout) {
   // Every PE must use the same slot size: take the smallest any PE asked for.
   const std::uint64_t budget = options.host.staging_bytes;
   std::uint64_t wanted = budget / (std::max(n_pes_ - 1, 1) * kSlotsPerChannel);
@@ -254,7 +256,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   const auto& sends_by_peer = phases_.at(phase).sends_by_peer;
   const auto& receives_by_peer = phases_.at(phase).receives_by_peer;
-  header(my_pe_).runs.fetch_add(1, std::memory_order_release);
+  const std::uint64_t my_runs = header(my_pe_).runs.fetch_add(1, std::memory_order_release) + 1;
   for (const LocalCopy& copy : plan.local_copies) {
     // A PE's own ranges may overlap (a buffer shifted within itself): those need memmove.
     const bool apart = copy.dst + copy.bytes <= copy.src || copy.src + copy.bytes <= copy.dst;
@@ -331,6 +333,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     next_check = now + std::chrono::milliseconds(2);
     throw_if_interrupted("a run of the host transport", last_progress);
     std::string waiting;  // every peer this PE still waits for, for the timeout message
+    std::string late;     // those of them that have not begun this run
     bool can_progress = false;
     for (PeId peer = 0; peer < n_pes_ && !can_progress; ++peer) {
       const bool sending = next_send[peer] < sends_by_peer[peer].size();
@@ -345,14 +348,34 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
       check_peer(peer, what);
       waiting += (waiting.empty() ? "PE " : ", PE ") + std::to_string(peer) + " (" +
                  (receiving ? "receiving" : "sending") + ")";
+      if (header(peer).runs.load(std::memory_order_acquire) < my_runs)
+        late += (late.empty() ? "PE " : ", PE ") + std::to_string(peer);
     }
-    if (!can_progress && now - last_progress > timeout_) {
+    // A peer that has not begun this run is arriving (its trainer may still be in its step), not
+    // stuck in a transfer: it has the arrival timeout.
+    if (!can_progress && !late.empty() && now - last_progress > arrival_timeout_) {
+      throw_error(ErrorCode::kTimeout,
+                  "PE " + std::to_string(my_pe_) + " waited " +
+                      std::to_string(arrival_timeout_.count() / 1000.0).substr(0, 5) + " s for " +
+                      late + " to begin run() " + std::to_string(my_runs) +
+                      " (the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)" +
+                      behind_peers());
+    }
+    if (!can_progress && late.empty() && now - last_progress > timeout_) {
       throw_error(ErrorCode::kTimeout,
                   "PE " + std::to_string(my_pe_) + " made no progress for " +
                       std::to_string(timeout_.count() / 1000.0).substr(0, 5) +
                       " s; still waiting for " + waiting + behind_peers() +
                       " (a peer stopped or is stuck; RESHARD_TIMEOUT_S sets the limit)");
     }
+  }
+  // A peer that gave up on this run before this PE came (its arrival timeout ran out) may have
+  // left its bytes all the same, so the run went through here; that peer failed, so this PE fails
+  // now too, not at its next call.
+  for (PeId peer = 0; peer < n_pes_; ++peer) {
+    if (sends_by_peer[peer].empty() && receives_by_peer[peer].empty()) continue;
+    if (header(peer).aborted.load(std::memory_order_acquire) != 0)
+      check_peer(peer, "for this run to end");
   }
 }
 
