@@ -23,7 +23,6 @@ enum class ErrorCode {
 
 const char* error_code_name(ErrorCode code);
 
-
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message, std::vector<std::uint64_t> tasks = {})

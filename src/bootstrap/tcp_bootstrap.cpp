@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "bootstrap/socket.hpp"
@@ -18,6 +19,20 @@ namespace reshard {
 namespace {
 
 std::string rank_name(int rank) { return "rank " + std::to_string(rank); }
+
+// The reason of an abort frame waiting on `link`, if one comes within a moment.
+std::optional<std::string> pending_abort(const net::Socket& link) {
+  try {
+    const net::Frame frame =
+        net::recv_frame(link, net::Clock::now() + std::chrono::milliseconds(200), "rank 0");
+    if (frame.kind == net::FrameKind::kAbort) {
+      return std::string(reinterpret_cast<const char*>(frame.payload.data()), frame.payload.size());
+    }
+  } catch (const Error&) {
+    // Nothing came: the link's own error stands.
+  }
+  return std::nullopt;
+}
 
 struct Endpoint {
   std::string host;
@@ -167,7 +182,14 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
     message::Writer contribution;
     contribution.put<std::uint64_t>(collective);
     contribution.put_array(mine);
-    send_frame(to_root, net::FrameKind::kData, contribution.bytes(), deadline, "rank 0");
+    try {
+      send_frame(to_root, net::FrameKind::kData, contribution.bytes(), deadline, "rank 0");
+    } catch (const Error&) {
+      // Rank 0 may have closed the link after telling every rank why: that reason, if it came.
+      if (const auto reason = pending_abort(to_root))
+        throw_error(ErrorCode::kPeerFailure, std::string(what) + " failed: " + *reason);
+      throw;
+    }
     for (;;) {
       net::Frame reply =
           net::recv_frame(to_root, deadline,
@@ -182,9 +204,9 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
       // Older: the end of a collective this rank stopped waiting for on its own.
       if (reader.get<std::uint64_t>() < collective) continue;
       if (reply.kind == net::FrameKind::kGiveUp) {
-        throw CollectiveAbandoned(ErrorCode::kTimeout,
-                                  "rank 0 gave up on this " + std::string(what) + ": " +
-                                      reader.get_string());
+        throw CollectiveAbandoned(
+            ErrorCode::kTimeout,
+            "rank 0 gave up on this " + std::string(what) + ": " + reader.get_string());
       }
       std::vector<std::vector<std::byte>> all(n);
       for (int r = 0; r < n; ++r) all[r] = reader.get_array<std::byte>();
@@ -248,10 +270,10 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
         const std::uint64_t tag = reader.get<std::uint64_t>();
         if (tag < collective) continue;  // its part of a collective given up on: dropped
         if (tag > collective) {
-          throw_error(ErrorCode::kInvalidState,
-                      rank_name(r) + " is in collective " + std::to_string(tag) +
-                          " where rank 0 is in " + std::to_string(collective) +
-                          ": the ranks called different collectives");
+          throw_error(ErrorCode::kInvalidState, rank_name(r) + " is in collective " +
+                                                    std::to_string(tag) + " where rank 0 is in " +
+                                                    std::to_string(collective) +
+                                                    ": the ranks called different collectives");
         }
         all[r] = reader.get_array<std::byte>();
         arrived[r] = true;

@@ -119,8 +119,8 @@ TEST(TcpBootstrap, ACollectiveGivenUpOnFailsEveryRankAlikeAndTheNextOneWorks) {
     for (int round = 0; round < 4; ++round) {
       if (rank == 2 && round % 2 == 0) std::this_thread::sleep_for(3s);
       try {
-        const auto all = bootstrap.all_gather(bytes_of(std::to_string(rank) + "." +
-                                                       std::to_string(round)));
+        const auto all =
+            bootstrap.all_gather(bytes_of(std::to_string(rank) + "." + std::to_string(round)));
         std::string joined;
         for (const auto& part : all) joined += text_of(part) + " ";
         gathered[rank].push_back(joined);

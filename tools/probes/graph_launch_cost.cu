@@ -29,13 +29,13 @@
 #include <string>
 #include <vector>
 
-#define CHECK(call)                                                                  \
-  do {                                                                               \
-    cudaError_t status = (call);                                                     \
-    if (status != cudaSuccess) {                                                     \
+#define CHECK(call)                                                                       \
+  do {                                                                                    \
+    cudaError_t status = (call);                                                          \
+    if (status != cudaSuccess) {                                                          \
       std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(status)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
+      std::exit(1);                                                                       \
+    }                                                                                     \
   } while (0)
 
 __global__ void empty_kernel(int* flag) {
