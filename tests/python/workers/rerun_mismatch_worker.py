@@ -1,6 +1,7 @@
 """One rank of a job in which rank 0 reruns a refit while the others execute the plan with new
-tensors: calls that do not match. Every rank must fail within the service's timeout, rank 0
-naming the calls that must match; each prints one line saying how its call ended.
+tensors: calls that do not match. Every rank must fail within the service's timeouts (rank 0 waits
+for peers that never begin its run: the arrival timeout, set as short as the other), rank 0 naming
+the calls that must match; each prints one line saying how its call ended.
 
     rerun_mismatch_worker.py TIMEOUT_SECONDS
 """
@@ -15,7 +16,7 @@ import reshard
 
 def main():
     timeout = float(sys.argv[1])
-    svc = reshard.CopyService("host", timeout=timeout).init("WARN")
+    svc = reshard.CopyService("host", timeout=timeout, arrival_timeout=timeout).init("WARN")
     me, n = svc.my_pe, svc.n_pes
     model = reshard.toy_model(1, 64)
     # TP n -> n replicas: every rank needs the others' slices.
