@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -69,6 +70,8 @@ struct StridedRange {
 
 // Human-readable byte counts for messages and tables ("4 KiB", "1.5 MiB").
 std::string format_bytes(std::uint64_t bytes);
+// A duration in seconds for messages ("600 s", "2.5 s").
+std::string format_seconds(std::chrono::milliseconds duration);
 
 // Parses "4096", "4KiB", "4K", "1.5MiB", "2G" into bytes; throws kInvalidArgument otherwise.
 std::uint64_t parse_bytes(const std::string& text);

@@ -14,6 +14,7 @@
 #include "reshard/bootstrap.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
+#include "reshard/types.hpp"
 
 namespace reshard {
 namespace {
@@ -247,8 +248,8 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
         std::string missing;
         for (int r : ranks) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
         give_up(collective, std::string("timed out in ") + what + " after " +
-                                std::to_string(options.timeout.count() / 1000.0).substr(0, 5) +
-                                " s waiting for rank(s) " + missing +
+                                format_seconds(options.timeout) + " waiting for rank(s) " +
+                                missing +
                                 " (every rank failed it alike; raise the timeout if they are "
                                 "only slow)");
       }

@@ -66,6 +66,12 @@ StridedRange StridedRange::simplified() const {
   return out;
 }
 
+std::string format_seconds(std::chrono::milliseconds duration) {
+  std::ostringstream text;
+  text << static_cast<double>(duration.count()) / 1000.0 << " s";
+  return text.str();
+}
+
 std::string format_bytes(std::uint64_t bytes) {
   static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double value = static_cast<double>(bytes);

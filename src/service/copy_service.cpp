@@ -14,6 +14,7 @@
 #include "core/transport.hpp"
 #include "reshard/error.hpp"
 #include "reshard/scheduler.hpp"
+#include "reshard/types.hpp"
 #include "service/service_slot.hpp"
 #include "service/test_hooks.hpp"
 #include "service/transport_table.hpp"
@@ -460,8 +461,8 @@ ScheduleReport CopyService::schedule() {
         const std::string what =
             "schedule() on PE " + std::to_string(self.bootstrap->rank()) +
             ": every PE must call schedule(), and not every one did within the arrival timeout (" +
-            std::to_string(self.options.arrival_timeout.count() / 1000.0).substr(0, 5) +
-            " s; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
+            format_seconds(self.options.arrival_timeout) +
+            "; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
         if (dynamic_cast<const CollectiveAbandoned*>(&error) != nullptr) {
           throw CollectiveAbandoned(error.code(),
                                     what + ": " + error.what() +

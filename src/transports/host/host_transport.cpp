@@ -23,6 +23,7 @@
 #include "core/transport.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
+#include "reshard/types.hpp"
 #include "transports/host/shm_segment.hpp"
 
 namespace reshard {
@@ -355,17 +356,15 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     // stuck in a transfer: it has the arrival timeout.
     if (!can_progress && !late.empty() && now - last_progress > arrival_timeout_) {
       throw_error(ErrorCode::kTimeout,
-                  "PE " + std::to_string(my_pe_) + " waited " +
-                      std::to_string(arrival_timeout_.count() / 1000.0).substr(0, 5) + " s for " +
-                      late + " to begin run() " + std::to_string(my_runs) +
+                  "PE " + std::to_string(my_pe_) + " waited " + format_seconds(arrival_timeout_) +
+                      " for " + late + " to begin run() " + std::to_string(my_runs) +
                       " (the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)" +
                       behind_peers());
     }
     if (!can_progress && late.empty() && now - last_progress > timeout_) {
       throw_error(ErrorCode::kTimeout,
                   "PE " + std::to_string(my_pe_) + " made no progress for " +
-                      std::to_string(timeout_.count() / 1000.0).substr(0, 5) +
-                      " s; still waiting for " + waiting + behind_peers() +
+                      format_seconds(timeout_) + "; still waiting for " + waiting + behind_peers() +
                       " (a peer stopped or is stuck; RESHARD_TIMEOUT_S sets the limit)");
     }
   }
