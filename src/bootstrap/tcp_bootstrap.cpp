@@ -21,14 +21,17 @@ namespace {
 
 std::string rank_name(int rank) { return "rank " + std::to_string(rank); }
 
+// An abort frame's reason: its payload as text.
+std::string text_of(const net::Frame& frame) {
+  return std::string(reinterpret_cast<const char*>(frame.payload.data()), frame.payload.size());
+}
+
 // The reason of an abort frame waiting on `link`, if one comes within a moment.
 std::optional<std::string> pending_abort(const net::Socket& link) {
   try {
     const net::Frame frame =
         net::recv_frame(link, net::Clock::now() + std::chrono::milliseconds(200), "rank 0");
-    if (frame.kind == net::FrameKind::kAbort) {
-      return std::string(reinterpret_cast<const char*>(frame.payload.data()), frame.payload.size());
-    }
+    if (frame.kind == net::FrameKind::kAbort) return text_of(frame);
   } catch (const Error&) {
     // Nothing came: the link's own error stands.
   }
@@ -157,9 +160,7 @@ void TcpBootstrap::Impl::connect_all() {
     send_frame(to_root, net::FrameKind::kHello, hello.bytes(), deadline, "rank 0");
     net::Frame table = net::recv_frame(to_root, deadline, "rank 0 (waiting for all ranks to join)");
     if (table.kind == net::FrameKind::kAbort) {
-      throw_error(
-          ErrorCode::kPeerFailure,
-          std::string(reinterpret_cast<const char*>(table.payload.data()), table.payload.size()));
+      throw_error(ErrorCode::kPeerFailure, text_of(table));
     }
     message::Reader reader(table.payload);
     for (int r = 0; r < options.size; ++r) {
@@ -196,10 +197,7 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
           net::recv_frame(to_root, deadline,
                           std::string("rank 0 to complete ") + what + " (it waits for every rank)");
       if (reply.kind == net::FrameKind::kAbort) {
-        throw_error(ErrorCode::kPeerFailure,
-                    std::string(what) + " failed: " +
-                        std::string(reinterpret_cast<const char*>(reply.payload.data()),
-                                    reply.payload.size()));
+        throw_error(ErrorCode::kPeerFailure, std::string(what) + " failed: " + text_of(reply));
       }
       message::Reader reader(reply.payload);
       // Older: the end of a collective this rank stopped waiting for on its own.
@@ -262,10 +260,7 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
         const int r = ranks[i];
         net::Frame frame = net::recv_frame(to_ranks[r], deadline, rank_name(r));
         if (frame.kind == net::FrameKind::kAbort) {
-          throw_error(ErrorCode::kPeerFailure,
-                      rank_name(r) + " aborted: " +
-                          std::string(reinterpret_cast<const char*>(frame.payload.data()),
-                                      frame.payload.size()));
+          throw_error(ErrorCode::kPeerFailure, rank_name(r) + " aborted: " + text_of(frame));
         }
         message::Reader reader(frame.payload);
         const std::uint64_t tag = reader.get<std::uint64_t>();

@@ -539,12 +539,12 @@ ScheduleReport CopyService::schedule() {
                                      << " rounds of " << phases << " phase(s), makespan/bound "
                                      << report.bound_ratio());
     return report;
+  } catch (const CollectiveAbandoned&) {
+    throw;  // every PE failed the meeting alike, nothing was prepared: schedule() may run again
   } catch (const Error& error) {
     // Validation errors are raised identically on every PE; the service stays usable so the
     // caller may clear_requests() and try again.
     if (error.code() == ErrorCode::kValidation) throw;
-    // Every PE failed the meeting alike and nothing was prepared: schedule() may be called again.
-    if (dynamic_cast<const CollectiveAbandoned*>(&error) != nullptr) throw;
     self.fail(error);
   }
 }

@@ -14,6 +14,7 @@ after the timed runs (bf16 moves bit for bit; MXFP8 destinations are checked by 
 """
 
 import argparse
+import ctypes
 import datetime
 import json
 import math
@@ -56,11 +57,9 @@ NODE_KINDS = ["kernel", "memcpy", "memset", "host", "graph", "empty", "wait_even
               "batch_mem_op", "conditional"]
 
 
-def graph_nodes_by_kind(graph) -> dict:
+def graph_nodes_by_kind(driver, graph) -> dict:
     """The captured graph's nodes counted by kind (the driver's cuGraphGetNodes and
     cuGraphNodeGetType on torch's raw graph): what a replay launches."""
-    import ctypes
-    driver = ctypes.CDLL("libcuda.so.1")
     raw = ctypes.c_void_p(graph.raw_cuda_graph())
     count = ctypes.c_size_t(0)
     if driver.cuGraphGetNodes(raw, None, ctypes.byref(count)) != 0:
@@ -190,7 +189,8 @@ def main():
         with torch.cuda.graph(graph, stream=stream):
             refit.run(stream)
         graph.instantiate()
-        nodes = graph_nodes_by_kind(graph)
+        driver = ctypes.CDLL("libcuda.so.1")
+        nodes = graph_nodes_by_kind(driver, graph)
         barrier()
 
         def replay_waited():
@@ -200,8 +200,6 @@ def main():
         replayed, replay_issued = time_each(graph.replay, torch.cuda.synchronize)
         # The same graph launched through the driver alone (cuGraphLaunch), and a graph of one
         # small PyTorch kernel replayed: which part of a replay's host time is whose.
-        import ctypes
-        driver = ctypes.CDLL("libcuda.so.1")
         graph_exec = ctypes.c_void_p(graph.raw_cuda_graph_exec())
         current = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         _, driver_issued = time_each(lambda: driver.cuGraphLaunch(graph_exec, current),

@@ -354,19 +354,19 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     }
     // A peer that has not begun this run is arriving (its trainer may still be in its step), not
     // stuck in a transfer: it has the arrival timeout.
-    if (!can_progress && !late.empty() && now - last_progress > arrival_timeout_) {
+    const auto limit = late.empty() ? timeout_ : arrival_timeout_;
+    if (can_progress || now - last_progress <= limit) continue;
+    if (!late.empty()) {
       throw_error(ErrorCode::kTimeout,
-                  "PE " + std::to_string(my_pe_) + " waited " + format_seconds(arrival_timeout_) +
-                      " for " + late + " to begin run() " + std::to_string(my_runs) +
+                  "PE " + std::to_string(my_pe_) + " waited " + format_seconds(limit) + " for " +
+                      late + " to begin run() " + std::to_string(my_runs) +
                       " (the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)" +
                       behind_peers());
     }
-    if (!can_progress && late.empty() && now - last_progress > timeout_) {
-      throw_error(ErrorCode::kTimeout,
-                  "PE " + std::to_string(my_pe_) + " made no progress for " +
-                      format_seconds(timeout_) + "; still waiting for " + waiting + behind_peers() +
-                      " (a peer stopped or is stuck; RESHARD_TIMEOUT_S sets the limit)");
-    }
+    throw_error(ErrorCode::kTimeout,
+                "PE " + std::to_string(my_pe_) + " made no progress for " + format_seconds(limit) +
+                    "; still waiting for " + waiting + behind_peers() +
+                    " (a peer stopped or is stuck; RESHARD_TIMEOUT_S sets the limit)");
   }
   // A peer that gave up on this run before this PE came (its arrival timeout ran out) may have
   // left its bytes all the same, so the run went through here; that peer failed, so this PE fails
