@@ -276,6 +276,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
   auto last_progress = Clock::now();
   auto next_check = last_progress;
   unsigned idle_rounds = 0;
+  bool was_late = false;  // some peer had not begun this run at the last check
   while (remaining > 0) {
     bool progressed = false;
     for (PeId peer = 0; peer < n_pes_; ++peer) {
@@ -354,6 +355,9 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     }
     // A peer that has not begun this run is arriving (its trainer may still be in its step), not
     // stuck in a transfer: it has the arrival timeout.
+    // The transfer's clock starts when the last of them arrives, not when this PE began.
+    if (late.empty() && was_late) last_progress = now;
+    was_late = !late.empty();
     const auto limit = late.empty() ? timeout_ : arrival_timeout_;
     if (can_progress || now - last_progress <= limit) continue;
     if (!late.empty()) {
