@@ -205,13 +205,45 @@ def main():
         _, driver_issued = time_each(lambda: driver.cuGraphLaunch(graph_exec, current),
                                      torch.cuda.synchronize)
         scratch = torch.zeros(1024, device=device)
-        small = torch.cuda.CUDAGraph()
+        small = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(small, stream=stream):
             scratch.add_(1)
+        small.instantiate()
         _, small_issued = time_each(small.replay, torch.cuda.synchronize)
+        small_exec = ctypes.c_void_p(small.raw_cuda_graph_exec())
+        _, small_driver = time_each(lambda: driver.cuGraphLaunch(small_exec, current),
+                                    torch.cuda.synchronize)
+
+        def launch_after(before):
+            """Host time of cuGraphLaunch of the refit's graph right after `before()`."""
+            spans = []
+            for i in range(args.warmup + args.iters):
+                barrier()
+                before()
+                start = time.perf_counter()
+                driver.cuGraphLaunch(graph_exec, current)
+                span = time.perf_counter() - start
+                torch.cuda.synchronize()
+                if i >= args.warmup:
+                    spans.append(slowest(span))
+            return statistics.median(spans)
+
+        def spin(seconds):
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        # Which part of the launch's host time is the refit graph's own: right after a launch of
+        # the small graph (the driver's launch path warm) and after a millisecond of host spinning
+        # instead of the barrier's sleep in a socket read.
+        after_small = launch_after(lambda: driver.cuGraphLaunch(small_exec, current))
+        after_spin = launch_after(lambda: spin(1e-3))
+        after_itself = launch_after(lambda: driver.cuGraphLaunch(graph_exec, current))
         wrong += wrong_after(replay_waited)
         graphed = {"replay": replayed, "host": replay_issued, "nodes": nodes,
-                   "driver_host": driver_issued, "small_host": small_issued}
+                   "driver_host": driver_issued, "small_host": small_issued,
+                   "small_driver_host": small_driver, "driver_after_small": after_small,
+                   "driver_after_spin": after_spin, "driver_after_itself": after_itself}
 
     # Staged (after the checks above: binding it replaces the bound refit's schedule on svc).
     staged = None
@@ -263,8 +295,12 @@ def main():
                   f"{graphed['replay'] * 1e3:.3f} ms (host time of replay() "
                   f"{graphed['host'] * 1e6:.1f} us); nodes on PE 0: "
                   + ", ".join(f"{count} {kind}" for kind, count in graphed["nodes"].items()))
-            print(f"    host time of cuGraphLaunch of it alone {graphed['driver_host'] * 1e6:.1f} us;"
-                  f" of a one-kernel PyTorch graph's replay() {graphed['small_host'] * 1e6:.1f} us")
+            print(f"    host time of cuGraphLaunch of it alone {graphed['driver_host'] * 1e6:.1f} us"
+                  f" (right after a small graph's launch {graphed['driver_after_small'] * 1e6:.1f}"
+                  f" us, after 1 ms of host spinning {graphed['driver_after_spin'] * 1e6:.1f} us,"
+                  f" right after its own launch {graphed['driver_after_itself'] * 1e6:.1f} us);"
+                  f" of a one-kernel PyTorch graph: replay() {graphed['small_host'] * 1e6:.1f} us,"
+                  f" cuGraphLaunch {graphed['small_driver_host'] * 1e6:.1f} us")
         if staged is not None:
             print(f"  staged: stage() {staged['stage'] * 1e3:.3f} ms, commit() (the pause) "
                   f"{staged['commit'] * 1e3:.3f} ms = {staged['commit'] / bound:.2f}x the run, "
@@ -292,7 +328,15 @@ def main():
                                "graph_replay_host_median_s": graphed["host"],
                                "graph_nodes_pe0": graphed["nodes"],
                                "graph_driver_launch_host_median_s": graphed["driver_host"],
-                               "small_graph_replay_host_median_s": graphed["small_host"]})
+                               "small_graph_replay_host_median_s": graphed["small_host"],
+                               "small_graph_driver_launch_host_median_s":
+                                   graphed["small_driver_host"],
+                               "graph_driver_launch_after_small_host_median_s":
+                                   graphed["driver_after_small"],
+                               "graph_driver_launch_after_spin_host_median_s":
+                                   graphed["driver_after_spin"],
+                               "graph_driver_launch_after_itself_host_median_s":
+                                   graphed["driver_after_itself"]})
             if staged is not None:
                 record.update({"staged_stage_median_s": staged["stage"],
                                "staged_commit_median_s": staged["commit"],
