@@ -43,7 +43,14 @@ class Error : public std::runtime_error {
 // ran it may be made again on every rank.
 class CollectiveAbandoned : public Error {
  public:
-  using Error::Error;
+  CollectiveAbandoned(ErrorCode code, const std::string& message, std::vector<int> late = {})
+      : Error(code, message), late_(std::move(late)) {}
+  // The ranks rank 0 was still waiting for when it gave up (empty where it did not say), so the
+  // layer above can name them as it knows them (a copy service: its PEs).
+  const std::vector<int>& late() const noexcept { return late_; }
+
+ private:
+  std::vector<int> late_;
 };
 
 [[noreturn]] void throw_error(ErrorCode code, const std::string& message);

@@ -69,7 +69,8 @@ struct TcpBootstrap::Impl {
   std::vector<std::vector<std::byte>> gather_and_share(std::span<const std::byte> mine,
                                                        const char* what);
   void abort_members(const std::string& reason, int skip_rank);
-  [[noreturn]] void give_up(std::uint64_t collective, const std::string& reason);
+  [[noreturn]] void give_up(std::uint64_t collective, const std::string& reason,
+                            const std::vector<int>& late);
   const net::Socket& outgoing(int peer);
   const net::Socket& incoming(int peer);
 };
@@ -89,10 +90,12 @@ void TcpBootstrap::Impl::abort_members(const std::string& reason, int skip_rank)
 
 // Rank 0 ends a collective in which a rank is late: every rank that is there gets the give-up
 // now, a late one when it arrives (before it would wait for the reply), so all fail it alike.
-void TcpBootstrap::Impl::give_up(std::uint64_t collective, const std::string& reason) {
+void TcpBootstrap::Impl::give_up(std::uint64_t collective, const std::string& reason,
+                                 const std::vector<int>& late) {
   message::Writer frame;
   frame.put<std::uint64_t>(collective);
   frame.put_string(reason);
+  frame.put_array(std::span<const int>(late));
   for (int r = 1; r < options.size; ++r) {
     try {
       send_frame(to_ranks[r], net::FrameKind::kGiveUp, frame.bytes(),
@@ -101,7 +104,7 @@ void TcpBootstrap::Impl::give_up(std::uint64_t collective, const std::string& re
       // That rank is gone: its next collective fails on the broken link.
     }
   }
-  throw CollectiveAbandoned(ErrorCode::kTimeout, reason);
+  throw CollectiveAbandoned(ErrorCode::kTimeout, reason, late);
 }
 
 void TcpBootstrap::Impl::connect_all() {
@@ -203,9 +206,10 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
       // Older: the end of a collective this rank stopped waiting for on its own.
       if (reader.get<std::uint64_t>() < collective) continue;
       if (reply.kind == net::FrameKind::kGiveUp) {
-        throw CollectiveAbandoned(
-            ErrorCode::kTimeout,
-            "rank 0 gave up on this " + std::string(what) + ": " + reader.get_string());
+        const std::string reason = reader.get_string();
+        throw CollectiveAbandoned(ErrorCode::kTimeout,
+                                  "rank 0 gave up on this " + std::string(what) + ": " + reason,
+                                  reader.get_array<int>());
       }
       std::vector<std::vector<std::byte>> all(n);
       for (int r = 0; r < n; ++r) all[r] = reader.get_array<std::byte>();
@@ -245,11 +249,12 @@ std::vector<std::vector<std::byte>> TcpBootstrap::Impl::gather_and_share(
       if (rc == 0) {
         std::string missing;
         for (int r : ranks) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-        give_up(collective, std::string("timed out in ") + what + " after " +
-                                format_seconds(options.timeout) + " waiting for rank(s) " +
-                                missing +
-                                " (every rank failed it alike; raise the timeout if they are "
-                                "only slow)");
+        give_up(collective,
+                std::string("timed out in ") + what + " after " + format_seconds(options.timeout) +
+                    " waiting for rank(s) " + missing +
+                    " (every rank failed it alike; raise the timeout if they are "
+                    "only slow)",
+                ranks);
       }
       if (rc < 0) {
         if (errno == EINTR) continue;

@@ -451,26 +451,37 @@ ScheduleReport CopyService::schedule() {
     // so this wait has the arrival timeout.
     const auto gathered = [&] {
       self.bootstrap->set_timeout(self.options.arrival_timeout);
+      const auto meeting = [&] {
+        return "schedule() on PE " + std::to_string(self.bootstrap->rank()) +
+               ": every PE must call schedule(), and not every one did within the arrival "
+               "timeout (" +
+               format_seconds(self.options.arrival_timeout) +
+               "; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
+      };
       try {
         auto all = self.bootstrap->all_gather(summary.bytes());
         self.bootstrap->set_timeout(self.options.timeout);
         return all;
+      } catch (const CollectiveAbandoned& abandoned) {
+        self.bootstrap->set_timeout(self.options.timeout);
+        // The service's PEs are its bootstrap's ranks: the late ones named as PEs.
+        std::string late;
+        for (const int pe : abandoned.late())
+          late += (late.empty() ? "PE " : ", PE ") + std::to_string(pe);
+        const std::string who =
+            late.empty() ? abandoned.what() : late + " did not call schedule() in time";
+        throw CollectiveAbandoned(abandoned.code(),
+                                  meeting() + ": " + who +
+                                      "; nothing was scheduled and the service is usable: call "
+                                      "schedule() again on every PE",
+                                  abandoned.late());
       } catch (const Error& error) {
         self.bootstrap->set_timeout(self.options.timeout);
-        // The bootstrap names the ranks it waited for; say what they were to do.
-        const std::string what =
-            "schedule() on PE " + std::to_string(self.bootstrap->rank()) +
-            ": every PE must call schedule(), and not every one did within the arrival timeout (" +
-            format_seconds(self.options.arrival_timeout) +
-            "; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
-        if (dynamic_cast<const CollectiveAbandoned*>(&error) != nullptr) {
-          throw CollectiveAbandoned(error.code(),
-                                    what + ": " + error.what() +
-                                        "; nothing was scheduled and the service is usable: call "
-                                        "schedule() again on every PE");
-        }
         if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
-        throw Error(error.code(), what + " or stayed: " + error.what());
+        // The bootstrap names the ranks it waited for (the service's PEs are its ranks); say
+        // what they were to do.
+        throw Error(error.code(),
+                    meeting() + " or stayed (the bootstrap's rank N is PE N): " + error.what());
       }
     }();
 

@@ -1,10 +1,11 @@
 // A PE for the fault tests: exchanges a uniform workload in a loop until PE 1 misbehaves
 // ("die": killed mid-run; "stall": stopped mid-run; "behind": stops calling run() after two runs
-// and waits, alive), then reports what this PE saw and what its teardown left behind
-// (shared-memory segments of the job, CUDA IPC mappings of peers' memory).
+// and waits, alive; "die-in-schedule" / "stall-in-schedule": killed or stopped instead of calling
+// schedule(), which the others are in), then reports what this PE saw and what its teardown left
+// behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory). "healthy": every
+// PE schedules, runs three times and prints HEALTHY-DONE (a job after a failed one).
 //
-//     fault_worker die|stall|behind [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU
-//     memory)
+//     fault_worker SCENARIO [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU memory)
 #include <signal.h>
 #include <unistd.h>
 
@@ -78,32 +79,13 @@ int main(int argc, char** argv) {
     if (item.dst == service.my_pe())
       service.register_receive(item.task, recv.buffer(), item.dst_offset, item.bytes, item.src);
   }
-  service.schedule();
-  bootstrap->barrier();
-  if (service.my_pe() == 1 && scenario == "behind") {
-    service.run();
-    service.run();
-    std::this_thread::sleep_for(std::chrono::seconds(20));  // the others time out meanwhile
-    std::printf("BEHIND-DONE\n");
-    return 0;
-  }
-  if (service.my_pe() == 1) {
-    // Strike from another thread while the main thread is inside run().
-    std::thread([scenario] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      ::raise(scenario == "stall" ? SIGSTOP : SIGKILL);
-    }).detach();
+  const bool in_schedule = scenario == "die-in-schedule" || scenario == "stall-in-schedule";
+  if (service.my_pe() == 1 && in_schedule) {
+    ::raise(scenario == "stall-in-schedule" ? SIGSTOP : SIGKILL);
+    return 4;  // a stopped PE is killed by the launcher; a killed one never gets here
   }
   const auto start = std::chrono::steady_clock::now();
-  try {
-    for (long i = 0;; ++i) {
-      service.run();
-      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(120)) {
-        std::printf("NO-ERROR after %ld runs\n", i);
-        return 2;
-      }
-    }
-  } catch (const reshard::Error& error) {
+  const auto report = [&](const reshard::Error& error) {
     const auto failed = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(failed - start).count();
     service.finalize();  // the survivor's teardown: must not hang nor leave mappings behind
@@ -119,5 +101,46 @@ int main(int argc, char** argv) {
         ipc_mappings, error.what());
     std::fflush(stdout);
     return 1;
+  };
+  try {
+    service.schedule();
+  } catch (const reshard::Error& error) {
+    return report(error);
+  }
+  if (in_schedule) {
+    std::printf("NO-ERROR from schedule()\n");
+    return 2;
+  }
+  bootstrap->barrier();
+  if (scenario == "healthy") {
+    for (int i = 0; i < 3; ++i) service.run();
+    service.finalize();
+    std::printf("HEALTHY-DONE\n");
+    return 0;
+  }
+  if (service.my_pe() == 1 && scenario == "behind") {
+    service.run();
+    service.run();
+    std::this_thread::sleep_for(std::chrono::seconds(20));  // the others time out meanwhile
+    std::printf("BEHIND-DONE\n");
+    return 0;
+  }
+  if (service.my_pe() == 1) {
+    // Strike from another thread while the main thread is inside run().
+    std::thread([scenario] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ::raise(scenario == "stall" ? SIGSTOP : SIGKILL);
+    }).detach();
+  }
+  try {
+    for (long i = 0;; ++i) {
+      service.run();
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(120)) {
+        std::printf("NO-ERROR after %ld runs\n", i);
+        return 2;
+      }
+    }
+  } catch (const reshard::Error& error) {
+    return report(error);
   }
 }

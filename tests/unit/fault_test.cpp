@@ -124,6 +124,32 @@ TEST(Faults, PeThatCallsRunLessOftenIsNamedBehindByTheOthers) {
   EXPECT_GE(errors.size(), 1u) << all_lines(outcome);
 }
 
+// PE 1 is killed, or stopped, instead of calling schedule(), which the others are in: they fail
+// naming PE 1 (at once when it died: its pid is watched; within the arrival timeout when it
+// stopped), and a job started next on the same machine runs.
+TEST(Faults, PeKilledOrStoppedInScheduleFailsTheOthersNamingIt) {
+  set_timeouts("3");
+  for (const char* scenario : {"die-in-schedule", "stall-in-schedule"}) {
+    // A killed PE's launcher would stop the survivors before they report; a stopped one's must.
+    const bool stopped = std::string(scenario) == "stall-in-schedule";
+    const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, scenario}, stopped);
+    EXPECT_LT(outcome.seconds, 30.0) << scenario << "\n" << all_lines(outcome);
+    const std::vector<std::string> errors = survivor_errors(outcome);
+    for (const std::string& line : errors) {
+      // Stopped: PE 1 named as late; killed: the lost connection to the bootstrap's rank 1.
+      EXPECT_TRUE(line.find("PE 1 did not call schedule()") != std::string::npos ||
+                  line.find("lost the connection to rank 1") != std::string::npos)
+          << scenario << ": " << line;
+      EXPECT_NE(line.find("shm-entries=0"), std::string::npos) << line;
+    }
+    EXPECT_GE(errors.size(), 1u) << scenario << "\n" << all_lines(outcome);
+  }
+  const Outcome next = launch(3, {RESHARD_FAULT_WORKER, "healthy"}, true);
+  EXPECT_EQ(next.result.exit_code, 0) << all_lines(next);
+  for (int rank = 0; rank < 3; ++rank)
+    EXPECT_FALSE(line_of(next, rank, "HEALTHY-DONE").empty()) << all_lines(next);
+}
+
 // A mixed schedule (two declared nodes of two PEs, host memory on both transports): PE 1 dies;
 // its node mate fails inside the node, the other node when its inter-node part meets the dead PE
 // (or its failed mate, whichever it notices first) — every survivor in bounded time.
@@ -158,6 +184,7 @@ struct GpuFaultCase {
   std::string transport;
   int pes;
   std::string nvshmem_waits = "auto";  // RESHARD_NVSHMEM_WAITS: "stream" on every GPU too
+  std::string engine = "auto";         // RESHARD_CUDA_ENGINE: "ce", the copy engine, too
 };
 
 class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
@@ -178,10 +205,12 @@ class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
     ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
     if (GetParam().transport == "auto") ::setenv("RESHARD_NODE_SIZE", "2", 1);
     ::setenv("RESHARD_NVSHMEM_WAITS", GetParam().nvshmem_waits.c_str(), 1);
+    ::setenv("RESHARD_CUDA_ENGINE", GetParam().engine.c_str(), 1);
   }
   void TearDown() override {
     ::unsetenv("RESHARD_NODE_SIZE");
     ::unsetenv("RESHARD_NVSHMEM_WAITS");
+    ::unsetenv("RESHARD_CUDA_ENGINE");
   }
 
   // Every survivor's report: a failed PE named (PE 1, or a survivor that failed before it
@@ -198,9 +227,10 @@ class GpuFaults : public testing::TestWithParam<GpuFaultCase> {
       ++reported;
       EXPECT_TRUE(std::regex_search(line, std::regex("PE [0-9]+"))) << line;
       // PE 1, or a survivor that failed first and exited (PEs sharing a GPU see a local peer's
-      // exit at once: PE 3 named PE 2, which had timed out waiting for the stalled PE 1).
+      // exit at once: PE 3 named PE 2, which had timed out waiting for the stalled PE 1). In
+      // schedule()'s meeting the bootstrap names a PE that left by its rank (the same number).
       bool names_a_failed_pe = false;
-      const std::regex pe_number("PE ([0-9]+)");
+      const std::regex pe_number("(?:PE|connection to rank) ([0-9]+)");
       for (auto it = std::sregex_iterator(line.begin(), line.end(), pe_number);
            it != std::sregex_iterator(); ++it) {
         const int named = std::stoi((*it)[1]);
@@ -250,16 +280,37 @@ TEST_P(GpuFaults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
+// PE 1 killed or stopped instead of calling schedule() (the others are in it, exchanging the
+// IPC handles and device addresses of the GPU transports): the survivors fail naming it, leave
+// no mapping behind, and the next job on the same GPUs runs.
+TEST_P(GpuFaults, PeKilledOrStoppedInScheduleFailsTheOthersAndTheNextJobRuns) {
+  set_timeouts("5");
+  for (const char* scenario : {"die-in-schedule", "stall-in-schedule"}) {
+    const bool stopped = std::string(scenario) == "stall-in-schedule";
+    const Outcome outcome =
+        launch(GetParam().pes, {RESHARD_FAULT_WORKER, scenario, GetParam().transport}, stopped);
+    EXPECT_LT(outcome.seconds, 90.0) << scenario << "\n" << all_lines(outcome);
+    expect_survivors_reported(outcome, false);
+    EXPECT_NE(outcome.result.exit_code, 0);
+  }
+  const Outcome next =
+      launch(GetParam().pes, {RESHARD_FAULT_WORKER, "healthy", GetParam().transport}, true);
+  EXPECT_EQ(next.result.exit_code, 0) << all_lines(next);
+  for (int rank = 0; rank < GetParam().pes; ++rank)
+    EXPECT_FALSE(line_of(next, rank, "HEALTHY-DONE").empty()) << all_lines(next);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Transports, GpuFaults,
     testing::Values(GpuFaultCase{"cuda", 2}, GpuFaultCase{"nccl", 2}, GpuFaultCase{"nvshmem", 2},
                     GpuFaultCase{"cuda", 4}, GpuFaultCase{"nccl", 4}, GpuFaultCase{"nvshmem", 4},
                     GpuFaultCase{"auto", 4}, GpuFaultCase{"nvshmem", 4, "stream"},
-                    GpuFaultCase{"auto", 4, "stream"}),
+                    GpuFaultCase{"auto", 4, "stream"}, GpuFaultCase{"cuda", 4, "auto", "ce"}),
     [](const auto& info) {
       const std::string name = info.param.transport == "auto" ? "mixed" : info.param.transport;
       const std::string waits = info.param.nvshmem_waits == "stream" ? "_stream_waits" : "";
-      return name + waits + "_" + std::to_string(info.param.pes) + "_pes";
+      const std::string engine = info.param.engine == "auto" ? "" : "_" + info.param.engine;
+      return name + engine + waits + "_" + std::to_string(info.param.pes) + "_pes";
     });
 
 TEST(Launcher, PrefixesOutputAndSetsTheTorchrunVariables) {

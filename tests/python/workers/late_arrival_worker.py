@@ -39,7 +39,8 @@ def main():
     except reshard.ReshardError as error:
         waited, text = time.monotonic() - started, str(error)
         assert error.code == "timeout", (error.code, text)
-        for words in ("every PE must call schedule()", "arrival timeout", "rank(s) 1",
+        for words in ("every PE must call schedule()", "arrival timeout",
+                      "PE 1 did not call schedule() in time",
                       "nothing was scheduled", "call schedule() again on every PE"):
             assert words in text, (words, text)
         if me == 0:
