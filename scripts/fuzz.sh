@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harnesses (scheduler, planner) with clang under AddressSanitizer and
-# UndefinedBehaviorSanitizer and runs each for RESHARD_FUZZ_SECONDS (default 60). A crash, a
-# sanitizer report or a violated guarantee fails it and leaves the input in build-fuzz/findings.
+# Builds the libFuzzer harnesses (scheduler, planner, the refit's phases) with clang under
+# AddressSanitizer and UndefinedBehaviorSanitizer and runs each for RESHARD_FUZZ_SECONDS (default
+# 60). A crash, a sanitizer report or a violated guarantee fails it and leaves the input in
+# build-fuzz/findings.
 # Installs clang with apt-get where it is missing (as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +23,10 @@ args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++
       -DRESHARD_BUILD_TOOLS=OFF)
 command -v ninja >/dev/null && args+=(-G Ninja)
 cmake -S . -B build-fuzz "${args[@]}" >/dev/null
-cmake --build build-fuzz -j "$(nproc)" --target scheduler_fuzz planner_fuzz >/dev/null
+cmake --build build-fuzz -j "$(nproc)" --target scheduler_fuzz planner_fuzz phases_fuzz >/dev/null
 mkdir -p build-fuzz/findings
 status=0
-for harness in scheduler planner; do
+for harness in scheduler planner phases; do
   mkdir -p "build-fuzz/corpus/$harness"
   echo "fuzzing the $harness for ${seconds} s"
   if ! UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \

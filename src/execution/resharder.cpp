@@ -18,6 +18,7 @@
 
 #include "core/env.hpp"
 #include "core/message.hpp"
+#include "execution/phase_assignment.hpp"
 #include "execution/staging.hpp"
 #include "execution/task_ids.hpp"
 #include "execution/verdicts.hpp"
@@ -980,13 +981,11 @@ struct Resharder::Impl {
 
   // Collective: which phase each op of the plan runs in, the same on every rank. Every rank
   // says what staging each of its ops needs (`sized`: bytes per (sending, op task id)) and which
-  // ops share another's conversion (`leaders`); an op and those sharing its conversion form a
-  // unit, placed where its first op is. Units are taken group by group (param_groups), in plan
-  // order within a group; each group begins a phase, and a new phase begins where one more unit
-  // would take some rank past the budget. A unit that alone needs more than a budget the caller
-  // gave is refused, on every rank alike; the default budget grows to it. Records each group's
-  // first phase in prepared.group_phases. Carries each rank's verdict on its own preparation so
-  // far (gather_verdicts), and refuses groups that differ between ranks.
+  // ops share another's conversion (`leaders`); every rank then computes the same
+  // execution::assign_phases of it (a unit that alone needs more than a budget the caller gave is
+  // refused on every rank alike). Records each group's first phase in prepared.group_phases.
+  // Carries each rank's verdict on its own preparation so far (gather_verdicts), and refuses
+  // budgets or groups that differ between ranks.
   std::vector<std::uint32_t> assign_phases(
       const std::map<execution::StagingPool::OpKey, std::size_t>& sized,
       const std::map<std::uint32_t, std::uint32_t>& leaders, const std::exception_ptr& failure) {
@@ -1012,8 +1011,8 @@ struct Resharder::Impl {
     bool any_reads_arrivals = false, every_rank_pipelines = true, gpu_shared = false;
     std::set<std::uint64_t> gpus;  // the ranks' GPUs (gpu_identity)
     const std::size_t ops = plan->ops().size();
-    std::vector<std::uint32_t> unit(ops);
-    for (std::uint32_t i = 0; i < ops; ++i) unit[i] = i;
+    std::vector<std::uint32_t> leader(ops);  // each op's, itself where it shares no conversion
+    for (std::uint32_t i = 0; i < ops; ++i) leader[i] = i;
     std::vector<std::vector<std::pair<PeId, std::uint64_t>>> needs(ops);
     for (std::size_t rank = 0; rank < all.size(); ++rank) {
       message::Reader in(all[rank]);
@@ -1039,110 +1038,34 @@ struct Resharder::Impl {
       for (std::size_t i = 0; i + 1 < pairs.size(); i += 2)
         needs.at(pairs[i]).emplace_back(static_cast<PeId>(rank), pairs[i + 1]);
       const auto shared = in.get_array<std::uint64_t>();
-      for (std::size_t i = 0; i + 1 < shared.size(); i += 2) unit.at(shared[i]) = shared[i + 1];
+      for (std::size_t i = 0; i + 1 < shared.size(); i += 2)
+        leader.at(shared[i]) = static_cast<std::uint32_t>(shared[i + 1]);
     }
-    // Each unit's needs, per rank, on its first op (a leader comes before the ops sharing it).
-    std::vector<std::map<PeId, std::uint64_t>> unit_needs(ops);
-    for (std::uint32_t i = 0; i < ops; ++i) {
-      while (unit[unit[i]] != unit[i]) unit[i] = unit[unit[i]];
-      for (const auto& [rank, bytes] : needs[i]) unit_needs[unit[i]][rank] += bytes;
-    }
-    std::uint64_t limit = budget;
-    if (!requested) {
-      for (const auto& per_rank : unit_needs) {
-        for (const auto& [rank, bytes] : per_rank) limit = std::max(limit, bytes);
-      }
-      if (limit > budget) {
-        RESHARD_LOG(kInfo, "a slice needs " << format_bytes(limit)
-                                            << " of staging, more than the default budget of "
-                                            << format_bytes(budget)
-                                            << ": the budget is that slice's need");
-      }
-    }
+    execution::PhaseRequest request;
+    request.group.resize(ops);
+    for (std::uint32_t i = 0; i < ops; ++i) request.group[i] = group_of(plan->ops()[i]);
+    request.leader = std::move(leader);
+    request.needs = std::move(needs);
+    request.group_count = group_count;
+    request.ranks = static_cast<int>(all.size());
+    request.budget = budget;
+    request.budget_given = requested.has_value();
     // Where some rank reads staging after its bytes land (unpacks, conversions on arrival, on a
     // GPU) and the refit runs in phases anyway, the phases alternate between two halves of the
     // budget: a phase's arrivals are read beside the next phase's transfer instead of after it
-    // (run_pipelined). Only where every unit fits in a half, so no refit that runs within the
-    // budget is refused for it; not with a custom transform (its hooks run on the host at their
-    // own pace); not where PEs share a GPU: there the conversions take the SMs that the transfer
-    // kernels of the GPU's other PEs wait for (4x H200, 2 PEs per GPU, Llama-3-8B MXFP8 on
-    // arrival: 31.5 ms in phases one after the other, 85.5 ms pipelined); and not where any rank
-    // turns it off (DebugOptions::pipelined_phases).
-    prepared.pipelined = false;
+    // (run_pipelined). Not with a custom transform (its hooks run on the host at their own pace);
+    // not where PEs share a GPU: there the conversions take the SMs that the transfer kernels of
+    // the GPU's other PEs wait for (4x H200, 2 PEs per GPU, Llama-3-8B MXFP8 on arrival: 31.5 ms
+    // in phases one after the other, 85.5 ms pipelined); and not where any rank turns it off
+    // (DebugOptions::pipelined_phases).
     const bool custom_transform = transform != nullptr && ranged == nullptr;
-    if (any_reads_arrivals && every_rank_pipelines && !gpu_shared && !custom_transform &&
-        limit != ReshardOptions::kUnlimited) {
-      std::uint64_t largest_unit = 0;
-      std::map<PeId, std::uint64_t> total;
-      for (const auto& per_rank : unit_needs) {
-        for (const auto& [rank, bytes] : per_rank) {
-          largest_unit = std::max(largest_unit, bytes);
-          total[rank] += bytes;
-        }
-      }
-      const bool in_phases =
-          group_count > 1 || std::any_of(total.begin(), total.end(),
-                                         [&](const auto& entry) { return entry.second > limit; });
-      if (in_phases && largest_unit <= limit / 2) {
-        limit /= 2;
-        prepared.pipelined = true;
-      }
-    }
-    // Group by group, plan order within each (a unit's ops are of one parameter, so of one
-    // group, and its leader comes first).
-    std::vector<std::uint32_t> order(ops);
-    for (std::uint32_t i = 0; i < ops; ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
-      return group_of(plan->ops()[a]) < group_of(plan->ops()[b]);
-    });
-    std::vector<std::uint32_t> phase_of(ops, 0);
-    std::vector<std::uint64_t> used(all.size(), 0);
-    std::uint32_t phase = 0;
-    std::vector<std::uint32_t>& group_phases = prepared.group_phases;
-    group_phases.assign(group_count + 1, 0);
-    std::uint32_t group = 0;  // groups before it have their phases
-    bool any = false;         // a unit placed in the current phase
-    for (std::uint32_t i : order) {
-      const std::uint32_t op_group = group_of(plan->ops()[i]);
-      if (op_group != group) {
-        // A new group starts a phase of its own; groups without ops have none.
-        if (any) ++phase;
-        any = false;
-        std::fill(used.begin(), used.end(), 0);
-        for (std::uint32_t g = group + 1; g <= op_group; ++g) group_phases[g] = phase;
-        group = op_group;
-      }
-      if (unit[i] != i) {
-        phase_of[i] = phase_of[unit[i]];
-        continue;
-      }
-      bool full = false;
-      for (const auto& [rank, bytes] : unit_needs[i]) {
-        if (bytes > limit) {
-          const auto sharing = std::count(unit.begin(), unit.end(), i) - 1;
-          throw_error(ErrorCode::kInvalidArgument,
-                      "the staging budget of " + budget_text(limit) + " per rank is smaller than " +
-                          where(*plan, plan->ops()[i]) +
-                          (sharing > 0 ? " (converted once for it and " + std::to_string(sharing) +
-                                             " more ops)"
-                                       : std::string()) +
-                          " needs on rank " + std::to_string(rank) + ": " + format_bytes(bytes) +
-                          " of wire buffers; raise ReshardOptions::staging_budget "
-                          "(RESHARD_STAGING_BUDGET) to at least that");
-        }
-        full = full || used[rank] + bytes > limit;
-      }
-      if (full && any) {
-        ++phase;
-        std::fill(used.begin(), used.end(), 0);
-      }
-      for (const auto& [rank, bytes] : unit_needs[i]) used[rank] += bytes;
-      phase_of[i] = phase;
-      any = true;
-    }
-    for (std::uint32_t g = group + 1; g <= group_count; ++g)
-      group_phases[g] = phase + (any ? 1 : 0);
-    return phase_of;
+    request.may_pipeline =
+        any_reads_arrivals && every_rank_pipelines && !gpu_shared && !custom_transform;
+    execution::PhaseAssignment assignment = execution::assign_phases(
+        request, [&](std::uint32_t op) { return where(*plan, plan->ops()[op]); });
+    prepared.pipelined = assignment.pipelined;
+    prepared.group_phases = std::move(assignment.group_phases);
+    return std::move(assignment.phase_of);
   }
 
   // A digest of param_groups, which every rank must give alike (FNV-1a).

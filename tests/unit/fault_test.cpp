@@ -140,7 +140,8 @@ TEST(Faults, PeKilledOrStoppedInScheduleFailsTheOthersNamingIt) {
       EXPECT_TRUE(line.find("PE 1 did not call schedule()") != std::string::npos ||
                   line.find("lost the connection to rank 1") != std::string::npos)
           << scenario << ": " << line;
-      EXPECT_NE(line.find("shm-entries=0"), std::string::npos) << line;
+      // (No count of the job's shared memory here: a survivor that fails at once may count a
+      // live peer's inbox that peer is about to unlink.)
     }
     EXPECT_GE(errors.size(), 1u) << scenario << "\n" << all_lines(outcome);
   }
