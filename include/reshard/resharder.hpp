@@ -152,6 +152,8 @@ class Resharder {
   bool same_options(const ReshardOptions& options) const;
 
  private:
+  // Whether the service still holds this executor's schedule.
+  bool still_scheduled() const;
   friend class Refit;
   friend std::optional<ReshardReport> execution::execute_as_prepared(
       const std::shared_ptr<const ReshardPlan>&, CopyService&,

@@ -21,6 +21,7 @@
 #include "execution/phase_assignment.hpp"
 #include "execution/staging.hpp"
 #include "execution/task_ids.hpp"
+#include "execution/tensor_identity.hpp"
 #include "execution/verdicts.hpp"
 #ifdef RESHARD_WITH_CUDA
 #include "gpu/cuda_device.hpp"
@@ -34,6 +35,9 @@
 namespace reshard {
 namespace {
 
+using execution::GpuAllocations;
+using execution::MapWalk;
+using execution::TensorIdentity;
 using execution::wire_task;
 
 // One op as this rank takes part in it (as sender or receiver).
@@ -51,172 +55,6 @@ struct LocalSide {
   OpSlice from, to;  // the op's source and destination slices on this rank
 };
 
-// What a prepared refit depends on of one tensor (its buffers, dtype and shape), without the
-// heap: the per-refit check of thousands of tensors reads these and the names in turn and waits
-// only on the caller's map. (Against the plan's names and LocalTensor copies, each shape on the
-// heap: 4,734 tensors with cold caches 0.98-1.23 -> 0.66-0.87 ms, warm 0.23 -> 0.19 ms, a copy of
-// the loop on the 2-core development machine, 2026-11-27.)
-struct TensorIdentity {
-  const void* data = nullptr;
-  const void* scale = nullptr;
-  std::size_t bytes = 0, scale_bytes = 0;
-  std::int32_t device = -1, scale_device = -1;
-  MemoryKind kind = MemoryKind::kHost, scale_kind = MemoryKind::kHost;
-  DType dtype = DType::kBFloat16;
-  std::uint32_t shape_at = 0, dims = 0;  // in Prepared::shapes
-
-  // `tensor`'s, its shape appended to `shapes`.
-  static TensorIdentity of(const LocalTensor& tensor, std::vector<std::int64_t>& shapes) {
-    TensorIdentity id{tensor.data.data,
-                      tensor.scale.data,
-                      tensor.data.bytes,
-                      tensor.scale.bytes,
-                      tensor.data.device,
-                      tensor.scale.device,
-                      tensor.data.kind,
-                      tensor.scale.kind,
-                      tensor.dtype,
-                      static_cast<std::uint32_t>(shapes.size()),
-                      static_cast<std::uint32_t>(tensor.shape.size())};
-    shapes.insert(shapes.end(), tensor.shape.begin(), tensor.shape.end());
-    return id;
-  }
-  // Whether `tensor` is the one this was taken of (the same buffers, dtype and shape).
-  bool matches(const LocalTensor& tensor, const std::vector<std::int64_t>& shapes) const {
-    return tensor.data.data == data && tensor.data.bytes == bytes && tensor.dtype == dtype &&
-           tensor.data.kind == kind && tensor.data.device == device && tensor.scale.data == scale &&
-           tensor.scale.bytes == scale_bytes && tensor.scale.kind == scale_kind &&
-           tensor.scale.device == scale_device && tensor.shape.size() == dims &&
-           std::equal(tensor.shape.begin(), tensor.shape.end(), shapes.begin() + shape_at);
-  }
-};
-
-// The GPU allocations a prepared refit's tensors live in, each with the driver's id of it
-// (cuda::allocation_id): the same address in a new allocation (freed and allocated again) is
-// other memory, and the peers' IPC mappings of the old one would receive its bytes. Checked per
-// allocation, not per tensor: a PyTorch model's thousands of tensors live in a few of its
-// allocator's segments (one driver query each, about 0.5 us). Only where peers map this rank's
-// memory (`peers_map_memory`: the CUDA transport, alone or in a mixed one); NCCL and NVSHMEM take
-// the buffers by address at every run, which a new allocation at the same address satisfies.
-class GpuAllocations {
- public:
-  void record(const std::vector<LocalTensor>& tensors, bool peers_map_memory) {
-    bases_.clear();
-    if (!peers_map_memory) return;
-#ifdef RESHARD_WITH_CUDA
-    std::map<const void*, std::uint64_t> seen;
-    for (const LocalTensor& tensor : tensors) {
-      for (const Buffer* buffer : {&tensor.data, &tensor.scale}) {
-        if (buffer->kind != MemoryKind::kCuda || buffer->data == nullptr) continue;
-        const void* base = cuda::allocation_base(buffer->data);
-        if (!seen.count(base)) seen.emplace(base, cuda::allocation_id(base));
-      }
-    }
-    bases_.assign(seen.begin(), seen.end());
-#else
-    (void)tensors;
-#endif
-  }
-  // Whether every recorded allocation is still the one recorded.
-  bool unchanged() const {
-#ifdef RESHARD_WITH_CUDA
-    for (const auto& [base, id] : bases_) {
-      if (cuda::allocation_id(base) != id) return false;
-    }
-#endif
-    return true;
-  }
-
- private:
-  std::vector<std::pair<const void*, std::uint64_t>> bases_;
-};
-
-// A tensor map's entries in the map's own order, as one refit gave them: the next refit's map
-// holding the same entries in the same order (the caller's map unchanged, or built again the same
-// way, as the Python binding builds it at every call) is checked by walking both, with no name
-// looked up. A lookup per name hashed it, then read the bucket, the node and its key from wherever
-// the caller's map put them; walking reads the nodes in turn and the names recorded here, one
-// after the other.
-//
-// The caller's map kept from one refit to the next still has its entries, names and shapes where
-// they were, scattered over the heap in the order its hash put them: walked cold (a refit leaves
-// the host's caches to other work) each entry waits on a miss or three in turn. The walk therefore
-// asks for the entries some way ahead at their recorded addresses before it reaches them. A
-// prefetch never faults, and the walk itself reads only the map: an address that went stale
-// (the map rebuilt, as the Python binding rebuilds it) costs a wasted prefetch, not a wrong
-// answer, and the walk stops prefetching once the first entry shows the map is not the one
-// recorded. (4,608 tensors named like Qwen3-30B-A3B's experts, after 256 MiB of other traffic,
-// on the development machine: 0.69 -> 0.16 ms.)
-class MapWalk {
- public:
-  void record(const TensorMap& map) {
-    names_.clear();
-    name_ends_.clear();
-    identities_.clear();
-    shapes_.clear();
-    addresses_.clear();
-    for (const auto& entry : map) {
-      const auto& [name, tensor] = entry;
-      names_ += name;
-      name_ends_.push_back(names_.size());
-      identities_.push_back(TensorIdentity::of(tensor, shapes_));
-      addresses_.push_back({reinterpret_cast<std::uintptr_t>(&entry),
-                            reinterpret_cast<std::uintptr_t>(name.data()),
-                            reinterpret_cast<std::uintptr_t>(tensor.shape.data())});
-    }
-    recorded_ = true;
-  }
-  void forget() { recorded_ = false; }
-  // Whether `map` holds exactly the recorded entries, in the recorded order.
-  bool matches(const TensorMap& map) const {
-    if (!recorded_ || map.size() != name_ends_.size()) return false;
-    const std::size_t count = name_ends_.size();
-    const bool same_nodes =
-        count > 0 && reinterpret_cast<std::uintptr_t>(&*map.begin()) == addresses_[0].entry;
-    if (same_nodes) {
-      for (std::size_t i = 0; i < std::min(kPrefetchAhead, count); ++i) prefetch(addresses_[i]);
-    }
-    std::size_t i = 0, start = 0;
-    for (const auto& [name, tensor] : map) {
-      if (same_nodes && i + kPrefetchAhead < count) prefetch(addresses_[i + kPrefetchAhead]);
-      const std::string_view recorded(names_.data() + start, name_ends_[i] - start);
-      if (name != recorded || !identities_[i].matches(tensor, shapes_)) return false;
-      start = name_ends_[i++];
-    }
-    return true;
-  }
-
- private:
-  // Where an entry's parts were when it was recorded: numbers, not pointers, since the map may
-  // be gone (the Python binding's maps live for one call); only compared, and prefetched (which
-  // never faults).
-  struct Addresses {
-    std::uintptr_t entry;  // the key-value pair, inside the map's node
-    std::uintptr_t name;   // the name's characters (on the heap unless short)
-    std::uintptr_t shape;  // the shape's elements
-  };
-  // Entries asked for ahead of the walk: enough misses in flight to cover the memory's latency
-  // (8, 16 and 32 measured alike on the development machine).
-  static constexpr std::size_t kPrefetchAhead = 16;
-
-  static void prefetch(const Addresses& at) {
-    // The node: the pair with the link before it and the cached hash after it.
-    const char* node = reinterpret_cast<const char*>(at.entry) - sizeof(void*);
-    for (std::size_t offset = 0; offset < sizeof(TensorMap::value_type) + 2 * sizeof(void*);
-         offset += 64)
-      __builtin_prefetch(node + offset);
-    __builtin_prefetch(reinterpret_cast<const void*>(at.name));
-    __builtin_prefetch(reinterpret_cast<const void*>(at.shape));
-  }
-
-  bool recorded_ = false;
-  std::string names_;  // the names one after the other
-  std::vector<std::size_t> name_ends_;
-  std::vector<TensorIdentity> identities_;
-  std::vector<std::int64_t> shapes_;
-  std::vector<Addresses> addresses_;
-};
-
 std::string where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
   text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (rank " << op.src_rank
@@ -225,78 +63,6 @@ std::string where(const ReshardPlan& plan, const TransferOp& op) {
 }
 
 }  // namespace
-
-namespace execution {
-
-std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
-                                                    std::span<const std::byte> mine,
-                                                    const std::exception_ptr& failure) {
-  const PeId me = service.my_pe();
-  ErrorCode code = ErrorCode::kInvalidArgument;
-  std::string text;
-  bool ours = true;
-  if (failure) {
-    try {
-      std::rethrow_exception(failure);
-    } catch (const Error& error) {
-      code = error.code();
-      text = error.what();
-    } catch (const std::exception& error) {
-      ours = false;
-      text = error.what();
-    } catch (...) {
-      ours = false;
-      text = "an exception that is not a std::exception";
-    }
-  }
-  message::Writer out;
-  out.put<std::uint8_t>(failure ? 1 : 0);
-  out.put<std::int32_t>(static_cast<std::int32_t>(code));
-  out.put_string(text);
-  out.put_array(mine);
-  const auto all = service.all_gather(out.bytes());
-  std::vector<std::vector<std::byte>> parts(all.size());
-  std::vector<int> failed;
-  std::string first_text;
-  ErrorCode first_code = code;
-  for (std::size_t rank = 0; rank < all.size(); ++rank) {
-    message::Reader in(all[rank]);
-    const bool their_failure = in.get<std::uint8_t>() != 0;
-    const auto their_code = static_cast<ErrorCode>(in.get<std::int32_t>());
-    std::string their_text = in.get_string();
-    parts[rank] = in.get_array<std::byte>();
-    if (!their_failure) continue;
-    if (failed.empty()) {
-      first_code = their_code;
-      first_text = std::move(their_text);
-    }
-    failed.push_back(static_cast<int>(rank));
-  }
-  if (failed.empty()) return parts;
-  if (failure && !ours) std::rethrow_exception(failure);
-  // A rank that failed itself tells its own cause (each rank's is the one it can correct); the
-  // others tell the first failing rank's.
-  if (failure) {
-    first_code = code;
-    first_text = text;
-    std::rotate(failed.begin(), std::find(failed.begin(), failed.end(), me), failed.end());
-  }
-  std::string others;
-  if (failed.size() > 1) {
-    others = " (and rank";
-    others += failed.size() > 2 ? "s" : "";
-    for (std::size_t i = 1; i < failed.size(); ++i)
-      others += (i > 1 ? ", " : " ") + std::to_string(failed[i]);
-    others += ")";
-  }
-  throw Error(first_code,
-              "rank " + std::to_string(failed[0]) + others +
-                  " refused the refit, so every rank stops before any byte moves: " + first_text +
-                  " [the copy service stays usable: call again on every rank with "
-                  "that corrected]");
-}
-
-}  // namespace execution
 
 // One phase of a refit (ReshardOptions::staging_budget): this rank's sides of its ops, and the
 // packs and unpacks of their non-contiguous slices.
@@ -1489,85 +1255,7 @@ ReshardReport Resharder::execute_as_prepared(void* cuda_stream) {
   return impl_->execute(nullptr, nullptr, cuda_stream);
 }
 
-namespace {
-
-// What execute_reshard_plan keeps on a service: the executor of the last (plan, transform,
-// options) it ran, and nothing more. A service holds one schedule, so an executor of another
-// plan would schedule again at its next call anyway; keeping only the last one bounds the
-// memory (staging, on GPUs device memory) of callers who make a new transform or plan object
-// every refit. Built-in transforms are told apart by what they do (a fresh
-// make_cast_transform(kFloat32) at every call reuses the executor), custom ones by identity.
-struct ExecutorCache {
-  std::shared_ptr<const ReshardPlan> plan;      // held so its address cannot be reused by another
-  std::shared_ptr<ReshardTransform> transform;  // likewise
-  std::string transform_key;
-  std::unique_ptr<Resharder> executor;
-};
-
-std::string transform_key(const std::shared_ptr<ReshardTransform>& transform) {
-  if (!transform) return {};
-  if (const auto* ranged = dynamic_cast<const execution::RangedTransform*>(transform.get()))
-    return "built-in:" + ranged->description();
-  return "custom:" + std::to_string(reinterpret_cast<std::uintptr_t>(transform.get()));
-}
-
-ExecutorCache* cache_of(CopyService& service) {
-  std::shared_ptr<void>& slot = execution::ServiceSlot::executors(service);
-  return static_cast<ExecutorCache*>(slot.get());
-}
-
-}  // namespace
-
-ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
-                                   const TensorMap& src, const TensorMap& dst, CopyService& service,
-                                   std::shared_ptr<ReshardTransform> transform, void* cuda_stream,
-                                   const ReshardOptions& options) {
-  std::shared_ptr<void>& slot = execution::ServiceSlot::executors(service);
-  if (!slot) slot = std::make_shared<ExecutorCache>();
-  ExecutorCache& cache = *static_cast<ExecutorCache*>(slot.get());
-  std::string key = transform_key(transform);
-  // Another plan, transform or budget: a new executor (and schedule) on every rank alike. Which
-  // one a rank keeps is its own business: a new executor's first call agrees with the ranks that
-  // kept theirs exactly as a kept one whose tensors changed does.
-  if (!cache.executor || cache.plan != plan || cache.transform_key != key ||
-      !cache.executor->same_options(options)) {
-    cache.executor.reset();  // its staging goes before the new one's is placed
-    cache.executor = std::make_unique<Resharder>(plan, service, transform, options);
-    cache.plan = plan;
-    cache.transform = std::move(transform);
-    cache.transform_key = std::move(key);
-  }
-  return cache.executor->execute(src, dst, cuda_stream);
-}
-
-std::optional<ReshardReport> execution::execute_as_prepared(
-    const std::shared_ptr<const ReshardPlan>& plan, CopyService& service,
-    const std::shared_ptr<ReshardTransform>& transform, void* cuda_stream,
-    const ReshardOptions& options) {
-  ExecutorCache* cache = cache_of(service);
-  if (cache == nullptr || !cache->executor || cache->plan != plan ||
-      cache->transform_key != transform_key(transform) || !cache->executor->same_options(options) ||
-      !cache->executor->impl_->still_scheduled()) {
-    return std::nullopt;
-  }
-  return cache->executor->execute_as_prepared(cuda_stream);
-}
-
-ReshardReport rerun_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,
-                                 CopyService& service,
-                                 const std::shared_ptr<ReshardTransform>& transform,
-                                 void* cuda_stream) {
-  ExecutorCache* cache = cache_of(service);
-  if (cache != nullptr && cache->executor && cache->plan == plan &&
-      cache->transform_key == transform_key(transform)) {
-    return cache->executor->rerun(cuda_stream);
-  }
-  throw_error(ErrorCode::kInvalidState,
-              "rerun_reshard_plan: this plan" +
-                  std::string(transform ? " with transform '" + transform->name() + "'" : "") +
-                  " was not the last one executed on this copy service (call "
-                  "execute_reshard_plan first; clear_requests() drops what it kept)");
-}
+bool Resharder::still_scheduled() const { return impl_->still_scheduled(); }
 
 // ---- Refit: bound once, run many ----
 
