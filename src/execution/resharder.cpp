@@ -240,8 +240,9 @@ struct Resharder::Impl {
   }
 
   std::vector<std::vector<std::byte>> gather_verdicts(std::span<const std::byte> mine,
-                                                      const std::exception_ptr& failure) {
-    return execution::gather_verdicts(service, mine, failure);
+                                                      const std::exception_ptr& failure,
+                                                      const char* meeting = nullptr) {
+    return execution::gather_verdicts(service, mine, failure, meeting);
   }
 
   // Collective: ranks that built different plans (from different layouts) would register task
@@ -733,9 +734,10 @@ struct Resharder::Impl {
 
   // Collective: whether `mine` holds on every rank (gather_verdicts: a rank's `failure` throws on
   // every rank).
-  bool all_ranks_agree(bool mine, const std::exception_ptr& failure = nullptr) {
+  bool all_ranks_agree(bool mine, const std::exception_ptr& failure = nullptr,
+                       const char* meeting = nullptr) {
     const std::byte flag{static_cast<unsigned char>(mine ? 1 : 0)};
-    const auto all = gather_verdicts(std::span<const std::byte>(&flag, 1), failure);
+    const auto all = gather_verdicts(std::span<const std::byte>(&flag, 1), failure, meeting);
     return std::all_of(all.begin(), all.end(), [](const std::vector<std::byte>& part) {
       return part.size() == 1 && part[0] == std::byte{1};
     });
@@ -1088,7 +1090,7 @@ struct Resharder::Impl {
     // would run the old schedule and both sides time out), so the ranks agree, in one small
     // all-gather per refit, and all prepare again where any one must. A rank that refused its
     // tensors says so in the same all-gather.
-    const bool agreed = all_ranks_agree(reusable, failure);
+    const bool agreed = all_ranks_agree(reusable, failure, "execute_reshard_plan()");
     report.agree_seconds = std::chrono::duration<double>(Clock::now() - checked).count();
     PhaseClock clock{.enabled = service.options().debug.phase_timing,
                      .stream = stream,
@@ -1270,7 +1272,8 @@ struct Refit::Impl {
         src(std::move(s)),
         dst(std::move(d)) {}
 
-  void bind(void* cuda_stream, ReshardReport& report) {
+  // `meeting`: the call's name where binding opens it (the ranks may come at different times).
+  void bind(void* cuda_stream, ReshardReport& report, const char* meeting = nullptr) {
     bound = false;
     std::exception_ptr failure;
     void* stream = nullptr;
@@ -1279,7 +1282,7 @@ struct Refit::Impl {
     } catch (...) {
       failure = std::current_exception();
     }
-    executor.gather_verdicts({}, failure);
+    executor.gather_verdicts({}, failure, meeting);
     executor.prepare(src, dst, stream, report);
 #ifdef RESHARD_WITH_CUDA
     if (cuda_stream == nullptr && stream != nullptr) executor.wait_for_own_stream(stream);
@@ -1308,7 +1311,7 @@ Refit::Refit(std::shared_ptr<const ReshardPlan> plan, TensorMap src, TensorMap d
     : impl_(std::make_unique<Impl>(std::move(plan), std::move(src), std::move(dst), service,
                                    std::move(transform), options)) {
   ReshardReport ignored;
-  impl_->bind(cuda_stream, ignored);
+  impl_->bind(cuda_stream, ignored, "bind()");
   report_ = impl_->executor.prepared.report;
   report_.rescheduled = true;
 }
@@ -1365,7 +1368,7 @@ ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cu
   // not bound, on any rank) leaves every rank's refit as it was.
   bool unchanged = false;
   try {
-    unchanged = self.executor.all_ranks_agree(!changed, failure);
+    unchanged = self.executor.all_ranks_agree(!changed, failure, "update()");
   } catch (...) {
     restore();
     throw;

@@ -226,7 +226,7 @@ StagedRefit::StagedRefit(std::shared_ptr<const ReshardPlan> plan, TensorMap src,
   } catch (...) {
     failure = std::current_exception();
   }
-  execution::gather_verdicts(service, {}, failure);
+  execution::gather_verdicts(service, {}, failure, "bind()");
   self.refit.emplace(std::move(plan), std::move(src), self.twins.tensors, service,
                      std::move(transform), options, cuda_stream);
   self.list_commit_copies(service.my_pe(), self.refit->groups());

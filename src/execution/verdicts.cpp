@@ -5,12 +5,14 @@
 
 #include "core/message.hpp"
 #include "reshard/error.hpp"
+#include "service/service_slot.hpp"
 
 namespace reshard::execution {
 
 std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
                                                     std::span<const std::byte> mine,
-                                                    const std::exception_ptr& failure) {
+                                                    const std::exception_ptr& failure,
+                                                    const char* meeting) {
   const PeId me = service.my_pe();
   ErrorCode code = ErrorCode::kInvalidArgument;
   std::string text;
@@ -34,7 +36,8 @@ std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
   out.put<std::int32_t>(static_cast<std::int32_t>(code));
   out.put_string(text);
   out.put_array(mine);
-  const auto all = service.all_gather(out.bytes());
+  const auto all = meeting != nullptr ? ServiceSlot::meet(service, out.bytes(), meeting)
+                                      : service.all_gather(out.bytes());
   std::vector<std::vector<std::byte>> parts(all.size());
   std::vector<int> failed;
   std::string first_text;

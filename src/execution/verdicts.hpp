@@ -20,8 +20,14 @@ namespace reshard::execution {
 // execute_reshard_plan, of binding a Refit and of Refit::update() is one of these, so a rank that
 // fails before it can join it with its failure (the Python binding does, for tensors it cannot
 // read).
+//
+// `meeting`: the call's name where this collective opens a call that the ranks may come to at
+// different times (a trainer finishing its step): it then waits the arrival timeout, not the
+// transfer timeout, and a rank that does not come in time is named on every rank, with nothing
+// done (ServiceSlot::meet).
 std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
                                                     std::span<const std::byte> mine,
-                                                    const std::exception_ptr& failure);
+                                                    const std::exception_ptr& failure,
+                                                    const char* meeting = nullptr);
 
 }  // namespace reshard::execution

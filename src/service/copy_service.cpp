@@ -24,6 +24,45 @@ namespace {
 
 enum class State { kCreated, kInitialized, kScheduled, kFailed, kFinalized };
 
+// Where the PEs meet at the start of a collective call (`call`: "schedule()", "binding a refit"):
+// one may come minutes after the others (a trainer finishing its step), so this all-gather waits
+// the arrival timeout, and the transfer timeout applies again after it. A PE that does not come in
+// time is named as a PE (the service's PEs are its bootstrap's ranks), and every PE fails the call
+// alike with nothing done, so it may be made again on every PE.
+std::vector<std::vector<std::byte>> meet(Bootstrap& bootstrap, const CopyServiceOptions& options,
+                                         std::span<const std::byte> mine, const std::string& call) {
+  const auto what = [&] {
+    return call + " on PE " + std::to_string(bootstrap.rank()) + ": every PE must call " + call +
+           ", and not every one did within the arrival timeout (" +
+           format_seconds(options.arrival_timeout) +
+           "; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
+  };
+  bootstrap.set_timeout(options.arrival_timeout);
+  try {
+    auto all = bootstrap.all_gather(mine);
+    bootstrap.set_timeout(options.timeout);
+    return all;
+  } catch (const CollectiveAbandoned& abandoned) {
+    bootstrap.set_timeout(options.timeout);
+    std::string late;
+    for (const int pe : abandoned.late())
+      late += (late.empty() ? "PE " : ", PE ") + std::to_string(pe);
+    const std::string who =
+        late.empty() ? abandoned.what() : late + " did not call " + call + " in time";
+    throw CollectiveAbandoned(abandoned.code(),
+                              what() + ": " + who +
+                                  "; nothing took effect and the service is usable: call " + call +
+                                  " again on every PE",
+                              abandoned.late());
+  } catch (const Error& error) {
+    bootstrap.set_timeout(options.timeout);
+    if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
+    // The bootstrap names the ranks it waited for; say what they were to do.
+    throw Error(error.code(),
+                what() + " or stayed (the bootstrap's rank N is PE N): " + error.what());
+  }
+}
+
 struct Registration {
   TaskId task;
   Buffer buffer;
@@ -447,43 +486,7 @@ ScheduleReport CopyService::schedule() {
         std::min(caps.chunk_bytes, self.options.chunk_bytes.value_or(UINT64_MAX)));
     summary.put<std::uint64_t>(caps.min_chunk_bytes);
     summary.put<std::int64_t>(caps.max_peers_per_round);
-    // Where the PEs meet: one may come minutes after the others (a trainer finishing its step),
-    // so this wait has the arrival timeout.
-    const auto gathered = [&] {
-      self.bootstrap->set_timeout(self.options.arrival_timeout);
-      const auto meeting = [&] {
-        return "schedule() on PE " + std::to_string(self.bootstrap->rank()) +
-               ": every PE must call schedule(), and not every one did within the arrival "
-               "timeout (" +
-               format_seconds(self.options.arrival_timeout) +
-               "; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
-      };
-      try {
-        auto all = self.bootstrap->all_gather(summary.bytes());
-        self.bootstrap->set_timeout(self.options.timeout);
-        return all;
-      } catch (const CollectiveAbandoned& abandoned) {
-        self.bootstrap->set_timeout(self.options.timeout);
-        // The service's PEs are its bootstrap's ranks: the late ones named as PEs.
-        std::string late;
-        for (const int pe : abandoned.late())
-          late += (late.empty() ? "PE " : ", PE ") + std::to_string(pe);
-        const std::string who =
-            late.empty() ? abandoned.what() : late + " did not call schedule() in time";
-        throw CollectiveAbandoned(abandoned.code(),
-                                  meeting() + ": " + who +
-                                      "; nothing was scheduled and the service is usable: call "
-                                      "schedule() again on every PE",
-                                  abandoned.late());
-      } catch (const Error& error) {
-        self.bootstrap->set_timeout(self.options.timeout);
-        if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
-        // The bootstrap names the ranks it waited for (the service's PEs are its ranks); say
-        // what they were to do.
-        throw Error(error.code(),
-                    meeting() + " or stayed (the bootstrap's rank N is PE N): " + error.what());
-      }
-    }();
+    const auto gathered = meet(*self.bootstrap, self.options, summary.bytes(), "schedule()");
 
     std::vector<RequestClaim> all_sends, all_receives;
     std::ostringstream problems;
@@ -755,6 +758,12 @@ std::uint64_t ServiceSlot::generation(const CopyService& service) {
 
 std::shared_ptr<void>& ServiceSlot::executors(CopyService& service) {
   return service.impl_->attachment;
+}
+
+std::vector<std::vector<std::byte>> ServiceSlot::meet(CopyService& service,
+                                                      std::span<const std::byte> mine,
+                                                      const std::string& call) {
+  return reshard::meet(*service.impl_->bootstrap, service.impl_->options, mine, call);
 }
 
 void ServiceSlot::clear_requests(CopyService& service) {

@@ -2,8 +2,12 @@
 // executors live as long as the service's transport, which finalize() releases after them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "reshard/copy_service.hpp"
 
@@ -16,6 +20,12 @@ struct ServiceSlot {
   // The executors of the plans run on `service` (execute_reshard_plan's cache); emptied by
   // finalize() before the transport goes, since they may hold staging on its device.
   static std::shared_ptr<void>& executors(CopyService& service);
+  // The all-gather that opens a collective call (`call` names it): waits the arrival timeout, and
+  // fails on every PE alike, naming the PEs that did not come, with nothing done (the call may be
+  // made again), as schedule()'s meeting does.
+  static std::vector<std::vector<std::byte>> meet(CopyService& service,
+                                                  std::span<const std::byte> mine,
+                                                  const std::string& call);
   // CopyService::clear_requests() without dropping the executors: what an executor calls before
   // registering its own requests.
   static void clear_requests(CopyService& service);

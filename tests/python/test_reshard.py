@@ -1273,6 +1273,15 @@ def test_a_late_pe_has_the_arrival_timeout_and_a_schedule_it_missed_can_be_retri
     assert result.stdout.count(": ok") == 2, result.stdout
 
 
+def test_a_late_rank_has_the_arrival_timeout_to_bind_update_and_execute_a_refit():
+    # The first collective of bind(), update() and execute_reshard_plan is where ranks meet: a
+    # rank later than the transfer timeout is waited for; one later than the arrival timeout is
+    # named on every rank, and the bind retried works.
+    result = launch(2, WORKERS / "late_bind_worker.py", timeout=90, RESHARD_TIMEOUT_S="20")
+    assert_ok(result)
+    assert result.stdout.count(": ok") == 2, result.stdout
+
+
 def test_bootstrap_from_an_address_and_gil_released():
     port = __import__("reshard.launch", fromlist=["_free_port"])._free_port()
     assert_ok(launch(3, WORKERS / "bootstrap_worker.py", "address", port))
