@@ -21,7 +21,6 @@ from ._core import (
     Parallelism,
     ParamSpec,
     PlanStats,
-    ReshardError,
     ReshardPlan,
     ReshardReport,
     ScaleTensor,
@@ -40,6 +39,18 @@ from ._core import (
     toy_model,
 )
 from .copy_service import CopyService, make_bootstrap, service_options, task_id
+from .errors import (
+    ErrorCode,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidStateError,
+    PeerFailureError,
+    ReshardError,
+    ReshardTimeoutError,
+    ReshardTypeError,
+    SystemCallError,
+    UnsupportedError,
+)
 from .execution import LocalTensor, execute_reshard_plan, rerun_reshard_plan
 from .refit import BoundRefit, bind
 from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
@@ -49,6 +60,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BoundRefit",
     "CopyService",
+    "ErrorCode",
+    "IntegrityError",
+    "InvalidArgumentError",
+    "InvalidStateError",
     "Layout",
     "LocalTensor",
     "MegatronStyleTransform",
@@ -56,15 +71,20 @@ __all__ = [
     "ModelSpec",
     "Parallelism",
     "ParamSpec",
+    "PeerFailureError",
     "PlanStats",
     "ReshardError",
     "ReshardPlan",
     "ReshardReport",
+    "ReshardTimeoutError",
     "ReshardTransform",
+    "ReshardTypeError",
     "ScaleTensor",
     "ScheduleReport",
     "SliceInfo",
+    "SystemCallError",
     "TransferOp",
+    "UnsupportedError",
     "available_transports",
     "bind",
     "build_layout",

@@ -9,16 +9,15 @@ import sys
 from typing import Any, Optional, Sequence, Union
 
 from . import _core
+from .errors import (
+    refusal as _refusal,
+    state_refusal as _state_refusal,
+    type_refusal as _type_refusal,
+)
 
 __all__ = ["CopyService", "make_bootstrap", "service_options", "stream_handle", "task_id"]
 
 
-def _refusal(message: str, tasks=()) -> "_core.ReshardError":
-    """A ReshardError as the library raises them (code "invalid argument", the tasks named)."""
-    error = _core.ReshardError(message)
-    error.code = "invalid argument"
-    error.tasks = list(tasks)
-    return error
 
 
 def _task_id(task_id: Any) -> int:
@@ -53,7 +52,7 @@ def task_id(key: Any) -> int:
         if isinstance(part, tuple):
             return b"(" + b"".join(len(e).to_bytes(4, "little") + e
                                    for e in map(encode, part)) + b")"
-        raise TypeError(f"reshard.task_id takes strings, bytes, integers and tuples of them, "
+        raise _type_refusal(f"reshard.task_id takes strings, bytes, integers and tuples of them, "
                         f"not {type(part).__name__}")
 
     return int.from_bytes(hashlib.blake2b(encode(key), digest_size=8).digest(), "little")
@@ -70,7 +69,7 @@ def stream_handle(stream: StreamLike) -> Optional[int]:
         handle = getattr(stream, attribute, None)
         if isinstance(handle, int):
             return handle
-    raise TypeError(f"cannot use {type(stream).__name__} as a CUDA stream (pass an int handle)")
+    raise _type_refusal(f"cannot use {type(stream).__name__} as a CUDA stream (pass an int handle)")
 
 
 def _nbytes(tensor: Any) -> Optional[int]:
@@ -119,7 +118,7 @@ def _from_process_group(group: Any, device: Optional[int]) -> "_core.Bootstrap":
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("bootstrap='torch' needs torch.distributed initialised "
+        raise _state_refusal("bootstrap='torch' needs torch.distributed initialised "
                            "(dist.init_process_group) first")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     box = [_core.make_unique_id(_rendezvous_host()) if rank == 0 else None]
@@ -179,10 +178,10 @@ def make_bootstrap(
         return _core.default_bootstrap()
     if isinstance(source, str) and source != "torch":
         if rank is None or world_size is None:
-            raise ValueError("an address bootstrap needs rank= and world_size=")
+            raise _refusal("an address bootstrap needs rank= and world_size=")
         host, _, port = source.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"bootstrap address {source!r} is not of the form host:port")
+            raise _refusal(f"bootstrap address {source!r} is not of the form host:port")
         return _core.tcp_bootstrap(host, int(port), rank, world_size, _local_rank(rank, device))
     if hasattr(source, "Get_rank") and hasattr(source, "bcast"):
         return _from_mpi(source, device)
@@ -191,7 +190,7 @@ def make_bootstrap(
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(source, torch.distributed.ProcessGroup):
         return _from_process_group(source, device)
-    raise TypeError(
+    raise _type_refusal(
         f"cannot bootstrap from {type(source).__name__}: pass None, a torch.distributed process "
         "group, an mpi4py communicator or a 'host:port' address"
     )
@@ -208,14 +207,14 @@ def _fields(options: Any) -> list:
 
 def _set(target: Any, name: str, value: Any, where: str) -> None:
     if name not in _fields(target):
-        raise TypeError(f"{where}: unknown setting {name!r} (settings: "
+        raise _type_refusal(f"{where}: unknown setting {name!r} (settings: "
                         f"{', '.join(_fields(target))})")
     if name in _BYTE_FIELDS and isinstance(value, str):
         value = _core.parse_bytes(value)
     try:
         setattr(target, name, value)
     except TypeError:
-        raise TypeError(f"{where}: {name}={value!r} is not a "
+        raise _type_refusal(f"{where}: {name}={value!r} is not a "
                         f"{type(getattr(target, name)).__name__}") from None
 
 
@@ -227,7 +226,7 @@ def service_options(**settings: Any) -> "_core.CopyServiceOptions":
     for name, value in settings.items():
         if name in _OPTION_GROUPS:
             if not isinstance(value, dict):
-                raise TypeError(f"CopyService({name}=...) takes a dict of {name} settings, "
+                raise _type_refusal(f"CopyService({name}=...) takes a dict of {name} settings, "
                                 f"e.g. {name}={{{_fields(getattr(options, name))[0]!r}: ...}}")
             group = getattr(options, name)
             for field, field_value in value.items():

@@ -17,6 +17,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from . import _core
+from .errors import refusal as _refusal
 
 __all__ = ["launch", "main"]
 
@@ -35,9 +36,9 @@ def launch(command: List[str], nprocs: int, env: Optional[dict] = None,
     descriptors 1 and 2), each line prefixed with its rank. This is the launcher ``reshard-run``
     uses, from the extension module; a command that cannot start raises ``ReshardError``."""
     if nprocs < 1:
-        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+        raise _refusal(f"nprocs must be at least 1, got {nprocs}")
     if timeout_s is not None and timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        raise _refusal(f"timeout_s must be positive, got {timeout_s}")
     return _run(command, nprocs, env, timeout_s, grace_s)[0]
 
 

@@ -32,7 +32,12 @@ import hashlib
 import struct
 from typing import Any, List, NamedTuple, Optional, Tuple
 
-from .copy_service import CopyService, _refusal, _task_id, _whole_or_range, make_bootstrap
+from .copy_service import CopyService, _task_id, _whole_or_range, make_bootstrap
+from .errors import (
+    refusal as _refusal,
+    state_refusal as _state_refusal,
+    type_refusal as _type_refusal,
+)
 
 __all__ = ["ReshardCopyService", "RemoteCopyService", "MEGATRON_AVAILABLE"]
 
@@ -114,7 +119,7 @@ class ReshardCopyService(_MegatronCopyService):
                 bootstrap = (group if group is not None else "torch") if distributed else None
             service = CopyService(transport=transport, bootstrap=bootstrap, **settings)
         elif settings:
-            raise TypeError(f"ReshardCopyService: settings {sorted(settings)} apply to the "
+            raise _type_refusal(f"ReshardCopyService: settings {sorted(settings)} apply to the "
                             "service it makes; pass them to the CopyService given instead")
         self._log_level = log_level
         # An unset-up service on "auto" is set up at the first run(), for the tensors handed over.
@@ -152,11 +157,11 @@ class ReshardCopyService(_MegatronCopyService):
             return _IMPLICIT_TASK | (src << 2 * _PAIR_BITS) | (dst << _PAIR_BITS) | index
         task_id = int(task_id)
         if not 0 <= task_id <= _MAX_EXPLICIT_TASK:
-            raise ValueError(f"task id {task_id} is outside 0..{_MAX_EXPLICIT_TASK}")
+            raise _refusal(f"task id {task_id} is outside 0..{_MAX_EXPLICIT_TASK}")
         key = (sending, task_id)
         index = self._explicit_counts.get(key, 0)
         if index >= 1 << _SUB_BITS:
-            raise ValueError(f"task id {task_id}: more than {1 << _SUB_BITS} tensors under one id")
+            raise _refusal(f"task id {task_id}: more than {1 << _SUB_BITS} tensors under one id")
         self._explicit_counts[key] = index + 1
         return (task_id << _SUB_BITS) | index
 
@@ -354,7 +359,7 @@ class RemoteCopyService(CopyService):
             if dist is not None and dist.is_available() and dist.is_initialized():
                 bootstrap = group if group is not None else "torch"
             elif group is not None:
-                raise RuntimeError("RemoteCopyService(group=...) needs torch.distributed "
+                raise _state_refusal("RemoteCopyService(group=...) needs torch.distributed "
                                    "initialised (dist.init_process_group) first")
         super().__init__(transport=transport, bootstrap=make_bootstrap(bootstrap))
         self.send_requests: List[RemoteRequest] = []

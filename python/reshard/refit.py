@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 from . import _core
 from .copy_service import CopyService, StreamLike, stream_handle
 from .transforms import ReshardTransform, native_transform
+from .errors import refusal as _refusal, type_refusal as _type_refusal
 
 __all__ = ["BoundRefit", "bind"]
 
@@ -87,7 +88,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
         numbers, group_names = _core.layer_groups(list(names))
         return list(numbers), list(group_names)
     if isinstance(groups, str):
-        raise ValueError(f"groups={groups!r}: give 'layers', a mapping of group names to "
+        raise _refusal(f"groups={groups!r}: give 'layers', a mapping of group names to "
                          "parameter names or patterns, or a function of a parameter's name")
     if callable(groups):
         number: Dict[str, int] = {}  # in the order the names first give each group
@@ -95,7 +96,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
         for name in names:
             group = groups(name)
             if not isinstance(group, str):
-                raise TypeError(f"groups({name!r}) returned {group!r}; a group's name (str) "
+                raise _type_refusal(f"groups({name!r}) returned {group!r}; a group's name (str) "
                                 "is needed")
             numbers.append(number.setdefault(group, len(number)))
         return numbers, list(number)
@@ -105,7 +106,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
         found = [g for g, (group, patterns) in enumerate(groups.items())
                  if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)]
         if len(found) > 1:
-            raise ValueError(f"parameter {name!r} is in groups "
+            raise _refusal(f"parameter {name!r} is in groups "
                              f"{[group_names[g] for g in found]}; a parameter belongs to one")
         if not found:
             if "rest" not in group_names:
@@ -149,7 +150,7 @@ class BoundRefit:
             self._core = _core.StagedRefit(*arguments, _budget_bytes(max_staged_bytes), numbers)
         else:
             if max_staged_bytes is not None:
-                raise ValueError("max_staged_bytes is for a staged refit (staged=True)")
+                raise _refusal("max_staged_bytes is for a staged refit (staged=True)")
             self._core = _core.Refit(*arguments, numbers)
         if wait is not None:
             self._wait(wait)
@@ -185,7 +186,7 @@ class BoundRefit:
 
     def _chosen_groups(self, groups: Union[str, Sequence[str]], call: str = "run") -> List[int]:
         if not self._group_names:
-            raise ValueError(f"{call}(groups=...): this refit was bound without groups; bind it "
+            raise _refusal(f"{call}(groups=...): this refit was bound without groups; bind it "
                              "with groups='layers' (or a mapping or function) to run parts of it")
         chosen = set()
         for wanted in [groups] if isinstance(groups, str) else groups:
@@ -198,7 +199,7 @@ class BoundRefit:
             if not matched:
                 shown = ", ".join(self._group_names[:8]) + (
                     ", ..." if len(self._group_names) > 8 else "")
-                raise ValueError(f"{call}(groups=...): {wanted!r} names no group of this refit "
+                raise _refusal(f"{call}(groups=...): {wanted!r} names no group of this refit "
                                  f"(its {len(self._group_names)} groups: {shown})")
             chosen.update(matched)
         return sorted(chosen)

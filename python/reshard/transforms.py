@@ -7,6 +7,7 @@ import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _core
+from .errors import type_refusal as _type_refusal
 
 __all__ = ["MegatronStyleTransform", "ReshardTransform", "SliceInfo", "native_transform"]
 
@@ -217,7 +218,7 @@ def bound_transform(transform: Any) -> Optional["_core.ReshardTransform"]:
         return transform
     if not isinstance(transform, ReshardTransform):
         if not all(callable(getattr(transform, hook, None)) for hook in _MEGATRON_HOOKS):
-            raise TypeError(f"{type(transform).__name__} is not a reshard transform")
+            raise _type_refusal(f"{type(transform).__name__} is not a reshard transform")
         transform = _megatron_adapter(transform)
     native = getattr(transform, "_native", None)
     if native is None:
@@ -239,7 +240,7 @@ def native_transform(transform: Any, src: Mapping[str, Any],
         return transform._bind(src, dst)
     if all(callable(getattr(transform, hook, None)) for hook in _MEGATRON_HOOKS):
         return _megatron_adapter(transform)._bind(src, dst)
-    raise TypeError(f"{type(transform).__name__} is not a reshard transform (subclass "
+    raise _type_refusal(f"{type(transform).__name__} is not a reshard transform (subclass "
                     "reshard.ReshardTransform, use make_mxfp8_transform and friends, or pass a "
                     "transform with Megatron's hooks: should_transform, prepare_send, "
                     "prepare_recv, finalize_recv)")

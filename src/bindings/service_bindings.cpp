@@ -33,13 +33,74 @@ bool python_interrupted() {
   return true;
 }
 
+// An exception class of reshard._core: `bases` a class or a tuple of them; `code` the class's
+// default code (the library sets each instance's own).
+nb::object exception_class(nb::module_& m, const char* name, const char* doc, nb::handle bases,
+                           const char* code) {
+  nb::dict attributes;
+  attributes["code"] = nb::str(code);
+  attributes["tasks"] = nb::tuple();
+  const std::string qualified = std::string("reshard._core.") + name;
+  nb::object type =
+      nb::steal(PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), attributes.ptr()));
+  if (!type.is_valid()) throw nb::python_error();
+  m.attr(name) = type;
+  return type;
+}
+
 void bind_errors(nb::module_& m) {
-  static nb::object error_type = nb::steal(
-      PyErr_NewExceptionWithDoc("reshard._core.ReshardError",
-                                "An error raised by reshard; `code` names its kind and `tasks` "
-                                "lists the task ids involved, if any.",
-                                PyExc_RuntimeError, nullptr));
-  m.attr("ReshardError") = error_type;
+  // One hierarchy: every error reshard raises is a ReshardError (a RuntimeError, `code` naming
+  // its kind), and where a kind means what a built-in exception means, it is that too, so
+  // `except ValueError` / `except TimeoutError` catch them as Python code expects.
+  static nb::object base = exception_class(
+      m, "ReshardError",
+      "An error raised by reshard; `code` names its kind (reshard.ErrorCode's values) and "
+      "`tasks` lists the task ids involved, if any.",
+      PyExc_RuntimeError, "");
+  const auto derived = [&](const char* name, const char* doc, nb::handle builtin,
+                           const char* code) {
+    return exception_class(m, name, doc, nb::make_tuple(base, builtin), code);
+  };
+  static nb::object invalid_argument =
+      derived("InvalidArgumentError",
+              "A call was given something malformed, or requests that do not "
+              "form a consistent transfer set (a ValueError too).",
+              PyExc_ValueError, "invalid argument");
+  static nb::object type_error = exception_class(
+      m, "ReshardTypeError",
+      "A call was given an object of a type it does not take (a TypeError "
+      "too).",
+      nb::make_tuple(invalid_argument, nb::handle(PyExc_TypeError)), "invalid argument");
+  static nb::object timeout = derived(
+      "ReshardTimeoutError", "A peer did not answer or arrive in time (a TimeoutError too).",
+      PyExc_TimeoutError, "timeout");
+  static nb::object unsupported = derived("UnsupportedError",
+                                          "This build or transport lacks what was asked for (a "
+                                          "NotImplementedError too).",
+                                          PyExc_NotImplementedError, "unsupported");
+  const auto plain = [&](const char* name, const char* doc, const char* code) {
+    return exception_class(m, name, doc, base, code);
+  };
+  static nb::object invalid_state =
+      plain("InvalidStateError", "A call out of order, or on something no longer usable.",
+            "invalid state");
+  static nb::object peer_failure =
+      plain("PeerFailureError", "A peer died or aborted.", "peer failure");
+  static nb::object integrity = plain(
+      "IntegrityError", "Verify mode: bytes arrived different from what was sent.", "integrity");
+  static nb::object system_call =
+      derived("SystemCallError", "An operating-system or driver call failed (an OSError too).",
+              PyExc_OSError, "system");
+  (void)type_error;
+  static const std::pair<ErrorCode, nb::handle> classes[] = {
+      {ErrorCode::kInvalidArgument, invalid_argument},
+      {ErrorCode::kValidation, invalid_argument},
+      {ErrorCode::kTimeout, timeout},
+      {ErrorCode::kUnsupported, unsupported},
+      {ErrorCode::kInvalidState, invalid_state},
+      {ErrorCode::kPeerFailure, peer_failure},
+      {ErrorCode::kIntegrity, integrity},
+      {ErrorCode::kSystem, system_call}};
   nb::register_exception_translator([](const std::exception_ptr& thrown, void*) {
     try {
       std::rethrow_exception(thrown);
@@ -48,10 +109,14 @@ void bind_errors(nb::module_& m) {
         PyErr_SetString(PyExc_KeyboardInterrupt, error.what());
         return;
       }
-      nb::object instance = error_type(nb::str(error.what()));
+      nb::handle type = base;
+      for (const auto& [code, kind] : classes) {
+        if (code == error.code()) type = kind;
+      }
+      nb::object instance = type(nb::str(error.what()));
       instance.attr("code") = nb::str(error_code_name(error.code()));
       instance.attr("tasks") = nb::cast(error.tasks());
-      PyErr_SetObject(error_type.ptr(), instance.ptr());
+      PyErr_SetObject(type.ptr(), instance.ptr());
     }
   });
 }

@@ -274,6 +274,38 @@ def test_range_outside_the_buffer_is_refused_naming_the_task(service):
     assert error.value.tasks == [3]
 
 
+@pytest.mark.quick
+def test_errors_form_one_hierarchy_that_is_also_pythons(service):
+    # A refusal in the C++ core: an InvalidArgumentError, so a ValueError too.
+    with pytest.raises(ValueError) as error:
+        service.register_send(3, np.zeros(16, np.uint8), 10, 8, 0)
+    assert isinstance(error.value, reshard.InvalidArgumentError)
+    assert error.value.code == reshard.ErrorCode.INVALID_ARGUMENT and error.value.tasks == [3]
+    # Requests that do not match: the same class, code "validation", the task named.
+    service.register_send(7, np.zeros(8, np.uint8), 0, 8, 0)
+    service.register_receive(7, np.zeros(16, np.uint8), 0, 16, 0)
+    with pytest.raises(reshard.InvalidArgumentError) as error:
+        service.schedule()
+    assert error.value.code == reshard.ErrorCode.VALIDATION and 7 in error.value.tasks
+    service.clear_requests()
+    # A call out of order: an InvalidStateError (a RuntimeError, as every ReshardError).
+    with pytest.raises(reshard.InvalidStateError) as error:
+        service.run()
+    assert isinstance(error.value, RuntimeError) and error.value.code == "invalid state"
+    # A refusal made in Python: an object of the wrong type is a ReshardTypeError, a TypeError.
+    with pytest.raises(TypeError) as error:
+        reshard.task_id(1.5)
+    assert isinstance(error.value, reshard.ReshardTypeError)
+    assert isinstance(error.value, reshard.InvalidArgumentError)
+    # Every class's code is an ErrorCode, and the kinds that mean a built-in's are that too.
+    kinds = {reshard.ReshardTimeoutError: TimeoutError, reshard.UnsupportedError: NotImplementedError,
+             reshard.SystemCallError: OSError, reshard.PeerFailureError: RuntimeError,
+             reshard.IntegrityError: RuntimeError}
+    for kind, builtin in kinds.items():
+        assert issubclass(kind, reshard.ReshardError) and issubclass(kind, builtin), kind
+        assert reshard.ErrorCode(kind.code), kind
+
+
 def test_non_contiguous_memory_is_refused_not_copied(service):
     with pytest.raises(reshard.ReshardError, match="not contiguous") as error:
         service.register_send(4, np.zeros((8, 8), np.float32)[:, ::2], 0, 4, 0)

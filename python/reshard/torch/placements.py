@@ -11,6 +11,7 @@ import itertools
 import re
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
+from ..errors import refusal as _refusal
 
 Runs = List[Tuple[int, int]]
 Piece = Tuple[List[int], List[int], List[int]]  # (global offset, extent, offset in the local tensor)
@@ -47,7 +48,7 @@ def placement_of(value: Any, ndim: int) -> Placement:
             return Placement("shard", _dim(int(match.group(1)), ndim, value))
         if _REPLICATE.match(value):
             return Placement("replicate")
-        raise ValueError(f"placement {value!r} is not one of 'S(<dim>)', 'Shard(<dim>)', 'R', "
+        raise _refusal(f"placement {value!r} is not one of 'S(<dim>)', 'Shard(<dim>)', 'R', "
                          "'Replicate()'")
     kind = type(value).__name__
     if hasattr(value, "is_partial") and value.is_partial():
@@ -57,13 +58,13 @@ def placement_of(value: Any, ndim: int) -> Placement:
     if hasattr(value, "dim") and (hasattr(value, "is_shard") or "Shard" in kind):
         split = int(getattr(value, "split_factor", 1))
         return Placement("shard", _dim(int(value.dim), ndim, value), split)
-    raise ValueError(f"placement {value!r} ({kind}) is not a Shard, _StridedShard, Replicate or "
+    raise _refusal(f"placement {value!r} ({kind}) is not a Shard, _StridedShard, Replicate or "
                      "Partial")
 
 
 def _dim(dim: int, ndim: int, what: Any) -> int:
     if not -ndim <= dim < ndim:
-        raise ValueError(f"placement {what} shards dim {dim} of a {ndim}-dimensional tensor")
+        raise _refusal(f"placement {what} shards dim {dim} of a {ndim}-dimensional tensor")
     return dim % ndim
 
 
@@ -94,7 +95,7 @@ def shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> L
             if position < len(dims):
                 accumulated *= mesh_shape[dims[position]]
         else:
-            raise ValueError(f"placements ({', '.join(map(str, placements))}) on a mesh of shape "
+            raise _refusal(f"placements ({', '.join(map(str, placements))}) on a mesh of shape "
                              f"{list(mesh_shape)}: split factor {p.split_factor} of mesh dim "
                              f"{mesh_dim} matches no order of the mesh dims sharding dim {p.dim}")
     return order
@@ -182,21 +183,21 @@ def mesh_coordinates(ranks: Sequence[Any]) -> Tuple[List[int], List[Tuple[int, T
     while isinstance(level, (list, tuple)):
         shape.append(len(level))
         if not level:
-            raise ValueError("a device mesh needs at least one rank in every dimension")
+            raise _refusal("a device mesh needs at least one rank in every dimension")
         level = level[0]
     entries = []
     for coordinate in itertools.product(*(range(n) for n in shape)):
         value: Any = ranks
         for i in coordinate:
             if not isinstance(value, (list, tuple)) or len(value) <= i:
-                raise ValueError(f"device mesh {ranks!r} is not rectangular")
+                raise _refusal(f"device mesh {ranks!r} is not rectangular")
             value = value[i]
         if isinstance(value, (list, tuple)):
-            raise ValueError(f"device mesh {ranks!r} is not rectangular")
+            raise _refusal(f"device mesh {ranks!r} is not rectangular")
         entries.append((int(value), coordinate))
     seen = [rank for rank, _ in entries]
     if len(set(seen)) != len(seen):
-        raise ValueError(f"device mesh {ranks!r} names a rank twice")
+        raise _refusal(f"device mesh {ranks!r} names a rank twice")
     return shape, entries
 
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .. import _core
-from ..copy_service import CopyService, _refusal
+from ..copy_service import CopyService
 from ..execution import LocalTensor
 from ..refit import BoundRefit, GroupNumbers, name_groups
 from .placements import Placement, describe_placements, holdings, mesh_coordinates, placement_of
+from ..errors import refusal as _refusal, state_refusal as _state_refusal
 
 SOURCE, DESTINATION = "source", "destination"
 
@@ -65,7 +66,7 @@ class Fused:
 
     def __init__(self, sources: Sequence[str], dim: int = 0):
         if isinstance(sources, str) or not sources:
-            raise ValueError("Fused(sources) takes a list of one or more source names")
+            raise _refusal("Fused(sources) takes a list of one or more source names")
         object.__setattr__(self, "sources", tuple(sources))
         object.__setattr__(self, "dim", int(dim))
 
@@ -584,7 +585,7 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("reshard.torch.bind needs torch.distributed initialised "
+        raise _state_refusal("reshard.torch.bind needs torch.distributed initialised "
                            "(dist.init_process_group) first")
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
