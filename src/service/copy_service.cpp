@@ -24,7 +24,7 @@ namespace {
 
 enum class State { kCreated, kInitialized, kScheduled, kFailed, kFinalized };
 
-// Where the PEs meet at the start of a collective call (`call`: "schedule()", "binding a refit"):
+// Where the PEs meet at the start of a collective call (`call`: "schedule()", "bind()"):
 // one may come minutes after the others (a trainer finishing its step), so this all-gather waits
 // the arrival timeout, and the transfer timeout applies again after it. A PE that does not come in
 // time is named as a PE (the service's PEs are its bootstrap's ranks), and every PE fails the call
