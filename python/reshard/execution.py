@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional, Union
 
 from . import _core
 from .copy_service import CopyService, StreamLike, _refusal, stream_handle
+from .errors import ReshardError
 from .transforms import ReshardTransform, bound_transform, native_transform
 
 __all__ = ["LocalTensor", "execute_reshard_plan", "rerun_reshard_plan"]
@@ -151,28 +152,19 @@ def rerun_reshard_plan(
     return _core.rerun_reshard_plan(plan, core, bound_transform(transform), stream_handle(stream))
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
 def _budget_bytes(budget: Optional[Union[int, str]]) -> Optional[int]:
-    """``staging_budget`` as bytes (``"unlimited"``: the largest 64-bit value)."""
+    """``staging_budget`` as bytes (``"unlimited"``: the largest 64-bit value), read as
+    ``RESHARD_STAGING_BUDGET`` is (the core's byte counts: 512MiB, 1.5GiB, 4096)."""
     if budget is None:
         return None
     if isinstance(budget, str):
-        text = budget.strip().lower()
-        if text == "unlimited":
+        if budget.strip().lower() == "unlimited":
             return (1 << 64) - 1
-        number = text.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
-        unit = text[len(number):].strip()
         try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-        if unit not in _UNITS or value < 0:
+            return _core.parse_bytes(budget)
+        except ReshardError as error:
             raise _refusal(f"staging_budget={budget!r}: not a byte count (such as 512MiB, 1GiB "
-                           "or 'unlimited')")
-        return int(value * _UNITS[unit])
+                           f"or 'unlimited'): {error}") from None
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise _refusal(f"staging_budget={budget!r}: a byte count is a non-negative integer or a "
                        "string such as '512MiB'")

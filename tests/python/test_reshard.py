@@ -546,6 +546,12 @@ def test_a_staging_budget_that_is_no_byte_count_is_refused(service, budget):
         reshard.execute_reshard_plan(plan, src, dst, service, staging_budget=budget)
 
 
+@pytest.mark.parametrize("budget", ["1MiB", "1.5 GiB", "4096", "unlimited", " Unlimited "])
+def test_a_staging_budget_reads_as_the_environment_variable_does(service, budget):
+    plan, src, dst = _one_pe_plan()
+    assert reshard.execute_reshard_plan(plan, src, dst, service, staging_budget=budget).phases == 1
+
+
 def test_plain_refit_needs_no_staging_and_runs_within_a_budget_of_zero(service):
     plan, src, dst = _one_pe_plan()
     for tensor in src.values():
