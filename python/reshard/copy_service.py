@@ -53,7 +53,7 @@ def task_id(key: Any) -> int:
             return b"(" + b"".join(len(e).to_bytes(4, "little") + e
                                    for e in map(encode, part)) + b")"
         raise _type_refusal(f"reshard.task_id takes strings, bytes, integers and tuples of them, "
-                        f"not {type(part).__name__}")
+                            f"not {type(part).__name__}")
 
     return int.from_bytes(hashlib.blake2b(encode(key), digest_size=8).digest(), "little")
 
@@ -119,7 +119,7 @@ def _from_process_group(group: Any, device: Optional[int]) -> "_core.Bootstrap":
 
     if not (dist.is_available() and dist.is_initialized()):
         raise _state_refusal("bootstrap='torch' needs torch.distributed initialised "
-                           "(dist.init_process_group) first")
+                             "(dist.init_process_group) first")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     box = [_core.make_unique_id(_rendezvous_host()) if rank == 0 else None]
     # group=None is the default group, whose rank 0 is global rank 0.
@@ -208,14 +208,14 @@ def _fields(options: Any) -> list:
 def _set(target: Any, name: str, value: Any, where: str) -> None:
     if name not in _fields(target):
         raise _type_refusal(f"{where}: unknown setting {name!r} (settings: "
-                        f"{', '.join(_fields(target))})")
+                            f"{', '.join(_fields(target))})")
     if name in _BYTE_FIELDS and isinstance(value, str):
         value = _core.parse_bytes(value)
     try:
         setattr(target, name, value)
     except TypeError:
         raise _type_refusal(f"{where}: {name}={value!r} is not a "
-                        f"{type(getattr(target, name)).__name__}") from None
+                            f"{type(getattr(target, name)).__name__}") from None
 
 
 def service_options(**settings: Any) -> "_core.CopyServiceOptions":
@@ -227,7 +227,7 @@ def service_options(**settings: Any) -> "_core.CopyServiceOptions":
         if name in _OPTION_GROUPS:
             if not isinstance(value, dict):
                 raise _type_refusal(f"CopyService({name}=...) takes a dict of {name} settings, "
-                                f"e.g. {name}={{{_fields(getattr(options, name))[0]!r}: ...}}")
+                                    f"e.g. {name}={{{_fields(getattr(options, name))[0]!r}: ...}}")
             group = getattr(options, name)
             for field, field_value in value.items():
                 _set(group, field, field_value, f"CopyService({name}=...)")
@@ -297,7 +297,7 @@ class CopyService:
         """Before init(): sets up ``transport`` instead of the one asked for at construction
         (``"auto"``: ``RESHARD_TRANSPORT`` where set), on the same bootstrap and settings."""
         if self._service.initialized:
-            raise _core.ReshardError("_choose_transport() after init()")
+            raise _state_refusal("_choose_transport() after init()")
         self._service = _core.CopyService(transport, self._bootstrap, self._service.options)
 
     def init(self, log_level: Optional[str] = None) -> "CopyService":

@@ -21,7 +21,8 @@ from typing import Iterable, Type
 from . import _core
 
 ReshardError = _core.ReshardError
-InvalidArgumentError = _core.InvalidArgumentError  # and ValueError; codes invalid argument, validation
+# A ValueError too; codes "invalid argument" and "validation".
+InvalidArgumentError = _core.InvalidArgumentError
 ReshardTypeError = _core.ReshardTypeError  # an InvalidArgumentError and a TypeError
 ReshardTimeoutError = _core.ReshardTimeoutError  # and TimeoutError
 UnsupportedError = _core.UnsupportedError  # and NotImplementedError

@@ -120,7 +120,7 @@ class ReshardCopyService(_MegatronCopyService):
             service = CopyService(transport=transport, bootstrap=bootstrap, **settings)
         elif settings:
             raise _type_refusal(f"ReshardCopyService: settings {sorted(settings)} apply to the "
-                            "service it makes; pass them to the CopyService given instead")
+                                "service it makes; pass them to the CopyService given instead")
         self._log_level = log_level
         # An unset-up service on "auto" is set up at the first run(), for the tensors handed over.
         self._transport_from_tensors = (isinstance(service, CopyService)
@@ -360,7 +360,7 @@ class RemoteCopyService(CopyService):
                 bootstrap = group if group is not None else "torch"
             elif group is not None:
                 raise _state_refusal("RemoteCopyService(group=...) needs torch.distributed "
-                                   "initialised (dist.init_process_group) first")
+                                     "initialised (dist.init_process_group) first")
         super().__init__(transport=transport, bootstrap=make_bootstrap(bootstrap))
         self.send_requests: List[RemoteRequest] = []
         self.receive_requests: List[RemoteRequest] = []

@@ -8,7 +8,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 from . import _core
 from .copy_service import CopyService, StreamLike, stream_handle
 from .transforms import ReshardTransform, native_transform
-from .errors import refusal as _refusal, type_refusal as _type_refusal
+from .errors import (
+    refusal as _refusal,
+    state_refusal as _state_refusal,
+    type_refusal as _type_refusal,
+)
 
 __all__ = ["BoundRefit", "bind"]
 
@@ -89,7 +93,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
         return list(numbers), list(group_names)
     if isinstance(groups, str):
         raise _refusal(f"groups={groups!r}: give 'layers', a mapping of group names to "
-                         "parameter names or patterns, or a function of a parameter's name")
+                       "parameter names or patterns, or a function of a parameter's name")
     if callable(groups):
         number: Dict[str, int] = {}  # in the order the names first give each group
         numbers = []
@@ -97,7 +101,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
             group = groups(name)
             if not isinstance(group, str):
                 raise _type_refusal(f"groups({name!r}) returned {group!r}; a group's name (str) "
-                                "is needed")
+                                    "is needed")
             numbers.append(number.setdefault(group, len(number)))
         return numbers, list(number)
     group_names = list(groups)
@@ -107,7 +111,7 @@ def name_groups(names: Sequence[str], groups: GroupsSpec) -> tuple:
                  if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)]
         if len(found) > 1:
             raise _refusal(f"parameter {name!r} is in groups "
-                             f"{[group_names[g] for g in found]}; a parameter belongs to one")
+                           f"{[group_names[g] for g in found]}; a parameter belongs to one")
         if not found:
             if "rest" not in group_names:
                 group_names.append("rest")
@@ -187,7 +191,7 @@ class BoundRefit:
     def _chosen_groups(self, groups: Union[str, Sequence[str]], call: str = "run") -> List[int]:
         if not self._group_names:
             raise _refusal(f"{call}(groups=...): this refit was bound without groups; bind it "
-                             "with groups='layers' (or a mapping or function) to run parts of it")
+                           "with groups='layers' (or a mapping or function) to run parts of it")
         chosen = set()
         for wanted in [groups] if isinstance(groups, str) else groups:
             number = self._group_number.get(wanted)
@@ -200,7 +204,7 @@ class BoundRefit:
                 shown = ", ".join(self._group_names[:8]) + (
                     ", ..." if len(self._group_names) > 8 else "")
                 raise _refusal(f"{call}(groups=...): {wanted!r} names no group of this refit "
-                                 f"(its {len(self._group_names)} groups: {shown})")
+                               f"(its {len(self._group_names)} groups: {shown})")
             chosen.update(matched)
         return sorted(chosen)
 
@@ -274,8 +278,8 @@ class BoundRefit:
 
     def _staged_core(self, what: str) -> Any:
         if not self._staged:
-            raise _core.ReshardError(f"{what}: this refit is not staged; bind it with "
-                                     "staged=True to stage and commit")
+            raise _state_refusal(f"{what}: this refit is not staged; bind it with staged=True "
+                                 "to stage and commit")
         return self._core
 
     def update(self, src: Optional[Mapping[str, Any]] = None,

@@ -3,19 +3,21 @@
 
 from __future__ import annotations
 
+import abc
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _core
-from .errors import type_refusal as _type_refusal
+from .errors import state_refusal as _state_refusal, type_refusal as _type_refusal
 
 __all__ = ["MegatronStyleTransform", "ReshardTransform", "SliceInfo", "native_transform"]
 
 SliceInfo = _core.SliceInfo
 
 
-class ReshardTransform:
-    """A conversion applied on the way, with Megatron's hooks. Override:
+class ReshardTransform(abc.ABC):
+    """A conversion applied on the way, with Megatron's hooks; the built-in transforms
+    (``make_mxfp8_transform`` and friends) are instances too. Override:
 
     * ``should_transform(param) -> bool`` — which parameters it applies to (a :class:`ParamSpec`);
     * ``prepare_send(name, slice, tensor, stream) -> [arrays]`` — on the sender, the wire buffers
@@ -72,6 +74,9 @@ class ReshardTransform:
         self.finalize_recv(slice.param, slice, self._tensors[1][slice.param],
                            self._wire[(False, slice.task_id)], stream)
 
+
+# The built-in transforms (implemented in C++) are ReshardTransforms too.
+ReshardTransform.register(_core.ReshardTransform)
 
 _MEGATRON_HOOKS = ("should_transform", "prepare_send", "prepare_recv", "finalize_recv")
 
@@ -222,11 +227,9 @@ def bound_transform(transform: Any) -> Optional["_core.ReshardTransform"]:
         transform = _megatron_adapter(transform)
     native = getattr(transform, "_native", None)
     if native is None:
-        error = _core.ReshardError(
+        raise _state_refusal(
             f"rerun_reshard_plan: transform {type(transform).__name__} was never passed to "
             "execute_reshard_plan; execute the plan with it first")
-        error.code = "invalid state"
-        raise error
     return native
 
 
@@ -241,6 +244,6 @@ def native_transform(transform: Any, src: Mapping[str, Any],
     if all(callable(getattr(transform, hook, None)) for hook in _MEGATRON_HOOKS):
         return _megatron_adapter(transform)._bind(src, dst)
     raise _type_refusal(f"{type(transform).__name__} is not a reshard transform (subclass "
-                    "reshard.ReshardTransform, use make_mxfp8_transform and friends, or pass a "
-                    "transform with Megatron's hooks: should_transform, prepare_send, "
-                    "prepare_recv, finalize_recv)")
+                        "reshard.ReshardTransform, use make_mxfp8_transform and friends, or pass a "
+                        "transform with Megatron's hooks: should_transform, prepare_send, "
+                        "prepare_recv, finalize_recv)")

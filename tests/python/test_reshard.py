@@ -306,6 +306,14 @@ def test_errors_form_one_hierarchy_that_is_also_pythons(service):
         assert reshard.ErrorCode(kind.code), kind
 
 
+@pytest.mark.quick
+def test_the_built_in_transforms_are_reshard_transforms():
+    for transform in (reshard.make_mxfp8_transform(), reshard.make_cast_transform("float32"),
+                      reshard.make_fp8_block_transform()):
+        assert isinstance(transform, reshard.ReshardTransform), transform
+    assert not isinstance(object(), reshard.ReshardTransform)
+
+
 def test_non_contiguous_memory_is_refused_not_copied(service):
     with pytest.raises(reshard.ReshardError, match="not contiguous") as error:
         service.register_send(4, np.zeros((8, 8), np.float32)[:, ::2], 0, 4, 0)

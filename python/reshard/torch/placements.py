@@ -49,7 +49,7 @@ def placement_of(value: Any, ndim: int) -> Placement:
         if _REPLICATE.match(value):
             return Placement("replicate")
         raise _refusal(f"placement {value!r} is not one of 'S(<dim>)', 'Shard(<dim>)', 'R', "
-                         "'Replicate()'")
+                       "'Replicate()'")
     kind = type(value).__name__
     if hasattr(value, "is_partial") and value.is_partial():
         return Placement("partial")
@@ -59,7 +59,7 @@ def placement_of(value: Any, ndim: int) -> Placement:
         split = int(getattr(value, "split_factor", 1))
         return Placement("shard", _dim(int(value.dim), ndim, value), split)
     raise _refusal(f"placement {value!r} ({kind}) is not a Shard, _StridedShard, Replicate or "
-                     "Partial")
+                   "Partial")
 
 
 def _dim(dim: int, ndim: int, what: Any) -> int:
@@ -96,8 +96,8 @@ def shard_order(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> L
                 accumulated *= mesh_shape[dims[position]]
         else:
             raise _refusal(f"placements ({', '.join(map(str, placements))}) on a mesh of shape "
-                             f"{list(mesh_shape)}: split factor {p.split_factor} of mesh dim "
-                             f"{mesh_dim} matches no order of the mesh dims sharding dim {p.dim}")
+                           f"{list(mesh_shape)}: split factor {p.split_factor} of mesh dim "
+                           f"{mesh_dim} matches no order of the mesh dims sharding dim {p.dim}")
     return order
 
 

@@ -586,7 +586,7 @@ def bind(src: Optional[Mapping[str, Any]], dst: Optional[Mapping[str, Any]], *,
 
     if not (dist.is_available() and dist.is_initialized()):
         raise _state_refusal("reshard.torch.bind needs torch.distributed initialised "
-                           "(dist.init_process_group) first")
+                             "(dist.init_process_group) first")
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
     pe_of = _PeOf(group)
