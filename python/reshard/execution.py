@@ -2,51 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from . import _core
 from .copy_service import CopyService, StreamLike, _refusal, stream_handle
-from .errors import ReshardError
+from .refit import OnCurrentStream, torch_cuda_device, wait_after_transfers
+from .tensors import LocalTensor, TensorLike, _budget_bytes, _entries
 from .transforms import ReshardTransform, bound_transform, native_transform
 
 __all__ = ["LocalTensor", "execute_reshard_plan", "rerun_reshard_plan"]
 
 
-@dataclass
-class LocalTensor:
-    """A rank's local tensor of one parameter, with what reshard cannot read from it.
-
-    ``scale`` holds the scales of block-scaled formats (MXFP8: E8M0, shape ``[..., K / 32]``;
-    128x128 FP8: float32, shape ``[..., ceil(M / 128), ceil(K / 128)]``;
-    ``transform.destination_scale(data.shape)`` says which). ``dtype`` names the
-    element type when the array's own does not say it (e.g. a ``uint8`` view of FP8 data:
-    ``"float8_e4m3"``).
-    """
-
-    data: Any
-    scale: Any = None
-    dtype: Optional[str] = None
-
-
-TensorLike = Union[Any, LocalTensor]
-
-
-def _entries(tensors: Mapping[str, TensorLike]) -> tuple:
-    """``tensors`` as four lists (names, arrays, scales, dtype names; the last two None where no
-    :class:`LocalTensor` is among them). Lists rather than a tuple a tensor: a MoE refit passes
-    thousands of tensors a call, and as many new tuples set off Python's garbage collector over
-    the whole heap (a third of the call's time with PyTorch imported)."""
-    names, values = list(tensors), list(tensors.values())
-    if not any(isinstance(value, LocalTensor) for value in values):
-        return names, values, None, None
-    data, scales, dtypes = [], [], []
-    for value in values:
-        local = isinstance(value, LocalTensor)
-        data.append(value.data if local else value)
-        scales.append(value.scale if local else None)
-        dtypes.append(value.dtype if local else None)
-    return names, data, scales, dtypes
 
 
 def execute_reshard_plan(
@@ -90,7 +56,6 @@ def execute_reshard_plan(
     it (as ``load_state_dict(strict=True)`` refuses one); ``strict=False`` ignores such tensors.
     Every rank must pass the same.
     """
-    from .refit import OnCurrentStream, torch_cuda_device, wait_after_transfers
     core = service.core if isinstance(service, CopyService) else service
     budget = _budget_bytes(staging_budget)
     on_sender = bool(quantize_colocated_on_sender)
@@ -152,20 +117,3 @@ def rerun_reshard_plan(
     return _core.rerun_reshard_plan(plan, core, bound_transform(transform), stream_handle(stream))
 
 
-def _budget_bytes(budget: Optional[Union[int, str]]) -> Optional[int]:
-    """``staging_budget`` as bytes (``"unlimited"``: the largest 64-bit value), read as
-    ``RESHARD_STAGING_BUDGET`` is (the core's byte counts: 512MiB, 1.5GiB, 4096)."""
-    if budget is None:
-        return None
-    if isinstance(budget, str):
-        if budget.strip().lower() == "unlimited":
-            return (1 << 64) - 1
-        try:
-            return _core.parse_bytes(budget)
-        except ReshardError as error:
-            raise _refusal(f"staging_budget={budget!r}: not a byte count (such as 512MiB, 1GiB "
-                           f"or 'unlimited'): {error}") from None
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise _refusal(f"staging_budget={budget!r}: a byte count is a non-negative integer or a "
-                       "string such as '512MiB'")
-    return budget

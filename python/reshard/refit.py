@@ -7,24 +7,18 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from . import _core
 from .copy_service import CopyService, StreamLike, stream_handle
-from .transforms import ReshardTransform, native_transform
 from .errors import (
     refusal as _refusal,
     state_refusal as _state_refusal,
     type_refusal as _type_refusal,
 )
+from .tensors import LocalTensor, _budget_bytes, _entries
+from .transforms import ReshardTransform, native_transform
 
 __all__ = ["BoundRefit", "bind"]
 
 
-def _entries(tensors: Mapping[str, Any]) -> tuple:
-    # Imported here: execution imports this module for execute_reshard_plan's cache.
-    from .execution import _entries as entries
-    return entries(tensors)
-
-
 def _array(value: Any) -> Any:
-    from .execution import LocalTensor
     return value.data if isinstance(value, LocalTensor) else value
 
 
@@ -129,7 +123,6 @@ class BoundRefit:
                  quantize_colocated_on_sender: bool = True, strict: bool = True,
                  staged: bool = False, max_staged_bytes: Optional[Union[int, str]] = None,
                  groups: GroupsSpec = None):
-        from .execution import _budget_bytes
         # The refit's own maps: they hold the tensors (no tensor can be freed under the refit),
         # and a Python transform reads the tensors through them, so update() changes both.
         self._src: Dict[str, Any] = dict(src)

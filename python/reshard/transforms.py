@@ -8,7 +8,9 @@ import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _core
-from .errors import state_refusal as _state_refusal, type_refusal as _type_refusal
+from .errors import state_refusal as _state_refusal
+from .errors import type_refusal as _type_refusal
+from .tensors import LocalTensor
 
 __all__ = ["MegatronStyleTransform", "ReshardTransform", "SliceInfo", "native_transform"]
 
@@ -140,8 +142,6 @@ def _local_slices(info: SliceInfo) -> tuple:
 
 
 def _data(tensor: Any) -> Any:
-    from .execution import LocalTensor
-
     return tensor.data if isinstance(tensor, LocalTensor) else tensor
 
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .. import _core
 from ..copy_service import CopyService
-from ..execution import LocalTensor
+from ..tensors import LocalTensor
 from ..refit import BoundRefit, GroupNumbers, name_groups
 from .placements import Placement, describe_placements, holdings, mesh_coordinates, placement_of
 from ..errors import refusal as _refusal, state_refusal as _state_refusal
