@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Optional, Union
 
 from . import _core
-from .copy_service import CopyService, StreamLike, _refusal, stream_handle
+from .copy_service import CopyService, StreamLike, _refusal, _type_refusal, stream_handle
 from .refit import OnCurrentStream, torch_cuda_device, wait_after_transfers
 from .tensors import LocalTensor, TensorLike, _budget_bytes, _entries
 from .transforms import ReshardTransform, bound_transform, native_transform
@@ -21,6 +22,7 @@ def execute_reshard_plan(
     dst: Mapping[str, TensorLike],
     service: Union[CopyService, "_core.CopyService"],
     transform: Optional[Union["_core.ReshardTransform", ReshardTransform]] = None,
+    *deprecated_positional: Any,
     stream: StreamLike = None,
     staging_budget: Optional[Union[int, str]] = None,
     quantize_colocated_on_sender: bool = True,
@@ -55,7 +57,17 @@ def execute_reshard_plan(
     A tensor under a name the plan does not have would never be written: it is refused, naming
     it (as ``load_state_dict(strict=True)`` refuses one); ``strict=False`` ignores such tensors.
     Every rank must pass the same.
+
+    The arguments after ``transform`` are keyword-only (as :func:`reshard.bind`'s); given by
+    position they still work, with a ``DeprecationWarning``, until the next release.
     """
+    if deprecated_positional:
+        stream, staging_budget, quantize_colocated_on_sender, strict = _by_keyword(
+            "execute_reshard_plan", deprecated_positional,
+            {"stream": stream, "staging_budget": staging_budget,
+             "quantize_colocated_on_sender": quantize_colocated_on_sender, "strict": strict},
+            {"stream": None, "staging_budget": None, "quantize_colocated_on_sender": True,
+             "strict": True})
     core = service.core if isinstance(service, CopyService) else service
     budget = _budget_bytes(staging_budget)
     on_sender = bool(quantize_colocated_on_sender)
@@ -96,6 +108,7 @@ def rerun_reshard_plan(
     plan: "_core.ReshardPlan",
     service: Union[CopyService, "_core.CopyService"],
     transform: Optional[Union["_core.ReshardTransform", ReshardTransform]] = None,
+    *deprecated_positional: Any,
     stream: StreamLike = None,
 ) -> "_core.ReshardReport":
     """Runs the last refit of ``plan`` on ``service`` again, with the tensors it was given
@@ -113,7 +126,26 @@ def rerun_reshard_plan(
     plan on the service, and after ``clear_requests()``. Where tensors change, call
     :func:`execute_reshard_plan` again.
     """
+    if deprecated_positional:
+        (stream,) = _by_keyword("rerun_reshard_plan", deprecated_positional, {"stream": stream},
+                                {"stream": None})
     core = service.core if isinstance(service, CopyService) else service
     return _core.rerun_reshard_plan(plan, core, bound_transform(transform), stream_handle(stream))
 
 
+def _by_keyword(call: str, positional: tuple, given: dict, defaults: dict) -> list:
+    """The keyword-only arguments of ``call`` (``given``, in order) with those a caller passed by
+    position (``positional``) filled in, warning that positional use goes in the next release;
+    refused where there are too many or one is given both ways."""
+    names = list(given)
+    if len(positional) > len(names):
+        raise _type_refusal(f"{call}() takes at most {len(names)} arguments after transform "
+                            f"({', '.join(names)}), by keyword; {len(positional)} were given")
+    for name, value in zip(names, positional):
+        if given[name] is not defaults[name]:
+            raise _type_refusal(f"{call}(): {name} given by position and by keyword")
+        given[name] = value
+    warnings.warn(f"{call}(): pass {', '.join(n + '=' for n in names[:len(positional)])} by "
+                  "keyword; the arguments after transform are keyword-only from the next release",
+                  DeprecationWarning, stacklevel=3)
+    return [given[name] for name in names]

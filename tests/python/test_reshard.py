@@ -560,6 +560,19 @@ def test_a_staging_budget_reads_as_the_environment_variable_does(service, budget
     assert reshard.execute_reshard_plan(plan, src, dst, service, staging_budget=budget).phases == 1
 
 
+def test_arguments_after_transform_by_position_still_work_with_a_deprecation_warning(service):
+    plan, src, dst = _one_pe_plan()
+    with pytest.warns(DeprecationWarning, match="pass stream=, staging_budget= by keyword"):
+        report = reshard.execute_reshard_plan(plan, src, dst, service, None, None, 0)
+    assert report.staging_bytes == 0
+    with pytest.warns(DeprecationWarning, match="rerun_reshard_plan"):
+        reshard.rerun_reshard_plan(plan, service, None, None)
+    with pytest.raises(TypeError, match="at most 4 arguments after transform"):
+        reshard.execute_reshard_plan(plan, src, dst, service, None, None, 0, True, True, 1)
+    with pytest.raises(reshard.ReshardTypeError, match="staging_budget given by position and by"):
+        reshard.execute_reshard_plan(plan, src, dst, service, None, None, 0, staging_budget=1)
+
+
 def test_plain_refit_needs_no_staging_and_runs_within_a_budget_of_zero(service):
     plan, src, dst = _one_pe_plan()
     for tensor in src.values():
