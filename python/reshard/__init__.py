@@ -51,8 +51,9 @@ from .errors import (
     SystemCallError,
     UnsupportedError,
 )
-from .execution import LocalTensor, execute_reshard_plan, rerun_reshard_plan
+from .execution import execute_reshard_plan, rerun_reshard_plan
 from .refit import BoundRefit, bind
+from .tensors import DLPackArray, LocalTensor
 from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
 
 __version__ = "0.1.0"
@@ -60,6 +61,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BoundRefit",
     "CopyService",
+    "DLPackArray",
     "ErrorCode",
     "IntegrityError",
     "InvalidArgumentError",

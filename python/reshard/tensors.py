@@ -4,12 +4,22 @@ as bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
 
 from . import _core
 from .errors import ReshardError, refusal as _refusal
 
-__all__ = ["LocalTensor"]
+__all__ = ["DLPackArray", "LocalTensor", "TensorLike"]
+
+
+@runtime_checkable
+class DLPackArray(Protocol):
+    """What reshard reads an array through: DLPack (PyTorch, CuPy, JAX, NumPy >= 1.22); objects
+    with the buffer protocol (NumPy, bytearray) are read too."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
 
 
 @dataclass
@@ -23,12 +33,13 @@ class LocalTensor:
     ``"float8_e4m3"``).
     """
 
-    data: Any
-    scale: Any = None
+    data: Union[DLPackArray, memoryview]
+    scale: Optional[Union[DLPackArray, memoryview]] = None
     dtype: Optional[str] = None
 
 
-TensorLike = Union[Any, LocalTensor]
+# A tensor in a map of tensors: an array (DLPack or the buffer protocol), or a LocalTensor.
+TensorLike = Union[DLPackArray, memoryview, LocalTensor]
 
 
 def _entries(tensors: Mapping[str, TensorLike]) -> tuple:
