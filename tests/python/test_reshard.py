@@ -1617,8 +1617,8 @@ def test_torch_dtensor_benchmark_runs_on_the_host():
     result = launch(4, Path(__file__).resolve().parents[2] / "tools" / "bench" /
                     "dtensor_refit_bench.py", "--device", "cpu", "--layers", "1", "--vocab",
                     "512", "--iters", "2", "--warmup", "1", timeout=300,
-                    # Its barriers wait while rank 0 alone builds the baseline's full tensors:
-                    # 20 s ran out on a loaded 2-core machine.
+                    # Its barriers wait for the slowest rank's work between them: 20 s ran out
+                    # on a 2-core machine loaded with other builds.
                     RESHARD_TIMEOUT_S="60")
     assert_ok(result)
     assert "wrong destination elements (slowest PE): reshard 0, copy loop 0" in result.stdout
