@@ -12,10 +12,6 @@ namespace {
 
 using RankBytes = std::map<PeId, std::uint64_t>;
 
-std::string budget_text(std::uint64_t bytes) {
-  return bytes == ReshardOptions::kUnlimited ? "unlimited" : format_bytes(bytes);
-}
-
 // Each op's unit: the first op of those sharing its conversion. Refuses a request whose leads
 // leave the op's group, point past it or go round in a circle.
 std::vector<std::uint32_t> unit_of_each_op(const PhaseRequest& request) {
@@ -94,6 +90,10 @@ std::pair<std::uint64_t, bool> limit_of(const PhaseRequest& request,
 }
 
 }  // namespace
+
+std::string budget_text(std::uint64_t bytes) {
+  return bytes == ReshardOptions::kUnlimited ? "unlimited" : format_bytes(bytes);
+}
 
 PhaseAssignment assign_phases(const PhaseRequest& request,
                               const std::function<std::string(std::uint32_t op)>& name_op) {

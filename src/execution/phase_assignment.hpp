@@ -40,6 +40,9 @@ struct PhaseAssignment {
   bool pipelined = false;   // phases alternate between two halves of the budget
 };
 
+// A staging budget as the errors write it ("unlimited", or bytes).
+std::string budget_text(std::uint64_t bytes);
+
 // Units (an op and those sharing its conversion) are taken group by group, in plan order within a
 // group; each group begins a phase, and a new phase begins where one more unit would take some
 // rank past the limit. Throws kInvalidArgument naming the op (`name_op`), the rank and the bytes

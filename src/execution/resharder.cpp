@@ -788,8 +788,8 @@ struct Resharder::Impl {
       if (theirs != budget) {
         throw_error(ErrorCode::kInvalidArgument,
                     "the staging budget differs between ranks: rank " + std::to_string(me) +
-                        " has " + budget_text(budget) + ", rank " + std::to_string(rank) + " " +
-                        budget_text(theirs) +
+                        " has " + execution::budget_text(budget) + ", rank " +
+                        std::to_string(rank) + " " + execution::budget_text(theirs) +
                         " (ReshardOptions::staging_budget / RESHARD_STAGING_BUDGET must agree)");
       }
       if (in.get<std::uint64_t>() != groups_digest()) {
@@ -841,10 +841,6 @@ struct Resharder::Impl {
     std::uint64_t digest = 1469598103934665603ull;
     for (std::uint32_t g : param_groups) digest = (digest ^ g) * 1099511628211ull;
     return digest;
-  }
-
-  static std::string budget_text(std::uint64_t bytes) {
-    return bytes == ReshardOptions::kUnlimited ? "unlimited" : format_bytes(bytes);
   }
 
   // Collective: prepares this rank's sides for `src` and `dst`: checks that every rank holds the
