@@ -95,7 +95,8 @@ class CopyService {
   // After schedule(): how many phases the schedule has (1 + the highest any PE registered).
   std::uint32_t phases() const;
   // Runs one phase (as run() does, on a stream or not). Every PE must run the same phases in the
-  // same order, each phase even where it has nothing to move on this PE.
+  // same order, each phase even where it has nothing to move on this PE. Phase 0 begins a run:
+  // where the last one failed and can be retried, the PEs meet there.
   void run_phase(std::uint32_t phase, void* cuda_stream = nullptr);
 
   // Whether the transport moves strided ranges row by row in place at full speed (host, CUDA,
@@ -112,7 +113,10 @@ class CopyService {
   ScheduleReport schedule();
   // Executes the plan: returns once this PE's sends have been read and its receives have landed.
   // No re-planning and no collective besides the data movement. Every PE calls run() the same
-  // number of times. On GPUs it first waits for the work queued on the legacy default stream (as
+  // number of times. Where a run fails because a peer was late or stalled (a timeout) and every PE
+  // is alive, the host transport keeps the service usable: the error says so, and the next run()
+  // on every PE meets the others first (within the arrival timeout) and moves every byte again.
+  // On GPUs it first waits for the work queued on the legacy default stream (as
   // cudaMemcpy does): buffers written there, as PyTorch and CuPy write by default, are read after
   // those writes.
   void run();

@@ -419,7 +419,11 @@ class CopyService:
         """Moves the registered bytes. Without a stream it returns when this PE's sends were read
         and its receives landed; with a CUDA stream (int, torch or CuPy stream) it is queued there
         and returns at once. PyTorch's default stream (handle 0) counts as no stream: the run
-        then starts after the work queued there and is waited for."""
+        then starts after the work queued there and is waited for.
+
+        On the host transport, a run given up on a peer that is late or stalled but alive raises
+        an error saying the service is usable: run again on every PE; the next run meets every
+        PE first and moves every byte again."""
         self._service.run(stream_handle(stream))
 
     def set_phase(self, phase: int) -> None:

@@ -269,7 +269,8 @@ TensorMap tensor_map(const TensorLists& lists, const char* role) {
 // (execution::gather_verdicts), so they stop with the same error instead of waiting for this one.
 inline std::pair<TensorMap, TensorMap> tensor_maps_or_refuse(const TensorLists& src,
                                                              const TensorLists& dst,
-                                                             CopyService& service) {
+                                                             CopyService& service,
+                                                             const char* meeting) {
   std::exception_ptr failure;
   try {
     return {tensor_map<ReadOnlyArray>(src, "source"), tensor_map<Array>(dst, "destination")};
@@ -277,7 +278,7 @@ inline std::pair<TensorMap, TensorMap> tensor_maps_or_refuse(const TensorLists& 
     failure = std::current_exception();
   }
   nb::gil_scoped_release released;
-  execution::gather_verdicts(service, {}, failure);
+  execution::gather_verdicts(service, {}, failure, meeting);
   std::rethrow_exception(failure);  // not reached: the gather throws on every rank
 }
 

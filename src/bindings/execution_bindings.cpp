@@ -238,7 +238,8 @@ void bind_execution(nb::module_& m) {
          const TensorLists& dst, CopyService& service, std::shared_ptr<ReshardTransform> transform,
          std::optional<std::uintptr_t> stream, std::optional<std::uint64_t> staging_budget,
          bool quantize_colocated_on_sender, bool strict) {
-        const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
+        const auto [src_map, dst_map] =
+            tensor_maps_or_refuse(src, dst, service, "execute_reshard_plan()");
         const ReshardOptions options =
             refit_options(staging_budget, quantize_colocated_on_sender, strict);
         nb::gil_scoped_release released;
@@ -264,7 +265,7 @@ void bind_execution(nb::module_& m) {
              std::shared_ptr<ReshardTransform> transform, std::optional<std::uintptr_t> stream,
              std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
              bool strict, std::vector<std::uint32_t> param_groups) {
-            auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
+            auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service, "bind()");
             ReshardOptions options =
                 refit_options(staging_budget, quantize_colocated_on_sender, strict);
             options.param_groups = std::move(param_groups);
@@ -296,7 +297,8 @@ void bind_execution(nb::module_& m) {
           "update",
           [](Refit& self, const TensorLists& src, const TensorLists& dst,
              std::optional<std::uintptr_t> stream) {
-            const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, self.service());
+            const auto [src_map, dst_map] =
+                tensor_maps_or_refuse(src, dst, self.service(), "update()");
             nb::gil_scoped_release released;
             return self.update(src_map, dst_map, stream_of(stream));
           },
@@ -311,7 +313,7 @@ void bind_execution(nb::module_& m) {
              std::optional<std::uint64_t> staging_budget, bool quantize_colocated_on_sender,
              bool strict, std::optional<std::uint64_t> max_staged_bytes,
              std::vector<std::uint32_t> param_groups) {
-            auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service);
+            auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, service, "bind()");
             ReshardOptions options =
                 refit_options(staging_budget, quantize_colocated_on_sender, strict);
             options.param_groups = std::move(param_groups);
@@ -360,7 +362,8 @@ void bind_execution(nb::module_& m) {
           "update",
           [](StagedRefit& self, const TensorLists& src, const TensorLists& dst,
              std::optional<std::uintptr_t> stream) {
-            const auto [src_map, dst_map] = tensor_maps_or_refuse(src, dst, self.service());
+            const auto [src_map, dst_map] =
+                tensor_maps_or_refuse(src, dst, self.service(), "update()");
             nb::gil_scoped_release released;
             return self.update(src_map, dst_map, stream_of(stream));
           },

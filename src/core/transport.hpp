@@ -61,6 +61,19 @@ class Transport {
   virtual void limit_gpu_share(int /*parts*/) {}
   // Tells peers this PE has failed, so they stop waiting for it at once.
   virtual void abort(const std::string& reason) noexcept = 0;
+  // Instead of abort() after a run that can_retry(): tells peers this PE failed that run, is
+  // alive, and will meet them at its next run to run again; they stop waiting for it at once too.
+  virtual void offer_retry(const std::string& reason) noexcept { abort(reason); }
+  // After run() threw: whether the failure left every PE able to meet and run again (a peer that
+  // timed out or asked for a retry, not one that died or was interrupted), so that the service
+  // stays usable. Transports that cannot tell say no, and the service is failed.
+  virtual bool can_retry() const { return false; }
+  // Whether some PE failed a run it can retry and waits for the others to meet it: checked at the
+  // start of each run, before any byte moves.
+  virtual bool retry_requested() const { return false; }
+  // Collective, on every PE once they have all met outside run(): back to the state prepare()
+  // left, so that the next run starts afresh.
+  virtual void recover() {}
   virtual void finalize() noexcept = 0;
 };
 

@@ -553,13 +553,13 @@ struct Resharder::Impl {
     if (!phase.locals.empty() && stream != nullptr && prepared.device >= 0) {
       use_transfer_stream();
       execution::cuda::order_after(transfer_stream, stream, transfer_fork);
-      service.run_phase(p, transfer_stream);
+      execution::ServiceSlot::run_phase(service, p, transfer_stream);
       convert_locals(phase, src, dst, stream, replay);
       execution::cuda::order_after(stream, transfer_stream, transfer_join);
       return;
     }
 #endif
-    service.run_phase(p, stream);
+    execution::ServiceSlot::run_phase(service, p, stream);
     convert_locals(phase, src, dst, stream, replay);
   }
 
@@ -607,7 +607,7 @@ struct Resharder::Impl {
         if (transform) transform->flush(transfer_stream);
       });
       phase.packs.run(transfer_stream);
-      if (p < service.phases()) service.run_phase(p, transfer_stream);
+      if (p < service.phases()) execution::ServiceSlot::run_phase(service, p, transfer_stream);
       convert_locals(phase, src, dst, stream, replay);
       execution::cuda::order_after(stream, transfer_stream, transfer_join);
       phase.unpacks.run(stream);
@@ -1180,6 +1180,7 @@ struct Resharder::Impl {
   void run_phases(const TensorMap& src, const TensorMap& dst, void* stream,
                   [[maybe_unused]] void* cuda_stream, PhaseClock& clock, ReshardReport& report,
                   const std::vector<bool>* chosen) {
+    execution::ServiceSlot::begin_run(service);
     bool replayed = ranged != nullptr;
 #ifdef RESHARD_WITH_CUDA
     // Phase timing waits for each phase, which a pipeline would not show.

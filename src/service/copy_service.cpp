@@ -29,6 +29,8 @@ enum class State { kCreated, kInitialized, kScheduled, kFailed, kFinalized };
 // the arrival timeout, and the transfer timeout applies again after it. A PE that does not come in
 // time is named as a PE (the service's PEs are its bootstrap's ranks), and every PE fails the call
 // alike with nothing done, so it may be made again on every PE.
+// Each PE's part names its call: PEs in different collective calls at the same point (a program
+// that calls them in a different order on some PE) all fail the meeting alike, naming both.
 std::vector<std::vector<std::byte>> meet(Bootstrap& bootstrap, const CopyServiceOptions& options,
                                          std::span<const std::byte> mine, const std::string& call) {
   const auto what = [&] {
@@ -37,11 +39,14 @@ std::vector<std::vector<std::byte>> meet(Bootstrap& bootstrap, const CopyService
            format_seconds(options.arrival_timeout) +
            "; arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
   };
+  message::Writer tagged;
+  tagged.put_string(call);
+  tagged.put_array(mine);
+  std::vector<std::vector<std::byte>> all;
   bootstrap.set_timeout(options.arrival_timeout);
   try {
-    auto all = bootstrap.all_gather(mine);
+    all = bootstrap.all_gather(tagged.bytes());
     bootstrap.set_timeout(options.timeout);
-    return all;
   } catch (const CollectiveAbandoned& abandoned) {
     bootstrap.set_timeout(options.timeout);
     std::string late;
@@ -61,6 +66,22 @@ std::vector<std::vector<std::byte>> meet(Bootstrap& bootstrap, const CopyService
     throw Error(error.code(),
                 what() + " or stayed (the bootstrap's rank N is PE N): " + error.what());
   }
+  std::string other_calls;
+  for (std::size_t pe = 0; pe < all.size(); ++pe) {
+    message::Reader reader(all[pe]);
+    const std::string theirs = reader.get_string();
+    if (theirs != call)
+      other_calls += (other_calls.empty() ? "PE " : ", PE ") + std::to_string(pe) + " " + theirs;
+    all[pe] = reader.get_array<std::byte>();
+  }
+  if (!other_calls.empty()) {
+    throw CollectiveAbandoned(ErrorCode::kInvalidState,
+                              call + " on PE " + std::to_string(bootstrap.rank()) +
+                                  " met other calls: " + other_calls +
+                                  " (every PE must make the same collective calls in the same "
+                                  "order); nothing took effect");
+  }
+  return all;
 }
 
 struct Registration {
@@ -209,6 +230,15 @@ struct CopyService::Impl {
   ExecutionPlan build_plan(const Schedule& schedule) const;
   void verify_run(std::uint32_t phase);
   [[noreturn]] void fail(const Error& error);
+  // After a run that failed where every PE can run again: peers are told, the error says so.
+  [[noreturn]] void offer_retry(const Error& error);
+  // At the start of a run: where a run failed on some PE and can be retried, the PEs meet and the
+  // transport starts afresh first.
+  void begin_run();
+  // `begins`: the phase begins a run (phase 0 of run(), or the first a refit runs).
+  void run_phase(std::uint32_t phase, void* cuda_stream, bool begins);
+  // A run failed here and can be retried: the next run begins with a meeting.
+  bool retry_pending = false;
 };
 
 StridedRange CopyService::Impl::check_request(const char* call, TaskId task, const Buffer& buffer,
@@ -325,6 +355,38 @@ void CopyService::Impl::fail(const Error& error) {
   state = State::kFailed;
   if (transport) transport->abort(error.what());
   throw error;
+}
+
+void CopyService::Impl::offer_retry(const Error& error) {
+  retry_pending = true;
+  transport->offer_retry(error.what());
+  throw Error(error.code(),
+              std::string(error.what()) +
+                  "; the service is usable: run again on every PE (the next run meets every PE "
+                  "first, within the arrival timeout, then moves every byte; a PE that died "
+                  "fails that meeting)",
+              error.tasks());
+}
+
+void CopyService::Impl::begin_run() {
+  if (state != State::kScheduled) return;  // run_phase() says why it cannot run
+  if (!retry_pending && !transport->retry_requested()) return;
+  try {
+    meet(*bootstrap, options, {}, "run()");
+  } catch (const CollectiveAbandoned&) {
+    retry_pending = true;  // every PE gave the meeting up alike: the next run meets again
+    throw;
+  } catch (const Error& error) {
+    fail(error);
+  }
+  try {
+    transport->recover();
+  } catch (const Error& error) {
+    fail(error);
+  }
+  retry_pending = false;
+  RESHARD_LOG(kInfo,
+              "PE " << bootstrap->rank() << ": every PE met to run again after a failed run");
 }
 
 namespace {
@@ -542,6 +604,7 @@ ScheduleReport CopyService::schedule() {
       report.makespan_bytes += schedule.makespan_bytes;
     }
     self.transport->prepare(self.plans);
+    self.retry_pending = false;  // prepare() started the transport afresh on every PE
     for (const ExecutionPlan& plan : self.plans) {
       for (const PlannedBatch& b : plan.sends) report.bytes_sent += b.bytes;
       for (const PlannedBatch& b : plan.receives) report.bytes_received += b.bytes;
@@ -657,7 +720,11 @@ void CopyService::run(void* cuda_stream) {
 }
 
 void CopyService::run_phase(std::uint32_t phase, void* cuda_stream) {
-  Impl& self = *impl_;
+  impl_->run_phase(phase, cuda_stream, /*begins=*/phase == 0);
+}
+
+void CopyService::Impl::run_phase(std::uint32_t phase, void* cuda_stream, bool begins) {
+  Impl& self = *this;
   if (self.state == State::kInitialized) {
     if (self.scheduled_since_clear) {
       throw_error(ErrorCode::kInvalidState,
@@ -672,6 +739,13 @@ void CopyService::run_phase(std::uint32_t phase, void* cuda_stream) {
     throw_error(ErrorCode::kInvalidArgument, "run_phase(" + std::to_string(phase) +
                                                  "): the schedule has " +
                                                  std::to_string(self.plans.size()) + " phase(s)");
+  }
+  if (begins) self.begin_run();
+  if (self.retry_pending) {
+    throw_error(ErrorCode::kInvalidState,
+                "run_phase(" + std::to_string(phase) +
+                    "): the last run failed and is to be run again from its first phase, "
+                    "where every PE meets first");
   }
   try {
     self.transport->run(self.plans[phase], phase, cuda_stream);
@@ -688,6 +762,7 @@ void CopyService::run_phase(std::uint32_t phase, void* cuda_stream) {
     if (error.code() == ErrorCode::kUnsupported || error.code() == ErrorCode::kInvalidArgument ||
         error.code() == ErrorCode::kIntegrity)
       throw;
+    if (self.transport->can_retry()) self.offer_retry(error);
     self.fail(error);
   }
 }
@@ -764,6 +839,12 @@ std::vector<std::vector<std::byte>> ServiceSlot::meet(CopyService& service,
                                                       std::span<const std::byte> mine,
                                                       const std::string& call) {
   return reshard::meet(*service.impl_->bootstrap, service.impl_->options, mine, call);
+}
+
+void ServiceSlot::begin_run(CopyService& service) { service.impl_->begin_run(); }
+
+void ServiceSlot::run_phase(CopyService& service, std::uint32_t phase, void* cuda_stream) {
+  service.impl_->run_phase(phase, cuda_stream, /*begins=*/false);
 }
 
 void ServiceSlot::clear_requests(CopyService& service) {

@@ -26,6 +26,10 @@ struct ServiceSlot {
   static std::vector<std::vector<std::byte>> meet(CopyService& service,
                                                   std::span<const std::byte> mine,
                                                   const std::string& call);
+  // A refit's runs: begin_run() where it begins (the PEs meet there to run again after a run
+  // that failed and can be retried), then run_phase() for each phase it runs, whichever they are.
+  static void begin_run(CopyService& service);
+  static void run_phase(CopyService& service, std::uint32_t phase, void* cuda_stream);
   // CopyService::clear_requests() without dropping the executors: what an executor calls before
   // registering its own requests.
   static void clear_requests(CopyService& service);

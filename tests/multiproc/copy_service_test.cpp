@@ -11,6 +11,7 @@
 
 #include "bench/workloads.hpp"
 #include "reshard/reshard.hpp"
+#include "service/service_slot.hpp"
 #include "service/test_hooks.hpp"
 #include "support/pe_tests.hpp"
 #include "support/phase_workload.hpp"
@@ -284,6 +285,37 @@ TEST(CopyServiceValidation, RefusesBadRequestSetsOnEveryPeAndStaysUsable) {
   Buffers b = register_workload(*service, w);
   service->schedule();
   EXPECT_EQ(run_and_verify(*service, w, b, 9), 0u);
+}
+
+// PEs in different collective calls at the same point (a program whose ranks call them in a
+// different order): every PE fails that meeting alike, naming the calls, with nothing done, and
+// calls made in step afterwards work.
+TEST(CopyService, PesInDifferentCollectiveCallsFailTheMeetingAlikeAndGoOn) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  if (n < 2) GTEST_SKIP() << "needs 2 PEs";
+  const auto w = bench::make_workload("uniform", n, 4096, 3);
+  Buffers b = register_workload(*service, w);
+  try {
+    if (me == 0) {
+      service->schedule();
+    } else {
+      execution::ServiceSlot::meet(*service, {}, "bind()");
+    }
+    ADD_FAILURE() << "a meeting of different calls went through on PE " << me;
+  } catch (const Error& error) {
+    const std::string text = error.what();
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidState) << text;
+    EXPECT_NE(text.find(me == 0 ? "schedule() on PE 0 met other calls: PE 1 bind()"
+                                : "bind() on PE " + std::to_string(me) +
+                                      " met other calls: PE 0 schedule()"),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("nothing took effect"), std::string::npos) << text;
+  }
+  service->schedule();
+  EXPECT_EQ(run_and_verify(*service, w, b, 4), 0u);
 }
 
 // Strided ranges: each side cuts the stream into rows of its own; every row lands in place, no

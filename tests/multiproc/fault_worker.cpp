@@ -4,12 +4,18 @@
 // schedule(), which the others are in), then reports what this PE saw and what its teardown left
 // behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory). "healthy": every
 // PE schedules, runs three times and prints HEALTHY-DONE (a job after a failed one).
+// Retries (host memory): "late-then-retry": PE 1 comes to its third run 6 s late;
+// "stall-then-retry": PE 1 is stopped for 6 s while it runs. With both timeouts at 4 s, the others
+// give the run up and still wait in the meeting of their next run when PE 1 comes. A PE whose run
+// fails runs again; every PE then runs three more times, checking every received byte, and prints
+// RETRIED-DONE with the failures it saw, or ERROR-SEEN where it could not go on.
 //
 //     fault_worker SCENARIO [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU memory)
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -52,6 +58,7 @@ class Memory {
 #endif
     bytes_ = bytes;
   }
+  std::span<std::byte> host() { return host_; }
   reshard::Buffer buffer() {
     return device_ < 0 ? reshard::Buffer::host(host_.data(), bytes_)
                        : reshard::Buffer::cuda(gpu_, bytes_, device_);
@@ -63,6 +70,86 @@ class Memory {
   int device_;
   std::size_t bytes_ = 0;
 };
+
+// The retry scenarios, after schedule(). Patterns change with each run this PE means to make
+// (iteration), so bytes of a failed run that arrived late would be caught; in "late-then-retry"
+// PE 1 skips the run the others gave up, so every PE's retry moves the same pattern. A PE
+// stopped mid-run (its peers' runs fail at different runs) moves pattern 0 every time: the
+// receive buffer is poisoned before each run, so each byte checked arrived in it.
+template <typename Report>
+int run_and_retry(const std::string& scenario, reshard::CopyService& service,
+                  const reshard::bench::Workload& w, std::span<std::byte> send,
+                  std::span<std::byte> recv, Report report) {
+  const reshard::PeId me = service.my_pe();
+  const bool late = scenario == "late-then-retry";
+  static std::atomic<bool> in_run{false};
+  if (me == 1 && !late) {
+    // Stop this process mid-run for 6 s: a child continues it (fork from a threaded process: the
+    // child only sleeps and signals).
+    const pid_t self = ::getpid();
+    if (::fork() == 0) {
+      ::sleep(6);
+      ::kill(self, SIGCONT);
+      ::_exit(0);
+    }
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      while (!in_run.load()) {
+      }  // most likely still in it when the signal lands
+      ::raise(SIGSTOP);
+    }).detach();
+  }
+  std::uint32_t iteration = 0;
+  int failures = 0, runs_since = 0;
+  bool met = false;  // this PE failed a run, or met the others at the start of one
+  std::string reasons;
+  const auto start = std::chrono::steady_clock::now();
+  auto last_end = start;
+  for (int run = 0; !met || runs_since < 3; ++run) {
+    if (me == 1 && late && run == 2) {
+      std::this_thread::sleep_for(std::chrono::seconds(6));  // the others give this run up
+      ++iteration;
+      met = true;  // this run begins with the meeting the others wait in
+    }
+    reshard::bench::prepare_buffers(w, me, late ? iteration : 0, send, recv);
+    try {
+      in_run = true;
+      service.run();
+      in_run = false;
+    } catch (const reshard::Error& error) {
+      in_run = false;
+      const std::string what = error.what();
+      if (what.find("run again on every PE") == std::string::npos || ++failures > 3)
+        return report(error);
+      reasons += " | " + what;
+      ++iteration;
+      met = true;
+      runs_since = 0;
+      last_end = std::chrono::steady_clock::now();
+      continue;
+    }
+    // Seconds since the last run ended and no error: this PE was stopped, and this run held the
+    // meeting.
+    const auto ended = std::chrono::steady_clock::now();
+    if (ended - last_end > std::chrono::seconds(2)) met = true;
+    last_end = ended;
+    const std::uint64_t wrong =
+        reshard::bench::verify_receive_buffer(w, me, late ? iteration : 0, recv);
+    if (wrong != 0) {
+      std::printf("WRONG-BYTES %llu in run %d\n", static_cast<unsigned long long>(wrong), run);
+      return 3;
+    }
+    ++iteration;
+    if (met) ++runs_since;
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
+      std::printf("NO-ERROR after %d runs\n", run);
+      return 2;
+    }
+  }
+  service.finalize();
+  std::printf("RETRIED-DONE failures=%d%s\n", failures, reasons.c_str());
+  return 0;
+}
 
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "die";
@@ -112,6 +199,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   bootstrap->barrier();
+  if (scenario == "late-then-retry" || scenario == "stall-then-retry")
+    return run_and_retry(scenario, service, w, send.host(), recv.host(), report);
   if (scenario == "healthy") {
     for (int i = 0; i < 3; ++i) service.run();
     service.finalize();

@@ -1325,7 +1325,7 @@ def test_remote_copy_service_takes_the_seed_api_by_its_keywords():
         RemoteCopyService(transport="host", group=object())
 
 
-def test_a_late_pe_has_the_arrival_timeout_and_a_schedule_it_missed_can_be_retried():
+def test_a_late_pe_has_the_arrival_timeout_and_a_schedule_or_run_it_missed_can_be_retried():
     # RESHARD_*TIMEOUT_S are 20 here; the service's own settings (1 s, 4 s) must be the ones used.
     result = launch(2, WORKERS / "late_arrival_worker.py", timeout=90, RESHARD_TIMEOUT_S="20")
     assert_ok(result)

@@ -151,6 +151,26 @@ TEST(Faults, PeKilledOrStoppedInScheduleFailsTheOthersNamingIt) {
     EXPECT_FALSE(line_of(next, rank, "HEALTHY-DONE").empty()) << all_lines(next);
 }
 
+// A run given up because PE 1 came late, or stopped in it for longer than the timeout, leaves every
+// service usable: the PEs whose run failed run again, PE 1 meets them at its next run, and every
+// run after that moves every byte (patterns that change per run: no byte of the failed run lands).
+TEST(Faults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
+  set_timeouts("4");
+  for (const char* scenario : {"late-then-retry", "stall-then-retry"}) {
+    const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, scenario}, true);
+    EXPECT_LT(outcome.seconds, 40.0) << scenario << "\n" << all_lines(outcome);
+    EXPECT_EQ(outcome.result.exit_code, 0) << scenario << "\n" << all_lines(outcome);
+    for (int rank = 0; rank < 3; ++rank) {
+      const std::string line = line_of(outcome, rank, "RETRIED-DONE");
+      ASSERT_FALSE(line.empty()) << scenario << "\n" << all_lines(outcome);
+      if (rank == 1) continue;  // told at its next run's meeting, or by a peer's error
+      // Each of the others gave one run up, naming PE 1 (late, or what the other one saw).
+      EXPECT_NE(line.find("failures=1"), std::string::npos) << scenario << ": " << line;
+      EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
+    }
+  }
+}
+
 // A mixed schedule (two declared nodes of two PEs, host memory on both transports): PE 1 dies;
 // its node mate fails inside the node, the other node when its inter-node part meets the dead PE
 // (or its failed mate, whichever it notices first) — every survivor in bounded time.

@@ -1,8 +1,8 @@
 // Host transport: PEs are processes on one machine. Each PE owns a shared-memory inbox with one
 // channel per source PE; a channel is a ring of slots with a head counter (advanced by the sender
 // once a slot is filled) and a tail counter (advanced by the receiver once it has emptied one).
-// Counters only grow, across runs too, so run() needs no barrier: both ends walk the same batches
-// in the same order.
+// Counters only grow from one schedule on (prepare() and recover() zero them with every PE
+// outside run()), so run() needs no barrier: both ends walk the same batches in the same order.
 #include <signal.h>
 #include <unistd.h>
 
@@ -37,11 +37,18 @@ constexpr std::uint64_t kSlotsPerChannel = 4;
 constexpr std::uint64_t kMinSlotBytes = 4096;
 constexpr std::uint64_t kMaxSlotBytes = 4ull << 20;
 
+// InboxHeader::aborted: why the PE stopped taking part.
+enum Aborted : std::uint32_t {
+  kRunning = 0,
+  kFailed = 1,     // for good: its service is failed
+  kWillRetry = 2,  // a run it can retry: it is alive and will meet the others at its next run
+};
+
 struct InboxHeader {
   std::uint64_t magic;
   std::int32_t pe;
   std::int32_t pid;
-  std::atomic<std::uint32_t> aborted;
+  std::atomic<std::uint32_t> aborted;  // Aborted
   // Why the PE failed, whole: the rest of the header's page (its peers repeat it in their errors;
   // a timeout's reason names the PEs behind and the setting, which 244 bytes used to cut off).
   char abort_reason[4032];
@@ -77,7 +84,11 @@ class HostTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override;
   void prepare(std::span<const ExecutionPlan> phases) override;
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
-  void abort(const std::string& reason) noexcept override;
+  void abort(const std::string& reason) noexcept override { set_aborted(reason, kFailed); }
+  void offer_retry(const std::string& reason) noexcept override { set_aborted(reason, kWillRetry); }
+  bool can_retry() const override { return can_retry_; }
+  bool retry_requested() const override;
+  void recover() override;
   void finalize() noexcept override;
 
  private:
@@ -100,7 +111,14 @@ class HostTransport final : public Transport {
     return inboxes_[receiver].data() + slots_offset() +
            (sender * kSlotsPerChannel + sequence % kSlotsPerChannel) * slot_bytes_;
   }
-  void check_peer(PeId peer, const char* waiting_for) const;
+  // Throws where `peer` failed or exited (can_retry_: whether it only failed a run it retries).
+  void check_peer(PeId peer, const char* waiting_for);
+  // Throws where some PE asks to retry a run: this one must not go on without it.
+  void check_no_retry_requested();
+  void set_aborted(const std::string& reason, Aborted how) noexcept;
+  // Zeroes this PE's inbox (its channels' counters, runs begun, abort): with every PE outside
+  // run(), which the barrier after it keeps them until every inbox is zeroed.
+  void reset_inbox();
   // For a timeout: the PEs that have begun fewer run() calls than the others, named (else empty).
   std::string behind_peers() const;
 
@@ -112,6 +130,7 @@ class HostTransport final : public Transport {
   std::chrono::milliseconds arrival_timeout_;  // for peers that have not begun this run
   std::vector<host::ShmSegment> inboxes_;
   bool finalized_ = false;
+  bool can_retry_ = false;  // the last run() threw, and every PE can meet and run again
   // Per peer, in round order, the batches that share each slot: consecutive batches to one peer
   // are packed into a slot while they fit. Sender and receiver derive the same grouping from the
   // same batch sequence, so slots carry no header.
@@ -231,11 +250,53 @@ void HostTransport::prepare(std::span<const ExecutionPlan> phases) {
     group_into_slots(phases[p].sends, n_pes_, slot_bytes_, phases_[p].sends_by_peer);
     group_into_slots(phases[p].receives, n_pes_, slot_bytes_, phases_[p].receives_by_peer);
   }
+  // A run that failed under the last schedule may have left bytes in flight: the new schedule
+  // starts from empty channels (schedule() has met every PE, so none is in run()).
+  recover();
 }
 
-void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
+void HostTransport::reset_inbox() {
+  InboxHeader& mine = header(my_pe_);
+  for (PeId sender = 0; sender < n_pes_; ++sender) {
+    counters(my_pe_, sender).head.store(0, std::memory_order_relaxed);
+    counters(my_pe_, sender).tail.store(0, std::memory_order_relaxed);
+  }
+  mine.runs.store(0, std::memory_order_relaxed);
+  mine.abort_reason[0] = '\0';
+  mine.aborted.store(kRunning, std::memory_order_release);
+  can_retry_ = false;
+}
+
+void HostTransport::recover() {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "recover() after finalize()");
+  reset_inbox();
+  bootstrap_.barrier();  // no PE sends before every inbox is zeroed
+}
+
+bool HostTransport::retry_requested() const {
+  if (finalized_) return false;
+  for (PeId pe = 0; pe < n_pes_; ++pe) {
+    if (header(pe).aborted.load(std::memory_order_acquire) == kWillRetry) return true;
+  }
+  return false;
+}
+
+void HostTransport::check_no_retry_requested() {
+  for (PeId pe = 0; pe < n_pes_; ++pe) {
+    if (pe != my_pe_ && header(pe).aborted.load(std::memory_order_acquire) == kWillRetry)
+      check_peer(pe, "to begin this run");
+  }
+}
+
+void HostTransport::check_peer(PeId peer, const char* waiting_for) {
   const InboxHeader& peer_header = header(peer);
-  if (peer_header.aborted.load(std::memory_order_acquire) != 0) {
+  // A zombie counts as exited: a launcher that polls its children may reap it seconds later.
+  const pid_t pid = peer_header.pid;
+  const bool exited = first_exited_process(std::span(&pid, 1), /*count_zombies=*/true) == 0;
+  if (const std::uint32_t aborted = peer_header.aborted.load(std::memory_order_acquire);
+      aborted != kRunning) {
+    // A peer that will retry and is alive: this PE retries too, at its next run.
+    can_retry_ = aborted == kWillRetry && !exited;
     throw_error(
         ErrorCode::kPeerFailure,
         "PE " + std::to_string(peer) + " failed while PE " + std::to_string(my_pe_) +
@@ -243,9 +304,8 @@ void HostTransport::check_peer(PeId peer, const char* waiting_for) const {
             std::string(peer_header.abort_reason,
                         strnlen(peer_header.abort_reason, sizeof peer_header.abort_reason)));
   }
-  // A zombie counts as exited: a launcher that polls its children may reap it seconds later.
-  const pid_t pid = peer_header.pid;
-  if (first_exited_process(std::span(&pid, 1), /*count_zombies=*/true) == 0) {
+  if (exited) {
+    can_retry_ = false;
     throw_error(ErrorCode::kPeerFailure,
                 "PE " + std::to_string(peer) + " (pid " + std::to_string(peer_header.pid) +
                     ") exited while PE " + std::to_string(my_pe_) + " was waiting " + waiting_for);
@@ -257,6 +317,9 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   const auto& sends_by_peer = phases_.at(phase).sends_by_peer;
   const auto& receives_by_peer = phases_.at(phase).receives_by_peer;
+  can_retry_ = false;
+  // A PE that failed a run and waits for the others to meet it: this run would wait for it.
+  check_no_retry_requested();
   const std::uint64_t my_runs = header(my_pe_).runs.fetch_add(1, std::memory_order_release) + 1;
   for (const LocalCopy& copy : plan.local_copies) {
     // A PE's own ranges may overlap (a buffer shifted within itself): those need memmove.
@@ -333,6 +396,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     const auto now = Clock::now();
     if (now < next_check) continue;
     next_check = now + std::chrono::milliseconds(2);
+    can_retry_ = false;  // interrupted: the caller is leaving
     throw_if_interrupted("a run of the host transport", last_progress);
     std::string waiting;  // every peer this PE still waits for, for the timeout message
     std::string late;     // those of them that have not begun this run
@@ -360,6 +424,7 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     was_late = !late.empty();
     const auto limit = late.empty() ? timeout_ : arrival_timeout_;
     if (can_progress || now - last_progress <= limit) continue;
+    can_retry_ = true;  // every peer this PE waits for is alive: all may meet and run again
     if (!late.empty()) {
       throw_error(ErrorCode::kTimeout,
                   "PE " + std::to_string(my_pe_) + " waited " + format_seconds(limit) + " for " +
@@ -400,13 +465,13 @@ std::string HostTransport::behind_peers() const {
          " (every PE must call run() as often as its peers)";
 }
 
-void HostTransport::abort(const std::string& reason) noexcept {
+void HostTransport::set_aborted(const std::string& reason, Aborted how) noexcept {
   if (finalized_ || inboxes_.empty() || inboxes_[my_pe_].data() == nullptr) return;
   InboxHeader& mine = header(my_pe_);
   const std::size_t length = std::min(reason.size(), sizeof mine.abort_reason - 1);
   std::memcpy(mine.abort_reason, reason.data(), length);
   mine.abort_reason[length] = '\0';
-  mine.aborted.store(1, std::memory_order_release);
+  mine.aborted.store(how, std::memory_order_release);
 }
 
 void HostTransport::finalize() noexcept {

@@ -6,7 +6,10 @@ transfer timeout (1 s) and a longer arrival timeout (4 s):
    run() moves every element.
 2. Rank 1 comes to update() 2.5 s late (later than the transfer timeout, within the arrival
    timeout): the update and the next run work.
-3. Rank 1 comes to execute_reshard_plan 2.5 s late: it works.
+3. Rank 1 comes to a bound run() 6 s late: rank 0's run gives up within the arrival timeout,
+   saying the service is usable; rank 0 runs the refit again, which meets rank 1's late run, and
+   both move every element.
+4. Rank 1 comes to execute_reshard_plan 2.5 s late: it works.
 
 Prints "rank R: ok" when its part held.
 
@@ -80,13 +83,28 @@ def main():
     refit.update(src=fresh)  # later than the 1 s transfer timeout, within the 4 s arrival timeout
     refit.run()
     check(dst, 2, "after a late update()")
+
+    for name, values in tensors(plan.src_layout, 3).items():
+        fresh[name].data[...] = values.data
+    if me == 1:
+        time.sleep(6)
+    if me == 0:
+        try:
+            refit.run()
+            raise AssertionError("a bound run finished without rank 1")
+        except reshard.ReshardError as error:
+            text = str(error)
+            assert error.code == "timeout", (error.code, text)
+            assert "for PE 1 to begin run()" in text and "run again on every PE" in text, text
+    refit.run()  # rank 0: again; rank 1: late, it meets rank 0's second run
+    check(dst, 3, "a bound run given up and run again")
     refit.close()
 
     dst = tensors(plan.dst_layout)
     if me == 1:
         time.sleep(2.5)
-    reshard.execute_reshard_plan(plan, tensors(plan.src_layout, 3), dst, svc)
-    check(dst, 3, "a late execute_reshard_plan")
+    reshard.execute_reshard_plan(plan, tensors(plan.src_layout, 4), dst, svc)
+    check(dst, 4, "a late execute_reshard_plan")
     print(f"rank {me}: ok")
     sys.stdout.flush()
     os._exit(0)
