@@ -4,8 +4,8 @@
 // schedule(), which the others are in), then reports what this PE saw and what its teardown left
 // behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory). "healthy": every
 // PE schedules, runs three times and prints HEALTHY-DONE (a job after a failed one).
-// Retries (host memory): "late-then-retry": PE 1 comes to its third run 6 s late;
-// "stall-then-retry": PE 1 is stopped for 6 s while it runs. With both timeouts at 4 s, the others
+// Retries (host memory): "late-then-retry": PE 1 comes to its third run 9 s late;
+// "stall-then-retry": PE 1 is stopped for 9 s while it runs. With both timeouts at 6 s, the others
 // give the run up and still wait in the meeting of their next run when PE 1 comes. A PE whose run
 // fails runs again; every PE then runs three more times, checking every received byte, and prints
 // RETRIED-DONE with the failures it saw, or ERROR-SEEN where it could not go on.
@@ -84,11 +84,11 @@ int run_and_retry(const std::string& scenario, reshard::CopyService& service,
   const bool late = scenario == "late-then-retry";
   static std::atomic<bool> in_run{false};
   if (me == 1 && !late) {
-    // Stop this process mid-run for 6 s: a child continues it (fork from a threaded process: the
+    // Stop this process mid-run for 9 s: a child continues it (fork from a threaded process: the
     // child only sleeps and signals).
     const pid_t self = ::getpid();
     if (::fork() == 0) {
-      ::sleep(6);
+      ::sleep(9);
       ::kill(self, SIGCONT);
       ::_exit(0);
     }
@@ -107,7 +107,7 @@ int run_and_retry(const std::string& scenario, reshard::CopyService& service,
   auto last_end = start;
   for (int run = 0; !met || runs_since < 3; ++run) {
     if (me == 1 && late && run == 2) {
-      std::this_thread::sleep_for(std::chrono::seconds(6));  // the others give this run up
+      std::this_thread::sleep_for(std::chrono::seconds(9));  // the others give this run up
       ++iteration;
       met = true;  // this run begins with the meeting the others wait in
     }
