@@ -31,11 +31,24 @@ class Error : public std::runtime_error {
   // Validation errors: the task ids the problems name (so layers above can say what they are),
   // each once, in the order the problems name them.
   const std::vector<std::uint64_t>& tasks() const noexcept { return tasks_; }
+  // The call failed on every PE alike with nothing done, or left every PE able to make it again
+  // (a run given up on a late or stalled peer that is alive): the same call, made again on every
+  // PE, is what to do next. The message says so too.
+  bool retryable() const noexcept { return retryable_; }
+  void set_retryable(bool retryable) noexcept { retryable_ = retryable; }
+  // This error with another message (code, tasks and retryable kept): for layers that add what
+  // they were doing.
+  Error with_message(const std::string& message) const {
+    Error error(code_, message, tasks_);
+    error.retryable_ = retryable_;
+    return error;
+  }
 
  private:
   static std::vector<std::uint64_t> unique_in_order(std::vector<std::uint64_t> tasks);
   ErrorCode code_;
   std::vector<std::uint64_t> tasks_;
+  bool retryable_ = false;
 };
 
 // A collective that every rank failed alike (rank 0 gave up waiting for a late rank and told the
@@ -44,7 +57,9 @@ class Error : public std::runtime_error {
 class CollectiveAbandoned : public Error {
  public:
   CollectiveAbandoned(ErrorCode code, const std::string& message, std::vector<int> late = {})
-      : Error(code, message), late_(std::move(late)) {}
+      : Error(code, message), late_(std::move(late)) {
+    set_retryable(true);
+  }
   // The ranks rank 0 was still waiting for when it gave up (empty where it did not say), so the
   // layer above can name them as it knows them (a copy service: its PEs).
   const std::vector<int>& late() const noexcept { return late_; }

@@ -1,7 +1,10 @@
 """reshard's errors: one hierarchy. Every error reshard raises is a :class:`ReshardError` (a
-``RuntimeError``) whose ``code`` names its kind (an :class:`ErrorCode` value) and whose ``tasks``
-lists the task ids involved; where a kind means what a built-in exception means, its class is that
-too, so ``except ValueError`` or ``except TimeoutError`` catch reshard's as Python code expects::
+``RuntimeError``) whose ``code`` names its kind (an :class:`ErrorCode` value), whose ``tasks``
+lists the task ids involved, and whose ``retryable`` says whether making the same call again on
+every PE is what to do next (a collective call that every PE failed alike with nothing done, or a
+run given up on a late or stalled peer that left the service usable); where a kind means what a
+built-in exception means, its class is that too, so ``except ValueError`` or
+``except TimeoutError`` catch reshard's as Python code expects::
 
     try:
         svc.schedule()
@@ -21,6 +24,7 @@ from typing import Iterable, Type
 from . import _core
 
 ReshardError = _core.ReshardError
+ReshardError.retryable = False  # errors the core raises set their own
 # A ValueError too; codes "invalid argument" and "validation".
 InvalidArgumentError = _core.InvalidArgumentError
 ReshardTypeError = _core.ReshardTypeError  # an InvalidArgumentError and a TypeError

@@ -116,6 +116,7 @@ void bind_errors(nb::module_& m) {
       nb::object instance = type(nb::str(error.what()));
       instance.attr("code") = nb::str(error_code_name(error.code()));
       instance.attr("tasks") = nb::cast(error.tasks());
+      instance.attr("retryable") = nb::bool_(error.retryable());
       PyErr_SetObject(type.ptr(), instance.ptr());
     }
   });

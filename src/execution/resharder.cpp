@@ -344,12 +344,11 @@ ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_s
     // Ranks agree on nothing before a rerun: one that executes the plan (or stops) while its
     // peers rerun leaves them waiting for it. Say which calls must match.
     if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
-    throw Error(error.code(),
-                std::string(error.what()) +
-                    " [during a run of a prepared refit (Refit::run, rerun_reshard_plan): every "
-                    "rank must rerun the same refit together; where any rank executes or "
-                    "updates it instead, every rank must]",
-                error.tasks());
+    throw error.with_message(
+        std::string(error.what()) +
+        " [during a run of a prepared refit (Refit::run, rerun_reshard_plan): every rank must "
+        "rerun the same refit together; where any rank executes or updates it instead, every "
+        "rank must]");
   }
   return report;
 }

@@ -134,10 +134,9 @@ struct StagedRefit::Impl {
       for (std::uint32_t g : groups) staged[g] = true;
       return report;
     } catch (const Error& error) {
-      throw Error(error.code(),
-                  std::string(error.what()) +
-                      " [a staged refit: no destination tensor was written" + holding() + "]",
-                  error.tasks());
+      throw error.with_message(std::string(error.what()) +
+                               " [a staged refit: no destination tensor was written" + holding() +
+                               "]");
     }
   }
 

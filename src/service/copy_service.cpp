@@ -75,11 +75,13 @@ std::vector<std::vector<std::byte>> meet(Bootstrap& bootstrap, const CopyService
     all[pe] = reader.get_array<std::byte>();
   }
   if (!other_calls.empty()) {
-    throw CollectiveAbandoned(ErrorCode::kInvalidState,
-                              call + " on PE " + std::to_string(bootstrap.rank()) +
-                                  " met other calls: " + other_calls +
-                                  " (every PE must make the same collective calls in the same "
-                                  "order); nothing took effect");
+    CollectiveAbandoned mismatch(ErrorCode::kInvalidState,
+                                 call + " on PE " + std::to_string(bootstrap.rank()) +
+                                     " met other calls: " + other_calls +
+                                     " (every PE must make the same collective calls in the same "
+                                     "order); nothing took effect");
+    mismatch.set_retryable(false);  // the program's order is to be mended, not retried
+    throw mismatch;
   }
   return all;
 }
@@ -360,12 +362,13 @@ void CopyService::Impl::fail(const Error& error) {
 void CopyService::Impl::offer_retry(const Error& error) {
   retry_pending = true;
   transport->offer_retry(error.what());
-  throw Error(error.code(),
-              std::string(error.what()) +
-                  "; the service is usable: run again on every PE (the next run meets every PE "
-                  "first, within the arrival timeout, then moves every byte; a PE that died "
-                  "fails that meeting)",
-              error.tasks());
+  Error retry = error.with_message(
+      std::string(error.what()) +
+      "; the service is usable: run again on every PE (the next run meets every PE "
+      "first, within the arrival timeout, then moves every byte; a PE that died "
+      "fails that meeting)");
+  retry.set_retryable(true);
+  throw retry;
 }
 
 void CopyService::Impl::begin_run() {

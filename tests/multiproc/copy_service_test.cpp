@@ -307,6 +307,7 @@ TEST(CopyService, PesInDifferentCollectiveCallsFailTheMeetingAlikeAndGoOn) {
   } catch (const Error& error) {
     const std::string text = error.what();
     EXPECT_EQ(error.code(), ErrorCode::kInvalidState) << text;
+    EXPECT_FALSE(error.retryable()) << text;  // the program is to be mended
     EXPECT_NE(text.find(me == 0 ? "schedule() on PE 0 met other calls: PE 1 bind()"
                                 : "bind() on PE " + std::to_string(me) +
                                       " met other calls: PE 0 schedule()"),

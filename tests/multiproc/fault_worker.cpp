@@ -119,7 +119,8 @@ int run_and_retry(const std::string& scenario, reshard::CopyService& service,
     } catch (const reshard::Error& error) {
       in_run = false;
       const std::string what = error.what();
-      if (what.find("run again on every PE") == std::string::npos || ++failures > 3)
+      if (!error.retryable() || what.find("run again on every PE") == std::string::npos ||
+          ++failures > 3)
         return report(error);
       reasons += " | " + what;
       ++iteration;
@@ -183,9 +184,10 @@ int main(int argc, char** argv) {
     ipc_mappings = reshard::cuda::open_ipc_mappings();
 #endif
     std::printf(
-        "ERROR-SEEN code=%s after=%.1fs teardown=%.1fs shm-entries=%d ipc-mappings=%d: %s\n",
-        reshard::error_code_name(error.code()), seconds, teardown, shm_entries_of_this_job(),
-        ipc_mappings, error.what());
+        "ERROR-SEEN code=%s retryable=%d after=%.1fs teardown=%.1fs shm-entries=%d "
+        "ipc-mappings=%d: %s\n",
+        reshard::error_code_name(error.code()), error.retryable() ? 1 : 0, seconds, teardown,
+        shm_entries_of_this_job(), ipc_mappings, error.what());
     std::fflush(stdout);
     return 1;
   };

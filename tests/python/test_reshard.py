@@ -281,6 +281,7 @@ def test_errors_form_one_hierarchy_that_is_also_pythons(service):
         service.register_send(3, np.zeros(16, np.uint8), 10, 8, 0)
     assert isinstance(error.value, reshard.InvalidArgumentError)
     assert error.value.code == reshard.ErrorCode.INVALID_ARGUMENT and error.value.tasks == [3]
+    assert error.value.retryable is False  # the call is to be mended, not made again
     # Requests that do not match: the same class, code "validation", the task named.
     service.register_send(7, np.zeros(8, np.uint8), 0, 8, 0)
     service.register_receive(7, np.zeros(16, np.uint8), 0, 16, 0)
@@ -297,6 +298,7 @@ def test_errors_form_one_hierarchy_that_is_also_pythons(service):
         reshard.task_id(1.5)
     assert isinstance(error.value, reshard.ReshardTypeError)
     assert isinstance(error.value, reshard.InvalidArgumentError)
+    assert error.value.retryable is False
     # Every class's code is an ErrorCode, and the kinds that mean a built-in's are that too.
     kinds = {reshard.ReshardTimeoutError: TimeoutError, reshard.UnsupportedError: NotImplementedError,
              reshard.SystemCallError: OSError, reshard.PeerFailureError: RuntimeError,

@@ -126,6 +126,7 @@ TEST(TcpBootstrap, ACollectiveGivenUpOnFailsEveryRankAlikeAndTheNextOneWorks) {
         gathered[rank].push_back(joined);
       } catch (const CollectiveAbandoned& error) {
         EXPECT_EQ(error.code(), ErrorCode::kTimeout);
+        EXPECT_TRUE(error.retryable());  // the same collective again works (the next rounds)
         EXPECT_EQ(error.late(), std::vector<int>{2}) << "rank " << rank;  // for the layer above
         abandoned[rank].push_back(std::to_string(round) + ": " + error.what());
       }

@@ -76,6 +76,8 @@ TEST(Faults, PeKilledMidRunFailsTheOthersQuicklyAndCleanly) {
     ASSERT_FALSE(line.empty()) << all_lines(outcome);
     EXPECT_NE(line.find("PE 1"), std::string::npos) << line;
     EXPECT_NE(line.find("shm-entries=0"), std::string::npos) << line;
+    EXPECT_NE(line.find("retryable=0"), std::string::npos)
+        << line;  // a dead peer fails the service
     EXPECT_EQ(outcome.result.exit_codes[rank], 1);
   }
 }

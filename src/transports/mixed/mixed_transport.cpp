@@ -149,10 +149,8 @@ class MixedTransport final : public Transport {
         numbering +=
             (i == 0 ? "" : ", ") + std::to_string(i) + " is PE " + std::to_string(members_[i]);
       }
-      throw Error(error.code(),
-                  std::string(error.what()) + " [PE numbers of node " +
-                      std::to_string(nodes_.node_of[me_]) + ": " + numbering + "]",
-                  error.tasks());
+      throw error.with_message(std::string(error.what()) + " [PE numbers of node " +
+                               std::to_string(nodes_.node_of[me_]) + ": " + numbering + "]");
     }
   }
 

@@ -41,6 +41,7 @@ def main():
     except reshard.ReshardError as error:
         waited, text = time.monotonic() - started, str(error)
         assert error.code == "timeout", (error.code, text)
+        assert error.retryable, text
         for words in ("every PE must call schedule()", "arrival timeout",
                       "PE 1 did not call schedule() in time",
                       "nothing took effect", "call schedule() again on every PE"):
@@ -68,6 +69,7 @@ def main():
             waited, text = time.monotonic() - started, str(error)
             assert error.code == "timeout", (error.code, text)
             assert isinstance(error, TimeoutError), type(error)
+            assert error.retryable, text
             for words in ("waited 4", "for PE 1 to begin run() 3", "RESHARD_ARRIVAL_TIMEOUT_S",
                           "the service is usable: run again on every PE"):
                 assert words in text, (words, text)

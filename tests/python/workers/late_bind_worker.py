@@ -67,6 +67,7 @@ def main():
     except reshard.ReshardError as error:
         waited, text = time.monotonic() - started, str(error)
         assert error.code == "timeout", (error.code, text)
+        assert error.retryable, text
         for words in ("every PE must call bind()", "arrival timeout",
                       "PE 1 did not call bind() in time", "nothing took effect",
                       "call bind() again on every PE"):
@@ -94,7 +95,7 @@ def main():
             raise AssertionError("a bound run finished without rank 1")
         except reshard.ReshardError as error:
             text = str(error)
-            assert error.code == "timeout", (error.code, text)
+            assert error.code == "timeout" and error.retryable, (error.code, text)
             assert "for PE 1 to begin run()" in text and "run again on every PE" in text, text
     refit.run()  # rank 0: again; rank 1: late, it meets rank 0's second run
     check(dst, 3, "a bound run given up and run again")
