@@ -411,6 +411,12 @@ class CopyService:
         agreements between PEs, e.g. whether a schedule can be reused)."""
         return self._bootstrap.all_gather(bytes(data))
 
+    def _meet(self, data: bytes, call: str) -> list:
+        """The all-gather that opens the collective call ``call`` of a layer over the service (the
+        Megatron adapter's refit): waits ``arrival_timeout`` for PEs that have not come, and
+        fails on every PE alike (``retryable``), naming the late PEs and ``call``."""
+        return self._service._meet(bytes(data), call)
+
     def schedule(self) -> "_core.ScheduleReport":
         """Collective: validates every request on every PE (before any byte moves) and plans."""
         return self._service.schedule()

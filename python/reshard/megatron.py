@@ -16,7 +16,9 @@ fresh temporaries (``.contiguous()`` copies, new receive buffers). The first ref
 schedules them; every later refit whose pattern is unchanged on every rank (task ids, peers and
 byte counts: the ranks agree collectively, so none re-plans alone) reuses that schedule, copying
 the new tensors into the ones registered first (and the received bytes out of them). No refit
-after the first plans again. Several tensors under one task id (Megatron's MXFP8 transform sends
+after the first plans again. That agreement opens each refit as a meeting: a rank that comes late
+is waited for ``arrival_timeout``; past it every rank's refit fails alike (``error.retryable``:
+``swap_model_weights`` called again on every rank runs it). Several tensors under one task id (Megatron's MXFP8 transform sends
 data and scales under one) travel in the order submitted. Non-contiguous tensors (strided views)
 go through contiguous copies.
 
@@ -234,8 +236,12 @@ class ReshardCopyService(_MegatronCopyService):
         return digest.digest()
 
     def _all_reuse(self, mine: bool) -> bool:
-        """Collective: whether every rank can run its existing schedule."""
-        return all(part == b"\1" for part in self.service.all_gather(b"\1" if mine else b"\0"))
+        """Collective, where the ranks meet at each refit: whether every rank can run its
+        existing schedule. A rank that comes late (an engine finishing its work) is waited for
+        ``arrival_timeout``; past it every rank's refit fails alike (``retryable``: Megatron's
+        ``swap_model_weights`` called again on every rank runs it)."""
+        parts = self.service._meet(b"\1" if mine else b"\0", "ReshardCopyService.run()")
+        return all(part == b"\1" for part in parts)
 
     def _register(self) -> None:
         torch = _torch()

@@ -367,6 +367,21 @@ void bind_copy_service(nb::module_& m) {
           },
           "phase"_a, "stream"_a = nb::none(), GilFree())
       .def("synchronize", &CopyService::synchronize, GilFree())
+      .def(
+          "_meet",
+          [](CopyService& self, nb::bytes mine, const std::string& call) {
+            std::vector<std::vector<std::byte>> parts;
+            {
+              nb::gil_scoped_release released;
+              parts = execution::ServiceSlot::meet(
+                  self, {reinterpret_cast<const std::byte*>(mine.c_str()), mine.size()}, call);
+            }
+            nb::list out;
+            for (const auto& part : parts)
+              out.append(nb::bytes(reinterpret_cast<const char*>(part.data()), part.size()));
+            return out;
+          },
+          "mine"_a, "call"_a)
       .def_prop_rw("verify", &CopyService::verify, &CopyService::set_verify)
       .def("clear_requests", &CopyService::clear_requests, GilFree())
       .def("finalize", &CopyService::finalize, GilFree());

@@ -1278,6 +1278,18 @@ def test_megatron_swap_model_weights_through_reshard_matches_its_gloo_service(ch
     assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
 
 
+@pytest.mark.skipif(not has_megatron(), reason="needs megatron-core (and PyTorch)")
+def test_megatron_refit_a_rank_comes_late_to_is_given_up_alike_and_run_again():
+    # The last rank comes to the second refit 9 s late; reshard's service waits 6 s for a rank
+    # that has not come: every rank's swap_model_weights fails alike (retryable, naming the rank;
+    # the late one's when it comes), each calls it again, and every refit is still bitwise
+    # Megatron's Gloo service's, planned once.
+    result = launch(4, WORKERS / "megatron_refit_worker.py", "2", "1", "1", "2", "3", "cpu",
+                    "late=1", timeout=300)
+    assert_ok(result)
+    assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_vocabularies_padded_differently_move_only_their_real_rows(n):
     result = launch(n, WORKERS / "padded_vocab_worker.py")

@@ -17,6 +17,11 @@ parameters apart by ``allreduce=False``, which its ``SequentialMLP`` does not se
 parallelism its plan matches ``local_experts.i`` by that local name, whichever global expert a
 rank holds there: a property of Megatron's plan, the same through either service.)
 
+``late=1``: the last rank comes to reshard's second refit 9 s after the others, whose service waits
+6 s for a rank that has not come (``arrival_timeout``): every rank's ``swap_model_weights`` fails
+alike (the late rank's when it comes), ``retryable``, naming that rank; each calls it again, and the
+refit is checked as every other one is.
+
 ``together`` (collocated, the default): both models span every rank. ``apart`` (non-collocated,
 megatron-core >= 0.17): the source lives on the first half of the ranks, the destination on the
 second half, and each rank hands Megatron ``None`` for the model it does not hold.
@@ -44,6 +49,7 @@ applied to the bf16 weights Megatron's Gloo service delivers without a transform
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,6 +62,7 @@ APART = len(ARGS) > 7 and ARGS[7] == "apart"
 MXFP8 = MODE in ("mxfp8", "mxfp8-send")
 EXPERTS = int(OPTIONS.get("experts", 0))
 SRC_EP, DST_EP = int(OPTIONS.get("src_ep", 1)), int(OPTIONS.get("dst_ep", 1))
+LATE = OPTIONS.get("late") == "1"
 if DEVICE == "cpu":
     torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
     # Megatron's router places its weights on the current CUDA device: here, the CPU.
@@ -91,6 +98,7 @@ from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopySer
 from megatron.core.resharding.refit import swap_model_weights  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
+from reshard import ReshardError  # noqa: E402
 from reshard.megatron import ReshardCopyService  # noqa: E402
 
 
@@ -180,7 +188,9 @@ def main():
     holds_dst = dst_reshard is not None
 
     gloo = GlooCopyService()
-    reshard_service = ReshardCopyService()  # inside the torch.distributed job: no arguments
+    # Inside the torch.distributed job: no arguments needed.
+    reshard_service = ReshardCopyService(**({"arrival_timeout": 6} if LATE else {}))
+    late_rank, given_up = dist.get_world_size() - 1, 0
     transforms = {"gloo": (None, {}), "reshard": (None, {})}
     if MXFP8 and holds_dst:
         transforms = {"gloo": mxfp8_transform(dst_gloo), "reshard": mxfp8_transform(dst_reshard)}
@@ -206,8 +216,19 @@ def main():
         source = [src] if src is not None else None
         swap_model_weights(source, [dst_gloo] if holds_dst else None, refit_method=gloo, **extra)
         extra = {"transform": transforms["reshard"][0]} if MXFP8 else {}
-        swap_model_weights(source, [dst_reshard] if holds_dst else None,
-                           refit_method=reshard_service, **extra)
+        if LATE and refit == 1 and me == late_rank:
+            time.sleep(9)  # the others give this refit up at 6 s and wait again in their retry
+        try:
+            swap_model_weights(source, [dst_reshard] if holds_dst else None,
+                               refit_method=reshard_service, **extra)
+        except ReshardError as error:
+            text = str(error)
+            if not (LATE and refit == 1 and error.retryable and
+                    f"PE {late_rank} did not call ReshardCopyService.run() in time" in text):
+                raise
+            given_up += 1
+            swap_model_weights(source, [dst_reshard] if holds_dst else None,
+                               refit_method=reshard_service, **extra)
         if MODE == "mxfp8-send" and holds_dst:  # the reference: what Gloo delivered, quantized
             gloo_params = dict(dst_gloo.decoder.named_parameters())
             transforms["gloo"] = (None, {
@@ -240,6 +261,8 @@ def main():
                         f"{expected}")
     if DEVICE == "cuda" and holds_dst and not all(p.is_cuda for p in dst_reshard.parameters()):
         failures.append("the destination model left the GPU")
+    if LATE and given_up != 1:
+        failures.append(f"gave {given_up} refit(s) up waiting for rank {late_rank}")
     if reshard_service.schedules != 1:
         failures.append(f"reshard planned {reshard_service.schedules} times in {refits} refits")
     if not isinstance(reshard_service, __import__(
