@@ -24,7 +24,6 @@ from typing import Iterable, Type
 from . import _core
 
 ReshardError = _core.ReshardError
-ReshardError.retryable = False  # errors the core raises set their own
 # A ValueError too; codes "invalid argument" and "validation".
 InvalidArgumentError = _core.InvalidArgumentError
 ReshardTypeError = _core.ReshardTypeError  # an InvalidArgumentError and a TypeError

@@ -33,6 +33,18 @@ bool python_interrupted() {
   return true;
 }
 
+namespace {
+
+// An all-gather's parts, in PE order, as a list of Python bytes.
+nb::list bytes_list(const std::vector<std::vector<std::byte>>& parts) {
+  nb::list out;
+  for (const auto& part : parts)
+    out.append(nb::bytes(reinterpret_cast<const char*>(part.data()), part.size()));
+  return out;
+}
+
+}  // namespace
+
 // An exception class of reshard._core: `bases` a class or a tuple of them; `code` the class's
 // default code (the library sets each instance's own).
 nb::object exception_class(nb::module_& m, const char* name, const char* doc, nb::handle bases,
@@ -40,6 +52,7 @@ nb::object exception_class(nb::module_& m, const char* name, const char* doc, nb
   nb::dict attributes;
   attributes["code"] = nb::str(code);
   attributes["tasks"] = nb::tuple();
+  attributes["retryable"] = nb::bool_(false);
   const std::string qualified = std::string("reshard._core.") + name;
   nb::object type =
       nb::steal(PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), attributes.ptr()));
@@ -137,11 +150,7 @@ void bind_bootstrap(nb::module_& m) {
               parts =
                   self.all_gather({reinterpret_cast<const std::byte*>(mine.c_str()), mine.size()});
             }
-            nb::list out;
-            for (const auto& part : parts) {
-              out.append(nb::bytes(reinterpret_cast<const char*>(part.data()), part.size()));
-            }
-            return out;
+            return bytes_list(parts);
           },
           "mine"_a);
   m.def(
@@ -376,10 +385,7 @@ void bind_copy_service(nb::module_& m) {
               parts = execution::ServiceSlot::meet(
                   self, {reinterpret_cast<const std::byte*>(mine.c_str()), mine.size()}, call);
             }
-            nb::list out;
-            for (const auto& part : parts)
-              out.append(nb::bytes(reinterpret_cast<const char*>(part.data()), part.size()));
-            return out;
+            return bytes_list(parts);
           },
           "mine"_a, "call"_a)
       .def_prop_rw("verify", &CopyService::verify, &CopyService::set_verify)

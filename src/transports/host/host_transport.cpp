@@ -130,7 +130,9 @@ class HostTransport final : public Transport {
   std::chrono::milliseconds arrival_timeout_;  // for peers that have not begun this run
   std::vector<host::ShmSegment> inboxes_;
   bool finalized_ = false;
-  bool can_retry_ = false;  // the last run() threw, and every PE can meet and run again
+  // The last run() threw, and every PE can meet and run again: false from each run's start until
+  // a throw that leaves it so (a timeout on live peers, a peer's retry).
+  bool can_retry_ = false;
   // Per peer, in round order, the batches that share each slot: consecutive batches to one peer
   // are packed into a slot while they fit. Sender and receiver derive the same grouping from the
   // same batch sequence, so slots carry no header.
@@ -305,7 +307,6 @@ void HostTransport::check_peer(PeId peer, const char* waiting_for) {
                         strnlen(peer_header.abort_reason, sizeof peer_header.abort_reason)));
   }
   if (exited) {
-    can_retry_ = false;
     throw_error(ErrorCode::kPeerFailure,
                 "PE " + std::to_string(peer) + " (pid " + std::to_string(peer_header.pid) +
                     ") exited while PE " + std::to_string(my_pe_) + " was waiting " + waiting_for);
@@ -396,7 +397,6 @@ void HostTransport::run(const ExecutionPlan& plan, std::size_t phase,
     const auto now = Clock::now();
     if (now < next_check) continue;
     next_check = now + std::chrono::milliseconds(2);
-    can_retry_ = false;  // interrupted: the caller is leaving
     throw_if_interrupted("a run of the host transport", last_progress);
     std::string waiting;  // every peer this PE still waits for, for the timeout message
     std::string late;     // those of them that have not begun this run
