@@ -4,7 +4,7 @@
 # a hang in one group cannot eat the others; prints one table (tests, passed, failed, skipped,
 # seconds per group), a row as each group ends, so a device call cut short still shows what ran.
 # GROUPS_TO_RUN="plans-cuda copies-cuda ..." narrows it; GROUP_TIMEOUT (s) bounds each group
-# (default 280). Each GPU test costs 13-17 s of process and CUDA start-up, so the whole suite
+# (default 280); MPS=on runs them under an MPS server started for the call. Each GPU test costs 13-17 s of process and CUDA start-up, so the whole suite
 # takes about 15 minutes of one H200: run it in two calls, GROUPS_TO_RUN="plans-cuda copies-cuda
 # kernels colocated" and then the rest. Logs go to $OUT (default build-gpu/logs).
 set -uo pipefail
@@ -22,15 +22,27 @@ declare -A pattern=(
   [mixed]='^gpu_mixed_cuda_(nccl|nvshmem)_(2|4)_pes$'
   [colocated]='two_pes_per_gpu|^gpu_cuda_rotated_gpus'
   [kernels]='^gpu_transform_kernels$|^gpu_device_waits$'
+  # The fault tests (a PE killed, stopped, late; runs given up and run again) on the CUDA
+  # transport; the other transports' are in the GoogleTest binary too, GpuFaults.*/<transport>.
+  [faults-cuda]='^Transports/GpuFaults\..*/cuda(_ce)?_(2|4)_pes$'
 )
 order="plans-cuda copies-cuda kernels colocated plans-nvshmem copies-nvshmem mixed plans-mixed
   plans-nccl copies-nccl"
+if [[ ${MPS:-off} == on ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 status=0
 printf '%-15s | %5s | %6s | %6s | %7s | %7s |\n' group tests passed failed skipped seconds
 for group in ${GROUPS_TO_RUN:-$order}; do
-  log="$OUT/suite-$group.log"
+  log="$OUT/suite-$group${MPS:+-mps-$MPS}.log"
   start=$(date +%s)
-  timeout "${GROUP_TIMEOUT:-280}" ctest --test-dir build-gpu -L gpu -R "${pattern[$group]}" \
+  # The fault tests are GoogleTest cases of the unit tests, without the gpu label.
+  labels=(-L gpu)
+  [[ $group == faults-* ]] && labels=()
+  timeout "${GROUP_TIMEOUT:-280}" ctest --test-dir build-gpu "${labels[@]}" -R "${pattern[$group]}" \
     --output-on-failure --timeout "${GROUP_TIMEOUT:-280}" >"$log" 2>&1
   rc=$?
   seconds=$(($(date +%s) - start))

@@ -94,6 +94,9 @@ __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
 __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, const KernelArgs& a,
                               int peer, unsigned int phase) {
   const std::uint64_t start = global_timer_ns();
+  const std::uint64_t limit = phase == kPhaseReady && a.arrival_timeout_ns > a.timeout_ns
+                                  ? a.arrival_timeout_ns
+                                  : a.timeout_ns;
   const std::uint64_t stuck_mark = static_cast<std::uint64_t>(peer) + 1;
   bool marked = false;
   for (unsigned int spins = 1; load_acquire(flag) < epoch; ++spins) {
@@ -105,7 +108,7 @@ __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, co
         return false;
       }
       const std::uint64_t waited = global_timer_ns() - start;
-      if (waited > a.timeout_ns) {
+      if (waited > limit) {
         record_failure(a, kStatusTimeout, peer, phase);
         return false;
       }

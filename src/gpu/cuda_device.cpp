@@ -180,6 +180,13 @@ bool HostFailure::record(unsigned int code, int peer, unsigned int phase) noexce
   return true;
 }
 
+void HostFailure::clear() noexcept {
+  code_.store(0, std::memory_order_relaxed);
+  peer_ = -1;
+  phase_ = 0;
+  claimed_.store(false, std::memory_order_release);
+}
+
 std::optional<RunFailure> HostFailure::get() const noexcept {
   const unsigned int code = code_.load(std::memory_order_acquire);
   if (code == 0) return std::nullopt;

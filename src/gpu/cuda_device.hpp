@@ -67,6 +67,8 @@ class HostFailure {
   // True where this call recorded it.
   bool record(unsigned int code, int peer, unsigned int phase) noexcept;
   std::optional<RunFailure> get() const noexcept;
+  // Forgets the record (recover(): no run pending, the watchdog's lock held).
+  void clear() noexcept;
 
  private:
   std::atomic<bool> claimed_{false};

@@ -175,6 +175,9 @@ struct KernelArgs {
   // by tens of microseconds (4 GPUs, 1 MiB all-to-all: 45 instead of 193 GB/s).
   unsigned int* failure;
   std::uint64_t timeout_ns;
+  // A wait for a peer to reach this run (kPhaseReady: the peer has not begun it, its trainer may
+  // still be in its step) has this long, where it is longer than timeout_ns.
+  std::uint64_t arrival_timeout_ns;
   int unroll;  // 16-byte loads in flight per thread before the stores: 4 or 8
   // RESHARD_CUDA_TRACE: globaltimer stamps of each run's phases (PhaseTrace), else null.
   std::uint64_t* trace;

@@ -713,6 +713,9 @@ void CopyService::synchronize() {
   try {
     self.transport->synchronize();
   } catch (const Error& error) {
+    // A run queued on a stream that failed on every PE alike (see run_phase).
+    if (self.state == State::kScheduled && self.transport->can_retry() && !self.verify)
+      self.offer_retry(error);
     self.fail(error);
   }
 }

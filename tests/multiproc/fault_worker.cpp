@@ -4,7 +4,8 @@
 // schedule(), which the others are in), then reports what this PE saw and what its teardown left
 // behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory). "healthy": every
 // PE schedules, runs three times and prints HEALTHY-DONE (a job after a failed one).
-// Retries (host memory): "late-then-retry": PE 1 comes to its third run 9 s late;
+// Retries (host memory and the CUDA transport): "late-then-retry": PE 1 comes to its third run 9 s
+// late;
 // "stall-then-retry": PE 1 is stopped for 9 s while it runs. With both timeouts at 6 s, the others
 // give the run up and still wait in the meeting of their next run when PE 1 comes. A PE whose run
 // fails runs again; every PE then runs three more times, checking every received byte, and prints
@@ -57,8 +58,26 @@ class Memory {
     }
 #endif
     bytes_ = bytes;
+    if (device >= 0) staging_.resize(bytes);
   }
   std::span<std::byte> host() { return host_; }
+  // Host memory as is; GPU memory through `staging` (its size), copied in or out.
+  void upload(std::span<const std::byte> staging) {
+    if (device_ < 0) return;
+#ifdef RESHARD_WITH_CUDA
+    if (cudaMemcpy(gpu_, staging.data(), staging.size(), cudaMemcpyHostToDevice) != cudaSuccess)
+      std::exit(3);
+#endif
+  }
+  void download(std::span<std::byte> staging) {
+    if (device_ < 0) return;
+#ifdef RESHARD_WITH_CUDA
+    if (cudaMemcpy(staging.data(), gpu_, staging.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+      std::exit(3);
+#endif
+  }
+  // What the workload's helpers fill and check: the memory itself, or the host copy of it.
+  std::span<std::byte> view() { return device_ < 0 ? std::span<std::byte>(host_) : staging_; }
   reshard::Buffer buffer() {
     return device_ < 0 ? reshard::Buffer::host(host_.data(), bytes_)
                        : reshard::Buffer::cuda(gpu_, bytes_, device_);
@@ -66,7 +85,8 @@ class Memory {
 
  private:
   std::vector<std::byte> host_;
-  void* gpu_ = nullptr;  // left to the process exit: a failed transport may still use it
+  std::vector<std::byte> staging_;  // GPU memory's contents, on the host
+  void* gpu_ = nullptr;             // left to the process exit: a failed transport may still use it
   int device_;
   std::size_t bytes_ = 0;
 };
@@ -78,8 +98,9 @@ class Memory {
 // receive buffer is poisoned before each run, so each byte checked arrived in it.
 template <typename Report>
 int run_and_retry(const std::string& scenario, reshard::CopyService& service,
-                  const reshard::bench::Workload& w, std::span<std::byte> send,
-                  std::span<std::byte> recv, Report report) {
+                  const reshard::bench::Workload& w, Memory& send_memory, Memory& recv_memory,
+                  Report report) {
+  const std::span<std::byte> send = send_memory.view(), recv = recv_memory.view();
   const reshard::PeId me = service.my_pe();
   const bool late = scenario == "late-then-retry";
   static std::atomic<bool> in_run{false};
@@ -112,6 +133,8 @@ int run_and_retry(const std::string& scenario, reshard::CopyService& service,
       met = true;  // this run begins with the meeting the others wait in
     }
     reshard::bench::prepare_buffers(w, me, late ? iteration : 0, send, recv);
+    send_memory.upload(send);
+    recv_memory.upload(recv);
     try {
       in_run = true;
       service.run();
@@ -134,6 +157,7 @@ int run_and_retry(const std::string& scenario, reshard::CopyService& service,
     const auto ended = std::chrono::steady_clock::now();
     if (ended - last_end > std::chrono::seconds(2)) met = true;
     last_end = ended;
+    recv_memory.download(recv);
     const std::uint64_t wrong =
         reshard::bench::verify_receive_buffer(w, me, late ? iteration : 0, recv);
     if (wrong != 0) {
@@ -202,7 +226,7 @@ int main(int argc, char** argv) {
   }
   bootstrap->barrier();
   if (scenario == "late-then-retry" || scenario == "stall-then-retry")
-    return run_and_retry(scenario, service, w, send.host(), recv.host(), report);
+    return run_and_retry(scenario, service, w, send, recv, report);
   if (scenario == "healthy") {
     for (int i = 0; i < 3; ++i) service.run();
     service.finalize();

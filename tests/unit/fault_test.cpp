@@ -307,6 +307,27 @@ TEST_P(GpuFaults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
+// A run given up on a late or stopped PE 1 (see the host memory test above), on the CUDA transport:
+// the others' kernels or stream waits give up, every PE meets at its next run, zeroes its flags
+// and runs again, and every byte of the runs after that lands. The other GPU transports fail the
+// service instead (a run they give up is not run again).
+TEST_P(GpuFaults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
+  if (GetParam().transport != "cuda") GTEST_SKIP() << "runs given up are run again on cuda only";
+  set_timeouts("6");
+  for (const char* scenario : {"late-then-retry", "stall-then-retry"}) {
+    const Outcome outcome = launch(GetParam().pes, {RESHARD_FAULT_WORKER, scenario, "cuda"}, true);
+    EXPECT_LT(outcome.seconds, 90.0) << scenario << "\n" << all_lines(outcome);
+    EXPECT_EQ(outcome.result.exit_code, 0) << scenario << "\n" << all_lines(outcome);
+    for (int rank = 0; rank < GetParam().pes; ++rank) {
+      const std::string line = line_of(outcome, rank, "RETRIED-DONE");
+      ASSERT_FALSE(line.empty()) << scenario << "\n" << all_lines(outcome);
+      if (rank != 0) continue;  // PE 0 waits on PE 1 in every run of the uniform workload
+      EXPECT_NE(line.find("failures=1"), std::string::npos) << scenario << ": " << line;
+      EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
+    }
+  }
+}
+
 // PE 1 killed or stopped instead of calling schedule() (the others are in it, exchanging the
 // IPC handles and device addresses of the GPU transports): the survivors fail naming it, leave
 // no mapping behind, and the next job on the same GPUs runs.

@@ -29,6 +29,7 @@
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "transports/cuda/ipc_memory.hpp"
+#include "transports/cuda/run_board.hpp"
 #include "transports/cuda/same_device_order.hpp"
 
 namespace reshard {
@@ -169,6 +170,10 @@ class CudaTransport final : public Transport {
   void synchronize() override;
   void forget_schedule() override;
   void abort(const std::string& reason) noexcept override;
+  void offer_retry(const std::string& reason) noexcept override;
+  bool can_retry() const override { return can_retry_; }
+  bool retry_requested() const override;
+  void recover() override;
   void finalize() noexcept override;
 
  private:
@@ -194,7 +199,9 @@ class CudaTransport final : public Transport {
                     bool may_batch, cudaStream_t stream);
   // One descriptor with rows as a 2-D copy-engine copy.
   void queue_rows(const CopyDescriptor& box, cudaStream_t stream);
-  void wait_for(cudaEvent_t event, const char* what);
+  // Waits for the run that recorded `event`: a peer that exits, or (watch_board) gives its run up,
+  // ends the wait at once; a wait past the kernels' own limits ends it too.
+  void wait_for(cudaEvent_t event, const char* what, bool watch_board = true);
   // Whether a launch of `ctas` CTAs may be early (programmatic dependent launch).
   bool early_launch_for(std::uint32_t ctas);
   // A run is stuck: records why (as a kernel's failed wait would), stops the copies that follow
@@ -205,6 +212,10 @@ class CudaTransport final : public Transport {
   void check_same_device_run() noexcept;
   void log_trace() noexcept;
   void throw_device_failure();
+  // Throws where a peer gave its run up (the run board): before a run, or while waiting for one.
+  void check_peers_on_board(const char* waiting_for);
+  // The seconds a wait of kind `phase` (kPhase*) had: arrival for kPhaseReady.
+  std::uint64_t seconds_for(unsigned int phase) const;
 
   Bootstrap& bootstrap_;
   int me_ = 0;
@@ -224,6 +235,10 @@ class CudaTransport final : public Transport {
   std::uint64_t* ready_epoch_ = nullptr;  // SignalLayout::ready_epoch of this PE
   std::chrono::milliseconds timeout_{};   // CopyServiceOptions::timeout
   std::uint64_t timeout_ns_ = 0;
+  std::chrono::milliseconds arrival_timeout_{};  // CopyServiceOptions::arrival_timeout
+  RunBoard board_;
+  // The last run failed with every peer alive and able to meet (a timeout, a peer's retry).
+  bool can_retry_ = false;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_engine_streams_[kCopyEngineStreams] = {};
   cudaEvent_t fork_ = nullptr;
@@ -265,6 +280,9 @@ class CudaTransport final : public Transport {
   SameDeviceOrder same_device_order_;  // every phase's same-GPU peers (the watchdog's)
   cudaStream_t release_stream_ = nullptr;
   std::chrono::steady_clock::time_point watched_since_{};  // of the pending run; epoch: none
+  // When the watchdog first saw every same-GPU peer begin the pending run (the transfer's clock
+  // starts there; a peer not yet begun has the arrival timeout). Epoch: not yet.
+  std::chrono::steady_clock::time_point all_begun_since_{};
   RunWatchdog watchdog_;  // its mutex guards same_device_order_ and watched_since_
   bool aborted_ = false;
   bool finalized_ = false;
@@ -285,6 +303,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   batch_memops_ = options.debug.cuda_batch_memops;
   timeout_ = options.timeout;
   timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000ull;
+  arrival_timeout_ = options.arrival_timeout;
+  board_ = RunBoard(me_, n_pes_);
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   int max_pitch = 0;
   RESHARD_CUDA_CHECK(cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device_));
@@ -332,6 +352,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   mine.put<std::uint8_t>(engine_ == "autotune");
   mine.put<std::uint8_t>(stream_ordered);
   mine.put<std::uint8_t>(delegates);
+  mine.put_string(board_.name());
   const auto all = bootstrap_.all_gather(mine.bytes());
   bool every_one_delegates = delegates;
   int kernel_ordered_on_device = 0;
@@ -356,6 +377,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     }
     const bool peer_stream_ordered = reader.get<std::uint8_t>() != 0;
     const bool peer_delegates = reader.get<std::uint8_t>() != 0;
+    const std::string peer_board = reader.get_string();
+    if (pe != me_) board_.open(pe, peer_board);
     gpus[pe] = peer_gpu;
     streams[pe] = peer_stream_ordered;
     if (pe == me_) {
@@ -410,7 +433,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
         device_, [this] { return watched_since_ != std::chrono::steady_clock::time_point{}; },
         [this] { check_same_device_run(); });
   }
-  bootstrap_.barrier();  // every PE has mapped every other's flags before any run
+  bootstrap_.barrier();  // every PE has mapped every other's flags and board before any run
+  board_.unlink();
   RESHARD_LOG(kDebug, "cuda transport on device " << device_ << " (" << sm_count_
                                                   << " SMs), engine " << engine_);
 }
@@ -783,7 +807,9 @@ void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
   DeviceScope scope(device_);
   if (run_pending_) wait_for(last_run_, "the previous schedule's runs");
-  throw_device_failure();
+  // A run given up (this PE's or a peer's) is over for the new schedule: it starts afresh.
+  if (!retry_requested()) throw_device_failure();
+  recover();
   prepared_.clear();
   SameDeviceOrder every_phase(signals_, peer_signals_, me_, batch_memops_);
   for (std::size_t p = 0; p < phases.size(); ++p) {
@@ -867,6 +893,7 @@ std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& p
   base.status = status_device_;
   base.failure = SignalLayout::failure(signals_, n_pes_);
   base.timeout_ns = timeout_ns_;
+  base.arrival_timeout_ns = static_cast<std::uint64_t>(arrival_timeout_.count()) * 1000000ull;
   base.unroll = unroll_;
   base.trace = trace_;
   base.follower_runs = prepared->follower_runs.get();
@@ -1031,6 +1058,10 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
                                              std::to_string(dead) + " (pid " +
                                              std::to_string(pids_[dead]) + ") has exited");
   }
+  can_retry_ = false;
+  // A PE that gave the last run up waits for the others to meet it: this run would wait for it.
+  check_peers_on_board("to begin this run");
+  board_.begin_run();
   DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) wait_for_default_stream(stream);
@@ -1044,6 +1075,7 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
     run_pending_ = true;
     if (watched) {
       watched_since_ = std::chrono::steady_clock::now();
+      all_begun_since_ = {};
       watchdog_.wake();
     }
     if (lock.owns_lock()) lock.unlock();
@@ -1171,29 +1203,95 @@ void CudaTransport::queue_rows(const CopyDescriptor& box, cudaStream_t stream) {
   }
 }
 
-void CudaTransport::wait_for(cudaEvent_t event, const char* what) {
-  // The kernels' own waits give up at RESHARD_TIMEOUT_S and say whom they waited for; the host
-  // allows them 10 s more to report it.
+void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_board) {
+  // The kernels' own waits give up at the arrival timeout (a peer that has not begun the run)
+  // and then at the transfer timeout, and say whom they waited for; the host allows them 10 s
+  // more to report it.
   const auto grace = std::chrono::seconds(10);
+  const auto limit = std::max(timeout_, arrival_timeout_) + timeout_ + grace;
+  int gone = -1;
+  RunBoard::State gone_state = RunBoard::kRunning;
+  const auto board_problem = [&]() -> std::string {
+    if (!watch_board || (gone = board_.first_peer_gone(&gone_state)) < 0) return {};
+    return "PE " + std::to_string(gone) +
+           (gone_state == RunBoard::kWillRetry ? " gave this run up" : " failed") + " (" +
+           board_.reason(gone) + ")";
+  };
   int dead = -1;
-  const std::string problem = wait_for_run(event, pids_, what, &dead, timeout_ + grace);
-  if (dead >= 0) {
+  const std::string problem = wait_for_run(event, pids_, what, &dead, limit, board_problem);
+  if (dead >= 0 || gone >= 0) {
     // The kernels stop waiting for a peer that cannot answer any more, and must have ended
     // before the caller frees what they touch.
+    const int peer = dead >= 0 ? dead : gone;
     cancel_waits(status_);
-    if (!same_device_order_.empty()) fail_run(kStatusCancelled, dead, kPhaseDone);
+    if (!same_device_order_.empty()) fail_run(kStatusCancelled, peer, kPhaseDone);
     int ignored = -1;
     if (std::string stuck = wait_for_run(event, {}, what, &ignored, timeout_ + grace);
         !stuck.empty())
       throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + stuck);
-    throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
-                                             std::to_string(dead) + " (pid " +
-                                             std::to_string(pids_[dead]) + ") exited mid-run");
+    if (dead >= 0) {
+      throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": PE " +
+                                               std::to_string(dead) + " (pid " +
+                                               std::to_string(pids_[dead]) + ") exited mid-run");
+    }
+    // A peer alive and meeting the others to run again: this PE runs again too.
+    can_retry_ = gone_state == RunBoard::kWillRetry && first_exited_process(pids_, true) < 0;
+    throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   if (!problem.empty()) {
     if (!same_device_order_.empty()) fail_run(kStatusTimeout, -1, kPhaseDone);
     throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + problem);
   }
+}
+
+void CudaTransport::check_peers_on_board(const char* waiting_for) {
+  RunBoard::State state = RunBoard::kRunning;
+  const int peer = board_.first_peer_gone(&state);
+  if (peer < 0) return;
+  can_retry_ = state == RunBoard::kWillRetry && first_exited_process(pids_, true) < 0;
+  throw_error(ErrorCode::kPeerFailure,
+              "PE " + std::to_string(peer) +
+                  (state == RunBoard::kWillRetry ? " gave its last run up" : " failed") +
+                  " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " +
+                  board_.reason(peer));
+}
+
+bool CudaTransport::retry_requested() const {
+  if (finalized_) return false;
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (board_.state(pe) == RunBoard::kWillRetry) return true;
+  }
+  return false;
+}
+
+void CudaTransport::offer_retry(const std::string& reason) noexcept {
+  board_.mark(RunBoard::kWillRetry, reason);
+}
+
+void CudaTransport::recover() {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "recover() after finalize()");
+  DeviceScope scope(device_);
+  // The run given up has ended on this PE (its waits were cancelled or ran out); a PE that never
+  // began it has nothing pending.
+  if (run_pending_) wait_for(last_run_, "the last run", /*watch_board=*/false);
+  run_pending_ = false;
+  if (release_stream_ != nullptr) RESHARD_CUDA_CHECK(cudaStreamSynchronize(release_stream_));
+  bootstrap_.barrier();  // no PE's device work writes into a peer's flags any more
+  {
+    // Every flag back to zero on every PE at once: epochs start again from the first run, no
+    // flag of the run given up can be taken for one of the next.
+    std::lock_guard lock(watchdog_.mutex());
+    RESHARD_CUDA_CHECK(cudaMemsetAsync(signals_, 0, SignalLayout::bytes(n_pes_), stream_));
+    RESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    *status_ = DeviceStatus{};
+    host_failure_.clear();
+    watched_since_ = {};
+    all_begun_since_ = {};
+  }
+  previous_launch_large_ = false;
+  can_retry_ = false;
+  board_.reset();
+  bootstrap_.barrier();  // every PE's flags and board are zero before any run
 }
 
 void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) noexcept {
@@ -1221,8 +1319,25 @@ void CudaTransport::check_same_device_run() noexcept {
   if (dead >= 0) {
     fail_run(kStatusCancelled, dead, kPhaseDone);
     watched_since_ = {};
-  } else if (std::chrono::steady_clock::now() - watched_since_ >
-             std::chrono::nanoseconds(timeout_ns_)) {
+    return;
+  }
+  // A peer that has not begun this run is arriving (the arrival timeout, from this run's start);
+  // once all have, the transfer's clock starts.
+  const auto now = std::chrono::steady_clock::now();
+  const std::uint64_t mine = board_.runs_begun(me_);
+  int late = -1;
+  for (int pe : same_device_order_.peers()) {
+    if (board_.runs_begun(pe) < mine) {
+      late = pe;
+      break;
+    }
+  }
+  if (late < 0 && all_begun_since_ == std::chrono::steady_clock::time_point{})
+    all_begun_since_ = now;
+  if (late >= 0 && now - watched_since_ > arrival_timeout_) {
+    fail_run(kStatusTimeout, late, kPhaseReady);
+    watched_since_ = {};
+  } else if (late < 0 && now - all_begun_since_ > std::chrono::nanoseconds(timeout_ns_)) {
     const int stopped = first_stopped_process(pids_);
     const auto& peers = same_device_order_.peers();
     const int peer = stopped >= 0 ? stopped : (peers.empty() ? -1 : peers.front());
@@ -1264,15 +1379,23 @@ void CudaTransport::throw_device_failure() {
     text << "cancelled while waiting for PE " << peer << " (a PE failed or exited)";
     throw_error(ErrorCode::kPeerFailure, text.str());
   }
-  const auto seconds = timeout_ns_ / 1000000000ull;
+  // Every PE alive: they may all meet and run again.
+  can_retry_ = first_exited_process(pids_, true) < 0;
   if (status->phase == kPhaseReady) {
-    text << "PE " << peer << " did not make its destination ready within " << seconds << " s";
+    text << "PE " << peer << " did not begin this run within " << seconds_for(kPhaseReady) << " s"
+         << stuck_behind_clause(*status) << " (is PE " << status->stuck_behind
+         << " calling run()? the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
   } else {
-    text << "the data from PE " << peer << " did not arrive within " << seconds << " s";
+    text << "the data from PE " << peer << " did not arrive within " << seconds_for(kPhaseDone)
+         << " s" << stuck_behind_clause(*status) << " (is PE " << status->stuck_behind
+         << " calling run()? RESHARD_TIMEOUT_S sets the limit)";
   }
-  text << stuck_behind_clause(*status);
-  text << " (is PE " << status->stuck_behind << " calling run()? RESHARD_TIMEOUT_S sets the limit)";
   throw_error(ErrorCode::kTimeout, text.str());
+}
+
+std::uint64_t CudaTransport::seconds_for(unsigned int phase) const {
+  const auto limit = phase == kPhaseReady ? std::max(arrival_timeout_, timeout_) : timeout_;
+  return static_cast<std::uint64_t>(limit.count()) / 1000;
 }
 
 // Medians over the recorded runs of each phase of the fused kernel, and of the gap from one
@@ -1315,6 +1438,7 @@ void CudaTransport::log_trace() noexcept {
 
 void CudaTransport::abort(const std::string& reason) noexcept {
   aborted_ = true;
+  board_.mark(RunBoard::kFailed, reason);  // peers stop waiting for this PE at once
   cancel_waits(status_);
   RESHARD_LOG(kDebug, "cuda transport aborted: " << reason);
 }

@@ -481,6 +481,8 @@ KernelArgs NvshmemTransport::launch_args() const {
   args.waiting_on = rt_.waiting_on();
   args.peer_waiting_on = peer_waiting_on_.get();
   args.timeout_ns = timeout_ns_;
+  // A late peer has the transfer timeout here too: this transport's host waits allow no more.
+  args.arrival_timeout_ns = 0;
   return args;
 }
 

@@ -1,0 +1,70 @@
+#include "transports/cuda/run_board.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace reshard::cuda {
+
+RunBoard::RunBoard(int me, int n_pes) : me_(me), segments_(static_cast<std::size_t>(n_pes)) {
+  // The pid makes the name unique on the machine; the count, among this process's services.
+  static std::atomic<int> created{0};
+  name_ = "/reshard-cuda-" + std::to_string(::getpid()) + "-" + std::to_string(created++);
+  segments_[static_cast<std::size_t>(me)] = host::ShmSegment::create(name_, sizeof(Entry));
+  reset();
+}
+
+void RunBoard::open(int pe, const std::string& name) {
+  segments_[static_cast<std::size_t>(pe)] = host::ShmSegment::open(name, sizeof(Entry));
+}
+
+void RunBoard::unlink() noexcept {
+  if (me_ >= 0) segments_[static_cast<std::size_t>(me_)].unlink();
+}
+
+std::uint64_t RunBoard::begin_run() noexcept {
+  return entry(me_)->runs_begun.fetch_add(1, std::memory_order_release) + 1;
+}
+
+std::uint64_t RunBoard::runs_begun(int pe) const noexcept {
+  return entry(pe)->runs_begun.load(std::memory_order_acquire);
+}
+
+void RunBoard::mark(State state, const std::string& reason) noexcept {
+  if (me_ < 0) return;
+  Entry& mine = *entry(me_);
+  const std::size_t length = std::min(reason.size(), sizeof mine.reason - 1);
+  std::memcpy(mine.reason, reason.data(), length);
+  mine.reason[length] = '\0';
+  mine.state.store(state, std::memory_order_release);  // the reason is whole before the state
+}
+
+RunBoard::State RunBoard::state(int pe) const noexcept {
+  return static_cast<State>(entry(pe)->state.load(std::memory_order_acquire));
+}
+
+std::string RunBoard::reason(int pe) const {
+  const Entry& peer = *entry(pe);
+  return std::string(peer.reason, strnlen(peer.reason, sizeof peer.reason));
+}
+
+int RunBoard::first_peer_gone(State* state) const noexcept {
+  for (int pe = 0; pe < static_cast<int>(segments_.size()); ++pe) {
+    if (pe == me_ || segments_[static_cast<std::size_t>(pe)].data() == nullptr) continue;
+    if (const State seen = this->state(pe); seen != kRunning) {
+      *state = seen;
+      return pe;
+    }
+  }
+  return -1;
+}
+
+void RunBoard::reset() noexcept {
+  Entry& mine = *entry(me_);
+  mine.runs_begun.store(0, std::memory_order_relaxed);
+  mine.reason[0] = '\0';
+  mine.state.store(kRunning, std::memory_order_release);
+}
+
+}  // namespace reshard::cuda

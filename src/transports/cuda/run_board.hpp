@@ -1,0 +1,57 @@
+// How each PE's runs stand, in shared host memory that every PE of the machine maps: the runs it
+// has begun and whether it gave a run up (failed for good, or alive and meeting the others to run
+// again). The CUDA transport reads it where the host decides (a run's start, while it waits for a
+// run's end, the same-GPU watchdog) without a round trip to any GPU: a peer that has not begun
+// this run is late, not stuck; a peer that gave its run up ends this PE's wait at once.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transports/host/shm_segment.hpp"
+
+namespace reshard::cuda {
+
+class RunBoard {
+ public:
+  enum State : std::uint32_t { kRunning = 0, kFailed = 1, kWillRetry = 2 };
+
+  RunBoard() = default;
+  // This PE's entry, under a name no other process on the machine uses; peers open() it.
+  RunBoard(int me, int n_pes);
+  const std::string& name() const { return name_; }
+  // Maps PE `pe`'s entry (a peer on this machine), created under `name`.
+  void open(int pe, const std::string& name);
+  // Once every PE has opened every entry: the names go, the mappings stay.
+  void unlink() noexcept;
+
+  // A run of this PE begins: the count every peer reads.
+  std::uint64_t begin_run() noexcept;
+  std::uint64_t runs_begun(int pe) const noexcept;
+  // Tells the peers this PE gave its run up (kFailed also overrides an earlier kWillRetry).
+  void mark(State state, const std::string& reason) noexcept;
+  State state(int pe) const noexcept;
+  std::string reason(int pe) const;
+  // The first PE other than this one that gave its run up, or -1.
+  int first_peer_gone(State* state) const noexcept;
+  // Back to no runs begun, running (recover(): every PE at once, outside run()).
+  void reset() noexcept;
+
+ private:
+  struct Entry {
+    std::atomic<std::uint32_t> state;
+    std::atomic<std::uint64_t> runs_begun;
+    char reason[496];
+  };
+  Entry* entry(int pe) const noexcept {
+    return reinterpret_cast<Entry*>(segments_[static_cast<std::size_t>(pe)].data());
+  }
+
+  int me_ = -1;
+  std::string name_;
+  std::vector<host::ShmSegment> segments_;  // [pe]: PE pe's entry
+};
+
+}  // namespace reshard::cuda
