@@ -181,7 +181,9 @@ int main(int argc, char** argv) {
   const std::string transport = argc > 2 ? argv[2] : "host";
   std::shared_ptr<reshard::Bootstrap> bootstrap = reshard::make_default_bootstrap();
   reshard::CopyService service(bootstrap, reshard::parse_transport_kind(transport));
-  service.init(reshard::LogLevel::kWarn);
+  const char* log_level = std::getenv("RESHARD_LOG_LEVEL");  // to look into a failing scenario
+  service.init(log_level != nullptr ? reshard::parse_log_level(log_level)
+                                    : reshard::LogLevel::kWarn);
   const auto w = reshard::bench::make_workload("uniform", service.n_pes(), 256 << 10, 1);
   Memory send(w.send_buffer_bytes[service.my_pe()], service.device());
   Memory recv(w.recv_buffer_bytes[service.my_pe()], service.device());

@@ -1214,7 +1214,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_boa
   const auto board_problem = [&]() -> std::string {
     if (!watch_board || (gone = board_.first_peer_gone(&gone_state)) < 0) return {};
     return "PE " + std::to_string(gone) +
-           (gone_state == RunBoard::kWillRetry ? " gave this run up" : " failed") + " (" +
+           (gone_state == RunBoard::kFailed ? " failed" : " gave this run up") + " (" +
            board_.reason(gone) + ")";
   };
   int dead = -1;
@@ -1235,7 +1235,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_boa
                                                std::to_string(pids_[dead]) + ") exited mid-run");
     }
     // A peer alive and meeting the others to run again: this PE runs again too.
-    can_retry_ = gone_state == RunBoard::kWillRetry && first_exited_process(pids_, true) < 0;
+    can_retry_ = gone_state != RunBoard::kFailed && first_exited_process(pids_, true) < 0;
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   if (!problem.empty()) {
@@ -1248,10 +1248,10 @@ void CudaTransport::check_peers_on_board(const char* waiting_for) {
   RunBoard::State state = RunBoard::kRunning;
   const int peer = board_.first_peer_gone(&state);
   if (peer < 0) return;
-  can_retry_ = state == RunBoard::kWillRetry && first_exited_process(pids_, true) < 0;
+  can_retry_ = state != RunBoard::kFailed && first_exited_process(pids_, true) < 0;
   throw_error(ErrorCode::kPeerFailure,
               "PE " + std::to_string(peer) +
-                  (state == RunBoard::kWillRetry ? " gave its last run up" : " failed") +
+                  (state == RunBoard::kFailed ? " failed" : " gave its last run up") +
                   " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " +
                   board_.reason(peer));
 }
@@ -1259,7 +1259,8 @@ void CudaTransport::check_peers_on_board(const char* waiting_for) {
 bool CudaTransport::retry_requested() const {
   if (finalized_) return false;
   for (int pe = 0; pe < n_pes_; ++pe) {
-    if (board_.state(pe) == RunBoard::kWillRetry) return true;
+    const RunBoard::State state = board_.state(pe);
+    if (state == RunBoard::kWillRetry || state == RunBoard::kGivingUp) return true;
   }
   return false;
 }
@@ -1299,6 +1300,12 @@ void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) no
   RESHARD_LOG(kDebug, "PE " << me_ << " gives up its run on CUDA device " << device_ << ": "
                             << (code == kStatusTimeout ? "timed out" : "cancelled")
                             << " waiting for PE " << peer);
+  // Before its stream is released: the done flags it then raises for the peers it orders by the
+  // streams carry no data, and those peers must hear so before they take their run as complete.
+  if (board_.state(me_) == RunBoard::kRunning)
+    board_.mark(RunBoard::kGivingUp, "PE " + std::to_string(me_) + " gave its run up " +
+                                         (code == kStatusTimeout ? "(timed out" : "(cancelled") +
+                                         " waiting for PE " + std::to_string(peer) + ")");
   host_failure_.record(code, peer, phase);
   cancel_waits(status_);
   // The kernels after the waits copy nothing once this word is set (see KernelArgs::failure).
@@ -1352,6 +1359,9 @@ void CudaTransport::synchronize() {
   wait_for(last_run_, "run()");
   run_pending_ = false;
   throw_device_failure();
+  // A peer ordered by the streams that gave its run up still raised its done flags (its stream
+  // had to drain): its mark on the board, made before that, says the bytes did not come.
+  if (any_stream_ordered()) check_peers_on_board("for its run to complete");
 }
 
 void CudaTransport::forget_schedule() {

@@ -16,7 +16,9 @@ namespace reshard::cuda {
 
 class RunBoard {
  public:
-  enum State : std::uint32_t { kRunning = 0, kFailed = 1, kWillRetry = 2 };
+  // kGivingUp: this PE's run failed (its flags released, copies skipped) and its service has not
+  // yet said whether it runs again; peers whose run depended on it must not take it as done.
+  enum State : std::uint32_t { kRunning = 0, kFailed = 1, kWillRetry = 2, kGivingUp = 3 };
 
   RunBoard() = default;
   // This PE's entry, under a name no other process on the machine uses; peers open() it.
