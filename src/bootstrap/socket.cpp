@@ -37,7 +37,6 @@ void set_nodelay(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
-
 }  // namespace
 
 Socket::~Socket() {
@@ -88,6 +87,15 @@ std::string peer_address(const Socket& socket) {
   return text;
 }
 
+bool connected_to_itself(int fd) {
+  sockaddr_in local{}, peer{};
+  socklen_t local_size = sizeof local, peer_size = sizeof peer;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_size) != 0)
+    return false;
+  return local.sin_port == peer.sin_port && local.sin_addr.s_addr == peer.sin_addr.s_addr;
+}
+
 Socket connect_to(const std::string& host, int port, Deadline deadline, const std::string& whom) {
   const auto started = Clock::now();
   addrinfo hints{};
@@ -107,8 +115,15 @@ Socket connect_to(const std::string& host, int port, Deadline deadline, const st
     Socket socket(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!socket.valid()) throw_system_error("socket()");
     if (::connect(socket.fd(), reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
-      set_nodelay(socket.fd());
-      return socket;
+      if (!connected_to_itself(socket.fd())) {
+        set_nodelay(socket.fd());
+        return socket;
+      }
+      // Connecting again and again to a port of this machine that nobody listens on yet (rank 0
+      // still starting), the kernel may give the socket that very port as its own and connect it
+      // to itself: it then holds the port rank 0 is about to listen on ("Address already in use"
+      // there). Such a connection is dropped and tried again.
+      errno = ECONNREFUSED;
     }
     if (Clock::now() + pause >= deadline) {
       throw_error(ErrorCode::kTimeout, "timed out connecting to " + whom + " at " + host + ":" +

@@ -40,7 +40,11 @@ class Socket {
 Socket listen_on(int port, int backlog);
 int local_port(const Socket& socket);
 std::string peer_address(const Socket& socket);
-// Retries until the deadline: the listener may not be up yet when a rank starts.
+// Whether `fd` is a TCP connection from a port to that same port of the same address: a connect to
+// a port of this machine that nobody listens on can open a connection with itself.
+bool connected_to_itself(int fd);
+// Retries until the deadline: the listener may not be up yet when a rank starts (a connection a
+// retry opened with itself is dropped: it would hold the port the listener is about to take).
 Socket connect_to(const std::string& host, int port, Deadline deadline, const std::string& whom);
 // Waits for one incoming connection.
 Socket accept_one(const Socket& listener, Deadline deadline, const std::string& whom);

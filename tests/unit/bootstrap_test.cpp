@@ -1,12 +1,16 @@
 // The TCP bootstrap with each rank on its own thread of this process: the sockets are real.
 #include "reshard/bootstrap.hpp"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <functional>
 #include <thread>
 
+#include "bootstrap/socket.hpp"
 #include "reshard/error.hpp"
 
 namespace reshard {
@@ -142,6 +146,29 @@ TEST(TcpBootstrap, ACollectiveGivenUpOnFailsEveryRankAlikeAndTheNextOneWorks) {
     EXPECT_EQ(gathered[rank], (std::vector<std::string>{"0.1 1.1 2.1 ", "0.3 1.3 2.3 "}))
         << "rank " << rank;
   }
+}
+
+// A connect to a port of this machine that nobody listens on may be given that same port and open
+// a connection with itself (a rank retrying while rank 0 starts then held rank 0's port: "cannot
+// listen on port ...: Address already in use"). Made here on purpose, it is told apart from a
+// connection to a listener.
+TEST(Sockets, AConnectionWithItselfIsToldApartFromOneToAListener) {
+  net::Socket self(::socket(AF_INET, SOCK_STREAM, 0));
+  ASSERT_TRUE(self.valid());
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(self.fd(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  socklen_t size = sizeof address;
+  ASSERT_EQ(::getsockname(self.fd(), reinterpret_cast<sockaddr*>(&address), &size), 0);
+  ASSERT_EQ(::connect(self.fd(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  EXPECT_TRUE(net::connected_to_itself(self.fd()));
+
+  const net::Socket listener = net::listen_on(0, 1);
+  const net::Socket client = net::connect_to("127.0.0.1", net::local_port(listener),
+                                             std::chrono::steady_clock::now() + 5s, "the listener");
+  EXPECT_FALSE(net::connected_to_itself(client.fd()));
+  EXPECT_FALSE(net::connected_to_itself(listener.fd()));  // not connected at all
 }
 
 TEST(TcpBootstrap, RefusesBadArguments) {
