@@ -1236,10 +1236,12 @@ def megatron_suite_outcomes(stdout):
 
 
 @pytest.mark.skipif(not has_megatron(), reason="needs megatron-core (and PyTorch)")
+@pytest.mark.parametrize("ranks", [4, 8])
 @pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.19.0"])
-def test_megatron_own_model_swap_suite_with_reshard_services(tag):
+def test_megatron_own_model_swap_suite_with_reshard_services(tag, ranks):
     # Megatron-LM's own tests/unit_tests/resharding/test_model_swap.py, unchanged, at the
-    # release tag of the installed megatron-core, on 4 ranks: reshard's ReshardCopyService and
+    # release tag of the installed megatron-core, on 4 and 8 ranks (layouts of up to 8 ranks run
+    # only there; 3.5 min on 2 cores): reshard's ReshardCopyService and
     # Megatron's NVSHMEMCopyService over reshard's RemoteCopyService must pass every layout
     # Megatron's Gloo service passes, and a service that moves nothing must fail every one.
     import megatron.core
@@ -1250,7 +1252,7 @@ def test_megatron_own_model_swap_suite_with_reshard_services(tag):
     if not megatron.core.__version__.startswith(wanted + "."):
         pytest.skip(f"megatron-core {megatron.core.__version__} is installed; the tests of {tag} "
                     f"need {wanted}.x (PyPI here has no other)")
-    result = launch(4, ROOT / "tests" / "megatron" / "run_model_swap.py", folder, timeout=1500,
+    result = launch(ranks, ROOT / "tests" / "megatron" / "run_model_swap.py", folder, timeout=1500,
                     RESHARD_TIMEOUT_S="60")
     outcomes = megatron_suite_outcomes(result.stdout)
     passed = {layout for (layout, backend), o in outcomes.items()
