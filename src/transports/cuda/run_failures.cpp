@@ -36,8 +36,9 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_boa
                                                std::to_string(dead) + " (pid " +
                                                std::to_string(pids_[dead]) + ") exited mid-run");
     }
-    // A peer alive and meeting the others to run again: this PE runs again too.
-    can_retry_ = gone_state != RunBoard::kFailed && first_exited_process(pids_, true) < 0;
+    // The board says who gave up and whether every PE can run again (read afresh: an entry goes
+    // back to "running" only in a recover() this PE takes part in).
+    check_peers_on_board(("for " + std::string(what)).c_str());
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   if (!problem.empty()) {
