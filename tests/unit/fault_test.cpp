@@ -307,15 +307,18 @@ TEST_P(GpuFaults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
   EXPECT_NE(outcome.result.exit_code, 0);
 }
 
-// A run given up on a late or stopped PE 1 (see the host memory test above), on the CUDA transport:
-// the others' kernels or stream waits give up, every PE meets at its next run, zeroes its flags
-// and runs again, and every byte of the runs after that lands. The other GPU transports fail the
-// service instead (a run they give up is not run again).
+// A run given up on a late or stopped PE 1 (see the host memory test above), on the CUDA and
+// NVSHMEM transports: the others' kernels or stream waits give up, every PE meets at its next run,
+// zeroes its flags (NVSHMEM: its pair counters and signal words) and runs again, and every byte of
+// the runs after that lands. NCCL and the mixed transport fail the service instead (a run they
+// give up is not run again).
 TEST_P(GpuFaults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
-  if (GetParam().transport != "cuda") GTEST_SKIP() << "runs given up are run again on cuda only";
+  if (GetParam().transport != "cuda" && GetParam().transport != "nvshmem")
+    GTEST_SKIP() << "runs given up are run again on cuda and nvshmem only";
   set_timeouts("6");
   for (const char* scenario : {"late-then-retry", "stall-then-retry"}) {
-    const Outcome outcome = launch(GetParam().pes, {RESHARD_FAULT_WORKER, scenario, "cuda"}, true);
+    const Outcome outcome =
+        launch(GetParam().pes, {RESHARD_FAULT_WORKER, scenario, GetParam().transport}, true);
     EXPECT_LT(outcome.seconds, 90.0) << scenario << "\n" << all_lines(outcome);
     EXPECT_EQ(outcome.result.exit_code, 0) << scenario << "\n" << all_lines(outcome);
     for (int rank = 0; rank < GetParam().pes; ++rank) {

@@ -30,7 +30,7 @@
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "transports/cuda/ipc_memory.hpp"
-#include "transports/cuda/run_board.hpp"
+#include "gpu/run_board.hpp"
 #include "transports/cuda/same_device_order.hpp"
 
 namespace reshard::cuda {

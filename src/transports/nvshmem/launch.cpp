@@ -115,6 +115,10 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   cuda::DeviceScope scope(device_);
   // A run the watchdog (or a kernel's wait) failed since: say why before queuing more.
   if (cuda::run_failure(status_, host_failure_)) synchronize();
+  // A peer of this machine that gave its last run up waits for every PE to meet it: this run
+  // would wait for it in vain.
+  check_peers_on_board("to begin this run");
+  board_.begin_run();
   run_waits_.clear();
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);

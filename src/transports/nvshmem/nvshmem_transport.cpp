@@ -27,7 +27,7 @@ namespace reshard {
 namespace nvshmem {
 
 NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOptions& options)
-    : me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
+    : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
   send_stream_enabled_ = options.debug.nvshmem_send_stream;
   peers_per_round_ = options.debug.nvshmem_peers_per_round;
   direct_ = options.debug.nvshmem_direct;
@@ -104,6 +104,13 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
   }
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
+  board_ = cuda::RunBoard(me_, n_pes_);
+  message::Writer board_name;
+  board_name.put_string(board_.name());
+  const auto boards = bootstrap.all_gather(board_name.bytes());
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (local_pids_[pe] != 0) board_.open(pe, message::Reader(boards[pe]).get_string());
+  }
   nodes_ = map_nodes(bootstrap, options.node_size);
   timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000;
   std::vector<const std::uint64_t*> waiting_on(n_pes_, nullptr);
@@ -116,6 +123,8 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
     watchdog_.start(
         device_, [this] { return !watched_.empty(); }, [this] { check_stream_waits(); });
   }
+  bootstrap.barrier();  // every PE of this machine has mapped every other's board entry
+  board_.unlink();
 }
 
 void NvshmemTransport::finalize() noexcept {

@@ -26,6 +26,7 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
 #include "gpu/device_array.hpp"
+#include "gpu/run_board.hpp"
 #include "gpu/run_watchdog.hpp"
 #include "gpu/stream_memory_ops.hpp"
 #include "reshard/error.hpp"
@@ -156,6 +157,14 @@ class NvshmemTransport final : public Transport {
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
   void abort(const std::string& reason) noexcept override;
+  // A run given up (a timeout with every PE of this machine alive, or a peer here that gave its
+  // run up and meets the others) is run again: the peers of this machine see it on the run board
+  // at once; those of other machines at their own timeout. recover() puts every pair counter and
+  // signal word back to zero on every PE.
+  void offer_retry(const std::string& reason) noexcept override;
+  bool can_retry() const override { return can_retry_; }
+  bool retry_requested() const override;
+  void recover() override;
   void finalize() noexcept override;
 
  private:
@@ -174,8 +183,14 @@ class NvshmemTransport final : public Transport {
   void release_own_waits(cudaStream_t side) noexcept;
   std::pair<int, unsigned int> first_unmet_wait() noexcept;
   void throw_device_failure();
+  void check_peers_on_board(const char* waiting_for);
+  // Stops this PE's waits and copies and raises its own signal words, so its streams drain.
+  void give_up_run(const std::string& reason) noexcept;
 
   Runtime& rt_ = runtime();
+  Bootstrap& bootstrap_;
+  cuda::RunBoard board_;  // this machine's PEs: the runs they began, the runs they gave up
+  bool can_retry_ = false;
   int me_ = 0;
   int n_pes_ = 0;
   int device_ = -1;

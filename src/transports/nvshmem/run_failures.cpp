@@ -1,5 +1,6 @@
 // The NVSHMEM transport's waits and failures: waits moved to the stream's front end and the
-// watchdog that bounds them, waiting for a run, its error, and abort().
+// watchdog that bounds them, waiting for a run, its error, a run given up and run again, and
+// abort().
 #include "transports/nvshmem/nvshmem_transport_impl.hpp"
 
 namespace reshard::nvshmem {
@@ -36,12 +37,15 @@ void NvshmemTransport::check_stream_waits() noexcept {
     spare_events_.push_back(watched_.front().done);
     watched_.pop_front();
   }
+  cuda::RunBoard::State gone_state = cuda::RunBoard::kRunning;
   if (watched_.empty()) {
     watch_failed_ = false;
   } else if (watch_failed_) {
     fail_stream_waits(cuda::kStatusCancelled, -1, 0);
   } else if (const int dead = first_exited_process(local_pids_, true); dead >= 0) {
     fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kPhaseDone);
+  } else if (const int gone = board_.first_peer_gone(&gone_state); gone >= 0) {
+    fail_stream_waits(cuda::kStatusCancelled, gone, cuda::kPhaseDone);
   } else if (Clock::now() - last_queued_ > timeout_) {
     const int stopped = first_stopped_process(local_pids_);
     const auto [peer, phase] = first_unmet_wait();
@@ -96,14 +100,45 @@ void NvshmemTransport::synchronize() {
   // it a moment beyond the timeout to do so.
   const auto limit =
       timeout_ + (stream_waits_ ? std::chrono::milliseconds(2000) : std::chrono::milliseconds(0));
-  const std::string problem = cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead, limit);
+  // A peer of this machine that gave its run up ends the wait at once (its signals will not come).
+  int gone = -1;
+  cuda::RunBoard::State gone_state = cuda::RunBoard::kRunning;
+  const auto board_problem = [&]() -> std::string {
+    if ((gone = board_.first_peer_gone(&gone_state)) < 0) return {};
+    return "PE " + std::to_string(gone) + " gave its run up";
+  };
+  const std::string problem =
+      cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead, limit, board_problem);
+  if (gone >= 0 && dead < 0) {
+    // The kernels stop waiting, and must have ended before the caller frees what they touch.
+    give_up_run("PE " + std::to_string(me_) + " gave its run up: " + problem);
+    int ignored = -1;
+    const std::string stuck =
+        cuda::wait_for_run(last_run_, {}, "NVSHMEM", &ignored, timeout_ + std::chrono::seconds(10));
+    run_pending_ = false;
+    if (!stuck.empty()) {
+      abort(stuck);
+      throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + stuck);
+    }
+    check_peers_on_board("for its run to complete");
+  }
   run_pending_ = false;
   if (!problem.empty()) {
-    abort(problem);
-    throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
-                "run() on PE " + std::to_string(me_) + ": " + problem);
+    if (dead >= 0) {
+      abort(problem);
+      throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
+    }
+    // The host's own limit passed (the kernels' waits or the watchdog should have ended it
+    // first): given up, and run again if every PE of this machine is alive.
+    give_up_run(problem);
+    can_retry_ = first_exited_process(local_pids_, true) < 0;
+    throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   throw_device_failure();
+  // This PE has every byte it waited for, but a peer that gave this run up has not: the run is
+  // given up on every PE, so that every PE runs it again (a PE stopped mid-run finds its run
+  // complete on the GPU when it wakes, its peers having given up on it long before).
+  check_peers_on_board("for its run to complete");
 }
 
 void NvshmemTransport::throw_device_failure() {
@@ -128,14 +163,105 @@ void NvshmemTransport::throw_device_failure() {
                                                        : " to deliver its data")
              : std::string(" waiting for its peers")) +
       cuda::stuck_behind_clause(*status) + " (RESHARD_TIMEOUT_S sets the limit)";
-  abort(problem);
+  // A peer of this machine that gave its run up is why this one stopped: its words say more.
+  check_peers_on_board("for its data");
+  // Every PE of this machine alive: they may all meet and run again (a PE of another machine
+  // that died fails that meeting).
+  give_up_run(problem);
+  can_retry_ = first_exited_process(local_pids_, true) < 0;
   throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
+}
+
+void NvshmemTransport::check_peers_on_board(const char* waiting_for) {
+  cuda::RunBoard::State state = cuda::RunBoard::kRunning;
+  const int peer = board_.first_peer_gone(&state);
+  if (peer < 0) return;
+  if (run_pending_ || cuda::run_failure(status_, host_failure_))
+    give_up_run("PE " + std::to_string(me_) + " gave its run up: PE " + std::to_string(peer) +
+                " had given its own up");
+  can_retry_ = state != cuda::RunBoard::kFailed && first_exited_process(local_pids_, true) < 0;
+  throw_error(ErrorCode::kPeerFailure,
+              "PE " + std::to_string(peer) +
+                  (state == cuda::RunBoard::kFailed ? " failed" : " gave its last run up") +
+                  " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " +
+                  board_.reason(peer));
+}
+
+void NvshmemTransport::give_up_run(const std::string& reason) noexcept {
+  if (board_.state(me_) == cuda::RunBoard::kRunning) board_.mark(cuda::RunBoard::kGivingUp, reason);
+  host_failure_.record(cuda::kStatusCancelled, -1, cuda::kPhaseDone);
+  cuda::cancel_waits(status_);
+  if (rt_.heap == nullptr) return;
+  cudaStream_t side = nullptr;
+  if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
+    release_own_waits(side);
+    cudaStreamDestroy(side);
+  }
+}
+
+bool NvshmemTransport::retry_requested() const {
+  if (finalized_) return false;
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (!board_.has(pe)) continue;
+    const cuda::RunBoard::State state = board_.state(pe);
+    if (state == cuda::RunBoard::kWillRetry || state == cuda::RunBoard::kGivingUp) return true;
+  }
+  return false;
+}
+
+void NvshmemTransport::offer_retry(const std::string& reason) noexcept {
+  give_up_run(reason);
+  board_.mark(cuda::RunBoard::kWillRetry, reason);
+}
+
+void NvshmemTransport::recover() {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "recover() after finalize()");
+  if (aborted_) throw_error(ErrorCode::kPeerFailure, "recover() after a failed run on this PE");
+  cuda::DeviceScope scope(device_);
+  // The run given up has ended on this PE (its waits were cancelled, released or ran out), and
+  // every put it queued has landed: no word of it can reach a peer after the zeroing below.
+  if (run_pending_) {
+    int dead = -1;
+    const std::string stuck = cuda::wait_for_run(last_run_, local_pids_, "the last run", &dead,
+                                                 timeout_ + std::chrono::seconds(10));
+    run_pending_ = false;
+    if (!stuck.empty())
+      throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + stuck);
+  }
+  RESHARD_CUDA_CHECK(cudaStreamSynchronize(send_stream_));
+  nvshmemx_quiet_on_stream(stream_);
+  RESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  {
+    std::lock_guard lock(watchdog_.mutex());
+    for (const WatchedRun& run : watched_) spare_events_.push_back(run.done);
+    watched_.clear();
+    watch_failed_ = false;
+  }
+  bootstrap_.barrier();  // no PE's device work writes into a peer's heap any more
+  // Every pair counter and signal word back to zero on every PE at once: sequence numbers start
+  // again from the first batch, no signal of the run given up can be taken for one of the next.
+  RESHARD_CUDA_CHECK(cudaMemsetAsync(rt_.heap, 0, rt_.signal_bytes(), stream_));
+  RESHARD_CUDA_CHECK(cudaMemsetAsync(failure_, 0, sizeof *failure_, stream_));
+  RESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  {
+    std::lock_guard lock(rt_.mutex);
+    std::fill(rt_.sent.begin(), rt_.sent.end(), 0);
+    std::fill(rt_.received.begin(), rt_.received.end(), 0);
+    rt_.last_put.assign(rt_.last_put.size(), {});
+    rt_.outbox_uses = 0;
+  }
+  *status_ = cuda::DeviceStatus{};
+  host_failure_.clear();
+  can_retry_ = false;
+  board_.reset();
+  bootstrap_.barrier();  // every PE's counters, words and board are zero before any run
 }
 
 void NvshmemTransport::abort(const std::string& reason) noexcept {
   if (aborted_) return;
   aborted_ = true;
   RESHARD_LOG(kDebug, "nvshmem transport aborted: " << reason);
+  board_.mark(cuda::RunBoard::kFailed, reason);  // peers of this machine stop waiting at once
   std::lock_guard lock(rt_.mutex);
   // The pair counters no longer match the peers' (a run stopped half-way on some PEs).
   rt_.broken = "an earlier run failed (" + reason + ")";

@@ -1,8 +1,8 @@
 // How each PE's runs stand, in shared host memory that every PE of the machine maps: the runs it
 // has begun and whether it gave a run up (failed for good, or alive and meeting the others to run
-// again). The CUDA transport reads it where the host decides (a run's start, while it waits for a
-// run's end, the same-GPU watchdog) without a round trip to any GPU: a peer that has not begun
-// this run is late, not stuck; a peer that gave its run up ends this PE's wait at once.
+// again). The CUDA and NVSHMEM transports read it where the host decides (a run's start, while it
+// waits for a run's end, the same-GPU watchdog) without a round trip to any GPU: a peer that has
+// not begun this run is late, not stuck; a peer that gave its run up ends this PE's wait at once.
 #pragma once
 
 #include <atomic>
@@ -24,11 +24,15 @@ class RunBoard {
   // This PE's entry, under a name no other process on the machine uses; peers open() it.
   RunBoard(int me, int n_pes);
   const std::string& name() const { return name_; }
-  // Maps PE `pe`'s entry (a peer on this machine), created under `name`.
+  // Maps PE `pe`'s entry (a peer on this machine), created under `name`. Peers on other machines
+  // stay unmapped: first_peer_gone() passes them over, and nothing else may ask for them.
   void open(int pe, const std::string& name);
   // Once every PE has opened every entry: the names go, the mappings stay.
   void unlink() noexcept;
 
+  bool has(int pe) const noexcept {
+    return segments_[static_cast<std::size_t>(pe)].data() != nullptr;
+  }
   // A run of this PE begins: the count every peer reads.
   std::uint64_t begin_run() noexcept;
   std::uint64_t runs_begun(int pe) const noexcept;

@@ -1,4 +1,4 @@
-#include "transports/cuda/run_board.hpp"
+#include "gpu/run_board.hpp"
 
 #include <unistd.h>
 
@@ -10,7 +10,7 @@ namespace reshard::cuda {
 RunBoard::RunBoard(int me, int n_pes) : me_(me), segments_(static_cast<std::size_t>(n_pes)) {
   // The pid makes the name unique on the machine; the count, among this process's services.
   static std::atomic<int> created{0};
-  name_ = "/reshard-cuda-" + std::to_string(::getpid()) + "-" + std::to_string(created++);
+  name_ = "/reshard-runs-" + std::to_string(::getpid()) + "-" + std::to_string(created++);
   segments_[static_cast<std::size_t>(me)] = host::ShmSegment::create(name_, sizeof(Entry));
   reset();
 }
