@@ -115,6 +115,9 @@ struct CopyService::Impl {
   // The range, simplified, once it is known to lie inside the buffer.
   StridedRange check_request(const char* call, TaskId task, const Buffer& buffer,
                              const StridedRange& range, PeId peer, const char* peer_role) const;
+  // A checked request, registered for the next schedule().
+  void add_request(bool sending, TaskId task, const Buffer& buffer, const StridedRange& range,
+                   PeId peer);
   ExecutionPlan build_plan(const Schedule& schedule) const;
   void verify_run(std::uint32_t phase);
   [[noreturn]] void fail(const Error& error);

@@ -129,20 +129,22 @@ void CopyService::register_receive(TaskId task_id, const Buffer& dst, std::size_
 
 void CopyService::register_send(TaskId task_id, const Buffer& src, const StridedRange& range,
                                 PeId dest_pe) {
-  const StridedRange checked =
-      impl_->check_request("register_send", task_id, src, range, dest_pe, "destination PE");
-  impl_->sends.push_back({task_id, src, checked, checked.bytes(), dest_pe, impl_->phase});
-  ++impl_->generation;
-  impl_->state = State::kInitialized;  // a new request invalidates an existing plan
+  impl_->add_request(/*sending=*/true, task_id, src, range, dest_pe);
 }
 
 void CopyService::register_receive(TaskId task_id, const Buffer& dst, const StridedRange& range,
                                    PeId src_pe) {
+  impl_->add_request(/*sending=*/false, task_id, dst, range, src_pe);
+}
+
+void CopyService::Impl::add_request(bool sending, TaskId task, const Buffer& buffer,
+                                    const StridedRange& range, PeId peer) {
   const StridedRange checked =
-      impl_->check_request("register_receive", task_id, dst, range, src_pe, "source PE");
-  impl_->receives.push_back({task_id, dst, checked, checked.bytes(), src_pe, impl_->phase});
-  ++impl_->generation;
-  impl_->state = State::kInitialized;
+      check_request(sending ? "register_send" : "register_receive", task, buffer, range, peer,
+                    sending ? "destination PE" : "source PE");
+  (sending ? sends : receives).push_back({task, buffer, checked, checked.bytes(), peer, phase});
+  ++generation;
+  state = State::kInitialized;  // a new request invalidates an existing plan
 }
 
 void CopyService::set_phase(std::uint32_t phase) {
