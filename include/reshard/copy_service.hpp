@@ -99,14 +99,13 @@ class CopyService {
   // where the last one failed and can be retried, the PEs meet there.
   void run_phase(std::uint32_t phase, void* cuda_stream = nullptr);
 
-  // Whether the transport moves strided ranges row by row in place at full speed (host, CUDA,
-  // NVSHMEM). NCCL sends each row as its own message: callers with many short rows pack them
-  // into contiguous buffers instead (execute_reshard_plan does).
+  // Deprecated: how the transport works inside, which the executor asks itself. Whether it moves
+  // strided ranges row by row in place (every transport but NCCL, which sends each row as a
+  // message: many short rows are better packed), and whether it waits for its peers in its
+  // stream's front end (GPU transports where processes share a GPU without MPS).
+  [[deprecated("a transport internal: the executor packs rows for NCCL itself")]]
   bool moves_rows_in_place() const;
-  // Whether the transport waits for its peers in its stream's front end (stream memory
-  // operations) rather than in kernels: what the GPU transports choose where processes share a
-  // GPU without MPS (CUDA: peers on this GPU taken in turn; NVSHMEM: RESHARD_NVSHMEM_WAITS=auto or
-  // stream). Work of the caller's beside such a transport belongs on the same stream.
+  [[deprecated("a transport internal; work beside a GPU transport belongs on its stream")]]
   bool waits_in_stream_front_end() const;
 
   // Collective: validates every request on every PE (before any byte moves) and builds the plan.

@@ -6,6 +6,7 @@ import operator
 import os
 import socket
 import sys
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 from . import _core
@@ -138,6 +139,12 @@ def _from_mpi(comm: Any, device: Optional[int]) -> "_core.Bootstrap":
 
         device = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     return _core.tcp_bootstrap(host, int(port), rank, size, device)
+
+
+def _deprecated_property(name: str) -> None:
+    warnings.warn(f"CopyService.{name} is deprecated and goes in the next release: it says how "
+                  "the transport works inside, which reshard's executor asks itself",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _local_rank(rank: int, device: Optional[int]) -> int:
@@ -338,17 +345,19 @@ class CopyService:
 
     @property
     def moves_rows_in_place(self) -> bool:
-        """Whether the transport copies strided ranges (``rows=``) row by row in place (host,
-        CUDA, NVSHMEM); NCCL sends each row as a message of its own."""
+        """Deprecated (how the transport works inside; the executor asks it itself): whether the
+        transport copies strided ranges (``rows=``) row by row in place (host, CUDA, NVSHMEM);
+        NCCL sends each row as a message of its own."""
+        _deprecated_property("moves_rows_in_place")
         return self._service.moves_rows_in_place
 
     @property
     def waits_in_stream_front_end(self) -> bool:
-        """Whether the transport waits for its peers in its stream's front end (stream memory
-        operations) rather than in kernels, as the GPU transports do where processes share a
-        GPU without MPS: the caller's own work beside it then belongs on the same stream (two
-        streams of one process both waiting there keep the GPU for a time slice). False on the
-        host transport."""
+        """Deprecated (how the transport works inside): whether the transport waits for its
+        peers in its stream's front end rather than in kernels, as the GPU transports do where
+        processes share a GPU without MPS. Work beside a GPU transport belongs on its stream
+        either way."""
+        _deprecated_property("waits_in_stream_front_end")
         return self._service.waits_in_stream_front_end
 
     def register_send(self, task_id: int, src_tensor: Any, src_pos: Optional[int] = None,

@@ -332,7 +332,7 @@ void bind_copy_service(nb::module_& m) {
       .def_prop_ro("device", &CopyService::device)
       .def_prop_ro("initialized", &CopyService::initialized)
       .def_prop_ro("transport_name", &CopyService::transport_name)
-      .def_prop_ro("generation",
+      .def_prop_ro("_generation",  // for tests: changes whenever the requests change
                    [](const CopyService& self) { return execution::ServiceSlot::generation(self); })
       .def(
           "register_send",
@@ -354,8 +354,13 @@ void bind_copy_service(nb::module_& m) {
           },
           "task_id"_a, "dst"_a, "dst_pos"_a, "size"_a, "src_pe"_a,
           "rows"_a = std::vector<std::uint64_t>{}, "pitches"_a = std::vector<std::uint64_t>{})
-      .def_prop_ro("moves_rows_in_place", &CopyService::moves_rows_in_place)
-      .def_prop_ro("waits_in_stream_front_end", &CopyService::waits_in_stream_front_end)
+      .def_prop_ro(
+          "moves_rows_in_place",
+          [](const CopyService& self) { return execution::ServiceSlot::moves_rows_in_place(self); })
+      .def_prop_ro("waits_in_stream_front_end",
+                   [](const CopyService& self) {
+                     return execution::ServiceSlot::waits_in_stream_front_end(self);
+                   })
       .def("schedule", &CopyService::schedule, GilFree())
       .def(
           "run",

@@ -39,7 +39,7 @@ Resharder::Impl::Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s,
       param_groups(o.param_groups),
       budget(requested.value_or(ReshardOptions::kDefaultStagingBudget)),
       me(s.my_pe()),
-      rows_in_place(s.moves_rows_in_place()) {
+      rows_in_place(execution::ServiceSlot::moves_rows_in_place(s)) {
   if (!plan) throw_error(ErrorCode::kInvalidArgument, "Resharder: null plan");
   for (const TransferOp& op : plan->ops()) {
     op_index.emplace(op.task_id, static_cast<std::uint32_t>(&op - plan->ops().data()));

@@ -88,7 +88,7 @@ struct Resharder::Impl {
   std::vector<std::uint64_t> placement;
   std::uint64_t budget;  // requested, else the default
   PeId me;
-  bool rows_in_place;  // strided slices travel in place (CopyService::moves_rows_in_place)
+  bool rows_in_place;  // strided slices travel in place (ServiceSlot::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
   // The parameters this rank's ops touch, each once in op order: the sources (the first
   // `source_params`), then the destinations. Copies, side by side in memory: the per-refit check

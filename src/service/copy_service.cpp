@@ -93,13 +93,11 @@ std::string CopyService::transport_name() const {
 }
 
 bool CopyService::moves_rows_in_place() const {
-  impl_->require_usable("moves_rows_in_place()");
-  return impl_->transport->caps().strided_rows;
+  return execution::ServiceSlot::moves_rows_in_place(*this);
 }
 
 bool CopyService::waits_in_stream_front_end() const {
-  impl_->require_usable("waits_in_stream_front_end()");
-  return impl_->transport->caps().front_end_waits;
+  return execution::ServiceSlot::waits_in_stream_front_end(*this);
 }
 
 void CopyService::clear_requests() {
@@ -180,6 +178,16 @@ void ServiceSlot::begin_run(CopyService& service) { service.impl_->begin_run(); 
 
 void ServiceSlot::run_phase(CopyService& service, std::uint32_t phase, void* cuda_stream) {
   service.impl_->run_phase(phase, cuda_stream, /*begins=*/false);
+}
+
+bool ServiceSlot::moves_rows_in_place(const CopyService& service) {
+  service.impl_->require_usable("moves_rows_in_place()");
+  return service.impl_->transport->caps().strided_rows;
+}
+
+bool ServiceSlot::waits_in_stream_front_end(const CopyService& service) {
+  service.impl_->require_usable("waits_in_stream_front_end()");
+  return service.impl_->transport->caps().front_end_waits;
 }
 
 void ServiceSlot::clear_requests(CopyService& service) {

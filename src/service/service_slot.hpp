@@ -33,6 +33,15 @@ struct ServiceSlot {
   // CopyService::clear_requests() without dropping the executors: what an executor calls before
   // registering its own requests.
   static void clear_requests(CopyService& service);
+  // Whether the transport moves strided ranges row by row in place at full speed (host, CUDA,
+  // NVSHMEM); NCCL sends each row as its own message, so the executor packs slices with many
+  // short rows into staging for it.
+  static bool moves_rows_in_place(const CopyService& service);
+  // Whether the transport waits for its peers in its stream's front end (stream memory
+  // operations) rather than in kernels: what the GPU transports choose where processes share a
+  // GPU without MPS (CUDA: peers on this GPU taken in turn; NVSHMEM: RESHARD_NVSHMEM_WAITS=auto or
+  // stream). Work beside such a transport belongs on the same stream.
+  static bool waits_in_stream_front_end(const CopyService& service);
 };
 
 }  // namespace reshard::execution

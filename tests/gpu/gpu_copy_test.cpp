@@ -21,6 +21,7 @@
 #include "gpu/cuda_device.hpp"
 #include "gpu/stream_memory_ops.hpp"
 #include "reshard/reshard.hpp"
+#include "service/service_slot.hpp"
 #include "service/test_hooks.hpp"
 #include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
@@ -193,13 +194,16 @@ TEST(GpuIdentity, TransportsWaitInTheStreamFrontEndWhereProcessesShareAGpuWithou
                (any_shared ? ", some GPU shared" : ", no GPU shared") +
                (cuda::mps_server_found() ? ", MPS" : ", no MPS"));
   if (transport == "cuda" && options.cuda.same_device == "auto") {
-    EXPECT_EQ(service->waits_in_stream_front_end(), any_shared && turns);
+    EXPECT_EQ(reshard::execution::ServiceSlot::waits_in_stream_front_end(*service),
+              any_shared && turns);
   } else if (transport == "nvshmem" && options.nvshmem.waits == "auto") {
-    EXPECT_EQ(service->waits_in_stream_front_end(), mine_shared_by > 1 && turns);
+    EXPECT_EQ(reshard::execution::ServiceSlot::waits_in_stream_front_end(*service),
+              mine_shared_by > 1 && turns);
   } else if (transport == "nvshmem") {
-    EXPECT_EQ(service->waits_in_stream_front_end(), options.nvshmem.waits == "stream");
+    EXPECT_EQ(reshard::execution::ServiceSlot::waits_in_stream_front_end(*service),
+              options.nvshmem.waits == "stream");
   } else if (transport == "nccl") {
-    EXPECT_FALSE(service->waits_in_stream_front_end());
+    EXPECT_FALSE(reshard::execution::ServiceSlot::waits_in_stream_front_end(*service));
   }
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
@@ -212,7 +216,7 @@ TEST(StridedRanges, EveryRowLandsInPlaceAndNoGapIsWritten) {
   auto service = make_service();
   const PeId me = service->my_pe();
   const int device = service->device();
-  const bool in_place = service->moves_rows_in_place();
+  const bool in_place = reshard::execution::ServiceSlot::moves_rows_in_place(*service);
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (std::uint64_t seed = 1; seed <= 6; ++seed) {

@@ -325,7 +325,7 @@ TEST(CopyService, PesInDifferentCollectiveCallsFailTheMeetingAlikeAndGoOn) {
 TEST(StridedRanges, EveryRowLandsInPlaceAndNoGapIsWritten) {
   auto service = make_service();
   const PeId me = service->my_pe();
-  EXPECT_TRUE(service->moves_rows_in_place());
+  EXPECT_TRUE(execution::ServiceSlot::moves_rows_in_place(*service));
   for (std::uint64_t seed = 1; seed <= 12; ++seed) {
     const auto w = testing_support::make_strided_workload(service->n_pes(), seed, 24,
                                                           seed % 3 == 0 ? 40000 : 700);

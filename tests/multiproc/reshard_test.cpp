@@ -15,6 +15,7 @@
 #include "reshard/model_layouts.hpp"
 #include "reshard/resharder.hpp"
 #include "reshard/staged_refit.hpp"
+#include "service/service_slot.hpp"
 #include "support/boxes.hpp"
 #include "support/gpu_pes.hpp"
 #include "support/pe_tests.hpp"
@@ -464,7 +465,8 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   // budget, which a first refit without a bound says.
   bool phases_needed = false;
   if (bounded) {
-    const bool stages = mode != Mode::kPlain || !service.moves_rows_in_place();
+    const bool stages =
+        mode != Mode::kPlain || !execution::ServiceSlot::moves_rows_in_place(service);
     auto transform = transform_for(mode);
     options.staging_budget = stages ? small_budget(*plan, transform.get(), mode, ops_in_budget) : 0;
     const auto expected = expectations(*plan, mode, transform.get());
@@ -545,8 +547,10 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     if (mode == Mode::kPlain) {
       // Strided slices travel in place, row by row, where the transport allows; else packed.
       const std::uint64_t strided = strided_slice_bytes(*plan, me);
-      EXPECT_EQ(report.strided_bytes, service.moves_rows_in_place() ? strided : 0);
-      EXPECT_EQ(report.packed_bytes, service.moves_rows_in_place() ? 0 : strided);
+      EXPECT_EQ(report.strided_bytes,
+                execution::ServiceSlot::moves_rows_in_place(service) ? strided : 0);
+      EXPECT_EQ(report.packed_bytes,
+                execution::ServiceSlot::moves_rows_in_place(service) ? 0 : strided);
     }
     EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "refit " << refit;
     // Poison the destination so the next refit must write it again.
@@ -610,7 +614,7 @@ TEST_P(ReshardInPhases, EveryDestinationElementMatchesWithinASmallBudget) {
     most_phases = std::max(most_phases, result.phases);
     most_staging = std::max(most_staging, result.staging_bytes);
   }
-  if (GetParam() == Mode::kPlain && service->moves_rows_in_place()) {
+  if (GetParam() == Mode::kPlain && execution::ServiceSlot::moves_rows_in_place(*service)) {
     EXPECT_EQ(most_phases, 1u);
     EXPECT_EQ(most_staging, 0u);
   } else if (GetParam() != Mode::kPlain && service->n_pes() % 2 == 0) {
@@ -629,7 +633,8 @@ TEST_P(ReshardInPhases, PipelinedPhasesMatchEveryDestinationElement) {
   if (service->n_pes() > 4) GTEST_SKIP() << "covered at 1-4 PEs";
   const Mode mode = GetParam();
   const bool reads_arrivals =
-      mode == Mode::kMxReceiver || (mode == Mode::kPlain && !service->moves_rows_in_place());
+      mode == Mode::kMxReceiver ||
+      (mode == Mode::kPlain && !execution::ServiceSlot::moves_rows_in_place(*service));
   if (!reads_arrivals) GTEST_SKIP() << "nothing is read after it lands";
   const std::string gpu = my_gpu_uuid();
   std::set<std::string> gpus;

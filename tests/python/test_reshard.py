@@ -100,16 +100,18 @@ def test_single_pe_copies_bytes_in_place(service):
         assert not dst[50:].any()
 
 
-def test_the_host_transport_waits_in_no_stream(service):
+def test_the_host_transport_waits_in_no_stream_said_by_a_deprecated_property(service):
     assert service.transport == "host"
-    assert not service.waits_in_stream_front_end
+    with pytest.warns(DeprecationWarning, match="waits_in_stream_front_end is deprecated"):
+        assert not service.waits_in_stream_front_end
+    with pytest.warns(DeprecationWarning, match="moves_rows_in_place is deprecated"):
+        assert service.moves_rows_in_place
 
 
 @pytest.mark.quick
 def test_strided_rows_move_a_column_block_in_place(service):
     # Columns 2..5 of a 6 x 8 float32 matrix land as columns 4..7 of another; a transposed cut
     # (rows of 8 bytes on the sender, 16 on the receiver) of the same stream works too.
-    assert service.moves_rows_in_place
     src = np.arange(48, dtype=np.float32).reshape(6, 8)
     dst = np.zeros((6, 8), dtype=np.float32)
     service.register_send(1, src, 2 * 4, 16, 0, rows=(6,), pitches=(32,))

@@ -19,6 +19,7 @@
 #include "core/env.hpp"
 #include "gpu/stream_memory_ops.hpp"
 #include "reshard/error.hpp"
+#include "service/service_slot.hpp"
 
 namespace reshard::bench {
 namespace {
@@ -337,9 +338,10 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
              << ",\"gbps_per_gpu\":" << rate << ",\"spread\":" << timings[e].spread
              << ",\"host_us_per_run\":" << timings[e].host_us
              << ",\"wrong_bytes\":" << timings[e].wrong << colocation
-             << (colocation.empty()                         ? ""
-                 : services[e]->waits_in_stream_front_end() ? ",\"front_end_waits\":true"
-                                                            : ",\"front_end_waits\":false")
+             << (colocation.empty() ? ""
+                 : reshard::execution::ServiceSlot::waits_in_stream_front_end(*services[e])
+                     ? ",\"front_end_waits\":true"
+                     : ",\"front_end_waits\":false")
              << (chosen.engines[e] == "nvshmem" || chosen.engines[e] == "nccl" ? nodes : "")
              << ",\"commit\":\"" << options.commit << "\"}\n";
       }

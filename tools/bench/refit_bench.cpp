@@ -21,6 +21,7 @@
 
 #include "bench/ipc_copy_loop.hpp"
 #include "gpu/stream_memory_ops.hpp"
+#include "service/service_slot.hpp"
 #endif
 
 namespace reshard::bench {
@@ -590,7 +591,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         json << ",\"batch_memops\":"
              << (service.options().debug.cuda_batch_memops ? "true" : "false")
              << ",\"nvshmem_waits\":\"" << service.options().nvshmem.waits << "\""
-             << ",\"front_end_waits\":" << (service.waits_in_stream_front_end() ? "true" : "false");
+             << ",\"front_end_waits\":"
+             << (reshard::execution::ServiceSlot::waits_in_stream_front_end(service) ? "true"
+                                                                                     : "false");
       }
       if (const auto nodes = service.options().node_size) json << ",\"node_size\":" << *nodes;
       if (copy_ceiling_s > 0) json << ",\"copy_ceiling_s\":" << copy_ceiling_s;

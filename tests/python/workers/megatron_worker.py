@@ -52,11 +52,11 @@ def main():
                       else torch.zeros(3, dtype=torch.float32, device=device))
         adapter.submit_recv(got_first, left, task_id=1000 * left + 2)
         adapter.submit_recv(got_second, left, task_id=1000 * left + 2)
-        generation = svc.core.generation
+        generation = svc.core._generation
         adapter.run()
         if device == "cuda":
             torch.cuda.synchronize()
-        if refit > 0 and svc.core.generation != generation:
+        if refit > 0 and svc.core._generation != generation:
             print(f"rank {me}: refit {refit} rescheduled", file=sys.stderr)
             return 1
         want_plain = torch.arange(1000, dtype=torch.float32, device=device) + 1000 * left + refit
