@@ -15,13 +15,13 @@
 #include "bench/bench.hpp"
 #include "core/env.hpp"
 #include "reshard/reshard.hpp"
+#include "service/service_slot.hpp"
 
 #ifdef RESHARD_WITH_CUDA
 #include <cuda_runtime.h>
 
 #include "bench/ipc_copy_loop.hpp"
 #include "gpu/stream_memory_ops.hpp"
-#include "service/service_slot.hpp"
 #endif
 
 namespace reshard::bench {
