@@ -60,6 +60,19 @@ int RunBoard::first_peer_gone(State* state) const noexcept {
   return -1;
 }
 
+std::string RunBoard::gone_message(int peer, State state, const char* waiting_for) const {
+  return "PE " + std::to_string(peer) + (state == kFailed ? " failed" : " gave its last run up") +
+         " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " + reason(peer);
+}
+
+bool RunBoard::retry_asked() const noexcept {
+  for (int pe = 0; pe < static_cast<int>(segments_.size()); ++pe) {
+    if (!has(pe)) continue;
+    if (const State seen = state(pe); seen == kWillRetry || seen == kGivingUp) return true;
+  }
+  return false;
+}
+
 void RunBoard::reset() noexcept {
   Entry& mine = *entry(me_);
   mine.runs_begun.store(0, std::memory_order_relaxed);

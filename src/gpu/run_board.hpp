@@ -42,6 +42,11 @@ class RunBoard {
   std::string reason(int pe) const;
   // The first PE other than this one that gave its run up, or -1.
   int first_peer_gone(State* state) const noexcept;
+  // What that PE's mark tells this PE, which was waiting `waiting_for` ("for its data").
+  std::string gone_message(int peer, State state, const char* waiting_for) const;
+  // Whether some PE of the board, this one too, gave its run up and meets the others to run it
+  // again ("giving up" or "will retry"): what retry_requested() asks at each run's start.
+  bool retry_asked() const noexcept;
   // Back to no runs begun, running (recover(): every PE at once, outside run()).
   void reset() noexcept;
 

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "service/copy_service_impl.hpp"
+
 namespace reshard {
 
 const char* state_hint(State state) {

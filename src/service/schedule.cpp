@@ -7,6 +7,7 @@
 
 #include "core/message.hpp"
 #include "service/copy_service_impl.hpp"
+
 namespace reshard {
 
 ExecutionPlan CopyService::Impl::build_plan(const Schedule& schedule) const {

@@ -286,7 +286,8 @@ def main():
                     grouped_refit.run(stream, groups=name)
 
             grouped["queued_loop"], _ = time_each(queued_loop, stream.synchronize)
-            wrong += wrong_after(lambda: (torch.cuda.synchronize(), queued_loop(), stream.synchronize()))
+            wrong += wrong_after(
+                lambda: (torch.cuda.synchronize(), queued_loop(), stream.synchronize()))
         grouped_refit.close()
         if args.staged:
             # A group at a time, staged: the pause an engine takes is one group's commit().

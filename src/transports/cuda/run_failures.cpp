@@ -52,11 +52,7 @@ void CudaTransport::check_peers_on_board(const char* waiting_for) {
   const int peer = board_.first_peer_gone(&state);
   if (peer < 0) return;
   can_retry_ = state != RunBoard::kFailed && first_exited_process(pids_, true) < 0;
-  throw_error(ErrorCode::kPeerFailure,
-              "PE " + std::to_string(peer) +
-                  (state == RunBoard::kFailed ? " failed" : " gave its last run up") +
-                  " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " +
-                  board_.reason(peer));
+  throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
 
 void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) noexcept {
@@ -158,14 +154,7 @@ std::uint64_t CudaTransport::seconds_for(unsigned int phase) const {
   return static_cast<std::uint64_t>(limit.count()) / 1000;
 }
 
-bool CudaTransport::retry_requested() const {
-  if (finalized_) return false;
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    const RunBoard::State state = board_.state(pe);
-    if (state == RunBoard::kWillRetry || state == RunBoard::kGivingUp) return true;
-  }
-  return false;
-}
+bool CudaTransport::retry_requested() const { return !finalized_ && board_.retry_asked(); }
 
 void CudaTransport::offer_retry(const std::string& reason) noexcept {
   board_.mark(RunBoard::kWillRetry, reason);

@@ -184,8 +184,10 @@ class NvshmemTransport final : public Transport {
   std::pair<int, unsigned int> first_unmet_wait() noexcept;
   void throw_device_failure();
   void check_peers_on_board(const char* waiting_for);
-  // Stops this PE's waits and copies and raises its own signal words, so its streams drain.
+  // This PE's run is given up: its peers here are told (the board), its work stopped.
   void give_up_run(const std::string& reason) noexcept;
+  // Stops this PE's waits and copies and raises its own signal words, so its streams drain.
+  void stop_own_work() noexcept;
 
   Runtime& rt_ = runtime();
   Bootstrap& bootstrap_;

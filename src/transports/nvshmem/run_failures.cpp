@@ -180,15 +180,16 @@ void NvshmemTransport::check_peers_on_board(const char* waiting_for) {
     give_up_run("PE " + std::to_string(me_) + " gave its run up: PE " + std::to_string(peer) +
                 " had given its own up");
   can_retry_ = state != cuda::RunBoard::kFailed && first_exited_process(local_pids_, true) < 0;
-  throw_error(ErrorCode::kPeerFailure,
-              "PE " + std::to_string(peer) +
-                  (state == cuda::RunBoard::kFailed ? " failed" : " gave its last run up") +
-                  " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " +
-                  board_.reason(peer));
+  throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
 
 void NvshmemTransport::give_up_run(const std::string& reason) noexcept {
   if (board_.state(me_) == cuda::RunBoard::kRunning) board_.mark(cuda::RunBoard::kGivingUp, reason);
+  stop_own_work();
+}
+
+void NvshmemTransport::stop_own_work() noexcept {
+  // Waits stop at once (each records itself cancelled unless a failure was claimed first).
   host_failure_.record(cuda::kStatusCancelled, -1, cuda::kPhaseDone);
   cuda::cancel_waits(status_);
   if (rt_.heap == nullptr) return;
@@ -199,15 +200,7 @@ void NvshmemTransport::give_up_run(const std::string& reason) noexcept {
   }
 }
 
-bool NvshmemTransport::retry_requested() const {
-  if (finalized_) return false;
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    if (!board_.has(pe)) continue;
-    const cuda::RunBoard::State state = board_.state(pe);
-    if (state == cuda::RunBoard::kWillRetry || state == cuda::RunBoard::kGivingUp) return true;
-  }
-  return false;
-}
+bool NvshmemTransport::retry_requested() const { return !finalized_ && board_.retry_asked(); }
 
 void NvshmemTransport::offer_retry(const std::string& reason) noexcept {
   give_up_run(reason);
@@ -265,16 +258,7 @@ void NvshmemTransport::abort(const std::string& reason) noexcept {
   std::lock_guard lock(rt_.mutex);
   // The pair counters no longer match the peers' (a run stopped half-way on some PEs).
   rt_.broken = "an earlier run failed (" + reason + ")";
-  // Waits stop at once (each records itself cancelled unless a failure was claimed first).
-  host_failure_.record(cuda::kStatusCancelled, -1, cuda::kPhaseDone);
-  cuda::cancel_waits(status_);
-  if (rt_.heap != nullptr) {
-    cudaStream_t side = nullptr;
-    if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
-      release_own_waits(side);
-      cudaStreamDestroy(side);
-    }
-  }
+  stop_own_work();
 }
 
 }  // namespace reshard::nvshmem
