@@ -4,7 +4,7 @@
 // schedule(), which the others are in), then reports what this PE saw and what its teardown left
 // behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory). "healthy": every
 // PE schedules, runs three times and prints HEALTHY-DONE (a job after a failed one).
-// Retries (host memory, the CUDA and NVSHMEM transports): "late-then-retry": PE 1 comes to its
+// Retries (host memory, the CUDA, NVSHMEM and NCCL transports): "late-then-retry": PE 1 comes to its
 // third run 9 s late; "stall-then-retry": PE 1 is stopped for 9 s while it runs. With both timeouts
 // at 6 s, the others give the run up and still wait in the meeting of their next run when PE 1
 // comes. A PE whose run fails runs again; every PE then runs three more times, checking every

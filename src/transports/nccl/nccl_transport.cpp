@@ -16,6 +16,7 @@
 #include "core/transport.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
+#include "gpu/run_board.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 
@@ -64,9 +65,11 @@ class NcclTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nccl");
   }
-  // NCCL needs nothing between phases: a receive lands when the receiver's stream reaches it.
+  // NCCL needs nothing between phases: a receive lands when the receiver's stream reaches it. A
+  // new schedule starts as after a retry: a communicator given up on any PE is made again.
   void prepare(std::span<const ExecutionPlan> phases) override {
     if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
+    recover();
     peers_.clear();
     for (const ExecutionPlan& plan : phases) {
       for (const auto* list : {&plan.sends, &plan.receives}) {
@@ -79,9 +82,25 @@ class NcclTransport final : public Transport {
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
   void abort(const std::string& reason) noexcept override;
+  // A run given up on peers that are alive (a timeout, a peer that gave its run up) is run again:
+  // the communicator, which only an abort stops waiting for a lost peer, is aborted when the run
+  // is given up, and recover() makes a new one on every PE. The peers of this machine learn of
+  // it on the run board at once; those of other machines at their own timeout.
+  void offer_retry(const std::string& reason) noexcept override;
+  bool can_retry() const override { return can_retry_; }
+  bool retry_requested() const override;
+  void recover() override;
   void finalize() noexcept override;
 
  private:
+  // Collective: a communicator over every PE, the unique id from PE 0.
+  void make_communicator();
+  // Aborts the communicator (bounded: ncclCommAbort may wait on peers that are gone).
+  void drop_communicator(const std::string& reason) noexcept;
+  // This PE's run is given up: the communicator goes, the peers of this machine are told.
+  void give_up_run(const std::string& reason) noexcept;
+  // A peer of this machine that gave its run up (or failed): this PE's run cannot complete.
+  void check_peers_on_board(const char* waiting_for);
   // What went wrong with call `call` that returned `status`, waiting for it to finish where it
   // is in progress (nonblocking communicator); none once it succeeded.
   Failure settle(const char* call, ncclResult_t status);
@@ -99,8 +118,11 @@ class NcclTransport final : public Transport {
   bool run_pending_ = false;
   std::vector<pid_t> local_pids_;  // 0 for PEs on other hosts
   std::vector<int> peers_;         // the PEs the schedule exchanges with, for timeouts
-  bool aborted_ = false;
+  bool nonblocking_ = true;        // NcclTransportOptions::nonblocking
+  bool aborted_ = false;           // failed for good (abort()): no retry
   std::string abort_reason_;
+  bool can_retry_ = false;
+  cuda::RunBoard board_;  // this machine's PEs: the runs they gave up
   bool finalized_ = false;
 };
 
@@ -115,34 +137,53 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
 
-  ncclUniqueId id{};
-  if (me_ == 0) RESHARD_NCCL_CHECK(ncclGetUniqueId(&id));
-  message::Writer mine;
-  mine.put(id);
-  id = message::Reader(bootstrap_.all_gather(mine.bytes())[0]).get<ncclUniqueId>();
   local_pids_ = cuda::local_peer_pids(bootstrap_);
-  // Nonblocking: no NCCL call (setup, first connections to a peer, teardown) can then block
-  // beyond the service's timeout on a peer that died, whatever NCCL's own timeouts are.
-  // NcclTransportOptions::nonblocking = false trades that for NCCL's blocking calls (no helper
-  // thread per group: less host time per run).
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = options.nccl.nonblocking ? 0 : 1;
-  const ncclResult_t init = ncclCommInitRankConfig(&comm_, n_pes_, id, me_, &config);
-  if (Failure failure = settle("ncclCommInitRankConfig", init)) {
-    abort(failure.text);
-    throw_error(failure.code, "nccl transport on PE " + std::to_string(me_) + ": " + failure.text);
+  board_ = cuda::RunBoard(me_, n_pes_);
+  message::Writer board_name;
+  board_name.put_string(board_.name());
+  const auto boards = bootstrap_.all_gather(board_name.bytes());
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (local_pids_[pe] != 0) board_.open(pe, message::Reader(boards[pe]).get_string());
   }
+  bootstrap_.barrier();  // every PE of this machine has mapped every other's board entry
+  board_.unlink();
+  nonblocking_ = options.nccl.nonblocking;
+  make_communicator();
   int version = 0;
   ncclGetVersion(&version);
   RESHARD_LOG(kDebug, "nccl transport on device " << device_ << ", NCCL " << version);
 }
 
+void NcclTransport::make_communicator() {
+  ncclUniqueId id{};
+  if (me_ == 0) RESHARD_NCCL_CHECK(ncclGetUniqueId(&id));
+  message::Writer mine;
+  mine.put(id);
+  id = message::Reader(bootstrap_.all_gather(mine.bytes())[0]).get<ncclUniqueId>();
+  // Nonblocking: no NCCL call (setup, first connections to a peer, teardown) can then block
+  // beyond the service's timeout on a peer that died, whatever NCCL's own timeouts are.
+  // NcclTransportOptions::nonblocking = false trades that for NCCL's blocking calls (no helper
+  // thread per group: less host time per run).
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = nonblocking_ ? 0 : 1;
+  const ncclResult_t init = ncclCommInitRankConfig(&comm_, n_pes_, id, me_, &config);
+  if (Failure failure = settle("ncclCommInitRankConfig", init)) {
+    abort(failure.text);
+    throw_error(failure.code, "nccl transport on PE " + std::to_string(me_) + ": " + failure.text);
+  }
+}
+
 void NcclTransport::run(const ExecutionPlan& plan, std::size_t /*phase*/, void* stream_handle) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "run() after finalize()");
   if (comm_ == nullptr) {
-    throw_error(ErrorCode::kInvalidState, "run() on PE " + std::to_string(me_) +
-                                              " after the NCCL transport failed: " + abort_reason_);
+    throw_error(ErrorCode::kInvalidState,
+                "run() on PE " + std::to_string(me_) + " after the NCCL transport " +
+                    (aborted_ ? "failed: " + abort_reason_
+                              : std::string("gave a run up (every PE runs again from its first "
+                                            "phase, where they meet)")));
   }
+  // A peer of this machine that failed for good: this run would wait for it in vain.
+  check_peers_on_board("to begin this run");
   cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
@@ -222,7 +263,16 @@ void NcclTransport::fail_run(const Failure& failure) {
       named.code = ErrorCode::kPeerFailure;
     }
   }
-  abort(named.text);
+  // A peer of this machine that gave its run up (and aborted its communicator) is why this call
+  // failed: its words say more, and every PE runs again.
+  if (named.code != ErrorCode::kPeerFailure) check_peers_on_board("in an NCCL call");
+  if (named.code != ErrorCode::kTimeout) {
+    abort(named.text);
+    throw_error(named.code, "run() on PE " + std::to_string(me_) + ": " + named.text);
+  }
+  // Timed out with every PE of this machine alive: given up, and run again.
+  give_up_run(named.text);
+  can_retry_ = first_exited_process(local_pids_, true) < 0;
   throw_error(named.code, "run() on PE " + std::to_string(me_) + ": " + named.text);
 }
 
@@ -230,9 +280,13 @@ void NcclTransport::synchronize() {
   if (!run_pending_) return;
   cuda::DeviceScope scope(device_);
   int dead = -1;
+  cuda::RunBoard::State gone_state = cuda::RunBoard::kRunning;
   const std::string problem = cuda::wait_for_run(
       last_run_, local_pids_, "NCCL", &dead, timeout_,
       [&] {
+        if (comm_ == nullptr) return std::string("the communicator was given up");
+        if (const int gone = board_.first_peer_gone(&gone_state); gone >= 0)
+          return "PE " + std::to_string(gone) + " gave its run up";
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(comm_, &async);
         return async != ncclSuccess && async != ncclInProgress
@@ -243,10 +297,101 @@ void NcclTransport::synchronize() {
   run_pending_ = false;
   if (!problem.empty()) {
     // Aborting the communicator is the only way to stop NCCL kernels waiting on a lost peer.
-    abort(problem);
-    throw_error(dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout,
-                "run() on PE " + std::to_string(me_) + ": " + problem);
+    if (dead >= 0) {
+      abort(problem);
+      throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
+    }
+    give_up_run(problem);
+    check_peers_on_board("for its run to complete");
+    can_retry_ = first_exited_process(local_pids_, true) < 0;
+    throw_error(ErrorCode::kTimeout, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
+  // This PE has every byte it waited for, but a peer that gave this run up has not: the run is
+  // given up on every PE, so that every PE runs it again.
+  check_peers_on_board("for its run to complete");
+}
+
+void NcclTransport::check_peers_on_board(const char* waiting_for) {
+  cuda::RunBoard::State state = cuda::RunBoard::kRunning;
+  const int peer = board_.first_peer_gone(&state);
+  if (peer < 0) return;
+  give_up_run("PE " + std::to_string(me_) + " gave its run up: PE " + std::to_string(peer) +
+              " had given its own up");
+  can_retry_ = state != cuda::RunBoard::kFailed && first_exited_process(local_pids_, true) < 0;
+  throw_error(ErrorCode::kPeerFailure,
+              "PE " + std::to_string(peer) +
+                  (state == cuda::RunBoard::kFailed ? " failed" : " gave its last run up") +
+                  " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " +
+                  board_.reason(peer));
+}
+
+void NcclTransport::give_up_run(const std::string& reason) noexcept {
+  if (board_.state(me_) == cuda::RunBoard::kRunning) board_.mark(cuda::RunBoard::kGivingUp, reason);
+  drop_communicator(reason);
+}
+
+bool NcclTransport::retry_requested() const {
+  if (finalized_) return false;
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (!board_.has(pe)) continue;
+    const cuda::RunBoard::State state = board_.state(pe);
+    if (state == cuda::RunBoard::kWillRetry || state == cuda::RunBoard::kGivingUp) return true;
+  }
+  return false;
+}
+
+void NcclTransport::offer_retry(const std::string& reason) noexcept {
+  give_up_run(reason);
+  board_.mark(cuda::RunBoard::kWillRetry, reason);
+}
+
+void NcclTransport::recover() {
+  if (finalized_) throw_error(ErrorCode::kInvalidState, "recover() after finalize()");
+  if (aborted_) {
+    throw_error(ErrorCode::kPeerFailure,
+                "recover() on PE " + std::to_string(me_) + " after a failure: " + abort_reason_);
+  }
+  cuda::DeviceScope scope(device_);
+  if (run_pending_) {
+    // A run queued on a stream and not waited for. At a new schedule every peer queued its part
+    // and it completes; at a retry's meeting a peer that gave its run up (still marked on the
+    // board until the end of this call) never sends, and only aborting the communicator ends it.
+    int dead = -1;
+    cuda::RunBoard::State gone_state = cuda::RunBoard::kRunning;
+    const std::string problem = cuda::wait_for_run(
+        last_run_, local_pids_, "NCCL", &dead, timeout_,
+        [&] {
+          const int gone = board_.first_peer_gone(&gone_state);
+          return gone < 0 ? std::string() : "PE " + std::to_string(gone) + " gave its run up";
+        },
+        peers_);
+    if (dead >= 0) {
+      abort(problem);
+      throw_error(ErrorCode::kPeerFailure, "PE " + std::to_string(me_) + ": " + problem);
+    }
+    if (!problem.empty()) {
+      give_up_run(problem);
+      int ignored = -1;
+      if (std::string stuck = cuda::wait_for_run(last_run_, {}, "NCCL", &ignored, timeout_);
+          !stuck.empty())
+        throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + stuck);
+    }
+    run_pending_ = false;
+  }
+  // Any PE without a communicator (it gave a run up): every PE makes a new one together.
+  message::Writer mine;
+  mine.put<std::uint8_t>(comm_ == nullptr);
+  bool any_lost = false;
+  for (const auto& part : bootstrap_.all_gather(mine.bytes()))
+    any_lost = any_lost || message::Reader(part).get<std::uint8_t>() != 0;
+  if (any_lost) {
+    if (comm_ != nullptr) drop_communicator("a peer gave its communicator up");
+    make_communicator();
+    RESHARD_LOG(kDebug, "nccl transport on PE " << me_ << ": a new communicator");
+  }
+  can_retry_ = false;
+  board_.reset();
+  bootstrap_.barrier();  // every PE's board entry is "running" before any run
 }
 
 void NcclTransport::abort(const std::string& reason) noexcept {
@@ -254,7 +399,14 @@ void NcclTransport::abort(const std::string& reason) noexcept {
   aborted_ = true;
   abort_reason_ = reason;
   RESHARD_LOG(kDebug, "nccl transport aborted: " << reason);
+  board_.mark(cuda::RunBoard::kFailed, reason);  // peers of this machine stop waiting at once
+  drop_communicator(reason);
+}
+
+void NcclTransport::drop_communicator(const std::string& reason) noexcept {
   if (comm_ == nullptr) return;
+  RESHARD_LOG(kDebug,
+              "nccl transport on PE " << me_ << ": communicator aborted (" << reason << ")");
   // ncclCommAbort can itself wait on peers that are gone: it gets a bounded time, then is left
   // behind (with the communicator) so that the caller still gets its error.
   ncclComm_t comm = comm_;
