@@ -318,11 +318,7 @@ void NcclTransport::check_peers_on_board(const char* waiting_for) {
   give_up_run("PE " + std::to_string(me_) + " gave its run up: PE " + std::to_string(peer) +
               " had given its own up");
   can_retry_ = state != cuda::RunBoard::kFailed && first_exited_process(local_pids_, true) < 0;
-  throw_error(ErrorCode::kPeerFailure,
-              "PE " + std::to_string(peer) +
-                  (state == cuda::RunBoard::kFailed ? " failed" : " gave its last run up") +
-                  " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " +
-                  board_.reason(peer));
+  throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
 
 void NcclTransport::give_up_run(const std::string& reason) noexcept {
@@ -330,15 +326,7 @@ void NcclTransport::give_up_run(const std::string& reason) noexcept {
   drop_communicator(reason);
 }
 
-bool NcclTransport::retry_requested() const {
-  if (finalized_) return false;
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    if (!board_.has(pe)) continue;
-    const cuda::RunBoard::State state = board_.state(pe);
-    if (state == cuda::RunBoard::kWillRetry || state == cuda::RunBoard::kGivingUp) return true;
-  }
-  return false;
-}
+bool NcclTransport::retry_requested() const { return !finalized_ && board_.retry_asked(); }
 
 void NcclTransport::offer_retry(const std::string& reason) noexcept {
   give_up_run(reason);
