@@ -40,6 +40,12 @@ void RunBoard::mark(State state, const std::string& reason) noexcept {
   mine.state.store(state, std::memory_order_release);  // the reason is whole before the state
 }
 
+void RunBoard::mark_will_retry(const std::string& reason) noexcept {
+  if (me_ < 0) return;
+  if (state(me_) == kRunning) return mark(kWillRetry, reason);
+  entry(me_)->state.store(kWillRetry, std::memory_order_release);
+}
+
 RunBoard::State RunBoard::state(int pe) const noexcept {
   return static_cast<State>(entry(pe)->state.load(std::memory_order_acquire));
 }

@@ -38,6 +38,9 @@ class RunBoard {
   std::uint64_t runs_begun(int pe) const noexcept;
   // Tells the peers this PE gave its run up (kFailed also overrides an earlier kWillRetry).
   void mark(State state, const std::string& reason) noexcept;
+  // This PE meets the others to run again (offer_retry()). A reason it gave when it gave its run
+  // up stays: that one says why (a peer it timed out on), `reason` only what this PE was told.
+  void mark_will_retry(const std::string& reason) noexcept;
   State state(int pe) const noexcept;
   std::string reason(int pe) const;
   // The first PE other than this one that gave its run up, or -1.

@@ -26,11 +26,11 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
 #include "gpu/device_array.hpp"
+#include "gpu/run_board.hpp"
 #include "gpu/run_watchdog.hpp"
 #include "reshard/error.hpp"
 #include "reshard/log.hpp"
 #include "transports/cuda/ipc_memory.hpp"
-#include "gpu/run_board.hpp"
 #include "transports/cuda/same_device_order.hpp"
 
 namespace reshard::cuda {
@@ -194,7 +194,8 @@ class CudaTransport final : public Transport {
   bool early_launch_for(std::uint32_t ctas);
   // A run is stuck: records why (as a kernel's failed wait would), stops the copies that follow
   // and lets this PE's stream past its waits on same-GPU peers.
-  void fail_run(unsigned int code, int peer, unsigned int phase) noexcept;
+  void fail_run(unsigned int code, int peer, unsigned int phase,
+                const std::string& why = {}) noexcept;
   // While a run with same-GPU peers is pending: their waits are the stream's, with no timeout of
   // their own, so the watchdog gives up on them after RESHARD_TIMEOUT_S or when a peer exits.
   void check_same_device_run() noexcept;

@@ -26,7 +26,8 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_boa
     // before the caller frees what they touch.
     const int peer = dead >= 0 ? dead : gone;
     cancel_waits(status_);
-    if (!same_device_order_.empty()) fail_run(kStatusCancelled, peer, kPhaseDone);
+    if (!same_device_order_.empty())
+      fail_run(kStatusCancelled, peer, kPhaseDone, dead >= 0 ? std::string() : problem);
     int ignored = -1;
     if (std::string stuck = wait_for_run(event, {}, what, &ignored, timeout_ + grace);
         !stuck.empty())
@@ -55,17 +56,24 @@ void CudaTransport::check_peers_on_board(const char* waiting_for) {
   throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
 
-void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase) noexcept {
+void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase,
+                             const std::string& why) noexcept {
   if (status_ == nullptr) return;
   RESHARD_LOG(kDebug, "PE " << me_ << " gives up its run on CUDA device " << device_ << ": "
                             << (code == kStatusTimeout ? "timed out" : "cancelled")
                             << " waiting for PE " << peer);
   // Before its stream is released: the done flags it then raises for the peers it orders by the
   // streams carry no data, and those peers must hear so before they take their run as complete.
-  if (board_.state(me_) == RunBoard::kRunning)
-    board_.mark(RunBoard::kGivingUp, "PE " + std::to_string(me_) + " gave its run up " +
-                                         (code == kStatusTimeout ? "(timed out" : "(cancelled") +
-                                         " waiting for PE " + std::to_string(peer) + ")");
+  // `why` (a peer that gave its own run up, and its reason) carries the first PE's cause on: the
+  // PE that timed out names the late one, those that followed it name it too.
+  if (board_.state(me_) == RunBoard::kRunning) {
+    board_.mark(
+        RunBoard::kGivingUp,
+        "PE " + std::to_string(me_) + " gave its run up " +
+            (!why.empty() ? "because " + why
+                          : std::string(code == kStatusTimeout ? "(timed out" : "(cancelled") +
+                                " waiting for PE " + std::to_string(peer) + ")"));
+  }
   host_failure_.record(code, peer, phase);
   cancel_waits(status_);
   // The kernels after the waits copy nothing once this word is set (see KernelArgs::failure).
@@ -119,9 +127,12 @@ void CudaTransport::synchronize() {
   wait_for(last_run_, "run()");
   run_pending_ = false;
   throw_device_failure();
-  // A peer ordered by the streams that gave its run up still raised its done flags (its stream
-  // had to drain): its mark on the board, made before that, says the bytes did not come.
-  if (any_stream_ordered()) check_peers_on_board("for its run to complete");
+  // A peer that gave this run up: a peer ordered by the streams still raised its done flags (its
+  // stream had to drain), and its mark on the board, made before that, says the bytes did not
+  // come. A peer whose waits timed out had sent its bytes before: this PE has them all, but that
+  // peer runs again, so this PE must too (2 H200s, PE 1 stopped 9 s mid-run: it woke to a
+  // complete run and went on alone while PE 0 met to run again).
+  check_peers_on_board("for its run to complete");
 }
 
 void CudaTransport::throw_device_failure() {
@@ -157,7 +168,7 @@ std::uint64_t CudaTransport::seconds_for(unsigned int phase) const {
 bool CudaTransport::retry_requested() const { return !finalized_ && board_.retry_asked(); }
 
 void CudaTransport::offer_retry(const std::string& reason) noexcept {
-  board_.mark(RunBoard::kWillRetry, reason);
+  board_.mark_will_retry(reason);
 }
 
 void CudaTransport::recover() {

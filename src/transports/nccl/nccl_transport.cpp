@@ -316,7 +316,7 @@ void NcclTransport::check_peers_on_board(const char* waiting_for) {
   const int peer = board_.first_peer_gone(&state);
   if (peer < 0) return;
   give_up_run("PE " + std::to_string(me_) + " gave its run up: PE " + std::to_string(peer) +
-              " had given its own up");
+              " had given its own up (" + board_.reason(peer) + ")");
   can_retry_ = state != cuda::RunBoard::kFailed && first_exited_process(local_pids_, true) < 0;
   throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
@@ -330,7 +330,7 @@ bool NcclTransport::retry_requested() const { return !finalized_ && board_.retry
 
 void NcclTransport::offer_retry(const std::string& reason) noexcept {
   give_up_run(reason);
-  board_.mark(cuda::RunBoard::kWillRetry, reason);
+  board_.mark_will_retry(reason);
 }
 
 void NcclTransport::recover() {

@@ -178,7 +178,7 @@ void NvshmemTransport::check_peers_on_board(const char* waiting_for) {
   if (peer < 0) return;
   if (run_pending_ || cuda::run_failure(status_, host_failure_))
     give_up_run("PE " + std::to_string(me_) + " gave its run up: PE " + std::to_string(peer) +
-                " had given its own up");
+                " had given its own up (" + board_.reason(peer) + ")");
   can_retry_ = state != cuda::RunBoard::kFailed && first_exited_process(local_pids_, true) < 0;
   throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
@@ -204,7 +204,7 @@ bool NvshmemTransport::retry_requested() const { return !finalized_ && board_.re
 
 void NvshmemTransport::offer_retry(const std::string& reason) noexcept {
   give_up_run(reason);
-  board_.mark(cuda::RunBoard::kWillRetry, reason);
+  board_.mark_will_retry(reason);
 }
 
 void NvshmemTransport::recover() {
