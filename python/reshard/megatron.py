@@ -41,7 +41,7 @@ from .errors import (
     type_refusal as _type_refusal,
 )
 
-__all__ = ["ReshardCopyService", "RemoteCopyService", "MEGATRON_AVAILABLE"]
+__all__ = ["ReshardCopyService", "RemoteCopyService", "StagedSwap", "MEGATRON_AVAILABLE"]
 
 try:
     from megatron.core.resharding.copy_services.base import CopyService as _MegatronCopyService
@@ -403,3 +403,101 @@ class RemoteRequest(NamedTuple):
     size: int  # bytes
     peer: int  # the destination PE of a send, the source PE of a receive
 
+
+
+class StagedSwap:
+    """Megatron's ``swap_model_weights`` in two steps: :meth:`stage` moves every byte while the
+    target model's parameters keep their values, :meth:`commit` then switches them all at once.
+
+        staged = StagedSwap(engine_model)                  # once: a twin of each parameter
+        staged.stage(train_model, refit_method=service)    # the engine may serve meanwhile
+        staged.commit()                                    # a local copy; staged.version += 1
+
+    ``stage()`` runs Megatron's own ``swap_model_weights`` (its plan, its write-back, any copy
+    service: :class:`ReshardCopyService`, Megatron's Gloo or NVSHMEM service; other keywords are
+    passed on) with each parameter of ``target_model`` pointing at its twin for the call, so
+    the bytes land in the twins. The parameters' own storage — which the engine's modules,
+    captured CUDA graphs and any other holder of those tensors read — keeps the old values, and
+    a stage that fails (a late or dead peer, a timeout, a refusal) leaves it bitwise unchanged, as
+    the error says. ``commit()`` copies the twins into the parameters on the current stream (a
+    device copy at memory speed, stream-ordered like any torch copy) and advances
+    :attr:`version`. The twins cost one copy of this rank's target parameters
+    (:attr:`staged_bytes`); a refit's write-back covers every parameter the plan writes, and
+    what it does not write keeps the values of the last commit (parameters changed outside the
+    swap between commits get those back at the next commit). ``target_model`` may be None (a rank
+    that holds only the source, Megatron >= 0.17), as in ``swap_model_weights``. A transform
+    (``transform=``, which writes its own buffers) is refused: those buffers are not staged."""
+
+    def __init__(self, target_model: Any) -> None:
+        torch = _torch()
+        self._target = target_model
+        modules = (list(target_model) if isinstance(target_model, (list, tuple))
+                   else [] if target_model is None else [target_model])
+        seen: set = set()
+        self._params: List[Any] = []
+        for module in modules:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    self._params.append(param)
+        with torch.no_grad():
+            self._twins = [param.detach().clone() for param in self._params]
+        self._version = 0
+        self._staged = False
+
+    def stage(self, src_model: Any, refit_method: Any, **swap_arguments: Any) -> None:
+        """Collective, as ``swap_model_weights``: moves the source's weights into the twins. The
+        target parameters keep their values until :meth:`commit`."""
+        if swap_arguments.get("transform") is not None:
+            raise _refusal("StagedSwap.stage(transform=...): a transform writes its own buffers, "
+                           "which are not staged; swap_model_weights runs it unstaged")
+        from megatron.core.resharding.refit import swap_model_weights
+
+        self._staged = False
+        originals = [param.data for param in self._params]
+        try:
+            for param, twin in zip(self._params, self._twins):
+                param.data = twin
+            swap_model_weights(src_model, self._target, refit_method=refit_method,
+                               **swap_arguments)
+        except BaseException as error:
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"StagedSwap.stage(): nothing was committed; the target model's "
+                               f"parameters still hold version {self._version}")
+            raise
+        finally:
+            for param, original in zip(self._params, originals):
+                param.data = original
+        self._staged = True
+
+    def commit(self) -> None:
+        """Copies what the last :meth:`stage` moved into the target parameters (on the current
+        stream) and advances :attr:`version`. Refused where nothing is staged."""
+        if not self._staged:
+            raise _state_refusal("StagedSwap.commit(): nothing is staged (stage() did not "
+                                 "succeed since the last commit)")
+        torch = _torch()
+        with torch.no_grad():
+            targets = [param.data for param in self._params]
+            if targets and hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(targets, self._twins)
+            else:  # PyTorch before 2.1
+                for target, twin in zip(targets, self._twins):
+                    target.copy_(twin)
+        self._staged = False
+        self._version += 1
+
+    @property
+    def version(self) -> int:
+        """How many commits this rank made: the weight version the target parameters hold."""
+        return self._version
+
+    @property
+    def staged(self) -> bool:
+        """Whether a stage succeeded since the last commit."""
+        return self._staged
+
+    @property
+    def staged_bytes(self) -> int:
+        """The twins' bytes on this rank."""
+        return sum(_nbytes(twin) for twin in self._twins)

@@ -1294,6 +1294,37 @@ def test_megatron_refit_a_rank_comes_late_to_is_given_up_alike_and_run_again():
     assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
 
 
+@pytest.mark.skipif(not has_megatron(), reason="needs megatron-core (and PyTorch)")
+@pytest.mark.parametrize("change", ["2 1 1 2 3 cpu late=1 staged=1", "1 2 2 1 2 cpu staged=1"])
+def test_megatron_staged_swap_writes_the_engine_model_only_at_commit(change):
+    # reshard.megatron.StagedSwap over Megatron's own swap_model_weights: after every stage()
+    # (and after one given up on a late rank) the destination still holds its old values; commit()
+    # makes it bitwise Megatron's Gloo service's refit and advances the version; a second
+    # commit() is refused.
+    result = launch(4, WORKERS / "megatron_refit_worker.py", *change.split(), timeout=300)
+    assert_ok(result)
+    assert "bitwise equal to Megatron's Gloo service, planned once" in result.stdout
+    assert ", staged then committed" in result.stdout
+
+
+def test_megatron_staged_swap_refuses_a_transform_and_a_commit_with_nothing_staged():
+    torch = pytest.importorskip("torch")
+    from reshard import InvalidArgumentError, InvalidStateError
+    from reshard.megatron import StagedSwap
+
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    staged = StagedSwap(model)
+    assert staged.staged_bytes == 4 * (4 * 3 + 3)
+    assert staged.version == 0 and not staged.staged
+    with pytest.raises(InvalidStateError, match="nothing is staged"):
+        staged.commit()
+    with pytest.raises(InvalidArgumentError, match="transform"):
+        staged.stage(model, refit_method=None, transform=object())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert staged.version == 0
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_vocabularies_padded_differently_move_only_their_real_rows(n):
     result = launch(n, WORKERS / "padded_vocab_worker.py")

@@ -22,6 +22,10 @@ rank holds there: a property of Megatron's plan, the same through either service
 alike (the late rank's when it comes), ``retryable``, naming that rank; each calls it again, and the
 refit is checked as every other one is.
 
+``staged=1``: reshard's refits go through :class:`reshard.megatron.StagedSwap`: after each
+``stage()`` (the late rank's retry included) every destination parameter must still hold what it
+held before (zeros), and only ``commit()`` writes them and advances the version.
+
 ``together`` (collocated, the default): both models span every rank. ``apart`` (non-collocated,
 megatron-core >= 0.17): the source lives on the first half of the ranks, the destination on the
 second half, and each rank hands Megatron ``None`` for the model it does not hold.
@@ -63,6 +67,7 @@ MXFP8 = MODE in ("mxfp8", "mxfp8-send")
 EXPERTS = int(OPTIONS.get("experts", 0))
 SRC_EP, DST_EP = int(OPTIONS.get("src_ep", 1)), int(OPTIONS.get("dst_ep", 1))
 LATE = OPTIONS.get("late") == "1"
+STAGED = OPTIONS.get("staged") == "1"
 if DEVICE == "cpu":
     torch.cuda.Stream = lambda *args, **kwargs: None  # the stand-in (see above)
     # Megatron's router places its weights on the current CUDA device: here, the CPU.
@@ -99,7 +104,8 @@ from megatron.core.resharding.refit import swap_model_weights  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from reshard import ReshardError  # noqa: E402
-from reshard.megatron import ReshardCopyService  # noqa: E402
+from reshard import InvalidStateError  # noqa: E402
+from reshard.megatron import ReshardCopyService, StagedSwap  # noqa: E402
 
 
 def process_groups(tp, pp, first, size, ep=1):
@@ -200,6 +206,23 @@ def main():
         transforms = {"gloo": (None, {}), "reshard": (MXFP8ReshardTransform(
             names, {}, buffer_key_prefix="decoder.", convert_on_send=MODE == "mxfp8-send"), {})}
     failures = []
+    staged = StagedSwap([dst_reshard] if holds_dst else None) if STAGED else None
+
+    def reshard_swap(source, extra):
+        if staged is not None:
+            staged.stage(source, refit_method=reshard_service, **extra)
+        else:
+            swap_model_weights(source, [dst_reshard] if holds_dst else None,
+                               refit_method=reshard_service, **extra)
+
+    def unchanged_before_commit(refit, when):
+        if not holds_dst:
+            return
+        written = [name for name, param in dst_reshard.named_parameters() if torch.any(param != 0)]
+        if written:
+            failures.append(f"refit {refit}: {when}, before commit(), {len(written)} destination "
+                            f"parameters were written ({written[0]}, ...)")
+
     for refit in range(refits):
         with torch.no_grad():  # new weights every refit, as training makes them
             for i, (name, param) in enumerate(src.named_parameters() if src is not None else []):
@@ -219,16 +242,32 @@ def main():
         if LATE and refit == 1 and me == late_rank:
             time.sleep(9)  # the others give this refit up at 6 s and wait again in their retry
         try:
-            swap_model_weights(source, [dst_reshard] if holds_dst else None,
-                               refit_method=reshard_service, **extra)
+            reshard_swap(source, extra)
         except ReshardError as error:
             text = str(error)
             if not (LATE and refit == 1 and error.retryable and
                     f"PE {late_rank} did not call ReshardCopyService.run() in time" in text):
                 raise
             given_up += 1
-            swap_model_weights(source, [dst_reshard] if holds_dst else None,
-                               refit_method=reshard_service, **extra)
+            if staged is not None:
+                unchanged_before_commit(refit, "after a stage() given up")
+                if staged.staged:
+                    failures.append(f"refit {refit}: a stage() given up counts as staged")
+            reshard_swap(source, extra)
+        if staged is not None:
+            unchanged_before_commit(refit, "after stage()")
+            if staged.version != refit or not staged.staged:
+                failures.append(f"refit {refit}: version {staged.version} (staged: "
+                                f"{staged.staged}) before commit()")
+            staged.commit()
+            if staged.version != refit + 1 or staged.staged:
+                failures.append(f"refit {refit}: version {staged.version} after commit()")
+            try:
+                staged.commit()
+                failures.append(f"refit {refit}: a second commit() was not refused")
+            except InvalidStateError as error:
+                if "nothing is staged" not in str(error):
+                    failures.append(f"refit {refit}: commit() refused as {error}")
         if MODE == "mxfp8-send" and holds_dst:  # the reference: what Gloo delivered, quantized
             gloo_params = dict(dst_gloo.decoder.named_parameters())
             transforms["gloo"] = (None, {
@@ -279,6 +318,7 @@ def main():
               f"{', non-collocated' if APART else ''}"
               f"{' through MXFP8ReshardTransform' if MODE == 'mxfp8' else ''}"
               f"{' through MXFP8ReshardTransform(convert_on_send=True)' if MODE == 'mxfp8-send' else ''}"
+              f"{', staged then committed' if STAGED else ''}"
               f": {refits} "
               "refits bitwise equal to Megatron's Gloo service, planned once")
     dist.destroy_process_group()
