@@ -77,6 +77,21 @@ std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan,
 std::vector<std::uint32_t> layer_groups(std::span<const std::string> params,
                                         std::vector<std::string>* names = nullptr);
 
+// How long a refit's steps took on this rank: profiling, apart from what the refit did.
+struct ReshardTimings {
+  // Host time execute() spent before any work: checking each tensor (and a custom transform's
+  // hooks) against the prepared refit, and the ranks agreeing whether it still holds; a run of a
+  // prepared refit (Refit::run, rerun()) does neither (both 0 there). A MoE refit of thousands of
+  // tensors spends most of its host time here.
+  double check_seconds = 0, agree_seconds = 0;
+  // With DebugOptions::phase_timing (RESHARD_PHASE_TIMING=1) only (each phase is then waited for):
+  // packing and send-side transforms, the copy service's run (with the local conversions beside
+  // it), unpacking and receive-side transforms.
+  double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;
+  double issue_seconds = 0;  // of those, the host's own time queuing the work
+};
+
+// What a refit did on this rank; `timing` says how long its steps took.
 struct ReshardReport {
   // This call registered and scheduled: the first call, or new buffers on any rank (the ranks
   // agree on it, so all of them report it in the same refit).
@@ -87,7 +102,7 @@ struct ReshardReport {
   std::uint64_t bytes_received = 0;
   std::uint64_t packed_bytes = 0;  // copied through staging because a slice was not contiguous
   // Slices that are not contiguous but travelled in place, row by row (no staging): all of them
-  // on transports that move rows in place (CopyService::moves_rows_in_place).
+  // on transports that move rows in place.
   std::uint64_t strided_bytes = 0;
   // Local ops (source and destination on this rank) that the transform converted straight into
   // the destination, beside the transfer: their bytes in the parameter's dtype.
@@ -103,15 +118,10 @@ struct ReshardReport {
   // A built-in transform's conversions were queued as the last refit queued them, without calling
   // its hooks again (every refit after the first with the same tensors).
   bool conversions_replayed = false;
-  // With DebugOptions::phase_timing (RESHARD_PHASE_TIMING=1) only (each phase is then waited for):
-  // packing and send-side transforms, the copy service's run (with the local conversions beside
-  // it), unpacking and receive-side transforms.
-  double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;
-  double issue_seconds = 0;  // of those, the host's own time queuing the work
-  // Host time execute() spent before any work: checking each tensor (and a custom transform's
-  // hooks) against the prepared refit, and the ranks agreeing whether it still holds; rerun()
-  // does neither (both 0 there). A MoE refit of thousands of tensors spends most of its host time
-  // here.
+  ReshardTimings timing;
+  // Deprecated, and gone in the next release: the timings under their former names, copies of
+  // `timing`'s. (Not marked [[deprecated]]: GCC then warns wherever a report is made or copied.)
+  double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0, issue_seconds = 0;
   double check_seconds = 0, agree_seconds = 0;
 };
 

@@ -216,8 +216,16 @@ void bind_execution(nb::module_& m) {
       },
       "transform"_a);
 
-  nb::class_<ReshardReport>(m, "ReshardReport")
-      .def_ro("rescheduled", &ReshardReport::rescheduled)
+  nb::class_<ReshardTimings>(m, "ReshardTimings")
+      .def_ro("check_seconds", &ReshardTimings::check_seconds)
+      .def_ro("agree_seconds", &ReshardTimings::agree_seconds)
+      .def_ro("prepare_seconds", &ReshardTimings::prepare_seconds)
+      .def_ro("transfer_seconds", &ReshardTimings::transfer_seconds)
+      .def_ro("finalize_seconds", &ReshardTimings::finalize_seconds)
+      .def_ro("issue_seconds", &ReshardTimings::issue_seconds);
+
+  nb::class_<ReshardReport> report(m, "ReshardReport");
+  report.def_ro("rescheduled", &ReshardReport::rescheduled)
       .def_ro("bytes_sent", &ReshardReport::bytes_sent)
       .def_ro("bytes_received", &ReshardReport::bytes_received)
       .def_ro("packed_bytes", &ReshardReport::packed_bytes)
@@ -225,12 +233,24 @@ void bind_execution(nb::module_& m) {
       .def_ro("locally_converted_bytes", &ReshardReport::locally_converted_bytes)
       .def_ro("staging_bytes", &ReshardReport::staging_bytes)
       .def_ro("phases", &ReshardReport::phases)
+      .def_ro("pipelined", &ReshardReport::pipelined)
       .def_ro("conversions_replayed", &ReshardReport::conversions_replayed)
-      .def_ro("check_seconds", &ReshardReport::check_seconds)
-      .def_ro("agree_seconds", &ReshardReport::agree_seconds)
-      .def_ro("prepare_seconds", &ReshardReport::prepare_seconds)
-      .def_ro("transfer_seconds", &ReshardReport::transfer_seconds)
-      .def_ro("finalize_seconds", &ReshardReport::finalize_seconds);
+      .def_ro("timing", &ReshardReport::timing);
+  // The timings under their former names, for one release: each read warns.
+  for (const auto& [name, field] :
+       std::initializer_list<std::pair<const char*, double ReshardTimings::*>>{
+           {"check_seconds", &ReshardTimings::check_seconds},
+           {"agree_seconds", &ReshardTimings::agree_seconds},
+           {"prepare_seconds", &ReshardTimings::prepare_seconds},
+           {"transfer_seconds", &ReshardTimings::transfer_seconds},
+           {"finalize_seconds", &ReshardTimings::finalize_seconds}}) {
+    report.def_prop_ro(name, [name = std::string(name), field](const ReshardReport& r) {
+      const std::string message = "ReshardReport." + name + " is deprecated and goes in the " +
+                                  "next release: read ReshardReport.timing." + name;
+      if (PyErr_WarnEx(PyExc_DeprecationWarning, message.c_str(), 1) != 0) throw nb::python_error();
+      return r.timing.*field;
+    });
+  }
 
   m.def(
       "execute_reshard_plan",

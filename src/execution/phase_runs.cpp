@@ -184,15 +184,15 @@ void Resharder::Impl::run_phases(const TensorMap& src, const TensorMap& dst, voi
       if (transform) transform->flush(stream);  // the send hooks' conversions
     });
     phase.packs.run(stream);
-    clock.mark(report.prepare_seconds);
+    clock.mark(report.timing.prepare_seconds);
     transfer_and_convert_locals(p, src, dst, stream, replay);
-    clock.mark(report.transfer_seconds);
+    clock.mark(report.timing.transfer_seconds);
     phase.unpacks.run(stream);
     convert_or_replay(phase.receives_finalized, replay, stream, [&] {
       finalize_receives(phase, dst, stream);
       if (transform) transform->flush(stream);
     });
-    clock.mark(report.finalize_seconds);
+    clock.mark(report.timing.finalize_seconds);
     phase.recorded = ranged != nullptr;
   }
   report.conversions_replayed = replayed;

@@ -237,6 +237,17 @@ std::string Resharder::Impl::explain(const Error& error) const {
   return text.str();
 }
 
+// The report's timings under their former names too, for one release (ReshardReport).
+ReshardReport& Resharder::Impl::with_former_timing_names(ReshardReport& report) {
+  report.prepare_seconds = report.timing.prepare_seconds;
+  report.transfer_seconds = report.timing.transfer_seconds;
+  report.finalize_seconds = report.timing.finalize_seconds;
+  report.issue_seconds = report.timing.issue_seconds;
+  report.check_seconds = report.timing.check_seconds;
+  report.agree_seconds = report.timing.agree_seconds;
+  return report;
+}
+
 ReshardReport Resharder::Impl::execute(const TensorMap& src, const TensorMap& dst,
                                        void* cuda_stream) {
   return execute(&src, &dst, cuda_stream);
@@ -275,16 +286,16 @@ ReshardReport Resharder::Impl::execute(const TensorMap* given_src, const TensorM
     failure = std::current_exception();
   }
   const auto checked = Clock::now();
-  report.check_seconds = std::chrono::duration<double>(checked - started).count();
+  report.timing.check_seconds = std::chrono::duration<double>(checked - started).count();
   // Scheduling is collective: a rank given new tensors alone must not schedule alone (its peers
   // would run the old schedule and both sides time out), so the ranks agree, in one small
   // all-gather per refit, and all prepare again where any one must. A rank that refused its
   // tensors says so in the same all-gather.
   const bool agreed = all_ranks_agree(reusable, failure, "execute_reshard_plan()");
-  report.agree_seconds = std::chrono::duration<double>(Clock::now() - checked).count();
+  report.timing.agree_seconds = std::chrono::duration<double>(Clock::now() - checked).count();
   PhaseClock clock{.enabled = service.options().debug.phase_timing,
                    .stream = stream,
-                   .issued = &report.issue_seconds};
+                   .issued = &report.timing.issue_seconds};
   if (!agreed) {
     if (vouched) rebuild();
     prepare(src, dst, stream, report);
@@ -292,7 +303,7 @@ ReshardReport Resharder::Impl::execute(const TensorMap* given_src, const TensorM
   if (vouched && transform != nullptr && !(ranged != nullptr && prepared.conversions_recorded()))
     rebuild();
   run_phases(src, dst, stream, cuda_stream, clock, report, nullptr);
-  return report;
+  return with_former_timing_names(report);
 }
 
 ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_src,
@@ -322,7 +333,7 @@ ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_s
   void* stream = stream_on(prepared.device, cuda_stream);
   PhaseClock clock{.enabled = service.options().debug.phase_timing,
                    .stream = stream,
-                   .issued = &report.issue_seconds};
+                   .issued = &report.timing.issue_seconds};
   // A built-in transform's conversions replay (recorded by the last refit), and without a
   // transform nothing reads the maps; a custom transform's hooks run again on the prepared
   // tensors, and must return the wire buffers they were scheduled with.
@@ -350,7 +361,7 @@ ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_s
         "rerun the same refit together; where any rank executes or updates it instead, every "
         "rank must]");
   }
-  return report;
+  return with_former_timing_names(report);
 }
 
 Resharder::Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& service,

@@ -219,6 +219,7 @@ struct Resharder::Impl {
   // The prepared refit again, with `src` and `dst` (the prepared tensors, as a bound Refit holds
   // them), or, where null, the tensors the last execute() prepared with (Resharder::rerun).
   // Where `groups` is given, only those groups' phases (Refit::run with groups).
+  static ReshardReport& with_former_timing_names(ReshardReport& report);
   ReshardReport rerun(void* cuda_stream, const TensorMap* bound_src = nullptr,
                       const TensorMap* bound_dst = nullptr,
                       std::span<const std::uint32_t>* groups = nullptr);

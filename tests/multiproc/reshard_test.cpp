@@ -519,7 +519,10 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     const ReshardReport report = execute_reshard_plan(plan, tensors.src_map, tensors.dst_map,
                                                       service, transform, nullptr, options);
     EXPECT_EQ(report.rescheduled, refit != 1) << "refit " << refit;
-    EXPECT_GT(report.agree_seconds, 0.0) << "refit " << refit << ": the PEs agree at every execute";
+    EXPECT_GT(report.timing.agree_seconds, 0.0)
+        << "refit " << refit << ": the PEs agree at every execute";
+    EXPECT_EQ(report.agree_seconds, report.timing.agree_seconds) << "the former name, a copy";
+    EXPECT_EQ(report.check_seconds, report.timing.check_seconds) << "the former name, a copy";
     // The second refit, with the tensors of the first, replays the built-in transform's
     // conversions as the first queued them (and the byte checks below hold it to them).
     EXPECT_EQ(report.conversions_replayed, mode != Mode::kPlain && refit == 1) << "refit " << refit;
@@ -562,7 +565,8 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   // transform's conversions replayed, every byte written again.
   const ReshardReport rerun = rerun_reshard_plan(plan, service, transform);
   EXPECT_FALSE(rerun.rescheduled);
-  EXPECT_EQ(rerun.check_seconds + rerun.agree_seconds, 0.0) << "a rerun checks nothing";
+  EXPECT_EQ(rerun.timing.check_seconds + rerun.timing.agree_seconds, 0.0)
+      << "a rerun checks nothing";
   EXPECT_EQ(rerun.conversions_replayed, mode != Mode::kPlain);
   EXPECT_EQ(rerun.locally_converted_bytes, locally_converted);
   EXPECT_EQ(verify(*plan, me, generations.back(), expected), 0u) << "rerun";
@@ -1205,7 +1209,8 @@ TEST(BoundRefit, RunsAgainAndUpdatesOneTensor) {
       poison(tensors);
       const ReshardReport report = refit.run();
       EXPECT_FALSE(report.rescheduled);
-      EXPECT_EQ(report.check_seconds + report.agree_seconds, 0.0) << "a run checks nothing";
+      EXPECT_EQ(report.timing.check_seconds + report.timing.agree_seconds, 0.0)
+          << "a run checks nothing";
       EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "run " << run;
     }
     // One destination in new storage on the last rank: every rank schedules again, and the

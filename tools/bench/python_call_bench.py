@@ -8,7 +8,7 @@ layout: each call of ``execute_reshard_plan`` converts every source and destinat
 checks it against the schedule, where ``rerun_reshard_plan`` runs the same refit with nothing
 converted or checked. The difference of the means, per tensor, is what a Python caller pays per
 parameter and refit; the time Python's garbage collector ran during the calls is part of it; the
-median of the calls' own time checking the tensors (``ReshardReport.check_seconds``) is printed
+median of the calls' own time checking the tensors (``ReshardReport.timing.check_seconds``) is printed
 beside it. ``--kind``: ``torch`` (plain tensors), ``parameter`` (``torch.nn.Parameter``, which
 require gradients), ``numpy`` (uint16 arrays as ``LocalTensor(..., dtype="bfloat16")``). ``--api
 megatron`` times Megatron's copy-service interface instead: ``ReshardCopyService`` with every
@@ -101,10 +101,10 @@ def main():
     src, dst = tensors(layout, plan, args.kind), tensors(layout, plan, args.kind)
     for _ in range(3):  # the first call schedules
         reshard.execute_reshard_plan(plan, src, dst, service)
-    checks = []  # each execute's host time checking the tensors (ReshardReport.check_seconds)
+    checks = []  # each execute's host time checking the tensors (ReshardReport.timing.check_seconds)
     execute, execute_median, collector = timed_ms(
         lambda: checks.append(
-            reshard.execute_reshard_plan(plan, src, dst, service).check_seconds * 1e3),
+            reshard.execute_reshard_plan(plan, src, dst, service).timing.check_seconds * 1e3),
         args.calls)
     check_median = statistics.median(checks)
     rerun, rerun_median, _ = timed_ms(lambda: reshard.rerun_reshard_plan(plan, service), args.calls)

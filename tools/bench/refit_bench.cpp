@@ -368,8 +368,8 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     agree_times.clear();
     return time_each([&] {
       report = execute_reshard_plan(plan, src, dst, on, transform, nullptr, reshard_options);
-      check_times.push_back(report.check_seconds);
-      agree_times.push_back(report.agree_seconds);
+      check_times.push_back(report.timing.check_seconds);
+      agree_times.push_back(report.timing.agree_seconds);
     });
   };
   // Device memory the refits hold beyond the tensors: free memory of each PE's GPU before the
@@ -560,12 +560,14 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                   measured.pipelined ? ", pipelined (arrivals read beside the next transfer)" : "",
                   options.staging_budget.empty() ? "default" : options.staging_budget.c_str());
     }
-    if (report.prepare_seconds + report.transfer_seconds + report.finalize_seconds > 0) {
+    if (report.timing.prepare_seconds + report.timing.transfer_seconds +
+            report.timing.finalize_seconds >
+        0) {
       std::printf(
           "  last refit on PE 0, phases waited for: prepare %.2f ms, transfer %.2f ms, "
           "finalize %.2f ms (host queuing %.2f ms of it)\n",
-          report.prepare_seconds * 1e3, report.transfer_seconds * 1e3,
-          report.finalize_seconds * 1e3, report.issue_seconds * 1e3);
+          report.timing.prepare_seconds * 1e3, report.timing.transfer_seconds * 1e3,
+          report.timing.finalize_seconds * 1e3, report.timing.issue_seconds * 1e3);
     }
     if (!options.json_path.empty()) {
       std::ofstream json(options.json_path, std::ios::app);

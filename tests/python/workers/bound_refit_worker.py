@@ -60,7 +60,7 @@ def main():
     for name, tensor in src.items():  # the trainer's next weights, in place
         tensor.data[...] = tensors(src_layout, values(2))[name].data
     report = refit.run()
-    assert not report.rescheduled and report.check_seconds == report.agree_seconds == 0
+    assert not report.rescheduled and report.timing.check_seconds == report.timing.agree_seconds == 0
     check(dst, 2, "a run with new values")
 
     # One destination in new memory on the last rank only: every rank schedules again.
