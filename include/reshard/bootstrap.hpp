@@ -79,8 +79,10 @@ class TcpBootstrap : public Bootstrap {
 
 // True when this build includes the MPI bootstrap.
 bool mpi_bootstrap_available();
-// Bootstrap over MPI_COMM_WORLD (initialising MPI if nobody has). Throws kUnsupported when reshard
-// was built without MPI.
+// Bootstrap for MPI_COMM_WORLD's ranks (initialising MPI if nobody has): MPI names the ranks and
+// carries rank 0's rendezvous; the collectives go over TCP as TcpBootstrap's (timeouts, meetings
+// that a late rank missed failing alike on every rank). Throws kUnsupported when reshard was
+// built without MPI.
 std::unique_ptr<Bootstrap> make_mpi_bootstrap();
 
 // The bootstrap a process started by reshard-run, torchrun or mpirun should use: torchrun variables

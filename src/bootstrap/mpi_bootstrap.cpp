@@ -1,21 +1,51 @@
-// Bootstrap over MPI for jobs started by mpirun/srun. Collectives are non-blocking and polled, so
-// even here a rank that never arrives becomes a timeout instead of a hang.
+// Bootstrap for jobs started by mpirun/srun. MPI starts the job and names the ranks; the
+// collectives then go over reshard's TCP bootstrap, whose rendezvous rank 0 broadcasts over MPI
+// once. MPI's own collectives cannot be given up: one abandoned on a timeout stays pending, and
+// every later collective of the communicator is out of step. Over TCP a meeting that a late
+// rank missed fails alike on every rank and the next one works (a retryable error), the
+// service's timeouts apply (set_timeout), and Ctrl-C ends a wait, as under reshard-run or
+// torchrun.
 #include "core/env.hpp"
 #include "core/interrupt.hpp"
 #include "reshard/bootstrap.hpp"
 #include "reshard/error.hpp"
 
 #ifdef RESHARD_WITH_MPI
+#include <arpa/inet.h>
 #include <mpi.h>
+#include <netdb.h>
+#include <unistd.h>
 
+#include <array>
+#include <cstring>
 #include <thread>
 
 namespace reshard {
 namespace {
 
+// Where rank 0's TCP bootstrap listens, as the other ranks reach it: MASTER_ADDR where set; the
+// loopback where every rank is on this machine; else this machine's name resolved (as reshard's
+// Python bootstrap from an MPI communicator does).
+std::string rendezvous_host(bool one_machine) {
+  if (auto address = env::get("MASTER_ADDR")) return *address;
+  if (one_machine) return "127.0.0.1";
+  std::array<char, 256> name{};
+  if (gethostname(name.data(), name.size() - 1) != 0) return "127.0.0.1";
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(name.data(), nullptr, &hints, &found) != 0 || found == nullptr)
+    return "127.0.0.1";
+  std::array<char, INET_ADDRSTRLEN> text{};
+  inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr, text.data(),
+            text.size());
+  freeaddrinfo(found);
+  return text.data();
+}
+
 class MpiBootstrap : public Bootstrap {
  public:
-  MpiBootstrap() : timeout_(env::timeout()) {
+  MpiBootstrap() {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
@@ -23,113 +53,72 @@ class MpiBootstrap : public Bootstrap {
       MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
       owns_mpi_ = true;
     }
-    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
-    MPI_Comm_rank(comm_, &rank_);
-    MPI_Comm_size(comm_, &size_);
+    MPI_Comm comm;
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+    TcpBootstrapOptions options;
+    MPI_Comm_rank(comm, &options.rank);
+    MPI_Comm_size(comm, &options.size);
     MPI_Comm local;
-    MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
-    MPI_Comm_rank(local, &local_rank_);
+    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, options.rank, MPI_INFO_NULL, &local);
+    MPI_Comm_rank(local, &options.local_rank);
+    int local_size = 0;
+    MPI_Comm_size(local, &local_size);
     MPI_Comm_free(&local);
+    options.timeout = env::timeout();
+    // Rank 0's unique id ("host:port", a port free now), to every rank: MPI's one collective.
+    std::array<char, 512> id{};
+    if (options.rank == 0) {
+      const std::string mine =
+          TcpBootstrap::make_unique_id(rendezvous_host(local_size == options.size));
+      std::strncpy(id.data(), mine.c_str(), id.size() - 1);
+    }
+    MPI_Request request;
+    MPI_Ibcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, comm, &request);
+    wait(request, options.timeout);
+    MPI_Comm_free(&comm);
+    const std::string unique_id(id.data());
+    const auto colon = unique_id.rfind(':');
+    options.address = unique_id.substr(0, colon);
+    options.port = std::stoi(unique_id.substr(colon + 1));
+    tcp_ = std::make_unique<TcpBootstrap>(options);
   }
   ~MpiBootstrap() override {
+    tcp_.reset();
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (finalized) return;
-    MPI_Comm_free(&comm_);
-    if (owns_mpi_) MPI_Finalize();
+    if (!finalized && owns_mpi_) MPI_Finalize();
   }
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  int local_rank() const override { return local_rank_; }
-
+  int rank() const override { return tcp_->rank(); }
+  int size() const override { return tcp_->size(); }
+  int local_rank() const override { return tcp_->local_rank(); }
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override {
-    long long my_bytes = static_cast<long long>(mine.size());
-    std::vector<long long> sizes(size_);
-    MPI_Request request;
-    MPI_Iallgather(&my_bytes, 1, MPI_LONG_LONG, sizes.data(), 1, MPI_LONG_LONG, comm_, &request);
-    wait(request, "all_gather");
-    std::vector<int> counts(size_), displacements(size_);
-    long long total = 0;
-    for (int r = 0; r < size_; ++r) {
-      if (sizes[r] > (1ll << 31) - 1 || total > (1ll << 31) - 1) {
-        throw_error(ErrorCode::kUnsupported, "MPI bootstrap messages are limited to 2 GiB");
-      }
-      counts[r] = static_cast<int>(sizes[r]);
-      displacements[r] = static_cast<int>(total);
-      total += sizes[r];
-    }
-    std::vector<std::byte> flat(total);
-    MPI_Iallgatherv(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, flat.data(),
-                    counts.data(), displacements.data(), MPI_BYTE, comm_, &request);
-    wait(request, "all_gather");
-    std::vector<std::vector<std::byte>> all(size_);
-    for (int r = 0; r < size_; ++r) {
-      all[r].assign(flat.begin() + displacements[r], flat.begin() + displacements[r] + counts[r]);
-    }
-    return all;
+    return tcp_->all_gather(mine);
   }
-
-  void broadcast(std::vector<std::byte>& data, int root) override {
-    long long bytes = static_cast<long long>(data.size());
-    MPI_Request request;
-    MPI_Ibcast(&bytes, 1, MPI_LONG_LONG, root, comm_, &request);
-    wait(request, "broadcast");
-    data.resize(bytes);
-    MPI_Ibcast(data.data(), static_cast<int>(bytes), MPI_BYTE, root, comm_, &request);
-    wait(request, "broadcast");
-  }
-
-  void barrier() override {
-    MPI_Request request;
-    MPI_Ibarrier(comm_, &request);
-    wait(request, "barrier");
-  }
-
-  void send(int peer, std::span<const std::byte> data) override {
-    long long bytes = static_cast<long long>(data.size());
-    MPI_Request request;
-    MPI_Isend(&bytes, 1, MPI_LONG_LONG, peer, kTag, comm_, &request);
-    wait(request, "send to rank " + std::to_string(peer));
-    MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_BYTE, peer, kTag, comm_, &request);
-    wait(request, "send to rank " + std::to_string(peer));
-  }
-
-  std::vector<std::byte> recv(int peer) override {
-    long long bytes = 0;
-    MPI_Request request;
-    MPI_Irecv(&bytes, 1, MPI_LONG_LONG, peer, kTag, comm_, &request);
-    wait(request, "receive from rank " + std::to_string(peer));
-    std::vector<std::byte> data(bytes);
-    MPI_Irecv(data.data(), static_cast<int>(bytes), MPI_BYTE, peer, kTag, comm_, &request);
-    wait(request, "receive from rank " + std::to_string(peer));
-    return data;
-  }
+  void broadcast(std::vector<std::byte>& data, int root) override { tcp_->broadcast(data, root); }
+  void barrier() override { tcp_->barrier(); }
+  void send(int peer, std::span<const std::byte> data) override { tcp_->send(peer, data); }
+  std::vector<std::byte> recv(int peer) override { return tcp_->recv(peer); }
+  void set_timeout(std::chrono::milliseconds timeout) override { tcp_->set_timeout(timeout); }
 
  private:
-  static constexpr int kTag = 0x5e5a;
-
-  void wait(MPI_Request& request, const std::string& what) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  static void wait(MPI_Request& request, std::chrono::milliseconds timeout) {
+    const auto since = std::chrono::steady_clock::now();
     int done = 0;
     while (true) {
       MPI_Test(&request, &done, MPI_STATUS_IGNORE);
       if (done) return;
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw_error(ErrorCode::kTimeout, "timed out in MPI " + what +
-                                             " (a rank did not arrive; raise RESHARD_TIMEOUT_S "
-                                             "if it is only slow)");
+      if (std::chrono::steady_clock::now() - since > timeout) {
+        throw_error(ErrorCode::kTimeout,
+                    "timed out in the MPI broadcast of the bootstrap's rendezvous (a rank did not "
+                    "start; raise RESHARD_TIMEOUT_S if it is only slow)");
       }
-      throw_if_interrupted(what.c_str(), deadline - timeout_);
+      throw_if_interrupted("the MPI bootstrap's rendezvous", since);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
 
-  std::chrono::milliseconds timeout_;
-  MPI_Comm comm_{};
-  int rank_ = 0;
-  int size_ = 1;
-  int local_rank_ = 0;
+  std::unique_ptr<TcpBootstrap> tcp_;
   bool owns_mpi_ = false;
 };
 
