@@ -173,6 +173,29 @@ TEST(Faults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
   }
 }
 
+// The same in a mixed schedule (two declared nodes of two PEs, host memory on both transports):
+// PE 0 gives the run up inside the node, PEs 2 and 3 between the nodes (or on a peer's mark);
+// every PE meets at its next run, both parts recover, and every byte of the runs after lands.
+TEST(Faults, ARunGivenUpInAMixedScheduleIsRunAgainByEveryPe) {
+  set_timeouts("6");
+  ::setenv("RESHARD_NODE_SIZE", "2", 1);
+  ::setenv("CUDA_VISIBLE_DEVICES", "", 1);  // auto stays on CPU memory on a GPU machine too
+  for (const char* scenario : {"late-then-retry", "stall-then-retry"}) {
+    const Outcome outcome = launch(4, {RESHARD_FAULT_WORKER, scenario, "auto"}, true);
+    EXPECT_LT(outcome.seconds, 60.0) << scenario << "\n" << all_lines(outcome);
+    EXPECT_EQ(outcome.result.exit_code, 0) << scenario << "\n" << all_lines(outcome);
+    for (int rank = 0; rank < 4; ++rank) {
+      const std::string line = line_of(outcome, rank, "RETRIED-DONE");
+      ASSERT_FALSE(line.empty()) << scenario << "\n" << all_lines(outcome);
+      if (rank == 1) continue;
+      EXPECT_NE(line.find("failures=1"), std::string::npos) << scenario << ": " << line;
+      EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
+    }
+  }
+  ::unsetenv("RESHARD_NODE_SIZE");
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+}
+
 // A mixed schedule (two declared nodes of two PEs, host memory on both transports): PE 1 dies;
 // its node mate fails inside the node, the other node when its inter-node part meets the dead PE
 // (or its failed mate, whichever it notices first) — every survivor in bounded time.
@@ -310,10 +333,9 @@ TEST_P(GpuFaults, PeStoppedMidRunTimesTheOthersOutNamingIt) {
 // A run given up on a late or stopped PE 1 (see the host memory test above), on the CUDA, NVSHMEM
 // and NCCL transports: the others' kernels or stream waits give up, every PE meets at its next
 // run, zeroes its flags (NVSHMEM: its pair counters and signal words; NCCL: a new communicator on
-// every PE) and runs again, and every byte of the runs after that lands. The mixed transport
-// fails the service instead (a run it gives up is not run again).
+// every PE) and runs again, and every byte of the runs after that lands; the mixed transport
+// recovers both of its parts.
 TEST_P(GpuFaults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
-  if (GetParam().transport == "auto") GTEST_SKIP() << "the mixed transport does not run again";
   set_timeouts("6");
   for (const char* scenario : {"late-then-retry", "stall-then-retry"}) {
     const Outcome outcome =

@@ -94,7 +94,7 @@ class MixedTransport final : public Transport {
       RESHARD_CUDA_CHECK(cudaEventRecord(fork_, caller));
       // The inter-node part first: a transport that refuses this stream (NVSHMEM under graph
       // capture) then leaves no side stream joined to the caller's.
-      inter_->run(inter_plan, phase, caller);
+      part(*inter_, [&] { inter_->run(inter_plan, phase, caller); });
       RESHARD_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
       in_node([&] { intra_->run(intra_plan, phase, side_); });
       RESHARD_CUDA_CHECK(cudaEventRecord(join_, side_));
@@ -105,12 +105,12 @@ class MixedTransport final : public Transport {
     // In turn, node first: every PE finishes (or queues) its node's part before it starts the
     // inter-node part, so neither waits on a PE that is busy with the other.
     in_node([&] { intra_->run(intra_plan, phase, stream); });
-    inter_->run(inter_plan, phase, stream);
+    part(*inter_, [&] { inter_->run(inter_plan, phase, stream); });
   }
 
   void synchronize() override {
     in_node([&] { intra_->synchronize(); });
-    inter_->synchronize();
+    part(*inter_, [&] { inter_->synchronize(); });
   }
 
   void forget_schedule() override {
@@ -121,6 +121,24 @@ class MixedTransport final : public Transport {
   void abort(const std::string& reason) noexcept override {
     intra_->abort(reason);
     inter_->abort(reason);
+  }
+
+  // A run given up on a part is run again on both: each part's peers (this node's PEs, every
+  // PE) learn of it from that part's own mark, and the meeting recovers both, node first, as
+  // runs go. Retryable where the part that failed says so (a timeout on a live peer, a peer's
+  // retry); the other part stopped where it was, which its recover() takes from.
+  void offer_retry(const std::string& reason) noexcept override {
+    intra_->offer_retry(reason);
+    inter_->offer_retry(reason);
+  }
+  bool can_retry() const override { return failed_ != nullptr && failed_->can_retry(); }
+  bool retry_requested() const override {
+    return intra_->retry_requested() || inter_->retry_requested();
+  }
+  void recover() override {
+    failed_ = nullptr;
+    in_node([&] { intra_->recover(); });
+    inter_->recover();
   }
 
   void finalize() noexcept override {
@@ -138,11 +156,22 @@ class MixedTransport final : public Transport {
   }
 
  private:
+  // Runs `call` on part `which`, remembering the part that failed (can_retry() asks it).
+  template <typename Call>
+  void part(Transport& which, Call&& call) {
+    try {
+      call();
+    } catch (...) {
+      failed_ = &which;
+      throw;
+    }
+  }
+
   // The intra-node transport numbers PEs within the node: its errors say which PEs those are.
   template <typename Call>
   void in_node(Call&& call) {
     try {
-      call();
+      part(*intra_, call);
     } catch (const Error& error) {
       std::string numbering;
       for (std::size_t i = 0; i < members_.size(); ++i) {
@@ -187,6 +216,7 @@ class MixedTransport final : public Transport {
   std::unique_ptr<Transport> intra_, inter_;
   std::string name_;
   std::vector<ExecutionPlan> intra_plans_, inter_plans_;  // per phase
+  Transport* failed_ = nullptr;                           // the part whose call threw last
   bool finalized_ = false;
 #ifdef RESHARD_WITH_CUDA
   cudaStream_t side_ = nullptr;
