@@ -1,6 +1,6 @@
 // How each PE's runs stand, in shared host memory that every PE of the machine maps: the runs it
 // has begun and whether it gave a run up (failed for good, or alive and meeting the others to run
-// again). The CUDA and NVSHMEM transports read it where the host decides (a run's start, while it
+// again). The CUDA, NVSHMEM and NCCL transports read it where the host decides (a run's start, while it
 // waits for a run's end, the same-GPU watchdog) without a round trip to any GPU: a peer that has
 // not begun this run is late, not stuck; a peer that gave its run up ends this PE's wait at once.
 #pragma once
