@@ -336,13 +336,19 @@ def _copy_all(torch: Any, wires: List[Any], views: List[Any], tensors: List[Any]
             add(tensor.detach().reshape(-1).view(torch.uint8), wire, True)
         else:  # a strided destination of another shape: through a view of its own
             add(tensor, wire.view(tensor.dtype).view(tensor.shape), False)
+    for destinations, sources in groups.values():
+        _foreach_copy(torch, destinations, sources)
+
+
+def _foreach_copy(torch: Any, destinations: List[Any], sources: List[Any]) -> None:
+    """Each of ``sources`` into its destination, as one ``torch._foreach_copy_`` (PyTorch
+    batches a list into a few kernels on a GPU)."""
     with torch.no_grad():
-        for destinations, sources in groups.values():
-            if hasattr(torch, "_foreach_copy_"):
-                torch._foreach_copy_(destinations, sources)
-            else:  # PyTorch before 2.1
-                for destination, source in zip(destinations, sources):
-                    destination.copy_(source)
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(destinations, sources)
+        else:  # PyTorch before 2.1
+            for destination, source in zip(destinations, sources):
+                destination.copy_(source)
 
 
 class RemoteCopyService(CopyService):
@@ -476,14 +482,8 @@ class StagedSwap:
         if not self._staged:
             raise _state_refusal("StagedSwap.commit(): nothing is staged (stage() did not "
                                  "succeed since the last commit)")
-        torch = _torch()
-        with torch.no_grad():
-            targets = [param.data for param in self._params]
-            if targets and hasattr(torch, "_foreach_copy_"):
-                torch._foreach_copy_(targets, self._twins)
-            else:  # PyTorch before 2.1
-                for target, twin in zip(targets, self._twins):
-                    target.copy_(twin)
+        if self._params:
+            _foreach_copy(_torch(), [param.data for param in self._params], self._twins)
         self._staged = False
         self._version += 1
 
