@@ -59,6 +59,9 @@ class TcpBootstrap : public Bootstrap {
   // way.
   static std::unique_ptr<TcpBootstrap> from_unique_id(const std::string& unique_id, int rank,
                                                       int size);
+  // The options from_unique_id() uses (local_rank: the rank; timeout: RESHARD_TIMEOUT_S).
+  static TcpBootstrapOptions options_from_unique_id(const std::string& unique_id, int rank,
+                                                    int size);
   // A "host:port" with a port that is free now on this machine, to hand to every rank.
   static std::string make_unique_id(const std::string& host = "127.0.0.1");
 

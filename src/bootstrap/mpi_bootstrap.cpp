@@ -43,83 +43,77 @@ std::string rendezvous_host(bool one_machine) {
   return text.data();
 }
 
-class MpiBootstrap : public Bootstrap {
+// MPI for as long as the bootstrap lives: initialised here unless the program already did.
+class MpiSession {
  public:
-  MpiBootstrap() {
+  MpiSession() {
     int initialized = 0;
     MPI_Initialized(&initialized);
-    if (!initialized) {
-      int provided = 0;
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      owns_mpi_ = true;
-    }
-    MPI_Comm comm;
-    MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-    TcpBootstrapOptions options;
-    MPI_Comm_rank(comm, &options.rank);
-    MPI_Comm_size(comm, &options.size);
-    MPI_Comm local;
-    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, options.rank, MPI_INFO_NULL, &local);
-    MPI_Comm_rank(local, &options.local_rank);
-    int local_size = 0;
-    MPI_Comm_size(local, &local_size);
-    MPI_Comm_free(&local);
-    options.timeout = env::timeout();
-    // Rank 0's unique id ("host:port", a port free now), to every rank: MPI's one collective.
-    std::array<char, 512> id{};
-    if (options.rank == 0) {
-      const std::string mine =
-          TcpBootstrap::make_unique_id(rendezvous_host(local_size == options.size));
-      std::strncpy(id.data(), mine.c_str(), id.size() - 1);
-    }
-    MPI_Request request;
-    MPI_Ibcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, comm, &request);
-    wait(request, options.timeout);
-    MPI_Comm_free(&comm);
-    const std::string unique_id(id.data());
-    const auto colon = unique_id.rfind(':');
-    options.address = unique_id.substr(0, colon);
-    options.port = std::stoi(unique_id.substr(colon + 1));
-    tcp_ = std::make_unique<TcpBootstrap>(options);
+    if (initialized) return;
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    owns_mpi_ = true;
   }
-  ~MpiBootstrap() override {
-    tcp_.reset();
+  ~MpiSession() {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && owns_mpi_) MPI_Finalize();
   }
-
-  int rank() const override { return tcp_->rank(); }
-  int size() const override { return tcp_->size(); }
-  int local_rank() const override { return tcp_->local_rank(); }
-  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override {
-    return tcp_->all_gather(mine);
-  }
-  void broadcast(std::vector<std::byte>& data, int root) override { tcp_->broadcast(data, root); }
-  void barrier() override { tcp_->barrier(); }
-  void send(int peer, std::span<const std::byte> data) override { tcp_->send(peer, data); }
-  std::vector<std::byte> recv(int peer) override { return tcp_->recv(peer); }
-  void set_timeout(std::chrono::milliseconds timeout) override { tcp_->set_timeout(timeout); }
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
 
  private:
-  static void wait(MPI_Request& request, std::chrono::milliseconds timeout) {
-    const auto since = std::chrono::steady_clock::now();
-    int done = 0;
-    while (true) {
-      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-      if (done) return;
-      if (std::chrono::steady_clock::now() - since > timeout) {
-        throw_error(ErrorCode::kTimeout,
-                    "timed out in the MPI broadcast of the bootstrap's rendezvous (a rank did not "
-                    "start; raise RESHARD_TIMEOUT_S if it is only slow)");
-      }
-      throw_if_interrupted("the MPI bootstrap's rendezvous", since);
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
-
-  std::unique_ptr<TcpBootstrap> tcp_;
   bool owns_mpi_ = false;
+};
+
+void wait(MPI_Request& request, std::chrono::milliseconds timeout) {
+  const auto since = std::chrono::steady_clock::now();
+  int done = 0;
+  while (true) {
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    if (std::chrono::steady_clock::now() - since > timeout) {
+      throw_error(ErrorCode::kTimeout,
+                  "timed out in the MPI broadcast of the bootstrap's rendezvous (a rank did not "
+                  "start; raise RESHARD_TIMEOUT_S if it is only slow)");
+    }
+    throw_if_interrupted("the MPI bootstrap's rendezvous", since);
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// Collective over MPI_COMM_WORLD: the TCP bootstrap's options, with rank 0's unique id
+// ("host:port", a port free now) broadcast to every rank, MPI's one collective, and the ranks and
+// machine-local ranks as MPI numbers them.
+TcpBootstrapOptions options_from_mpi() {
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  int rank = 0, size = 1, local_rank = 0, local_size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  MPI_Comm local;
+  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+  MPI_Comm_rank(local, &local_rank);
+  MPI_Comm_size(local, &local_size);
+  MPI_Comm_free(&local);
+  std::array<char, 512> id{};
+  if (rank == 0) {
+    const std::string mine = TcpBootstrap::make_unique_id(rendezvous_host(local_size == size));
+    std::strncpy(id.data(), mine.c_str(), id.size() - 1);
+  }
+  MPI_Request request;
+  MPI_Ibcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, comm, &request);
+  wait(request, env::timeout());
+  MPI_Comm_free(&comm);
+  TcpBootstrapOptions options = TcpBootstrap::options_from_unique_id(id.data(), rank, size);
+  options.local_rank = local_rank;
+  return options;
+}
+
+// MPI starts the job and names the ranks; the collectives are the TCP bootstrap's.
+class MpiBootstrap final : private MpiSession, public TcpBootstrap {
+ public:
+  MpiBootstrap() : MpiSession(), TcpBootstrap(options_from_mpi()) {}
 };
 
 }  // namespace

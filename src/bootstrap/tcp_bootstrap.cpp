@@ -353,6 +353,11 @@ std::unique_ptr<TcpBootstrap> TcpBootstrap::from_environment() {
 
 std::unique_ptr<TcpBootstrap> TcpBootstrap::from_unique_id(const std::string& unique_id, int rank,
                                                            int size) {
+  return std::make_unique<TcpBootstrap>(options_from_unique_id(unique_id, rank, size));
+}
+
+TcpBootstrapOptions TcpBootstrap::options_from_unique_id(const std::string& unique_id, int rank,
+                                                         int size) {
   const auto colon = unique_id.rfind(':');
   if (colon == std::string::npos) {
     throw_error(ErrorCode::kInvalidArgument,
@@ -369,7 +374,7 @@ std::unique_ptr<TcpBootstrap> TcpBootstrap::from_unique_id(const std::string& un
     throw_error(ErrorCode::kInvalidArgument, "unique id '" + unique_id + "' has no valid port");
   }
   options.timeout = env::timeout();
-  return std::make_unique<TcpBootstrap>(options);
+  return options;
 }
 
 std::string TcpBootstrap::make_unique_id(const std::string& host) {
