@@ -1,4 +1,4 @@
-// Layouts: which N-D block of which parameter every rank holds. Two layouts (the trainer's and the
+// Layouts: which N-D block of which parameter every PE holds. Two layouts (the trainer's and the
 // inference engine's) are all the planner needs to derive every transfer.
 #pragma once
 
@@ -67,19 +67,20 @@ struct ParamSpec {
   std::size_t bytes() const { return static_cast<std::size_t>(elements()) * dtype_size(dtype); }
 };
 
-// One block of a parameter inside a rank's local tensor. Packed partitions (fused QKV, gate/up)
-// give a rank several pieces: its slice of Q, of K and of V, one after the other.
+// One block of a parameter inside a PE's local tensor. Packed partitions (fused QKV, gate/up)
+// give a PE several pieces: its slice of Q, of K and of V, one after the other.
 struct Piece {
   Box global;          // where the block sits in the full parameter
-  Extents local_at{};  // where it sits in the rank's local tensor (same extents)
+  Extents local_at{};  // where it sits in the PE's local tensor (same extents)
 };
 
-// A rank's local tensor of one parameter: contiguous row-major, `local_shape`, made of pieces.
+// A PE's local tensor of one parameter: contiguous row-major, `local_shape`, made of pieces.
 struct Shard {
-  PeId rank = 0;
+  PeId pe = 0;
   std::uint32_t param = 0;  // index into Layout::params()
   std::vector<std::int64_t> local_shape;
   std::vector<Piece> pieces;
+  PeId rank = 0;  // former name of `pe`, kept (and filled alike) for one release
 
   Box local_box(const Piece& piece) const;  // the piece's block in local coordinates
 };
@@ -88,32 +89,35 @@ class Layout {
  public:
   // Adds a parameter (once); returns its index. A second call with another shape or dtype throws.
   std::uint32_t add_param(const ParamSpec& param);
-  // The rank's local tensor of `param` is exactly `block` of the full parameter.
-  void add_shard(PeId rank, const std::string& param, const Box& block);
-  // The rank's local tensor is made of several blocks; pieces must lie inside both the parameter
+  // The PE's local tensor of `param` is exactly `block` of the full parameter.
+  void add_shard(PeId pe, const std::string& param, const Box& block);
+  // The PE's local tensor is made of several blocks; pieces must lie inside both the parameter
   // and the local shape and must not overlap there.
-  void add_shard(PeId rank, const std::string& param, std::vector<std::int64_t> local_shape,
+  void add_shard(PeId pe, const std::string& param, std::vector<std::int64_t> local_shape,
                  std::vector<Piece> pieces);
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const std::vector<Shard>& shards() const { return shards_; }
   const ParamSpec* find_param(const std::string& name) const;
   std::uint32_t param_index(const std::string& name) const;  // throws naming the parameter
-  // The rank's shard of `param`, or nullptr where the rank holds none.
-  const Shard* find_shard(PeId rank, std::uint32_t param) const;
+  // The PE's shard of `param`, or nullptr where the PE holds none.
+  const Shard* find_shard(PeId pe, std::uint32_t param) const;
   // Shards in the order they were added, grouped per parameter.
   const std::vector<std::uint32_t>& shards_of(std::uint32_t param) const {
     return by_param_[param];
   }
-  PeId max_rank() const { return max_rank_; }  // -1 when empty
+  PeId max_pe() const { return max_pe_; }  // -1 when empty
+  [[deprecated("max_pe(); max_rank() goes in the next release")]] PeId max_rank() const {
+    return max_pe_;
+  }
 
  private:
   std::vector<ParamSpec> params_;
   std::unordered_map<std::string, std::uint32_t> index_;
   std::vector<Shard> shards_;
   std::vector<std::vector<std::uint32_t>> by_param_;
-  std::unordered_map<std::uint64_t, std::uint32_t> by_rank_param_;
-  PeId max_rank_ = -1;
+  std::unordered_map<std::uint64_t, std::uint32_t> by_pe_param_;
+  PeId max_pe_ = -1;
 };
 
 }  // namespace reshard

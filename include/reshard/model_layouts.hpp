@@ -40,9 +40,9 @@ struct ModelSpec {
   std::uint64_t total_bytes() const;
 };
 
-// How one side shards the model. Ranks are numbered tensor-parallel fastest, then dp, then
-// pipeline stage, then replica, starting at rank_offset (Megatron's "tp-dp-pp" order; for
-// inference, dp = 1 and replicas = engine instances). Within one stage, the tp * dp ranks are
+// How one side shards the model. PEs are numbered tensor-parallel fastest, then dp, then
+// pipeline stage, then replica, starting at first_pe (Megatron's "tp-dp-pp" rank order; for
+// inference, dp = 1 and replicas = engine instances). Within one stage, the tp * dp PEs are
 // re-split for expert weights as etp (fastest) x ep x expert-dp.
 struct Parallelism {
   int tp = 1;
@@ -51,13 +51,16 @@ struct Parallelism {
   int replicas = 1;
   int ep = 1;
   int etp = 1;
-  PeId rank_offset = 0;
+  PeId first_pe = 0;
   // Vocabulary rows (ModelParam::vocab) padded up to a multiple of this, as the framework pads
   // them: Megatron-LM to make_vocab_size_divisible_by x tp (128 x tp by default), vLLM to 64.
   // Plans move the real rows only, so each side may pad its own way. 0: no padding.
   std::int64_t vocab_multiple = 0;
+  // Former name of first_pe, kept for one release: used where first_pe is 0.
+  PeId rank_offset = 0;
 
   int world() const { return tp * dp * pp * replicas; }
+  PeId first() const { return first_pe != 0 ? first_pe : rank_offset; }  // of the PEs it uses
   std::string str() const;  // "tp4 dp2 pp1 ep1 etp1 x1 @0"
 };
 

@@ -33,21 +33,19 @@ struct CudaTransportOptions {
   // "auto" (by per-peer size), "sm" (copy kernels), "ce" (copy engines), or "autotune" (times
   // sm, ce and auto at schedule() and all PEs take the fastest). RESHARD_CUDA_ENGINE.
   std::string engine = "auto";
-  // Per-peer size from which "auto" drives a peer with the copy engine (when those bytes go in at
-  // most 4 copies). RESHARD_CUDA_CE_MIN_BYTES.
-  std::uint64_t ce_min_bytes = 32ull << 20;
-  // Most CTAs the SM engine gives one peer, 1..1024 (the total stays within one wave).
-  // RESHARD_CUDA_CTAS_PER_PEER.
-  int ctas_per_peer = 64;
-  // Bytes of a peer's share that earn it another SM-engine CTA, at least 4 KiB.
-  // RESHARD_CUDA_BYTES_PER_CTA.
-  std::uint64_t bytes_per_cta = 64ull << 10;
   // How runs are ordered with peers on this PE's own GPU (colocated processes): "delegate" (one
   // process per GPU makes the copies among its PEs), "stream" (each PE copies its own bytes, the
   // streams wait on each other's flags), "kernel" (copy kernels spin on flags: fast only under
   // MPS) or "auto" (kernel where an MPS server is found, else delegate).
   // RESHARD_CUDA_SAME_DEVICE.
   std::string same_device = "auto";
+
+  // Former names of AdvancedOptions::cuda_ce_min_bytes, cuda_ctas_per_peer and
+  // cuda_bytes_per_cta, kept for one release: a value set here (and not there) is used, with a
+  // warning at the service's construction.
+  std::uint64_t ce_min_bytes = 32ull << 20;
+  int ctas_per_peer = 64;
+  std::uint64_t bytes_per_cta = 64ull << 10;
 };
 
 // NCCL point-to-point (GPUs across nodes, or where CUDA IPC is not available).
@@ -55,7 +53,8 @@ struct NcclTransportOptions {
   // Nonblocking communicator, every NCCL call awaited with the timeout and dead-peer checks;
   // false: NCCL's blocking calls (less host time per run). RESHARD_NCCL_NONBLOCKING.
   bool nonblocking = true;
-  // Most spans per (peer, direction) in one NCCL group, at least 1. RESHARD_NCCL_GROUP_SPANS.
+  // Former name of AdvancedOptions::nccl_group_spans, kept for one release (as
+  // CudaTransportOptions' former names).
   std::uint32_t group_spans = 64;
 };
 
@@ -71,24 +70,19 @@ struct NvshmemTransportOptions {
   std::string waits = "auto";
 };
 
-// Switches for diagnosis and A/B measurements. The defaults are what the measurements chose;
-// docs/performance.md says what each switch measured.
-struct DebugOptions {
-  // The CUDA transport's kernel stamps each run's phases on the GPU clock and logs their medians
-  // at finalize. RESHARD_CUDA_TRACE.
-  bool cuda_trace = false;
-  // The NVSHMEM transport times every step of a run (serialising it) and logs the means at
-  // finalize. RESHARD_NVSHMEM_TRACE.
-  bool nvshmem_trace = false;
-  // execute_reshard_plan waits for each of its phases (prepare, transfer, finalize) and reports
-  // their times; the waits slow the refit. RESHARD_PHASE_TIMING.
-  bool phase_timing = false;
-  // A refit in phases on GPUs that no two PEs share, where some rank reads staging after its
-  // bytes land (conversions on arrival, packed slices), alternates its phases between two halves
-  // of the staging budget and reads each phase's arrivals beside the next phase's transfer
-  // (ReshardReport::pipelined). false on any rank: one phase after the other, each in the whole
-  // budget. RESHARD_PIPELINED_PHASES.
-  bool pipelined_phases = true;
+// Tuning and diagnosis: the defaults are what the measurements chose (docs/performance.md says
+// what each measured), and a refit needs none of them changed. Each has its RESHARD_* variable.
+struct AdvancedOptions {
+  // Tuning.
+  // Per-peer size from which the CUDA engine "auto" drives a peer with the copy engine (when those
+  // bytes go in at most 4 copies). RESHARD_CUDA_CE_MIN_BYTES.
+  std::uint64_t cuda_ce_min_bytes = 32ull << 20;
+  // Most CTAs the CUDA SM engine gives one peer, 1..1024 (the total stays within one wave).
+  // RESHARD_CUDA_CTAS_PER_PEER.
+  int cuda_ctas_per_peer = 64;
+  // Bytes of a peer's share that earn it another SM-engine CTA, at least 4 KiB.
+  // RESHARD_CUDA_BYTES_PER_CTA.
+  std::uint64_t cuda_bytes_per_cta = 64ull << 10;
   // Streams the CUDA copy engine's peers are spread over, 1..kMaxCudaCeStreams (one copy at a
   // time per GPU is what NVSwitch serves best). RESHARD_CUDA_CE_STREAMS.
   static constexpr int kMaxCudaCeStreams = 8;
@@ -103,6 +97,8 @@ struct DebugOptions {
   // driver call each (tens of calls a run at 8 PEs; on 2x H200 the batch took a 4 KiB all-to-all
   // of 4 PEs from 83 to 41 us). false: one call each. RESHARD_CUDA_BATCH_MEMOPS.
   bool cuda_batch_memops = true;
+  // Most spans per (peer, direction) in one NCCL group, at least 1. RESHARD_NCCL_GROUP_SPANS.
+  std::uint32_t nccl_group_spans = 64;
   // false: the NVSHMEM transport puts through its outbox even to peers it could write directly,
   // the path a peer on another node takes. RESHARD_NVSHMEM_DIRECT.
   bool nvshmem_direct = true;
@@ -112,6 +108,46 @@ struct DebugOptions {
   // Most peers each way in one round of the NVSHMEM transport (0: every peer at once).
   // RESHARD_NVSHMEM_PEERS_PER_ROUND.
   int nvshmem_peers_per_round = 0;
+  // A refit in phases on GPUs that no two PEs share, where some PE reads staging after its bytes
+  // land (conversions on arrival, packed slices), alternates its phases between two halves of the
+  // staging budget and reads each phase's arrivals beside the next phase's transfer
+  // (ReshardReport::pipelined). false on any PE: one phase after the other, each in the whole
+  // budget. RESHARD_PIPELINED_PHASES.
+  bool pipelined_phases = true;
+
+  // Diagnosis.
+  // The CUDA transport's kernel stamps each run's steps on the GPU clock and logs their medians
+  // at finalize. RESHARD_CUDA_TRACE.
+  bool cuda_trace = false;
+  // The NVSHMEM transport times every step of a run (serialising it) and logs the means at
+  // finalize. RESHARD_NVSHMEM_TRACE.
+  bool nvshmem_trace = false;
+  // A refit waits after each of its steps (prepare, transfer, finalize) and reports their times
+  // (ReshardTimings); the waits slow the refit. RESHARD_STEP_TIMING (RESHARD_PHASE_TIMING, its
+  // former name, is read where it is not set).
+  bool step_timing = false;
+
+  bool operator==(const AdvancedOptions&) const = default;
+};
+
+// Former name of AdvancedOptions (CopyServiceOptions::debug), kept for one release: a field set
+// here (and not there) is used, with a warning at the service's construction. `phase_timing` is
+// AdvancedOptions::step_timing.
+struct DebugOptions {
+  bool cuda_trace = false;
+  bool nvshmem_trace = false;
+  bool phase_timing = false;
+  bool pipelined_phases = true;
+  static constexpr int kMaxCudaCeStreams = AdvancedOptions::kMaxCudaCeStreams;
+  int cuda_ce_streams = 1;
+  int cuda_unroll = 8;
+  bool cuda_early_launch = true;
+  bool cuda_batch_memops = true;
+  bool nvshmem_direct = true;
+  bool nvshmem_send_stream = true;
+  int nvshmem_peers_per_round = 0;
+
+  bool operator==(const DebugOptions&) const = default;
 };
 
 struct CopyServiceOptions {
@@ -144,14 +180,20 @@ struct CopyServiceOptions {
   CudaTransportOptions cuda;
   NcclTransportOptions nccl;
   NvshmemTransportOptions nvshmem;
-  DebugOptions debug;
+  AdvancedOptions advanced;
+  DebugOptions debug;  // former name of `advanced`, kept for one release (see DebugOptions)
 
   // The defaults, each overridden by its RESHARD_* variable where set (a malformed value is
   // refused naming the variable).
   static CopyServiceOptions from_environment();
-  // Refuses a value outside its range, naming the field (e.g. "cuda.engine"). The service checks
-  // its options at init().
+  // Refuses a value outside its range, naming the field (e.g. "cuda.engine"), and a field set
+  // under its former name and its new one to different values. The service checks its options
+  // at construction.
   void validate() const;
+  // These options with every field set under a former name (and not under its new one) moved to
+  // its new name, and the former names then holding what the new ones hold: what a service runs
+  // with (CopyService::options()). Warns once per former name used.
+  CopyServiceOptions with_former_names_applied() const;
 };
 
 }  // namespace reshard

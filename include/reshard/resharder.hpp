@@ -84,7 +84,7 @@ struct ReshardTimings {
   // prepared refit (Refit::run, rerun()) does neither (both 0 there). A MoE refit of thousands of
   // tensors spends most of its host time here.
   double check_seconds = 0, agree_seconds = 0;
-  // With DebugOptions::phase_timing (RESHARD_PHASE_TIMING=1) only (each phase is then waited for):
+  // With AdvancedOptions::step_timing (RESHARD_STEP_TIMING=1) only (each step is then waited for):
   // packing and send-side transforms, the copy service's run (with the local conversions beside
   // it), unpacking and receive-side transforms.
   double prepare_seconds = 0, transfer_seconds = 0, finalize_seconds = 0;

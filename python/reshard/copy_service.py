@@ -36,7 +36,7 @@ def _task_id(task_id: Any) -> int:
 
 def task_id(key: Any) -> int:
     """A task id for ``key`` (a string, bytes, an integer or a tuple of them, e.g.
-    ``("layers.0.mlp.fc1.weight", src_rank, dst_rank)``), the same in every process and every
+    ``("layers.0.mlp.fc1.weight", src_pe, dst_pe)``), the same in every process and every
     run: 64 bits of BLAKE2b over a canonical encoding of the key. Python's ``hash()`` differs
     between processes (strings are salted per process), so ids made with it match nothing."""
     import hashlib
@@ -203,13 +203,31 @@ def make_bootstrap(
     )
 
 
-_OPTION_GROUPS = ("host", "cuda", "nccl", "nvshmem", "debug")
-_BYTE_FIELDS = {"chunk_bytes", "staging_bytes", "ce_min_bytes", "bytes_per_cta"}
+_OPTION_GROUPS = ("host", "cuda", "nccl", "nvshmem", "advanced", "debug")
+_BYTE_FIELDS = {"chunk_bytes", "staging_bytes", "ce_min_bytes", "bytes_per_cta",
+                "cuda_ce_min_bytes", "cuda_bytes_per_cta"}
+# Settings that moved to advanced= (tuning and diagnosis), by their former group and name; the
+# former spelling still works for one release, with a DeprecationWarning.
+_FORMER_NAMES = {
+    ("cuda", "ce_min_bytes"): "cuda_ce_min_bytes",
+    ("cuda", "ctas_per_peer"): "cuda_ctas_per_peer",
+    ("cuda", "bytes_per_cta"): "cuda_bytes_per_cta",
+    ("nccl", "group_spans"): "nccl_group_spans",
+    ("debug", "phase_timing"): "step_timing",
+}
+
+
+def _advanced_name(group: str, field: str) -> Optional[str]:
+    """The advanced= name of a setting given under its former group, or None where it has none."""
+    if (group, field) in _FORMER_NAMES:
+        return _FORMER_NAMES[(group, field)]
+    return field if group == "debug" else None
 
 
 def _fields(options: Any) -> list:
     return sorted(name for name in dir(options)
-                  if not name.startswith("_") and name not in ("from_environment", "validate"))
+                  if not name.startswith("_")
+                  and name not in ("from_environment", "validate", "with_former_names_applied"))
 
 
 def _set(target: Any, name: str, value: Any, where: str) -> None:
@@ -236,9 +254,19 @@ def service_options(**settings: Any) -> "_core.CopyServiceOptions":
                 raise _type_refusal(f"CopyService({name}=...) takes a dict of {name} settings, "
                                     f"e.g. {name}={{{_fields(getattr(options, name))[0]!r}: ...}}")
             group = getattr(options, name)
+            advanced = options.advanced
             for field, field_value in value.items():
-                _set(group, field, field_value, f"CopyService({name}=...)")
+                moved = _advanced_name(name, field)
+                if moved is not None and moved in _fields(advanced):
+                    warnings.warn(f"CopyService({name}={{{field!r}: ...}}) is deprecated and goes "
+                                  f"in the next release: use advanced={{{moved!r}: ...}}",
+                                  DeprecationWarning, stacklevel=3)
+                    _set(advanced, moved, field_value, f"CopyService({name}=...)")
+                else:
+                    _set(group, field, field_value, f"CopyService({name}=...)")
             setattr(options, name, group)
+            if name != "advanced":
+                setattr(options, "advanced", advanced)
         else:
             _set(options, name, value, "CopyService()")
     options.validate()
@@ -265,10 +293,13 @@ class CopyService:
     (C++: ``CopyServiceOptions``): ``timeout`` (seconds a wait on PEs that have all arrived may
     last: a stalled transfer), ``arrival_timeout`` (seconds ``schedule()`` and ``run()`` wait for a
     PE that has not begun them yet, 600 by default), ``verify``, ``chunk_bytes``,
-    ``log_level``, ``node_size``, ``inter_node_transport``, and one dict per transport and for
-    diagnosis: ``host={"staging_bytes": ...}``, ``cuda={"engine": "sm", "same_device":
-    "delegate", ...}``, ``nccl={"nonblocking": False}``, ``nvshmem={"staging_bytes": "1GiB",
-    "waits": "stream"}``, ``debug={"phase_timing": True, ...}``. Byte counts take integers or
+    ``log_level``, ``node_size``, ``inter_node_transport``, one dict per transport:
+    ``host={"staging_bytes": ...}``, ``cuda={"engine": "sm", "same_device": "delegate"}``,
+    ``nccl={"nonblocking": False}``, ``nvshmem={"staging_bytes": "1GiB", "waits": "stream"}``,
+    and one for tuning and diagnosis, which a refit needs none of:
+    ``advanced={"step_timing": True, "cuda_ctas_per_peer": 32, ...}`` (``debug=`` is its former
+    name, and ``cuda=``'s ``ce_min_bytes``, ``ctas_per_peer``, ``bytes_per_cta`` and ``nccl=``'s
+    ``group_spans`` moved there: both still work, with a warning). Byte counts take integers or
     strings such as ``"64KiB"``. ``device`` is this PE's CUDA device (default: the local rank).
     Two services in one process may differ in any of them; a name or value reshard does not
     know is refused here, naming it.

@@ -27,14 +27,14 @@ struct SliceInfo {
   std::vector<std::int64_t> offset, extent;  // the block in the full parameter
   std::vector<std::int64_t> local_offset;    // where it sits in this rank's local tensor
   std::vector<std::int64_t> local_shape;     // of this rank's local tensor
-  PeId src_rank = 0, dst_rank = 0;
+  PeId src_pe = 0, dst_pe = 0;
   TaskId task_id = 0;
 };
 
 SliceInfo slice_info(const OpSlice& slice) {
   return {slice.param.name,     offsets(slice.op.region), extents(slice.op.region),
-          offsets(slice.local), slice.local_shape,        slice.op.src_rank,
-          slice.op.dst_rank,    slice.op.task_id};
+          offsets(slice.local), slice.local_shape,        slice.op.src_pe,
+          slice.op.dst_pe,      slice.op.task_id};
 }
 
 // A transform written in Python (a subclass of reshard.ReshardTransform): the engine's hooks call
@@ -196,19 +196,21 @@ void bind_execution(nb::module_& m) {
       },
       "side"_a = "sender", "name_filter"_a = "");
 
-  nb::class_<SliceInfo>(m, "SliceInfo")
-      .def_ro("param", &SliceInfo::param)
+  nb::class_<SliceInfo> slice_info_class(m, "SliceInfo");
+  slice_info_class.def_ro("param", &SliceInfo::param)
       .def_ro("offset", &SliceInfo::offset)
       .def_ro("extent", &SliceInfo::extent)
       .def_ro("local_offset", &SliceInfo::local_offset)
       .def_ro("local_shape", &SliceInfo::local_shape)
-      .def_ro("src_rank", &SliceInfo::src_rank)
-      .def_ro("dst_rank", &SliceInfo::dst_rank)
+      .def_ro("src_pe", &SliceInfo::src_pe)
+      .def_ro("dst_pe", &SliceInfo::dst_pe)
       .def_ro("task_id", &SliceInfo::task_id)
       .def("__repr__", [](const SliceInfo& s) {
-        return "SliceInfo('" + s.param + "', task " + std::to_string(s.task_id) + ", rank " +
-               std::to_string(s.src_rank) + " -> " + std::to_string(s.dst_rank) + ")";
+        return "SliceInfo('" + s.param + "', task " + std::to_string(s.task_id) + ", PE " +
+               std::to_string(s.src_pe) + " -> " + std::to_string(s.dst_pe) + ")";
       });
+  def_former_name(slice_info_class, "src_rank", &SliceInfo::src_pe, "SliceInfo.src_pe");
+  def_former_name(slice_info_class, "dst_rank", &SliceInfo::dst_pe, "SliceInfo.dst_pe");
   m.def(
       "python_transform",
       [](nb::object transform) -> std::shared_ptr<ReshardTransform> {
@@ -245,9 +247,8 @@ void bind_execution(nb::module_& m) {
            {"transfer_seconds", &ReshardTimings::transfer_seconds},
            {"finalize_seconds", &ReshardTimings::finalize_seconds}}) {
     report.def_prop_ro(name, [name = std::string(name), field](const ReshardReport& r) {
-      const std::string message = "ReshardReport." + name + " is deprecated and goes in the " +
-                                  "next release: read ReshardReport.timing." + name;
-      if (PyErr_WarnEx(PyExc_DeprecationWarning, message.c_str(), 1) != 0) throw nb::python_error();
+      warn_deprecated("ReshardReport." + name + " is deprecated and goes in the next release: " +
+                      "read ReshardReport.timing." + name);
       return r.timing.*field;
     });
   }

@@ -57,24 +57,23 @@ void bind_layouts(nb::module_& m) {
       });
 
   nb::class_<Layout>(m, "Layout",
-                     "Which block of each parameter each rank holds. Made by build_layout() from "
+                     "Which block of each parameter each PE holds. Made by build_layout() from "
                      "a ModelSpec and a Parallelism, or by hand: add_param() each parameter, then "
-                     "add_shard(rank, name, offset, extent) per block a rank holds (its local "
+                     "add_shard(pe, name, offset, extent) per block a PE holds (its local "
                      "tensor is that block), or add_packed_shard() for a local tensor made of "
                      "several blocks (fused QKV). local_shape() and pieces() read it back.")
       .def(nb::init<>())
       .def("add_param", &Layout::add_param, "param"_a)
       .def(
           "add_shard",
-          [](Layout& self, PeId rank, const std::string& param, std::vector<std::int64_t> offset,
+          [](Layout& self, PeId pe, const std::string& param, std::vector<std::int64_t> offset,
              std::vector<std::int64_t> extent) {
-            self.add_shard(rank, param, box_of(offset, extent));
+            self.add_shard(pe, param, box_of(offset, extent));
           },
-          "rank"_a, "param"_a, "offset"_a, "extent"_a)
+          "pe"_a, "param"_a, "offset"_a, "extent"_a)
       .def(
           "add_packed_shard",
-          [](Layout& self, PeId rank, const std::string& param,
-             std::vector<std::int64_t> local_shape,
+          [](Layout& self, PeId pe, const std::string& param, std::vector<std::int64_t> local_shape,
              const std::vector<std::tuple<std::vector<std::int64_t>, std::vector<std::int64_t>,
                                           std::vector<std::int64_t>>>& pieces) {
             std::vector<Piece> converted;
@@ -87,32 +86,39 @@ void bind_layouts(nb::module_& m) {
               for (std::size_t d = 0; d < local_at.size(); ++d) piece.local_at[d] = local_at[d];
               converted.push_back(piece);
             }
-            self.add_shard(rank, param, std::move(local_shape), std::move(converted));
+            self.add_shard(pe, param, std::move(local_shape), std::move(converted));
           },
-          "rank"_a, "param"_a, "local_shape"_a, "pieces"_a)
+          "pe"_a, "param"_a, "local_shape"_a, "pieces"_a)
       .def_prop_ro("params", &Layout::params)
-      .def_prop_ro("max_rank", &Layout::max_rank)
+      .def_prop_ro("max_pe", &Layout::max_pe)
+      .def_prop_ro("max_rank",
+                   [](const Layout& self) {
+                     warn_deprecated(
+                         "Layout.max_rank is deprecated and goes in the next release: "
+                         "read Layout.max_pe");
+                     return self.max_pe();
+                   })
       .def("__repr__",
            [](const Layout& self) {
-             return "Layout(" + std::to_string(self.params().size()) + " params, ranks 0.." +
-                    std::to_string(self.max_rank()) + ")";
+             return "Layout(" + std::to_string(self.params().size()) + " params, PEs 0.." +
+                    std::to_string(self.max_pe()) + ")";
            })
       .def(
           "local_shape",
-          [](const Layout& self, PeId rank,
+          [](const Layout& self, PeId pe,
              const std::string& param) -> std::optional<std::vector<std::int64_t>> {
-            const Shard* shard = self.find_shard(rank, self.param_index(param));
+            const Shard* shard = self.find_shard(pe, self.param_index(param));
             if (shard == nullptr) return std::nullopt;
             return shard->local_shape;
           },
-          "rank"_a, "param"_a)
+          "pe"_a, "param"_a)
       .def(
           "pieces",
-          [](const Layout& self, PeId rank, const std::string& param) {
+          [](const Layout& self, PeId pe, const std::string& param) {
             std::vector<std::tuple<std::vector<std::int64_t>, std::vector<std::int64_t>,
                                    std::vector<std::int64_t>>>
                 out;
-            const Shard* shard = self.find_shard(rank, self.param_index(param));
+            const Shard* shard = self.find_shard(pe, self.param_index(param));
             if (shard == nullptr) return out;
             for (const Piece& piece : shard->pieces) {
               const Box local = shard->local_box(piece);
@@ -120,13 +126,13 @@ void bind_layouts(nb::module_& m) {
             }
             return out;
           },
-          "rank"_a, "param"_a,
-          "The blocks of `param` that `rank` holds: (offset, extent) in the parameter and the "
-          "offset of each in the rank's local tensor; empty when it holds none.");
+          "pe"_a, "param"_a,
+          "The blocks of `param` that PE `pe` holds: (offset, extent) in the parameter and the "
+          "offset of each in the PE's local tensor; empty when it holds none.");
 
   nb::class_<ModelParam>(m, "ModelParam",
                          "A parameter as build_layout() lays it out: `spec` (ParamSpec); `tp_dim`, "
-                         "the dimension tensor parallelism splits (-1: every TP rank holds it "
+                         "the dimension tensor parallelism splits (-1: every TP PE holds it "
                          "whole); `packed`, the sizes of partitions along tp_dim that are split "
                          "separately and held one after the other (fused QKV: [q, k, v] rows; "
                          "empty: one); `stage`, the pipeline stage that holds it (\"layer\": the "
@@ -200,33 +206,48 @@ void bind_layouts(nb::module_& m) {
   nb::class_<Parallelism>(m, "Parallelism",
                           "How a job shards a model: tensor (tp), data (dp), pipeline (pp) and "
                           "expert (ep, with etp-way tensor parallelism inside each expert) "
-                          "parallelism, `replicas` whole copies side by side, on ranks "
-                          "rank_offset .. rank_offset + world - 1 (Megatron's rank order: tp "
-                          "fastest, then dp, then pp). `vocab_multiple`: vocabulary rows "
+                          "parallelism, `replicas` whole copies side by side, on PEs "
+                          "first_pe .. first_pe + world - 1 (Megatron's rank order: tp "
+                          "fastest, then dp, then pp; `rank_offset` is first_pe's former name). "
+                          "`vocab_multiple`: vocabulary rows "
                           "(ModelParam.vocab) padded up to a multiple of it, as the framework "
                           "pads them (Megatron-LM: 128 x tp; vLLM: 64); plans move the real rows "
                           "only, so each side may pad its own way.")
       .def(
           "__init__",
           [](Parallelism* self, int tp, int dp, int pp, int replicas, int ep, int etp,
-             PeId rank_offset, std::int64_t vocab_multiple) {
-            new (self) Parallelism{tp, dp, pp, replicas, ep, etp, rank_offset, vocab_multiple};
+             PeId first_pe, std::int64_t vocab_multiple, std::optional<PeId> rank_offset) {
+            if (rank_offset) {
+              warn_deprecated(
+                  "Parallelism(rank_offset=) is deprecated and goes in the next "
+                  "release: use first_pe=");
+            }
+            new (self) Parallelism{.tp = tp,
+                                   .dp = dp,
+                                   .pp = pp,
+                                   .replicas = replicas,
+                                   .ep = ep,
+                                   .etp = etp,
+                                   .first_pe = first_pe,
+                                   .vocab_multiple = vocab_multiple,
+                                   .rank_offset = rank_offset.value_or(0)};
           },
           "tp"_a = 1, "dp"_a = 1, "pp"_a = 1, "replicas"_a = 1, "ep"_a = 1, "etp"_a = 1,
-          "rank_offset"_a = 0, "vocab_multiple"_a = 0)
+          "first_pe"_a = 0, "vocab_multiple"_a = 0, "rank_offset"_a = nb::none())
       .def_rw("tp", &Parallelism::tp)
       .def_rw("dp", &Parallelism::dp)
       .def_rw("pp", &Parallelism::pp)
       .def_rw("replicas", &Parallelism::replicas)
       .def_rw("ep", &Parallelism::ep)
       .def_rw("etp", &Parallelism::etp)
+      .def_rw("first_pe", &Parallelism::first_pe)
       .def_rw("rank_offset", &Parallelism::rank_offset)
       .def_rw("vocab_multiple", &Parallelism::vocab_multiple)
       .def_prop_ro("world", &Parallelism::world)
       .def("__repr__", [](const Parallelism& p) { return "Parallelism(" + p.str() + ")"; });
 
   m.def("build_layout", &build_layout, "model"_a, "parallelism"_a,
-        "The Layout of `model` under `parallelism`: which block of each parameter each rank "
+        "The Layout of `model` under `parallelism`: which block of each parameter each PE "
         "holds, as Megatron-LM (and vLLM, for tp/replicas) shard it. Uneven tensor-parallel "
         "splits follow torch.chunk.");
   m.def("llama3_8b_model", &llama3_8b_model, "layers"_a = 32);
@@ -236,14 +257,15 @@ void bind_layouts(nb::module_& m) {
 }
 
 void bind_plan(nb::module_& m) {
-  nb::class_<TransferOp>(m, "TransferOp",
-                         "One move of a plan: the block (offset, extent) of parameter `param` "
-                         "(an index into plan.params) from src_rank to dst_rank, `bytes` long, "
-                         "under `task_id`; src_offset / dst_offset say where it lies in each "
-                         "rank's local tensor.")
-      .def_ro("param", &TransferOp::param)
-      .def_ro("src_rank", &TransferOp::src_rank)
-      .def_ro("dst_rank", &TransferOp::dst_rank)
+  nb::class_<TransferOp> transfer_op(
+      m, "TransferOp",
+      "One move of a plan: the block (offset, extent) of parameter `param` "
+      "(an index into plan.params) from PE src_pe to PE dst_pe, `bytes` long, "
+      "under `task_id`; src_offset / dst_offset say where it lies in each "
+      "PE's local tensor.");
+  transfer_op.def_ro("param", &TransferOp::param)
+      .def_ro("src_pe", &TransferOp::src_pe)
+      .def_ro("dst_pe", &TransferOp::dst_pe)
       .def_ro("bytes", &TransferOp::bytes)
       .def_ro("task_id", &TransferOp::task_id)
       .def_prop_ro("offset", [](const TransferOp& op) { return offsets(op.region); })
@@ -251,15 +273,17 @@ void bind_plan(nb::module_& m) {
       .def_prop_ro("src_offset", [](const TransferOp& op) { return offsets(op.src_box()); })
       .def_prop_ro("dst_offset", [](const TransferOp& op) { return offsets(op.dst_box()); })
       .def("__repr__", [](const TransferOp& op) {
-        return "TransferOp(param " + std::to_string(op.param) + " " + op.region.str() + ", rank " +
-               std::to_string(op.src_rank) + " -> " + std::to_string(op.dst_rank) + ", " +
+        return "TransferOp(param " + std::to_string(op.param) + " " + op.region.str() + ", PE " +
+               std::to_string(op.src_pe) + " -> " + std::to_string(op.dst_pe) + ", " +
                format_bytes(op.bytes) + ", task " + std::to_string(op.task_id) + ")";
       });
+  def_former_name(transfer_op, "src_rank", &TransferOp::src_pe, "TransferOp.src_pe");
+  def_former_name(transfer_op, "dst_rank", &TransferOp::dst_pe, "TransferOp.dst_pe");
 
   nb::class_<PlanStats>(m, "PlanStats",
-                        "A plan's totals: bytes moved (local ones too), the most any rank sends "
+                        "A plan's totals: bytes moved (local ones too), the most any PE sends "
                         "(egress) or receives (ingress), and the lower bound (the larger of the "
-                        "two: no schedule moves the plan faster than that rank's bytes).")
+                        "two: no schedule moves the plan faster than that PE's bytes).")
       .def_ro("total_bytes", &PlanStats::total_bytes)
       .def_ro("local_bytes", &PlanStats::local_bytes)
       .def_ro("max_egress_bytes", &PlanStats::max_egress_bytes)
@@ -270,12 +294,12 @@ void bind_plan(nb::module_& m) {
       .def("__repr__", [](const PlanStats& s) {
         return "PlanStats(" + std::to_string(s.ops) + " ops, " + std::to_string(s.local_ops) +
                " local, " + format_bytes(s.total_bytes) + " moved, lower bound " +
-               format_bytes(s.lower_bound_bytes) + " on the busiest rank)";
+               format_bytes(s.lower_bound_bytes) + " on the busiest PE)";
       });
 
   nb::class_<ReshardPlan>(m, "ReshardPlan",
                           "The transfer operations that turn one layout into another "
-                          "(make_reshard_plan): pure and deterministic, the same on every rank.")
+                          "(make_reshard_plan): pure and deterministic, the same on every PE.")
       .def_prop_ro("params", &ReshardPlan::params)
       .def_prop_ro("ops", &ReshardPlan::ops)
       .def_prop_ro("stats", &ReshardPlan::stats)
@@ -300,7 +324,7 @@ void bind_plan(nb::module_& m) {
       "src"_a, "dst"_a, "split_min_bytes"_a = PlanOptions{}.split_min_bytes,
       "split_row_align"_a = PlanOptions{}.split_row_align,
       "The plan that turns layout `src` into layout `dst` (same parameters, shapes and dtypes). "
-      "Where several ranks hold a destination block's source (replicas), the block is split so "
+      "Where several PEs hold a destination block's source (replicas), the block is split so "
       "they share the sending: into parts of at least `split_min_bytes` (0: never split), cut on "
       "multiples of `split_row_align` rows of the first dimension (keeps 128 x 128 FP8 tiles and "
       "MX blocks whole).");

@@ -209,18 +209,36 @@ void bind_options(nb::module_& m) {
   m.def("parse_bytes", &parse_bytes, "text"_a, "A byte count such as '64KiB' or '1.5GB'.");
   nb::class_<HostTransportOptions>(m, "HostTransportOptions")
       .def_rw("staging_bytes", &HostTransportOptions::staging_bytes);
+  // Each transport's group, and the advanced one. The former names (one release) stay readable and
+  // settable; reshard/copy_service.py warns where a caller sets one.
   nb::class_<CudaTransportOptions>(m, "CudaTransportOptions")
       .def_rw("engine", &CudaTransportOptions::engine)
+      .def_rw("same_device", &CudaTransportOptions::same_device)
       .def_rw("ce_min_bytes", &CudaTransportOptions::ce_min_bytes)
       .def_rw("ctas_per_peer", &CudaTransportOptions::ctas_per_peer)
-      .def_rw("bytes_per_cta", &CudaTransportOptions::bytes_per_cta)
-      .def_rw("same_device", &CudaTransportOptions::same_device);
+      .def_rw("bytes_per_cta", &CudaTransportOptions::bytes_per_cta);
   nb::class_<NcclTransportOptions>(m, "NcclTransportOptions")
       .def_rw("nonblocking", &NcclTransportOptions::nonblocking)
       .def_rw("group_spans", &NcclTransportOptions::group_spans);
   nb::class_<NvshmemTransportOptions>(m, "NvshmemTransportOptions")
       .def_rw("staging_bytes", &NvshmemTransportOptions::staging_bytes)
       .def_rw("waits", &NvshmemTransportOptions::waits);
+  nb::class_<AdvancedOptions>(m, "AdvancedOptions")
+      .def_rw("cuda_ce_min_bytes", &AdvancedOptions::cuda_ce_min_bytes)
+      .def_rw("cuda_ctas_per_peer", &AdvancedOptions::cuda_ctas_per_peer)
+      .def_rw("cuda_bytes_per_cta", &AdvancedOptions::cuda_bytes_per_cta)
+      .def_rw("cuda_ce_streams", &AdvancedOptions::cuda_ce_streams)
+      .def_rw("cuda_unroll", &AdvancedOptions::cuda_unroll)
+      .def_rw("cuda_early_launch", &AdvancedOptions::cuda_early_launch)
+      .def_rw("cuda_batch_memops", &AdvancedOptions::cuda_batch_memops)
+      .def_rw("nccl_group_spans", &AdvancedOptions::nccl_group_spans)
+      .def_rw("nvshmem_direct", &AdvancedOptions::nvshmem_direct)
+      .def_rw("nvshmem_send_stream", &AdvancedOptions::nvshmem_send_stream)
+      .def_rw("nvshmem_peers_per_round", &AdvancedOptions::nvshmem_peers_per_round)
+      .def_rw("pipelined_phases", &AdvancedOptions::pipelined_phases)
+      .def_rw("cuda_trace", &AdvancedOptions::cuda_trace)
+      .def_rw("nvshmem_trace", &AdvancedOptions::nvshmem_trace)
+      .def_rw("step_timing", &AdvancedOptions::step_timing);
   nb::class_<DebugOptions>(m, "DebugOptions")
       .def_rw("cuda_trace", &DebugOptions::cuda_trace)
       .def_rw("nvshmem_trace", &DebugOptions::nvshmem_trace)
@@ -278,7 +296,9 @@ void bind_options(nb::module_& m) {
       .def_rw("cuda", &CopyServiceOptions::cuda)
       .def_rw("nccl", &CopyServiceOptions::nccl)
       .def_rw("nvshmem", &CopyServiceOptions::nvshmem)
-      .def_rw("debug", &CopyServiceOptions::debug);
+      .def_rw("advanced", &CopyServiceOptions::advanced)
+      .def_rw("debug", &CopyServiceOptions::debug)
+      .def("with_former_names_applied", &CopyServiceOptions::with_former_names_applied);
 }
 
 }  // namespace

@@ -112,7 +112,7 @@ void Resharder::Impl::register_and_schedule(const std::vector<Side>& sends,
     for (std::size_t i = 0; i < side.wire.size(); ++i) {
       const execution::WireRange& w = side.wire[i];
       service.register_send(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.range,
-                            side.op->dst_rank);
+                            side.op->dst_pe);
     }
   }
   for (const Side& side : receives) {
@@ -120,7 +120,7 @@ void Resharder::Impl::register_and_schedule(const std::vector<Side>& sends,
     for (std::size_t i = 0; i < side.wire.size(); ++i) {
       const execution::WireRange& w = side.wire[i];
       service.register_receive(wire_task(side.op->task_id, side.wire.size(), i), w.buffer, w.range,
-                               side.op->src_rank);
+                               side.op->src_pe);
     }
   }
   service.set_phase(0);
@@ -202,7 +202,7 @@ std::vector<std::uint32_t> Resharder::Impl::assign_phases(
   out.put<std::uint64_t>(budget);
   out.put<std::uint64_t>(groups_digest());
   out.put<std::uint8_t>(reads_arrivals ? 1 : 0);
-  out.put<std::uint8_t>(service.options().debug.pipelined_phases ? 1 : 0);
+  out.put<std::uint8_t>(service.options().advanced.pipelined_phases ? 1 : 0);
   out.put<std::uint64_t>(prepared.device >= 0 ? gpu_identity() : 0);
   std::vector<std::uint64_t> flat;
   for (const auto& [op, bytes] : mine) flat.insert(flat.end(), {op, bytes});
@@ -260,7 +260,7 @@ std::vector<std::uint32_t> Resharder::Impl::assign_phases(
   // not where PEs share a GPU: there the conversions take the SMs that the transfer kernels of
   // the GPU's other PEs wait for (4x H200, 2 PEs per GPU, Llama-3-8B MXFP8 on arrival: 31.5 ms
   // in phases one after the other, 85.5 ms pipelined); and not where any rank turns it off
-  // (DebugOptions::pipelined_phases).
+  // (AdvancedOptions::pipelined_phases).
   const bool custom_transform = transform != nullptr && ranged == nullptr;
   request.may_pipeline =
       any_reads_arrivals && every_rank_pipelines && !gpu_shared && !custom_transform;

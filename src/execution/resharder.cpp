@@ -22,8 +22,8 @@ namespace reshard {
 
 std::string Resharder::Impl::where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
-  text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (rank " << op.src_rank
-       << " -> rank " << op.dst_rank << ")";
+  text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (rank " << op.src_pe
+       << " -> rank " << op.dst_pe << ")";
   return text.str();
 }
 
@@ -43,16 +43,16 @@ Resharder::Impl::Impl(std::shared_ptr<const ReshardPlan> p, CopyService& s,
   if (!plan) throw_error(ErrorCode::kInvalidArgument, "Resharder: null plan");
   for (const TransferOp& op : plan->ops()) {
     op_index.emplace(op.task_id, static_cast<std::uint32_t>(&op - plan->ops().data()));
-    if (op.src_rank >= service.n_pes() || op.dst_rank >= service.n_pes()) {
+    if (op.src_pe >= service.n_pes() || op.dst_pe >= service.n_pes()) {
       throw_error(ErrorCode::kInvalidArgument, "the plan moves " + where(*plan, op) +
                                                    " but the service has only " +
                                                    std::to_string(service.n_pes()) + " PEs");
     }
-    if (op.src_rank == me) {
+    if (op.src_pe == me) {
       send_ops.push_back(&op);
       ++sends_of_slice[slice_key(op)];
     }
-    if (op.dst_rank == me) recv_ops.push_back(&op);
+    if (op.dst_pe == me) recv_ops.push_back(&op);
   }
   for (const auto* ops : {&send_ops, &recv_ops}) {
     std::vector<bool> seen(plan->params().size());
@@ -136,7 +136,7 @@ void Resharder::Impl::check_same_plan_everywhere() {
   for (const TransferOp& op : plan->ops()) {
     std::uint64_t& h = per_param[op.param];
     for (std::uint64_t v :
-         {op.task_id, std::uint64_t(op.src_rank), std::uint64_t(op.dst_rank), op.bytes})
+         {op.task_id, std::uint64_t(op.src_pe), std::uint64_t(op.dst_pe), op.bytes})
       h = (h ^ v) * 0x100000001b3ULL + 0x9e3779b97f4a7c15ULL;
   }
   const auto params = service.all_gather(std::as_bytes(std::span(per_param)));
@@ -293,7 +293,7 @@ ReshardReport Resharder::Impl::execute(const TensorMap* given_src, const TensorM
   // tensors says so in the same all-gather.
   const bool agreed = all_ranks_agree(reusable, failure, "execute_reshard_plan()");
   report.timing.agree_seconds = std::chrono::duration<double>(Clock::now() - checked).count();
-  PhaseClock clock{.enabled = service.options().debug.phase_timing,
+  PhaseClock clock{.enabled = service.options().advanced.step_timing,
                    .stream = stream,
                    .issued = &report.timing.issue_seconds};
   if (!agreed) {
@@ -331,7 +331,7 @@ ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_s
   const std::vector<bool>* phases = groups != nullptr ? &chosen : nullptr;
   ReshardReport report;
   void* stream = stream_on(prepared.device, cuda_stream);
-  PhaseClock clock{.enabled = service.options().debug.phase_timing,
+  PhaseClock clock{.enabled = service.options().advanced.step_timing,
                    .stream = stream,
                    .issued = &report.timing.issue_seconds};
   // A built-in transform's conversions replay (recorded by the last refit), and without a

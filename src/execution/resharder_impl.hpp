@@ -383,7 +383,7 @@ struct Resharder::Impl {
                      const std::vector<bool>* chosen, bool& replayed);
 #endif
 
-  // With DebugOptions::phase_timing, waits for the work queued so far and adds the time since the
+  // With AdvancedOptions::step_timing, waits for the work queued so far and adds the time since the
   // last mark to `phase`.
   struct PhaseClock {
     bool enabled = false;

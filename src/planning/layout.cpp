@@ -36,8 +36,8 @@ const DTypeInfo& info(DType dtype) {
               "unknown dtype code " + std::to_string(static_cast<int>(dtype)));
 }
 
-std::uint64_t rank_param_key(PeId rank, std::uint32_t param) {
-  return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(rank)) << 32) | param;
+std::uint64_t pe_param_key(PeId pe, std::uint32_t param) {
+  return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(pe)) << 32) | param;
 }
 
 }  // namespace
@@ -186,12 +186,12 @@ std::uint32_t Layout::param_index(const std::string& name) const {
   return it->second;
 }
 
-const Shard* Layout::find_shard(PeId rank, std::uint32_t param) const {
-  auto it = by_rank_param_.find(rank_param_key(rank, param));
-  return it == by_rank_param_.end() ? nullptr : &shards_[it->second];
+const Shard* Layout::find_shard(PeId pe, std::uint32_t param) const {
+  auto it = by_pe_param_.find(pe_param_key(pe, param));
+  return it == by_pe_param_.end() ? nullptr : &shards_[it->second];
 }
 
-void Layout::add_shard(PeId rank, const std::string& param, const Box& block) {
+void Layout::add_shard(PeId pe, const std::string& param, const Box& block) {
   const ParamSpec& spec = params_[param_index(param)];
   std::vector<std::int64_t> local_shape(block.extent.begin(), block.extent.begin() + block.ndim);
   if (block.ndim != static_cast<int>(spec.shape.size())) {
@@ -200,18 +200,18 @@ void Layout::add_shard(PeId rank, const std::string& param, const Box& block) {
                                                  " dimensions, the parameter " +
                                                  std::to_string(spec.shape.size()));
   }
-  add_shard(rank, param, std::move(local_shape), {Piece{block, {}}});
+  add_shard(pe, param, std::move(local_shape), {Piece{block, {}}});
 }
 
-void Layout::add_shard(PeId rank, const std::string& param, std::vector<std::int64_t> local_shape,
+void Layout::add_shard(PeId pe, const std::string& param, std::vector<std::int64_t> local_shape,
                        std::vector<Piece> pieces) {
   const std::uint32_t index = param_index(param);
   const ParamSpec& spec = params_[index];
-  auto where = [&] { return "rank " + std::to_string(rank) + "'s shard of '" + param + "'"; };
-  if (rank < 0) throw_error(ErrorCode::kInvalidArgument, where() + ": negative rank");
-  if (by_rank_param_.count(rank_param_key(rank, index)) != 0) {
+  auto where = [&] { return "PE " + std::to_string(pe) + "'s shard of '" + param + "'"; };
+  if (pe < 0) throw_error(ErrorCode::kInvalidArgument, where() + ": negative PE");
+  if (by_pe_param_.count(pe_param_key(pe, index)) != 0) {
     throw_error(ErrorCode::kInvalidArgument,
-                where() + " was added twice (one local tensor per rank and parameter)");
+                where() + " was added twice (one local tensor per PE and parameter)");
   }
   if (local_shape.size() != spec.shape.size()) {
     throw_error(ErrorCode::kInvalidArgument, where() + ": local shape " + shape_str(local_shape) +
@@ -220,7 +220,7 @@ void Layout::add_shard(PeId rank, const std::string& param, std::vector<std::int
   }
   const Box param_box = Box::whole(spec.shape);
   const Box local_whole = Box::whole(local_shape);
-  Shard shard{rank, index, std::move(local_shape), {}};
+  Shard shard{pe, index, std::move(local_shape), {}, pe};
   for (const Piece& piece : pieces) {
     if (piece.global.ndim != param_box.ndim || !param_box.contains(piece.global)) {
       throw_error(ErrorCode::kInvalidArgument, where() + ": block " + piece.global.str() +
@@ -247,10 +247,10 @@ void Layout::add_shard(PeId rank, const std::string& param, std::vector<std::int
     }
     if (!piece.global.empty()) shard.pieces.push_back(piece);
   }
-  by_rank_param_.emplace(rank_param_key(rank, index), static_cast<std::uint32_t>(shards_.size()));
+  by_pe_param_.emplace(pe_param_key(pe, index), static_cast<std::uint32_t>(shards_.size()));
   by_param_[index].push_back(static_cast<std::uint32_t>(shards_.size()));
   shards_.push_back(std::move(shard));
-  max_rank_ = std::max(max_rank_, rank);
+  max_pe_ = std::max(max_pe_, pe);
 }
 
 }  // namespace reshard

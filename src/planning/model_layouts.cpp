@@ -18,7 +18,11 @@ void check_parallelism(const ModelSpec& model, const Parallelism& par) {
   for (int dim : dims) {
     if (dim < 1) refuse("parallel sizes must be >= 1, got " + par.str());
   }
-  if (par.rank_offset < 0) refuse("rank_offset must be >= 0, got " + par.str());
+  if (par.first_pe < 0 || par.rank_offset < 0) refuse("first_pe must be >= 0, got " + par.str());
+  if (par.first_pe != 0 && par.rank_offset != 0 && par.first_pe != par.rank_offset) {
+    refuse("first_pe = " + std::to_string(par.first_pe) + " and rank_offset (its former name) = " +
+           std::to_string(par.rank_offset) + " differ: set first_pe only");
+  }
   if (par.vocab_multiple < 0) refuse("vocab_multiple must be >= 0, got " + par.str());
   if ((par.tp * par.dp) % (par.ep * par.etp) != 0) {
     refuse("ep x etp = " + std::to_string(par.ep * par.etp) +
@@ -116,7 +120,7 @@ std::uint64_t ModelSpec::total_bytes() const {
 std::string Parallelism::str() const {
   std::ostringstream text;
   text << "tp" << tp << " dp" << dp << " pp" << pp << " ep" << ep << " etp" << etp << " x"
-       << replicas << " @" << rank_offset;
+       << replicas << " @" << first();
   if (vocab_multiple > 0) text << " vocab%" << vocab_multiple;
   return text.str();
 }
@@ -138,7 +142,7 @@ Layout build_layout(const ModelSpec& model, const Parallelism& par) {
     }
     for (int replica = 0; replica < par.replicas; ++replica) {
       for (int i = 0; i < group; ++i) {
-        const PeId rank = par.rank_offset + i + group * (stage + par.pp * replica);
+        const PeId rank = par.first() + i + group * (stage + par.pp * replica);
         if (param.expert < 0) {
           split_shard(param, par.tp, i % par.tp, local_shape, pieces);
         } else {

@@ -71,7 +71,7 @@ void subtract(const Box& outer, const Box& inner, std::vector<Box>& out) {
 }
 
 struct SourceRef {
-  PeId rank;
+  PeId pe;
   std::uint32_t shard;
   std::uint32_t piece;
 };
@@ -79,7 +79,7 @@ struct SourceRef {
 // Source pieces holding the same block: replicas of each other.
 struct SourceGroup {
   Box box;
-  std::vector<SourceRef> replicas;  // sorted by rank
+  std::vector<SourceRef> replicas;  // sorted by PE
 };
 
 struct Region {
@@ -105,9 +105,9 @@ class Planner {
   Planner(const Layout& src, const Layout& dst, const PlanOptions& options,
           std::function<void(const TransferOp&)> sink = {})
       : src_(src), dst_(dst), options_(options), sink_(std::move(sink)) {
-    const PeId ranks = std::max(src.max_rank(), dst.max_rank()) + 1;
-    egress_.assign(static_cast<std::size_t>(ranks), 0);
-    ingress_.assign(static_cast<std::size_t>(ranks), 0);
+    const PeId pes = std::max(src.max_pe(), dst.max_pe()) + 1;
+    egress_.assign(static_cast<std::size_t>(pes), 0);
+    ingress_.assign(static_cast<std::size_t>(pes), 0);
   }
 
   std::vector<TransferOp> plan() {
@@ -169,12 +169,12 @@ class Planner {
           groups.push_back({box, {}});
           it = groups.end() - 1;
         }
-        it->replicas.push_back({shard.rank, shard_index, k});
+        it->replicas.push_back({shard.pe, shard_index, k});
       }
     }
     for (SourceGroup& group : groups) {
       std::sort(group.replicas.begin(), group.replicas.end(),
-                [](const SourceRef& a, const SourceRef& b) { return a.rank < b.rank; });
+                [](const SourceRef& a, const SourceRef& b) { return a.pe < b.pe; });
     }
     std::sort(groups.begin(), groups.end(),
               [](const SourceGroup& a, const SourceGroup& b) { return box_less(a.box, b.box); });
@@ -182,7 +182,7 @@ class Planner {
   }
 
   // Splits every piece of the destination shard into regions, each inside one source block;
-  // blocks the destination rank holds itself go first, so they become local copies.
+  // blocks the destination PE holds itself go first, so they become local copies.
   void cover_shard(const Shard& shard, std::vector<Region>& regions) {
     regions.clear();
     const std::vector<SourceGroup>& groups = groups_[shard.param];
@@ -195,7 +195,7 @@ class Planner {
       for (const SourceGroup& group : groups) {
         if (intersect(group.box, want).empty()) continue;
         const bool own = std::any_of(group.replicas.begin(), group.replicas.end(),
-                                     [&](const SourceRef& s) { return s.rank == shard.rank; });
+                                     [&](const SourceRef& s) { return s.pe == shard.pe; });
         ordered_.emplace_back(!own, &group);
       }
       std::stable_sort(ordered_.begin(), ordered_.end(),
@@ -219,8 +219,8 @@ class Planner {
         throw_error(
             ErrorCode::kValidation,
             "parameter '" + dst_.params()[shard.param].name + "': region " +
-                uncovered_.front().str() + " of destination rank " + std::to_string(shard.rank) +
-                " is held by no source rank" +
+                uncovered_.front().str() + " of destination PE " + std::to_string(shard.pe) +
+                " is held by no source PE" +
                 (uncovered_.size() > 1 ? " (and " + std::to_string(uncovered_.size() - 1) + " more)"
                                        : std::string()));
       }
@@ -232,12 +232,12 @@ class Planner {
            dtype_size(dst_.params()[shard.param].dtype);
   }
 
-  // The replica a region must use without balancing: one on the destination rank, or the only
+  // The replica a region must use without balancing: one on the destination PE, or the only
   // one. Null when there is a choice to make.
-  static const SourceRef* fixed_source(const Region& region, PeId dst_rank) {
+  static const SourceRef* fixed_source(const Region& region, PeId dst_pe) {
     const std::vector<SourceRef>& replicas = region.group->replicas;
     for (const SourceRef& s : replicas) {
-      if (s.rank == dst_rank) return &s;
+      if (s.pe == dst_pe) return &s;
     }
     return replicas.size() == 1 ? &replicas.front() : nullptr;
   }
@@ -273,10 +273,10 @@ class Planner {
     }
   }
 
-  void count(PeId src_rank, PeId dst_rank, std::uint64_t bytes) {
-    if (src_rank == dst_rank) return;
-    egress_[src_rank] += bytes;
-    ingress_[dst_rank] += bytes;
+  void count(PeId src_pe, PeId dst_pe, std::uint64_t bytes) {
+    if (src_pe == dst_pe) return;
+    egress_[src_pe] += bytes;
+    ingress_[dst_pe] += bytes;
   }
 
   void settle_shard(const Shard& shard) {
@@ -284,15 +284,15 @@ class Planner {
     cover_shard(shard, regions_);
     upper_bound_ops_ += regions_.size();
     for (const Region& region : regions_) {
-      if (const SourceRef* source = fixed_source(region, shard.rank)) {
-        count(source->rank, shard.rank, bytes_of(shard, region.box));
+      if (const SourceRef* source = fixed_source(region, shard.pe)) {
+        count(source->pe, shard.pe, bytes_of(shard, region.box));
         continue;
       }
       split_for_replicas(shard, region, parts_);
       for (const Box& part : parts_) {
         deferred_.push_back({bytes_of(shard, part), region.group, 0});
         upper_bound_ops_ += 1;
-        ingress_[shard.rank] += deferred_.back().bytes;
+        ingress_[shard.pe] += deferred_.back().bytes;
       }
     }
   }
@@ -309,10 +309,10 @@ class Planner {
       const std::vector<SourceRef>& replicas = item.group->replicas;
       std::uint32_t best = 0;
       for (std::uint32_t c = 1; c < replicas.size(); ++c) {
-        if (egress_[replicas[c].rank] < egress_[replicas[best].rank]) best = c;
+        if (egress_[replicas[c].pe] < egress_[replicas[best].pe]) best = c;
       }
       item.choice = best;
-      egress_[replicas[best].rank] += item.bytes;
+      egress_[replicas[best].pe] += item.bytes;
     }
   }
 
@@ -322,8 +322,10 @@ class Planner {
     const Piece& src_piece = src_.shards()[source.shard].pieces[source.piece];
     TransferOp op;
     op.param = src_param_[shard.param];
-    op.src_rank = source.rank;
-    op.dst_rank = shard.rank;
+    op.src_pe = source.pe;
+    op.dst_pe = shard.pe;
+    op.src_rank = op.src_pe;
+    op.dst_rank = op.dst_pe;
     op.region = box;
     for (int d = 0; d < box.ndim; ++d) {
       op.src_at[d] = box.offset[d] - src_piece.global.offset[d] + src_piece.local_at[d];
@@ -338,7 +340,7 @@ class Planner {
     cover_shard(shard, regions_);
     shard_ops_.clear();
     for (const Region& region : regions_) {
-      if (const SourceRef* source = fixed_source(region, shard.rank)) {
+      if (const SourceRef* source = fixed_source(region, shard.pe)) {
         shard_ops_.push_back(make_op(shard, region, region.box, *source));
         continue;
       }
@@ -350,7 +352,7 @@ class Planner {
     }
     if (shard_ops_.size() > 1) merge_adjacent(shard_ops_);
     for (TransferOp& op : shard_ops_) {
-      const std::uint64_t h = hash_box(mix(name_hash_[op.param], op.dst_rank), op.region);
+      const std::uint64_t h = hash_box(mix(name_hash_[op.param], op.dst_pe), op.region);
       op.task_id = (h >> kSubTaskBits) << kSubTaskBits;
       if (sink_) {
         ids_.push_back(op.task_id);
@@ -361,10 +363,10 @@ class Planner {
     }
   }
 
-  // Two ops merge when they share a source rank and their blocks are adjacent along one
+  // Two ops merge when they share a source PE and their blocks are adjacent along one
   // dimension in the full parameter and in both local tensors, agreeing on every other one.
   static bool try_merge(TransferOp& a, const TransferOp& b, int d) {
-    if (a.src_rank != b.src_rank) return false;
+    if (a.src_pe != b.src_pe) return false;
     const int n = a.region.ndim;
     for (int e = 0; e < n; ++e) {
       if (e == d) continue;
@@ -388,7 +390,7 @@ class Planner {
     const int n = ops.front().region.ndim;
     for (int d = n - 1; d >= 0; --d) {
       std::sort(ops.begin(), ops.end(), [d, n](const TransferOp& a, const TransferOp& b) {
-        if (a.src_rank != b.src_rank) return a.src_rank < b.src_rank;
+        if (a.src_pe != b.src_pe) return a.src_pe < b.src_pe;
         for (int e = 0; e < n; ++e) {
           if (e != d && a.region.offset[e] != b.region.offset[e]) {
             return a.region.offset[e] < b.region.offset[e];
@@ -455,7 +457,7 @@ std::string ReshardPlan::summary() const {
   std::ostringstream text;
   text << stats_.ops << " ops (" << stats_.local_ops << " local), "
        << format_bytes(stats_.total_bytes) << " moved (" << format_bytes(stats_.local_bytes)
-       << " local), busiest rank " << format_bytes(stats_.lower_bound_bytes) << " (max egress "
+       << " local), busiest PE " << format_bytes(stats_.lower_bound_bytes) << " (max egress "
        << format_bytes(stats_.max_egress_bytes) << ", max ingress "
        << format_bytes(stats_.max_ingress_bytes) << ")";
   return text.str();
@@ -480,7 +482,7 @@ ReshardPlan make_reshard_plan(std::shared_ptr<const Layout> src, std::shared_ptr
       stats.local_ops += 1;
       stats.local_bytes += op.bytes;
     }
-    fingerprint = mix(mix(mix(fingerprint, op.task_id), op.src_rank), op.dst_rank);
+    fingerprint = mix(mix(mix(fingerprint, op.task_id), op.src_pe), op.dst_pe);
     fingerprint = hash_box(fingerprint, op.src_box());
     fingerprint = hash_box(fingerprint, op.dst_box());
   }

@@ -37,11 +37,11 @@ void check_cluster(const ClusterShape& cluster) {
 RefitTransfers refit_transfers(const Layout& src, const Layout& dst,
                                const RefitModelOptions& options) {
   RefitTransfers out;
-  PeId top = std::max(src.max_rank(), dst.max_rank());
+  PeId top = std::max(src.max_pe(), dst.max_pe());
   out.stats = for_each_reshard_op(src, dst, [&](const TransferOp& op) {
     if (op.local()) return;
     out.transfers.push_back(
-        {op.task_id, op.src_rank, op.dst_rank, wire_bytes(op, src.params()[op.param], options)});
+        {op.task_id, op.src_pe, op.dst_pe, wire_bytes(op, src.params()[op.param], options)});
   });
   out.ranks = top + 1;
   return out;
@@ -51,13 +51,13 @@ RefitEstimate estimate_refit(const ReshardPlan& plan, const ClusterShape& cluste
                              const RefitModelOptions& options) {
   check_cluster(cluster);
   PeId top = 0;
-  for (const TransferOp& op : plan.ops()) top = std::max({top, op.src_rank, op.dst_rank});
+  for (const TransferOp& op : plan.ops()) top = std::max({top, op.src_pe, op.dst_pe});
   std::vector<Transfer> transfers;
   transfers.reserve(plan.ops().size());
   for (const TransferOp& op : plan.ops()) {
     if (op.local()) continue;
     transfers.push_back(
-        {op.task_id, op.src_rank, op.dst_rank, wire_bytes(op, plan.params()[op.param], options)});
+        {op.task_id, op.src_pe, op.dst_pe, wire_bytes(op, plan.params()[op.param], options)});
   }
   return estimate_refit(std::move(transfers), top + 1, cluster, options);
 }

@@ -46,7 +46,7 @@ CopyService::CopyService(std::shared_ptr<Bootstrap> bootstrap, const CopyService
   if (!bootstrap) throw_error(ErrorCode::kInvalidArgument, "CopyService needs a bootstrap");
   options.validate();
   impl_->bootstrap = std::move(bootstrap);
-  impl_->options = options;
+  impl_->options = options.with_former_names_applied();
 }
 
 CopyService::CopyService(TransportKind transport) : CopyService(environment_with(transport)) {}

@@ -108,7 +108,7 @@ class ScaledFp8Transform : public TransformBase {
   // 15.3-17.0 ms against 13.8 ms through the wire; with MPS 13.9 against 11.7).
   bool converts_local_op(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
                          const LocalTensor& dst, bool source_also_sent) override {
-    const bool sender_quantizes = side_ == QuantizeSide::kSender || shares_gpu(from.op.src_rank);
+    const bool sender_quantizes = side_ == QuantizeSide::kSender || shares_gpu(from.op.src_pe);
     if (source_also_sent && sender_quantizes) return false;
     if (src.data.kind != dst.data.kind || src.data.device != dst.data.device) return false;
     check_source(from, src);

@@ -32,8 +32,8 @@ inline std::byte* at_byte(const Buffer& buffer) { return static_cast<std::byte*>
                                 const std::string& why) {
   throw_error(ErrorCode::kInvalidArgument, transform + " transform, '" + slice.param.name + "' " +
                                                slice.op.region.str() + " (rank " +
-                                               std::to_string(slice.op.src_rank) + " -> rank " +
-                                               std::to_string(slice.op.dst_rank) + "): " + why);
+                                               std::to_string(slice.op.src_pe) + " -> rank " +
+                                               std::to_string(slice.op.dst_pe) + "): " + why);
 }
 
 // Wire buffers, one set per (side, op), the same ones at every refit: the transform's own for the
@@ -129,8 +129,8 @@ class TransformBase : public ReshardTransform, public execution::RangedTransform
     const auto known = [&](PeId rank) {
       return rank >= 0 && static_cast<std::size_t>(rank) < gpu_of_rank_.size();
     };
-    return known(op.src_rank) && known(op.dst_rank) && gpu_of_rank_[op.src_rank] != 0 &&
-           gpu_of_rank_[op.src_rank] == gpu_of_rank_[op.dst_rank];
+    return known(op.src_pe) && known(op.dst_pe) && gpu_of_rank_[op.src_pe] != 0 &&
+           gpu_of_rank_[op.src_pe] == gpu_of_rank_[op.dst_pe];
   }
   const std::string& filter() const { return filter_; }
   bool name_selected(const ParamSpec& param) const {

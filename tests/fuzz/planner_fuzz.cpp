@@ -87,8 +87,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::map<std::tuple<PeId, std::uint32_t, std::int64_t>, int> writes;
   for (const TransferOp& op : plan.ops()) {
     const ParamSpec& spec = plan.params()[op.param];
-    const Shard* from = src->find_shard(op.src_rank, op.param);
-    const Shard* to = dst->find_shard(op.dst_rank, dst->param_index(spec.name));
+    const Shard* from = src->find_shard(op.src_pe, op.param);
+    const Shard* to = dst->find_shard(op.dst_pe, dst->param_index(spec.name));
     if (from == nullptr || to == nullptr) finding("an op names a rank without a shard");
     if (!from->pieces[0].global.contains(op.region))
       finding("an op reads outside its source shard");
@@ -96,17 +96,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (op.bytes != static_cast<std::uint64_t>(op.region.elements()) * dtype_size(spec.dtype))
       finding("an op's bytes do not match its region");
     for_each_position(op.region, [&](const Extents& at) {
-      ++writes[{op.dst_rank, op.param, linear(at, spec.shape)}];
+      ++writes[{op.dst_pe, op.param, linear(at, spec.shape)}];
     });
   }
   for (const Shard& shard : dst->shards()) {
     const ParamSpec& spec = dst->params()[shard.param];
     const std::uint32_t src_param = src->param_index(spec.name);
     for_each_position(shard.pieces[0].global, [&](const Extents& at) {
-      const auto it = writes.find({shard.rank, src_param, linear(at, spec.shape)});
+      const auto it = writes.find({shard.pe, src_param, linear(at, spec.shape)});
       if (it == writes.end() || it->second != 1) {
         finding("element " + std::to_string(linear(at, spec.shape)) + " of " + spec.name +
-                " on rank " + std::to_string(shard.rank) + " written " +
+                " on rank " + std::to_string(shard.pe) + " written " +
                 std::to_string(it == writes.end() ? 0 : it->second) + " times");
       }
     });

@@ -359,7 +359,7 @@ std::vector<Case> cases_for(int n) {
   if (n % 2 == 0) {
     const int half = n / 2, q = half & -half;
     add({.tp = q, .dp = half / q},
-        {.tp = std::max(1, q / 2), .replicas = half / std::max(1, q / 2), .rank_offset = half});
+        {.tp = std::max(1, q / 2), .replicas = half / std::max(1, q / 2), .first_pe = half});
   }
   if (n % 4 == 0) add({.tp = 2, .dp = n / 2, .ep = 2}, {.tp = 4, .replicas = n / 4, .ep = 4});
   return cases;
@@ -403,7 +403,7 @@ std::uint64_t strided_slice_bytes(const ReshardPlan& plan, PeId me) {
   std::uint64_t bytes = 0;
   for (const TransferOp& op : plan.ops()) {
     for (bool sending : {true, false}) {
-      if ((sending ? op.src_rank : op.dst_rank) != me) continue;
+      if ((sending ? op.src_pe : op.dst_pe) != me) continue;
       const Layout& layout = sending ? plan.src_layout() : plan.dst_layout();
       const Shard* shard = layout.find_shard(me, layout.param_index(plan.params()[op.param].name));
       if (!contiguous_in(sending ? op.src_box() : op.dst_box(), shard->local_shape))
@@ -458,7 +458,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
   auto sender_quantizes = [&](const TransferOp& op) {
     if (mode == Mode::kMxSender) return true;
     return mode == Mode::kMxReceiver && options.quantize_colocated_on_sender &&
-           !gpu_of_pe[op.src_rank].empty() && gpu_of_pe[op.src_rank] == gpu_of_pe[op.dst_rank];
+           !gpu_of_pe[op.src_pe].empty() && gpu_of_pe[op.src_pe] == gpu_of_pe[op.dst_pe];
   };
   CaseResult result;
   // Bounded: phases are needed exactly where some rank's refit needs more staging than the
@@ -494,13 +494,13 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
                                (gpu_shared && options.quantize_colocated_on_sender);
   auto also_sent = [&](const TransferOp& local) {
     return std::any_of(plan->ops().begin(), plan->ops().end(), [&](const TransferOp& op) {
-      return &op != &local && op.src_rank == local.src_rank && op.param == local.param &&
+      return &op != &local && op.src_pe == local.src_pe && op.param == local.param &&
              op.src_box() == local.src_box();
     });
   };
   std::uint64_t locally_converted = 0;
   for (const TransferOp& op : plan->ops()) {
-    if (mode != Mode::kPlain && op.local() && op.src_rank == me &&
+    if (mode != Mode::kPlain && op.local() && op.src_pe == me &&
         transform->should_transform(plan->params()[op.param]) &&
         !(scaled && sender_converts && also_sent(op))) {
       locally_converted += op.bytes;
@@ -540,7 +540,7 @@ CaseResult run_case(CopyService& service, const ModelSpec& model, const Case& c,
     if (mode == Mode::kPlain || mode == Mode::kMxSender || mode == Mode::kMxReceiver) {
       std::uint64_t wire = 0;
       for (const TransferOp& op : plan->ops()) {
-        if (op.src_rank != me || op.local()) continue;
+        if (op.src_pe != me || op.local()) continue;
         const bool quantized = mode != Mode::kPlain && sender_quantizes(op) &&
                                transform->should_transform(plan->params()[op.param]);
         wire += quantized ? op.bytes / 2 + op.bytes / 64 : op.bytes;
@@ -1025,7 +1025,7 @@ TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
   const ModelSpec model = test_model(false);
   // norm.weight lives on the last stage (rank 1) and moves to rank 0.
   auto plan = std::make_shared<const ReshardPlan>(
-      make_reshard_plan(build_layout(model, {.pp = 2}), build_layout(model, {.rank_offset = 0})));
+      make_reshard_plan(build_layout(model, {.pp = 2}), build_layout(model, {.first_pe = 0})));
   const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
   RankTensors t = make_tensors(*plan, service->my_pe(), my_device(), expected, nullptr);
   if (const auto error = refusal_of(*service, plan, t, std::make_shared<LopsidedTransform>())) {

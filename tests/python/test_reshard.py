@@ -183,7 +183,8 @@ def test_service_settings_are_keywords_with_the_environment_as_default(monkeypat
     tuned = reshard.CopyService("host", timeout=2.5, chunk_bytes="4KiB", verify=True,
                                 log_level="WARN", host={"staging_bytes": "16MiB"},
                                 cuda={"engine": "sm", "same_device": "stream"},
-                                nvshmem={"waits": "stream"}, debug={"phase_timing": True})
+                                nvshmem={"waits": "stream"},
+                                advanced={"step_timing": True, "cuda_bytes_per_cta": "8KiB"})
     try:
         assert plain.options.timeout == 7.0 and plain.options.cuda.engine == "ce"
         assert plain.options.chunk_bytes is None and not plain.options.verify
@@ -192,7 +193,8 @@ def test_service_settings_are_keywords_with_the_environment_as_default(monkeypat
         assert o.host.staging_bytes == 16 << 20
         assert (o.cuda.engine, o.cuda.same_device) == ("sm", "stream")
         assert (o.nvshmem.waits, plain.options.nvshmem.waits) == ("stream", "auto")
-        assert o.debug.phase_timing and not plain.options.debug.phase_timing
+        assert o.advanced.step_timing and not plain.options.advanced.step_timing
+        assert o.advanced.cuda_bytes_per_cta == 8192
         # The keywords reach the service: verify mode is on without set_verify.
         tuned.init()
         assert tuned.verify and not plain.init("WARN").verify
@@ -208,13 +210,36 @@ def test_service_settings_are_keywords_with_the_environment_as_default(monkeypat
         tuned.finalize()
 
 
+def test_tuning_and_diagnosis_under_their_former_names_work_with_a_warning():
+    # advanced= holds tuning and diagnosis; debug= and cuda=/nccl='s tuning keys are its former
+    # spelling, kept for one release.
+    with pytest.warns(DeprecationWarning, match=r"advanced=\{'step_timing'"):
+        former = reshard.CopyService("host", debug={"phase_timing": True, "cuda_unroll": 4},
+                                     cuda={"engine": "sm", "ctas_per_peer": 16},
+                                     nccl={"group_spans": 3})
+    try:
+        a = former.options.advanced
+        assert (a.step_timing, a.cuda_unroll, a.cuda_ctas_per_peer, a.nccl_group_spans) == \
+            (True, 4, 16, 3)
+        assert former.options.cuda.engine == "sm"
+        # The former names read what the service runs with.
+        assert former.options.debug.phase_timing and former.options.cuda.ctas_per_peer == 16
+    finally:
+        former.finalize()
+    with pytest.warns(DeprecationWarning, match="cuda_ce_min_bytes"):
+        options = reshard.service_options(cuda={"ce_min_bytes": "1MiB"})
+    assert options.advanced.cuda_ce_min_bytes == 1 << 20
+    with pytest.raises(ValueError, match="advanced.cuda_unroll"):
+        reshard.service_options(advanced={"cuda_unroll": 6})
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(timeoot=1), "unknown setting 'timeoot'"),
     (dict(cuda={"engin": "sm"}), "unknown setting 'engin'"),
     (dict(cuda="sm"), "takes a dict of cuda settings"),
     (dict(verify="yes"), "verify='yes' is not a bool"),
     (dict(cuda={"engine": "fast"}), "cuda.engine = 'fast' is not one of"),
-    (dict(debug={"cuda_unroll": 6}), "debug.cuda_unroll = 6 is not 4 or 8"),
+    (dict(advanced={"cuda_unroll": 6}), "advanced.cuda_unroll = 6 is not 4 or 8"),
     (dict(nvshmem={"waits": "spin"}), "nvshmem.waits = 'spin' is not one of"),
     (dict(chunk_bytes=0), "chunk_bytes = 0 must be positive"),
     (dict(inter_node_transport="carrier-pigeon"), "unknown transport 'carrier-pigeon'"),
@@ -455,10 +480,30 @@ def test_the_planner_classes_say_what_they_are():
         assert type(obj).__doc__, f"{type(obj).__name__} has no docstring"
         assert " object at 0x" not in repr(obj), f"{type(obj).__name__}: {obj!r}"
         assert repr(obj).startswith(type(obj).__name__), repr(obj)
-    assert "layers=2" in repr(model) and "ranks 0..1" in repr(trainer)
+    assert "layers=2" in repr(model) and "PEs 0..1" in repr(trainer)
     assert model.params[0].stage in ("layer", "first", "last")
     assert "split_row_align" in reshard.make_reshard_plan.__doc__
     assert "torch.chunk" in reshard.build_layout.__doc__
+
+
+@pytest.mark.quick
+def test_the_former_rank_names_of_the_planner_warn_and_say_what_the_pe_names_say():
+    model = reshard.toy_model(layers=2, hidden=256)
+    engine = reshard.build_layout(model, reshard.Parallelism(tp=2, first_pe=2))
+    with pytest.warns(DeprecationWarning, match="use first_pe="):
+        former = reshard.Parallelism(tp=2, rank_offset=2)
+    assert reshard.build_layout(model, former).max_pe == engine.max_pe == 3
+    with pytest.raises(ValueError, match="first_pe = 2 and rank_offset"):
+        reshard.build_layout(model, reshard.Parallelism(tp=2, first_pe=2, rank_offset=1))
+    plan = reshard.make_reshard_plan(reshard.build_layout(model, reshard.Parallelism()), engine)
+    op = plan.ops[0]
+    assert op.src_pe == 0 and op.dst_pe in (2, 3) and "PE 0 -> " in repr(op)
+    with pytest.warns(DeprecationWarning, match="TransferOp.src_pe"):
+        assert op.src_rank == op.src_pe
+    with pytest.warns(DeprecationWarning, match="TransferOp.dst_pe"):
+        assert op.dst_rank == op.dst_pe
+    with pytest.warns(DeprecationWarning, match="Layout.max_pe"):
+        assert engine.max_rank == 3
 
 
 @pytest.mark.quick

@@ -70,11 +70,11 @@ TEST(Env, AValueOutOfRangeNamesTheOptionItSets) {
     read_options();
     ADD_FAILURE() << "RESHARD_CUDA_CTAS_PER_PEER=2048 was accepted";
   } catch (const Error& error) {
-    EXPECT_NE(
-        std::string(error.what())
-            .find("RESHARD_CUDA_CTAS_PER_PEER='2048' (CopyServiceOptions::cuda.ctas_per_peer) "
-                  "is outside 1..1024"),
-        std::string::npos)
+    EXPECT_NE(std::string(error.what())
+                  .find("RESHARD_CUDA_CTAS_PER_PEER='2048' "
+                        "(CopyServiceOptions::advanced.cuda_ctas_per_peer) "
+                        "is outside 1..1024"),
+              std::string::npos)
         << error.what();
   }
 }
@@ -99,9 +99,9 @@ TEST(Env, ServiceSettingsAcceptEveryDocumentedValue) {
     ScopedEnv scoped("RESHARD_CUDA_ENGINE", engine);
     EXPECT_EQ(CopyServiceOptions::from_environment().cuda.engine, engine);
   }
-  for (int streams = 1; streams <= DebugOptions::kMaxCudaCeStreams; ++streams) {
+  for (int streams = 1; streams <= AdvancedOptions::kMaxCudaCeStreams; ++streams) {
     ScopedEnv scoped("RESHARD_CUDA_CE_STREAMS", std::to_string(streams).c_str());
-    EXPECT_EQ(CopyServiceOptions::from_environment().debug.cuda_ce_streams, streams);
+    EXPECT_EQ(CopyServiceOptions::from_environment().advanced.cuda_ce_streams, streams);
   }
   for (const char* order : {"auto", "delegate", "stream", "kernel"}) {
     ScopedEnv scoped("RESHARD_CUDA_SAME_DEVICE", order);
@@ -114,11 +114,11 @@ TEST(Env, ServiceSettingsAcceptEveryDocumentedValue) {
   }
   {
     ScopedEnv scoped("RESHARD_CUDA_EARLY_LAUNCH", "0");
-    EXPECT_FALSE(CopyServiceOptions::from_environment().debug.cuda_early_launch);
+    EXPECT_FALSE(CopyServiceOptions::from_environment().advanced.cuda_early_launch);
   }
   {
     ScopedEnv scoped("RESHARD_NVSHMEM_PEERS_PER_ROUND", "1");
-    EXPECT_EQ(CopyServiceOptions::from_environment().debug.nvshmem_peers_per_round, 1);
+    EXPECT_EQ(CopyServiceOptions::from_environment().advanced.nvshmem_peers_per_round, 1);
   }
 }
 

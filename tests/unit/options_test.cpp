@@ -32,24 +32,14 @@ TEST(Options, WithoutVariablesTheEnvironmentGivesTheDefaults) {
   EXPECT_EQ(read.log_level, defaults.log_level);
   EXPECT_EQ(read.host.staging_bytes, defaults.host.staging_bytes);
   EXPECT_EQ(read.cuda.engine, defaults.cuda.engine);
-  EXPECT_EQ(read.cuda.ce_min_bytes, defaults.cuda.ce_min_bytes);
-  EXPECT_EQ(read.cuda.ctas_per_peer, defaults.cuda.ctas_per_peer);
-  EXPECT_EQ(read.cuda.bytes_per_cta, defaults.cuda.bytes_per_cta);
   EXPECT_EQ(read.cuda.same_device, defaults.cuda.same_device);
   EXPECT_EQ(read.nccl.nonblocking, defaults.nccl.nonblocking);
-  EXPECT_EQ(read.nccl.group_spans, defaults.nccl.group_spans);
   EXPECT_EQ(read.nvshmem.staging_bytes, defaults.nvshmem.staging_bytes);
   EXPECT_EQ(read.nvshmem.waits, defaults.nvshmem.waits);
-  EXPECT_EQ(read.debug.cuda_trace, defaults.debug.cuda_trace);
-  EXPECT_EQ(read.debug.nvshmem_trace, defaults.debug.nvshmem_trace);
-  EXPECT_EQ(read.debug.phase_timing, defaults.debug.phase_timing);
-  EXPECT_EQ(read.debug.cuda_ce_streams, defaults.debug.cuda_ce_streams);
-  EXPECT_EQ(read.debug.cuda_unroll, defaults.debug.cuda_unroll);
-  EXPECT_EQ(read.debug.cuda_early_launch, defaults.debug.cuda_early_launch);
-  EXPECT_EQ(read.debug.cuda_batch_memops, defaults.debug.cuda_batch_memops);
-  EXPECT_EQ(read.debug.nvshmem_direct, defaults.debug.nvshmem_direct);
-  EXPECT_EQ(read.debug.nvshmem_send_stream, defaults.debug.nvshmem_send_stream);
-  EXPECT_EQ(read.debug.nvshmem_peers_per_round, defaults.debug.nvshmem_peers_per_round);
+  EXPECT_TRUE(read.advanced == defaults.advanced);
+  EXPECT_TRUE(read.debug == defaults.debug);
+  EXPECT_EQ(read.cuda.ctas_per_peer, defaults.cuda.ctas_per_peer);
+  EXPECT_EQ(read.nccl.group_spans, defaults.nccl.group_spans);
   EXPECT_NO_THROW(defaults.validate());
 }
 
@@ -76,28 +66,31 @@ TEST(Options, EveryVariableLandsInItsField) {
        [](auto& o) { return o.host.staging_bytes == (16u << 20); }},
       {"RESHARD_CUDA_ENGINE", "ce", [](auto& o) { return o.cuda.engine == "ce"; }},
       {"RESHARD_CUDA_CE_MIN_BYTES", "1MiB",
-       [](auto& o) { return o.cuda.ce_min_bytes == (1u << 20); }},
-      {"RESHARD_CUDA_CTAS_PER_PEER", "7", [](auto& o) { return o.cuda.ctas_per_peer == 7; }},
-      {"RESHARD_CUDA_BYTES_PER_CTA", "8KiB", [](auto& o) { return o.cuda.bytes_per_cta == 8192u; }},
+       [](auto& o) { return o.advanced.cuda_ce_min_bytes == (1u << 20); }},
+      {"RESHARD_CUDA_CTAS_PER_PEER", "7",
+       [](auto& o) { return o.advanced.cuda_ctas_per_peer == 7; }},
+      {"RESHARD_CUDA_BYTES_PER_CTA", "8KiB",
+       [](auto& o) { return o.advanced.cuda_bytes_per_cta == 8192u; }},
       {"RESHARD_CUDA_SAME_DEVICE", "stream",
        [](auto& o) { return o.cuda.same_device == "stream"; }},
       {"RESHARD_NCCL_NONBLOCKING", "0", [](auto& o) { return !o.nccl.nonblocking; }},
-      {"RESHARD_NCCL_GROUP_SPANS", "9", [](auto& o) { return o.nccl.group_spans == 9u; }},
+      {"RESHARD_NCCL_GROUP_SPANS", "9", [](auto& o) { return o.advanced.nccl_group_spans == 9u; }},
       {"RESHARD_NVSHMEM_STAGING_BYTES", "32MiB",
        [](auto& o) { return o.nvshmem.staging_bytes == (32u << 20); }},
       {"RESHARD_NVSHMEM_WAITS", "stream", [](auto& o) { return o.nvshmem.waits == "stream"; }},
-      {"RESHARD_CUDA_TRACE", "1", [](auto& o) { return o.debug.cuda_trace; }},
-      {"RESHARD_NVSHMEM_TRACE", "1", [](auto& o) { return o.debug.nvshmem_trace; }},
-      {"RESHARD_PHASE_TIMING", "1", [](auto& o) { return o.debug.phase_timing; }},
-      {"RESHARD_PIPELINED_PHASES", "0", [](auto& o) { return !o.debug.pipelined_phases; }},
-      {"RESHARD_CUDA_CE_STREAMS", "3", [](auto& o) { return o.debug.cuda_ce_streams == 3; }},
-      {"RESHARD_CUDA_UNROLL", "4", [](auto& o) { return o.debug.cuda_unroll == 4; }},
-      {"RESHARD_CUDA_EARLY_LAUNCH", "0", [](auto& o) { return !o.debug.cuda_early_launch; }},
-      {"RESHARD_CUDA_BATCH_MEMOPS", "0", [](auto& o) { return !o.debug.cuda_batch_memops; }},
-      {"RESHARD_NVSHMEM_DIRECT", "0", [](auto& o) { return !o.debug.nvshmem_direct; }},
-      {"RESHARD_NVSHMEM_SEND_STREAM", "0", [](auto& o) { return !o.debug.nvshmem_send_stream; }},
+      {"RESHARD_CUDA_TRACE", "1", [](auto& o) { return o.advanced.cuda_trace; }},
+      {"RESHARD_NVSHMEM_TRACE", "1", [](auto& o) { return o.advanced.nvshmem_trace; }},
+      {"RESHARD_STEP_TIMING", "1", [](auto& o) { return o.advanced.step_timing; }},
+      {"RESHARD_PHASE_TIMING", "1", [](auto& o) { return o.advanced.step_timing; }},
+      {"RESHARD_PIPELINED_PHASES", "0", [](auto& o) { return !o.advanced.pipelined_phases; }},
+      {"RESHARD_CUDA_CE_STREAMS", "3", [](auto& o) { return o.advanced.cuda_ce_streams == 3; }},
+      {"RESHARD_CUDA_UNROLL", "4", [](auto& o) { return o.advanced.cuda_unroll == 4; }},
+      {"RESHARD_CUDA_EARLY_LAUNCH", "0", [](auto& o) { return !o.advanced.cuda_early_launch; }},
+      {"RESHARD_CUDA_BATCH_MEMOPS", "0", [](auto& o) { return !o.advanced.cuda_batch_memops; }},
+      {"RESHARD_NVSHMEM_DIRECT", "0", [](auto& o) { return !o.advanced.nvshmem_direct; }},
+      {"RESHARD_NVSHMEM_SEND_STREAM", "0", [](auto& o) { return !o.advanced.nvshmem_send_stream; }},
       {"RESHARD_NVSHMEM_PEERS_PER_ROUND", "2",
-       [](auto& o) { return o.debug.nvshmem_peers_per_round == 2; }},
+       [](auto& o) { return o.advanced.nvshmem_peers_per_round == 2; }},
   };
   for (const Case& c : cases) {
     ScopedEnv scoped(c.name, c.value);
@@ -112,22 +105,26 @@ TEST(Options, OutOfRangeValuesAreRefusedNamingTheField) {
   const std::vector<std::pair<std::string, std::function<void(CopyServiceOptions&)>>> cases = {
       {"cuda.engine", [](auto& o) { o.cuda.engine = "fast"; }},
       {"cuda.same_device", [](auto& o) { o.cuda.same_device = "leader"; }},
+      {"advanced.cuda_ctas_per_peer", [](auto& o) { o.advanced.cuda_ctas_per_peer = 0; }},
+      {"advanced.cuda_ctas_per_peer", [](auto& o) { o.advanced.cuda_ctas_per_peer = 1025; }},
+      {"advanced.cuda_bytes_per_cta", [](auto& o) { o.advanced.cuda_bytes_per_cta = 1024; }},
+      // Set under a former name: refused under that name.
       {"cuda.ctas_per_peer", [](auto& o) { o.cuda.ctas_per_peer = 0; }},
-      {"cuda.ctas_per_peer", [](auto& o) { o.cuda.ctas_per_peer = 1025; }},
-      {"cuda.bytes_per_cta", [](auto& o) { o.cuda.bytes_per_cta = 1024; }},
+      {"debug.cuda_unroll", [](auto& o) { o.debug.cuda_unroll = 6; }},
       {"timeout", [](auto& o) { o.timeout = std::chrono::milliseconds(0); }},
       {"arrival_timeout", [](auto& o) { o.arrival_timeout = std::chrono::milliseconds(-1); }},
       {"node_size", [](auto& o) { o.node_size = 0; }},
       {"device", [](auto& o) { o.device = -1; }},
       {"chunk_bytes", [](auto& o) { o.chunk_bytes = 0; }},
       {"inter_node_transport", [](auto& o) { o.inter_node_transport = TransportKind::kCuda; }},
-      {"nccl.group_spans", [](auto& o) { o.nccl.group_spans = 0; }},
+      {"advanced.nccl_group_spans", [](auto& o) { o.advanced.nccl_group_spans = 0; }},
       {"host.staging_bytes", [](auto& o) { o.host.staging_bytes = 0; }},
       {"nvshmem.staging_bytes", [](auto& o) { o.nvshmem.staging_bytes = 0; }},
       {"nvshmem.waits", [](auto& o) { o.nvshmem.waits = "spin"; }},
-      {"debug.cuda_ce_streams", [](auto& o) { o.debug.cuda_ce_streams = 9; }},
-      {"debug.cuda_unroll", [](auto& o) { o.debug.cuda_unroll = 6; }},
-      {"debug.nvshmem_peers_per_round", [](auto& o) { o.debug.nvshmem_peers_per_round = -1; }},
+      {"advanced.cuda_ce_streams", [](auto& o) { o.advanced.cuda_ce_streams = 9; }},
+      {"advanced.cuda_unroll", [](auto& o) { o.advanced.cuda_unroll = 6; }},
+      {"advanced.nvshmem_peers_per_round",
+       [](auto& o) { o.advanced.nvshmem_peers_per_round = -1; }},
   };
   for (const auto& [field, spoil] : cases) {
     CopyServiceOptions options;
@@ -142,6 +139,49 @@ TEST(Options, OutOfRangeValuesAreRefusedNamingTheField) {
           << error.what();
     }
   }
+}
+
+// Tuning and diagnosis moved to `advanced`; for one release their former names still work: a
+// value set there only is what the service runs with, and the former names then read it too.
+TEST(Options, AFormerNameSetAloneIsWhatTheServiceRunsWith) {
+  CopyServiceOptions options;
+  options.transport = TransportKind::kHost;
+  options.cuda.ctas_per_peer = 16;
+  options.nccl.group_spans = 3;
+  options.debug.phase_timing = true;
+  options.debug.cuda_unroll = 4;
+  options.advanced.cuda_ce_streams = 2;  // set under its new name: kept
+  CopyService service(options);
+  const CopyServiceOptions& used = service.options();
+  EXPECT_EQ(used.advanced.cuda_ctas_per_peer, 16);
+  EXPECT_EQ(used.advanced.nccl_group_spans, 3u);
+  EXPECT_TRUE(used.advanced.step_timing);
+  EXPECT_EQ(used.advanced.cuda_unroll, 4);
+  EXPECT_EQ(used.advanced.cuda_ce_streams, 2);
+  EXPECT_EQ(used.debug.cuda_ce_streams, 2);  // the former name reads what is used
+  EXPECT_EQ(used.cuda.ctas_per_peer, 16);
+  const CopyServiceOptions defaults;
+  EXPECT_EQ(used.advanced.cuda_bytes_per_cta, defaults.advanced.cuda_bytes_per_cta);
+  EXPECT_EQ(used.advanced.nvshmem_direct, defaults.advanced.nvshmem_direct);
+}
+
+// A former name and its new name set to different values: refused naming both.
+TEST(Options, AFormerNameAndItsNewNameDisagreeingAreRefused) {
+  CopyServiceOptions options;
+  options.cuda.ctas_per_peer = 16;
+  options.advanced.cuda_ctas_per_peer = 32;
+  try {
+    options.validate();
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& error) {
+    const std::string what = error.what();
+    EXPECT_NE(what.find("CopyServiceOptions::cuda.ctas_per_peer = 16 is the former name of "
+                        "advanced.cuda_ctas_per_peer, which is set to 32"),
+              std::string::npos)
+        << what;
+  }
+  options.advanced.cuda_ctas_per_peer = 16;  // both the same: one value meant
+  EXPECT_NO_THROW(options.validate());
 }
 
 // A service refuses bad options when it is made, before any peer is contacted.

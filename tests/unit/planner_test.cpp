@@ -39,28 +39,28 @@ std::size_t simulate(const ReshardPlan& plan) {
         tensor[linear(local, shard.local_shape)] = linear(g, shape);
       });
     }
-    src_tensors[{shard.rank, shard.param}] = std::move(tensor);
+    src_tensors[{shard.pe, shard.param}] = std::move(tensor);
   }
   for (const Shard& shard : dst.shards()) {
     const auto n = Box::whole(shard.local_shape).elements();
-    dst_values[{shard.rank, shard.param}].assign(n, -1);
-    dst_writes[{shard.rank, shard.param}].assign(n, 0);
+    dst_values[{shard.pe, shard.param}].assign(n, -1);
+    dst_writes[{shard.pe, shard.param}].assign(n, 0);
   }
   std::size_t problems = 0;
   for (const TransferOp& op : plan.ops()) {
     const ParamSpec& param = src.params()[op.param];
     const std::uint32_t dst_param = dst.param_index(param.name);
-    const Shard* from = src.find_shard(op.src_rank, op.param);
-    const Shard* to = dst.find_shard(op.dst_rank, dst_param);
+    const Shard* from = src.find_shard(op.src_pe, op.param);
+    const Shard* to = dst.find_shard(op.dst_pe, dst_param);
     if (from == nullptr || to == nullptr) {
       ADD_FAILURE() << "op for '" << param.name << "' names a rank without a shard";
       return 1;
     }
     EXPECT_EQ(op.bytes, op.region.elements() * dtype_size(param.dtype));
     EXPECT_EQ(op.task_id & ((1u << kSubTaskBits) - 1), 0u);
-    auto& source = src_tensors[{op.src_rank, op.param}];
-    auto& values = dst_values[{op.dst_rank, dst_param}];
-    auto& writes = dst_writes[{op.dst_rank, dst_param}];
+    auto& source = src_tensors[{op.src_pe, op.param}];
+    auto& values = dst_values[{op.dst_pe, dst_param}];
+    auto& writes = dst_writes[{op.dst_pe, dst_param}];
     for_each_position(op.region, [&](const Extents& g) {
       Extents s = g, t = g;
       for (int d = 0; d < op.region.ndim; ++d) {
@@ -78,8 +78,8 @@ std::size_t simulate(const ReshardPlan& plan) {
   }
   for (const Shard& shard : dst.shards()) {
     const auto& shape = dst.params()[shard.param].shape;
-    const auto& values = dst_values[{shard.rank, shard.param}];
-    const auto& writes = dst_writes[{shard.rank, shard.param}];
+    const auto& values = dst_values[{shard.pe, shard.param}];
+    const auto& writes = dst_writes[{shard.pe, shard.param}];
     for (const Piece& piece : shard.pieces) {
       for_each_position(shard.local_box(piece), [&](const Extents& l) {
         Extents g = l;
@@ -88,7 +88,7 @@ std::size_t simulate(const ReshardPlan& plan) {
         }
         const std::int64_t i = linear(l, shard.local_shape);
         if ((writes[i] != 1 || values[i] != linear(g, shape)) && problems++ == 0) {
-          ADD_FAILURE() << "rank " << shard.rank << " '" << dst.params()[shard.param].name
+          ADD_FAILURE() << "rank " << shard.pe << " '" << dst.params()[shard.param].name
                         << "' element " << Box{piece.global.ndim, g, {}}.str() << " written "
                         << writes[i] << " times, holds " << values[i];
         }
@@ -118,13 +118,12 @@ void expect_valid(const ReshardPlan& plan) {
   // the link: the planner must prefer the local copy.
   for (const TransferOp& op : plan.ops()) {
     if (op.local()) continue;
-    const Shard* own = plan.src_layout().find_shard(op.dst_rank, op.param);
+    const Shard* own = plan.src_layout().find_shard(op.dst_pe, op.param);
     if (own == nullptr) continue;
     for (const Piece& piece : own->pieces) {
       EXPECT_FALSE(piece.global.contains(op.region))
-          << "rank " << op.dst_rank << " receives " << op.region.str() << " of '"
-          << plan.params()[op.param].name << "' from rank " << op.src_rank
-          << " but holds it itself";
+          << "rank " << op.dst_pe << " receives " << op.region.str() << " of '"
+          << plan.params()[op.param].name << "' from rank " << op.src_pe << " but holds it itself";
     }
   }
 }
@@ -133,8 +132,7 @@ using OpKey = std::tuple<std::string, PeId, PeId, std::string, TaskId>;
 std::set<OpKey> op_keys(const ReshardPlan& plan) {
   std::set<OpKey> keys;
   for (const TransferOp& op : plan.ops()) {
-    keys.insert(
-        {plan.params()[op.param].name, op.src_rank, op.dst_rank, op.region.str(), op.task_id});
+    keys.insert({plan.params()[op.param].name, op.src_pe, op.dst_pe, op.region.str(), op.task_id});
   }
   return keys;
 }
@@ -147,8 +145,7 @@ TEST(Planner, MegatronTensorParallelTransitionMatrix) {
         SCOPED_TRACE("tp" + std::to_string(src_tp) + " -> tp" + std::to_string(dst_tp) +
                      (colocated ? " colocated" : " disjoint"));
         const Layout src = build_layout(model, {.tp = src_tp});
-        const Layout dst =
-            build_layout(model, {.tp = dst_tp, .rank_offset = colocated ? 0 : src_tp});
+        const Layout dst = build_layout(model, {.tp = dst_tp, .first_pe = colocated ? 0 : src_tp});
         const ReshardPlan plan = make_reshard_plan(src, dst);
         expect_valid(plan);
         if (colocated && src_tp == dst_tp) {
@@ -168,7 +165,7 @@ TEST(Planner, PipelineExpertAndReplicaChanges) {
       {{.tp = 2, .dp = 2, .pp = 2, .ep = 4}, {.tp = 4, .ep = 4}},
       {{.tp = 2, .dp = 4, .ep = 8}, {.tp = 8, .replicas = 2, .ep = 2, .etp = 4}},
       {{.tp = 4, .dp = 2, .ep = 2, .etp = 2}, {.tp = 2, .replicas = 2, .ep = 1, .etp = 2}},
-      {{.tp = 2, .dp = 2, .pp = 2, .ep = 2}, {.tp = 4, .replicas = 2, .ep = 4, .rank_offset = 8}},
+      {{.tp = 2, .dp = 2, .pp = 2, .ep = 2}, {.tp = 4, .replicas = 2, .ep = 4, .first_pe = 8}},
   };
   for (const auto& [from, to] : cases) {
     SCOPED_TRACE(from.str() + " -> " + to.str());
@@ -202,16 +199,15 @@ TEST(Planner, ReplicasShareTheSendingEvenly) {
   }
   const PlanOptions options{.split_min_bytes = 64 << 10, .split_row_align = 128};
   const ReshardPlan plan = make_reshard_plan(build_layout(model, {.dp = 4}),
-                                             build_layout(model, {.rank_offset = 4}), options);
+                                             build_layout(model, {.first_pe = 4}), options);
   expect_valid(plan);
   const std::uint64_t total = plan.stats().total_bytes;
   EXPECT_LE(plan.stats().max_egress_bytes, total / 4 + total / 20) << plan.summary();
   EXPECT_EQ(plan.stats().lower_bound_bytes, total);  // the one receiver takes everything
   // Without splitting, the largest-first rule still never puts two weights on one replica while
   // another sends nothing.
-  const ReshardPlan whole =
-      make_reshard_plan(build_layout(model, {.dp = 4}), build_layout(model, {.rank_offset = 4}),
-                        {.split_min_bytes = 0});
+  const ReshardPlan whole = make_reshard_plan(
+      build_layout(model, {.dp = 4}), build_layout(model, {.first_pe = 4}), {.split_min_bytes = 0});
   EXPECT_EQ(whole.stats().max_egress_bytes, 2 * total / 5);
   for (PeId rank = 0; rank < 4; ++rank) EXPECT_GT(whole.egress()[rank], 0u);
 }
@@ -363,7 +359,7 @@ TEST(Planner, RefusesUncoveredRegionsNamingThem) {
     EXPECT_EQ(error.code(), ErrorCode::kValidation);
     EXPECT_NE(std::string(error.what())
                   .find("parameter 'w': region [4:8, 0:6] of destination "
-                        "rank 1 is held by no source rank"),
+                        "PE 1 is held by no source PE"),
               std::string::npos)
         << error.what();
   }
@@ -486,11 +482,11 @@ TEST(Layouts, VocabulariesPaddedDifferentlyMoveOnlyTheirRealRows) {
     std::vector<int> written(1056, 0);
     for (const TransferOp& op : plan.ops()) {
       if (op.param != param) continue;
-      const Shard* to = dst->find_shard(op.dst_rank, param);
+      const Shard* to = dst->find_shard(op.dst_pe, param);
       ASSERT_NE(to, nullptr);
       // Lands where the destination rank holds those rows, from where the source rank holds them.
       EXPECT_EQ(op.dst_box().offset[0] + to->pieces[0].global.offset[0], op.region.offset[0]);
-      const Shard* from = src->find_shard(op.src_rank, param);
+      const Shard* from = src->find_shard(op.src_pe, param);
       ASSERT_NE(from, nullptr);
       EXPECT_EQ(op.src_box().offset[0] + from->pieces[0].global.offset[0], op.region.offset[0]);
       for (std::int64_t row = 0; row < op.region.extent[0]; ++row)
@@ -518,10 +514,39 @@ TEST(Layouts, VocabulariesPaddedDifferentlyMoveOnlyTheirRealRows) {
   EXPECT_THROW(layout.add_param({"p", {8, 4}, DType::kBFloat16, {8}}), Error);
 }
 
+// The process a block lives on is a PE everywhere; the former names (rank, src_rank, dst_rank,
+// rank_offset) stay for one release and say the same.
+TEST(Layouts, FormerRankNamesSayWhatThePeNamesSay) {
+  const ModelSpec model = toy_model(2, 64);
+  const Layout by_former_name = build_layout(model, {.tp = 2, .rank_offset = 4});
+  const Layout by_name = build_layout(model, {.tp = 2, .first_pe = 4});
+  ASSERT_EQ(by_former_name.shards().size(), by_name.shards().size());
+  for (std::size_t i = 0; i < by_name.shards().size(); ++i) {
+    EXPECT_EQ(by_former_name.shards()[i].pe, by_name.shards()[i].pe);
+    EXPECT_EQ(by_name.shards()[i].rank, by_name.shards()[i].pe);
+  }
+  EXPECT_EQ(by_name.max_pe(), 5);
+  try {
+    build_layout(model, {.tp = 2, .first_pe = 4, .rank_offset = 2});
+    ADD_FAILURE() << "first_pe 4 and rank_offset 2 were accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("first_pe = 4 and rank_offset (its former name) = 2"),
+              std::string::npos)
+        << error.what();
+  }
+  const ReshardPlan plan = make_reshard_plan(build_layout(model, {.tp = 2}), by_name);
+  ASSERT_FALSE(plan.ops().empty());
+  for (const TransferOp& op : plan.ops()) {
+    EXPECT_GE(op.dst_pe, 4);
+    EXPECT_EQ(op.src_rank, op.src_pe);
+    EXPECT_EQ(op.dst_rank, op.dst_pe);
+  }
+}
+
 TEST(Layouts, MegatronRankOrderIsTensorThenDataThenPipeline) {
   const ModelSpec model = toy_model(2, 64);
-  const Layout layout = build_layout(model, {.tp = 2, .dp = 2, .pp = 2, .rank_offset = 10});
-  EXPECT_EQ(layout.max_rank(), 17);
+  const Layout layout = build_layout(model, {.tp = 2, .dp = 2, .pp = 2, .first_pe = 10});
+  EXPECT_EQ(layout.max_pe(), 17);
   const std::uint32_t first = layout.param_index("layers.0.self_attn.o_proj.weight");
   const std::uint32_t last = layout.param_index("layers.1.self_attn.o_proj.weight");
   // Stage 0 = ranks 10..13 (tp fastest, then dp); stage 1 = ranks 14..17.

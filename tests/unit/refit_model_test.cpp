@@ -16,7 +16,7 @@ namespace {
 ReshardPlan mirrored_plan() {
   const ModelSpec model = toy_model(2, 256);
   auto src = std::make_shared<const Layout>(build_layout(model, {.tp = 2}));
-  auto dst = std::make_shared<const Layout>(build_layout(model, {.tp = 2, .rank_offset = 2}));
+  auto dst = std::make_shared<const Layout>(build_layout(model, {.tp = 2, .first_pe = 2}));
   return make_reshard_plan(src, dst);
 }
 
@@ -75,7 +75,7 @@ TEST(RefitModel, Fp8OnTheWireShrinksOnlyMatrices) {
 TEST(RefitModel, OpByOpPlanningMatchesTheWholePlan) {
   const ModelSpec model = toy_model(3, 256, 8);
   const Layout src = build_layout(model, {.tp = 2, .dp = 2, .ep = 4});
-  const Layout dst = build_layout(model, {.tp = 4, .replicas = 2, .ep = 2, .rank_offset = 2});
+  const Layout dst = build_layout(model, {.tp = 4, .replicas = 2, .ep = 2, .first_pe = 2});
   const ReshardPlan plan = make_reshard_plan(src, dst);
   std::vector<TransferOp> streamed;
   const PlanStats stats =
@@ -83,8 +83,8 @@ TEST(RefitModel, OpByOpPlanningMatchesTheWholePlan) {
   ASSERT_EQ(streamed.size(), plan.ops().size());
   for (std::size_t i = 0; i < streamed.size(); ++i) {
     EXPECT_EQ(streamed[i].task_id, plan.ops()[i].task_id) << "op " << i;
-    EXPECT_EQ(streamed[i].src_rank, plan.ops()[i].src_rank) << "op " << i;
-    EXPECT_EQ(streamed[i].dst_rank, plan.ops()[i].dst_rank) << "op " << i;
+    EXPECT_EQ(streamed[i].src_pe, plan.ops()[i].src_pe) << "op " << i;
+    EXPECT_EQ(streamed[i].dst_pe, plan.ops()[i].dst_pe) << "op " << i;
     EXPECT_EQ(streamed[i].bytes, plan.ops()[i].bytes) << "op " << i;
   }
   EXPECT_EQ(stats.total_bytes, plan.stats().total_bytes);

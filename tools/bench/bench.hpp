@@ -180,7 +180,7 @@ struct PlanBenchOptions {
   // A 1,024-GPU trainer (PP 16, TP 8, DP 8, EP 64) feeding a 512-GPU engine (16 replicas of TP 32,
   // EP 32) on other GPUs.
   Parallelism src{.tp = 8, .dp = 8, .pp = 16, .ep = 64};
-  Parallelism dst{.tp = 32, .replicas = 16, .ep = 32, .rank_offset = 1024};
+  Parallelism dst{.tp = 32, .replicas = 16, .ep = 32, .first_pe = 1024};
   int repeats = 3;
 };
 

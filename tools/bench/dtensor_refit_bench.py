@@ -219,12 +219,12 @@ def main():
         stream = torch.cuda.Stream()
         plan_names = [p.name for p in plan.params]
         for op in plan.ops:
-            if op.dst_rank != me:
+            if op.dst_pe != me:
                 continue
             name = plan_names[op.param]
-            key = (op.src_rank, name)
+            key = (op.src_pe, name)
             if key not in mapped:
-                rebuild, rebuild_args = everyone[op.src_rank][name]
+                rebuild, rebuild_args = everyone[op.src_pe][name]
                 mapped[key] = rebuild(*rebuild_args)
             source = mapped[key]
             target = refit.destinations[name]
@@ -330,7 +330,7 @@ def main():
             peer_rate = copy_rate(torch.device("cuda", other))
             out_bytes, in_bytes, within = {}, {}, {}
             for op in plan.ops:
-                a, b = gpus[op.src_rank], gpus[op.dst_rank]
+                a, b = gpus[op.src_pe], gpus[op.dst_pe]
                 if a == b:
                     within[a] = within.get(a, 0) + op.bytes
                 else:

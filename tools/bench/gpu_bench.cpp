@@ -281,7 +281,7 @@ std::uint64_t run_gpu_bench(std::shared_ptr<Bootstrap> bootstrap, const GpuBench
     colocation = ",\"pes_per_gpu\":" + std::to_string((n + visible_gpus - 1) / visible_gpus) +
                  ",\"mps\":" + (cuda::mps_server_found() ? "true" : "false") +
                  ",\"same_device_order\":\"" + base.cuda.same_device + "\"" +
-                 ",\"batch_memops\":" + (base.debug.cuda_batch_memops ? "true" : "false") +
+                 ",\"batch_memops\":" + (base.advanced.cuda_batch_memops ? "true" : "false") +
                  ",\"nvshmem_waits\":\"" + base.nvshmem.waits + "\"";
   }
   // Declared nodes (RESHARD_NODE_SIZE) change the NVSHMEM and NCCL engines' paths (NVSHMEM puts

@@ -97,16 +97,16 @@ IpcCopyLoop::IpcCopyLoop(Bootstrap& bootstrap, const ReshardPlan& plan, const Te
   }
 
   for (const TransferOp& op : plan.ops()) {
-    if (op.src_rank != me) continue;
+    if (op.src_pe != me) continue;
     const ParamSpec& param = plan.params()[op.param];
-    const auto target = destination.find({op.dst_rank, op.param});
+    const auto target = destination.find({op.dst_pe, op.param});
     if (target == destination.end()) {
-      throw_error(ErrorCode::kInvalidArgument, "IPC copy loop: PE " + std::to_string(op.dst_rank) +
+      throw_error(ErrorCode::kInvalidArgument, "IPC copy loop: PE " + std::to_string(op.dst_pe) +
                                                    " shared no tensor for " + param.name);
     }
     const std::size_t element = dtype_size(param.dtype);
     const auto& src_shape = plan.src_layout().find_shard(me, op.param)->local_shape;
-    const auto& dst_shape = plan.dst_layout().find_shard(op.dst_rank, op.param)->local_shape;
+    const auto& dst_shape = plan.dst_layout().find_shard(op.dst_pe, op.param)->local_shape;
     const auto* source = static_cast<const unsigned char*>(src.at(param.name).data.data);
     const Box from = op.src_box(), to = op.dst_box();
     const int n = from.ndim;

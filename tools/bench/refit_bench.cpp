@@ -591,7 +591,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
              << ",\"same_device_order\":\"" << service.options().cuda.same_device << "\"";
         json << ",\"batch_memops\":"
-             << (service.options().debug.cuda_batch_memops ? "true" : "false")
+             << (service.options().advanced.cuda_batch_memops ? "true" : "false")
              << ",\"nvshmem_waits\":\"" << service.options().nvshmem.waits << "\""
              << ",\"front_end_waits\":"
              << (reshard::execution::ServiceSlot::waits_in_stream_front_end(service) ? "true"

@@ -86,7 +86,7 @@ void run_scale_bench(const ScaleBenchOptions& options) {
     // 256 trainer GPUs (PP 16, TP 8, DP 2, EP 16) -> 128 engine GPUs (8 x TP 16 / EP 16).
     cases.push_back({"kimi-k2 256 -> 128",
                      {.tp = 8, .dp = 2, .pp = 16, .ep = 16},
-                     {.tp = 16, .replicas = 8, .ep = 16, .rank_offset = 256}});
+                     {.tp = 16, .replicas = 8, .ep = 16, .first_pe = 256}});
   }
   for (int total : options.total_gpus) {
     // Half trains (PP 16, TP 8, DP as needed, EP up to 64); half serves (replicas of TP 32 / EP
@@ -94,7 +94,7 @@ void run_scale_bench(const ScaleBenchOptions& options) {
     const int trainer = total / 2, dp = std::max(1, trainer / 128);
     Parallelism src{.tp = 8, .dp = dp, .pp = 16, .ep = std::min(64, 8 * dp)};
     Parallelism dst{
-        .tp = 32, .replicas = std::max(1, trainer / 32), .ep = 32, .rank_offset = src.world()};
+        .tp = 32, .replicas = std::max(1, trainer / 32), .ep = 32, .first_pe = src.world()};
     cases.push_back({"1T MoE, " + std::to_string(src.world() + dst.world()) + " GPUs", src, dst});
   }
   for (const Case& c : cases) report(c, model, options);

@@ -14,13 +14,13 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   DeviceScope scope(device_);
   load_copy_kernels();
   engine_ = options.cuda.engine;
-  copy_engine_min_bytes_ = options.cuda.ce_min_bytes;
-  copy_engine_streams_used_ = options.debug.cuda_ce_streams;
-  ctas_per_peer_ = options.cuda.ctas_per_peer;
-  bytes_per_cta_ = options.cuda.bytes_per_cta;
-  unroll_ = options.debug.cuda_unroll;
-  early_launch_ = options.debug.cuda_early_launch;
-  batch_memops_ = options.debug.cuda_batch_memops;
+  copy_engine_min_bytes_ = options.advanced.cuda_ce_min_bytes;
+  copy_engine_streams_used_ = options.advanced.cuda_ce_streams;
+  ctas_per_peer_ = options.advanced.cuda_ctas_per_peer;
+  bytes_per_cta_ = options.advanced.cuda_bytes_per_cta;
+  unroll_ = options.advanced.cuda_unroll;
+  early_launch_ = options.advanced.cuda_early_launch;
+  batch_memops_ = options.advanced.cuda_batch_memops;
   timeout_ = options.timeout;
   timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000ull;
   arrival_timeout_ = options.arrival_timeout;
@@ -45,7 +45,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   RESHARD_CUDA_CHECK(cudaMalloc(&signals_, signal_bytes));
   RESHARD_CUDA_CHECK(cudaMemset(signals_, 0, signal_bytes));
   ready_epoch_ = SignalLayout::ready_epoch(signals_, n_pes_);
-  if (options.debug.cuda_trace) {
+  if (options.advanced.cuda_trace) {
     const std::size_t bytes = sizeof(std::uint64_t) * kTraceRuns * kTracePhases;
     RESHARD_CUDA_CHECK(cudaMalloc(&trace_, bytes));
     RESHARD_CUDA_CHECK(cudaMemset(trace_, 0, bytes));

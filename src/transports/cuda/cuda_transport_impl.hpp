@@ -37,7 +37,7 @@ namespace reshard::cuda {
 
 constexpr std::uint64_t kUnbounded = 1ull << 50;  // direct copies need no chunks or rounds
 constexpr std::uint32_t kBounceHandle = UINT32_MAX;
-constexpr int kCopyEngineStreams = DebugOptions::kMaxCudaCeStreams;
+constexpr int kCopyEngineStreams = AdvancedOptions::kMaxCudaCeStreams;
 // Autotune: untimed then timed runs of each candidate engine at schedule().
 constexpr int kAutotuneWarmups = 2;
 constexpr int kAutotuneRuns = 5;

@@ -107,7 +107,7 @@ class NcclTransport final : public Transport {
   [[noreturn]] void fail_run(const Failure& failure);
 
   Bootstrap& bootstrap_;
-  std::uint32_t group_spans_;          // NcclTransportOptions::group_spans
+  std::uint32_t group_spans_;          // AdvancedOptions::nccl_group_spans
   std::chrono::milliseconds timeout_;  // CopyServiceOptions::timeout
   int me_ = 0;
   int n_pes_ = 0;
@@ -128,7 +128,7 @@ class NcclTransport final : public Transport {
 
 NcclTransport::NcclTransport(Bootstrap& bootstrap, const CopyServiceOptions& options)
     : bootstrap_(bootstrap),
-      group_spans_(options.nccl.group_spans),
+      group_spans_(options.advanced.nccl_group_spans),
       timeout_(options.timeout),
       me_(bootstrap.rank()),
       n_pes_(bootstrap.size()) {

@@ -28,10 +28,10 @@ namespace nvshmem {
 
 NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOptions& options)
     : bootstrap_(bootstrap), me_(bootstrap.rank()), n_pes_(bootstrap.size()) {
-  send_stream_enabled_ = options.debug.nvshmem_send_stream;
-  peers_per_round_ = options.debug.nvshmem_peers_per_round;
-  direct_ = options.debug.nvshmem_direct;
-  trace_ = options.debug.nvshmem_trace;
+  send_stream_enabled_ = options.advanced.nvshmem_send_stream;
+  peers_per_round_ = options.advanced.nvshmem_peers_per_round;
+  direct_ = options.advanced.nvshmem_direct;
+  trace_ = options.advanced.nvshmem_trace;
   timeout_ = options.timeout;
   device_ = cuda::select_device(bootstrap, options.device);
   cuda::DeviceScope scope(device_);
@@ -79,7 +79,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
   // timeout (one H100, 2026-11-27: 2 PEs at 16 MiB per peer, 4 PEs at 1 MiB). Without MPS the
   // processes take turns on the whole GPU, so the share costs nothing there that the turns did not.
   const int sharing = cuda::pes_on_this_gpu(bootstrap, device_);
-  batch_memops_ = options.debug.cuda_batch_memops;
+  batch_memops_ = options.advanced.cuda_batch_memops;
   const std::string& waits = options.nvshmem.waits;
   const bool can_stream = cuda::stream_memory_ops_supported(device_);
   if (waits == "stream" && !can_stream) {

@@ -135,7 +135,7 @@ class NvshmemTransport final : public Transport {
   ~NvshmemTransport() override { finalize(); }
 
   const char* name() const override { return "nvshmem"; }
-  // Every peer in one round unless DebugOptions::nvshmem_peers_per_round says fewer: the waves
+  // Every peer in one round unless AdvancedOptions::nvshmem_peers_per_round says fewer: the waves
   // keep every slot drained before it is filled again without waiting in a cycle (see
   // build_waves).
   TransportCaps caps() const override {
@@ -202,8 +202,8 @@ class NvshmemTransport final : public Transport {
   // Sends go on their own stream, forked from the caller's and joined back at the end of run():
   // a round's sends then need not wait behind the previous round's receives. Receives never
   // wait on this PE's sends, so the two streams cannot wait on each other in a cycle.
-  bool send_stream_enabled_ = true;  // DebugOptions::nvshmem_send_stream
-  int peers_per_round_ = 0;          // DebugOptions::nvshmem_peers_per_round
+  bool send_stream_enabled_ = true;  // AdvancedOptions::nvshmem_send_stream
+  int peers_per_round_ = 0;          // AdvancedOptions::nvshmem_peers_per_round
   std::chrono::milliseconds timeout_{};
   // Not with stream waits: a PE whose two streams both wait in their front ends on a GPU shared
   // without MPS kept the GPU for a time slice (one H200, 2 PEs, 4 KiB all-to-all: 2,224 us on two
@@ -255,9 +255,9 @@ class NvshmemTransport final : public Transport {
   // NVSHMEM signal op, which costs a proxy round trip.
   std::vector<std::array<std::uint64_t*, kDepth>> remote_data_;
   std::vector<std::uint64_t*> remote_ack_;
-  bool direct_ = true;  // DebugOptions::nvshmem_direct
+  bool direct_ = true;  // AdvancedOptions::nvshmem_direct
   NodeMap nodes_;       // peers of other nodes take the put path even where NVLink reaches them
-  // DebugOptions::nvshmem_trace (diagnosis): waits after every step of a run and adds its time
+  // AdvancedOptions::nvshmem_trace (diagnosis): waits after every step of a run and adds its time
   // to trace_[step], printed at finalize. The waits serialise everything.
   bool trace_ = false;
   std::array<double, 4> trace_seconds_{};
@@ -274,7 +274,7 @@ class NvshmemTransport final : public Transport {
   }
   // Waits in the stream's front end instead of the kernels (NvshmemTransportOptions::waits).
   bool stream_waits_ = false;
-  bool batch_memops_ = true;  // DebugOptions::cuda_batch_memops
+  bool batch_memops_ = true;  // AdvancedOptions::cuda_batch_memops
   bool can_flush_ = false;    // CU_STREAM_WAIT_VALUE_FLUSH, for data that NICs write
   // For the watchdog: each run in flight with stream waits, oldest first (its end, and its waits in
   // the order queued), and when the newest was queued; guarded by the watchdog's mutex.

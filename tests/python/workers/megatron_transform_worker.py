@@ -127,7 +127,7 @@ def main():
                           file=sys.stderr)
                     failures += 1
                 got.zero_()
-        if transform.sent == 0 and any(op.src_rank == me for op in plan.ops
+        if transform.sent == 0 and any(op.src_pe == me for op in plan.ops
                                        if transform.should_transform(plan.params[op.param].name)):
             print(f"rank {me}: the transform's prepare_send never ran", file=sys.stderr)
             failures += 1

@@ -229,9 +229,9 @@ def main():
             # sender, a slice this rank also sends to others (replicas): converted once for all.
             def source_slice(op):
                 return op.param, tuple(op.src_offset), tuple(op.extent)
-            sends = collections.Counter(source_slice(op) for op in plan.ops if op.src_rank == me)
+            sends = collections.Counter(source_slice(op) for op in plan.ops if op.src_pe == me)
             expected = sum(op.bytes for op in plan.ops
-                           if op.src_rank == me and op.dst_rank == me and
+                           if op.src_pe == me and op.dst_pe == me and
                            transform.should_transform(plan.params[op.param]) and
                            (side == "receiver" or sends[source_slice(op)] == 1))
             if report.locally_converted_bytes != expected:
