@@ -190,9 +190,9 @@ struct CopyServiceOptions {
   // under its former name and its new one to different values. The service checks its options
   // at construction.
   void validate() const;
-  // These options with every field set under a former name (and not under its new one) moved to
-  // its new name, and the former names then holding what the new ones hold: what a service runs
-  // with (CopyService::options()). Warns once per former name used.
+  // These options with every field set under a former name moved to its new name, the former
+  // names left at their defaults: what a service runs with (CopyService::options()). Logs a
+  // warning for each former name it moves.
   CopyServiceOptions with_former_names_applied() const;
 };
 

@@ -310,8 +310,10 @@ CopyServiceOptions CopyServiceOptions::with_former_names_applied() const {
                                                  "release: set CopyServiceOptions::"
                                               << name);
   }
-  for_each_former_name(o, [](const char*, auto& former, const auto&, const char*, auto& current,
-                             const auto&) { former = current; });
+  // The former names back at their defaults: options read from one service and changed under the
+  // new names for another must not meet an old value that now disagrees.
+  for_each_former_name(o, [](const char*, auto& former, const auto& former_default, const char*,
+                             auto&, const auto&) { former = former_default; });
   return o;
 }
 

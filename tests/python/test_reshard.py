@@ -222,8 +222,8 @@ def test_tuning_and_diagnosis_under_their_former_names_work_with_a_warning():
         assert (a.step_timing, a.cuda_unroll, a.cuda_ctas_per_peer, a.nccl_group_spans) == \
             (True, 4, 16, 3)
         assert former.options.cuda.engine == "sm"
-        # The former names read what the service runs with.
-        assert former.options.debug.phase_timing and former.options.cuda.ctas_per_peer == 16
+        # The service's options speak the new names only.
+        assert not former.options.debug.phase_timing and former.options.cuda.ctas_per_peer == 64
     finally:
         former.finalize()
     with pytest.warns(DeprecationWarning, match="cuda_ce_min_bytes"):

@@ -142,7 +142,7 @@ TEST(Options, OutOfRangeValuesAreRefusedNamingTheField) {
 }
 
 // Tuning and diagnosis moved to `advanced`; for one release their former names still work: a
-// value set there only is what the service runs with, and the former names then read it too.
+// value set there only is what the service runs with.
 TEST(Options, AFormerNameSetAloneIsWhatTheServiceRunsWith) {
   CopyServiceOptions options;
   options.transport = TransportKind::kHost;
@@ -158,9 +158,14 @@ TEST(Options, AFormerNameSetAloneIsWhatTheServiceRunsWith) {
   EXPECT_TRUE(used.advanced.step_timing);
   EXPECT_EQ(used.advanced.cuda_unroll, 4);
   EXPECT_EQ(used.advanced.cuda_ce_streams, 2);
-  EXPECT_EQ(used.debug.cuda_ce_streams, 2);  // the former name reads what is used
-  EXPECT_EQ(used.cuda.ctas_per_peer, 16);
+  // The former names are back at their defaults, so these options, changed under the new names,
+  // make another service.
   const CopyServiceOptions defaults;
+  EXPECT_TRUE(used.debug == defaults.debug);
+  EXPECT_EQ(used.cuda.ctas_per_peer, defaults.cuda.ctas_per_peer);
+  CopyServiceOptions changed = used;
+  changed.advanced.cuda_ctas_per_peer = 32;
+  EXPECT_NO_THROW(changed.validate());
   EXPECT_EQ(used.advanced.cuda_bytes_per_cta, defaults.advanced.cuda_bytes_per_cta);
   EXPECT_EQ(used.advanced.nvshmem_direct, defaults.advanced.nvshmem_direct);
 }
