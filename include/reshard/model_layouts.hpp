@@ -1,5 +1,5 @@
 // Layout builders for the common cases: Megatron-style training (TP, PP, EP, DP replicas, packed
-// partitions) and vLLM/SGLang-style inference (TP, EP, replicas), on shared or disjoint ranks.
+// partitions) and vLLM/SGLang-style inference (TP, EP, replicas), on shared or disjoint PEs.
 #pragma once
 
 #include <cstdint>
@@ -19,13 +19,13 @@ enum class Stage : std::uint8_t {
 
 struct ModelParam {
   ParamSpec spec;
-  int tp_dim = -1;  // dimension split by tensor parallelism; -1 = replicated on every TP rank
+  int tp_dim = -1;  // dimension split by tensor parallelism; -1 = replicated on every TP PE
   // Packed partitions along tp_dim (fused QKV: {q, k, v} rows; gate/up: {ffn, ffn}). Each is split
-  // across the TP ranks separately and a rank holds its slices one after the other. Empty = one.
+  // across the TP PEs separately and a PE holds its slices one after the other. Empty = one.
   std::vector<std::int64_t> packed;
   Stage stage = Stage::kLayer;
   int layer = 0;
-  int expert = -1;  // >= 0: an expert weight, owned by one expert-parallel rank
+  int expert = -1;  // >= 0: an expert weight, owned by one expert-parallel PE
   // Its tp_dim (dim 0 where it has none) indexes the vocabulary (embeddings, output head): a
   // Parallelism with vocab_multiple pads it (ParamSpec::real_shape keeps the model's size).
   bool vocab = false;
@@ -66,7 +66,7 @@ struct Parallelism {
 
 // Builds the layout of `model` under `parallel`. A tensor-parallel dim (each packed partition of
 // it) splits as torch.chunk splits it, where it does not divide too: chunks of ceil(size / tp),
-// the last ranks' shorter or empty (a vocabulary of 32,000 over TP 3: 10,667, 10,667, 10,666
+// the last PEs' shorter or empty (a vocabulary of 32,000 over TP 3: 10,667, 10,667, 10,666
 // rows), as DTensor's Shard(dim) places it.
 Layout build_layout(const ModelSpec& model, const Parallelism& parallel);
 

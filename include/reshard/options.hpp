@@ -13,7 +13,7 @@
 
 namespace reshard {
 
-// kAuto picks, at init(): inside a node (one machine, or `node_size` consecutive ranks) the CUDA
+// kAuto picks, at init(): inside a node (one machine, or `node_size` consecutive PEs) the CUDA
 // transport when every PE has a GPU, else the host transport; when the PEs span several nodes,
 // one mixed schedule with `inter_node_transport` between them.
 enum class TransportKind { kAuto, kHost, kCuda, kNccl, kNvshmem };
@@ -156,7 +156,7 @@ struct CopyServiceOptions {
   // What kAuto uses between nodes: kNvshmem (default where built), kNccl, or kHost (nodes declared
   // on one machine only); nullopt: the default. RESHARD_INTER_NODE_TRANSPORT.
   std::optional<TransportKind> inter_node_transport;
-  // Splits the PEs into nodes of this many consecutive ranks (each host is a node already), so
+  // Splits the PEs into nodes of this many consecutive PEs (each host is a node already), so
   // one machine runs the schedule a cluster runs. RESHARD_NODE_SIZE.
   std::optional<int> node_size;
   // CUDA device of this PE; nullopt: local rank modulo the visible devices. RESHARD_DEVICE.

@@ -27,7 +27,7 @@ std::optional<ReshardReport> execute_as_prepared(const std::shared_ptr<const Res
                                                  void* cuda_stream, const ReshardOptions& options);
 }  // namespace execution
 
-// This rank's local tensors by parameter name.
+// This PE's local tensors by parameter name.
 using TensorMap = std::unordered_map<std::string, LocalTensor>;
 
 struct ReshardOptions {
@@ -36,7 +36,7 @@ struct ReshardOptions {
   // that their handshakes cost 1.19x (Llama-3-8B) and 1.80x (Qwen3-30B-A3B) the bf16 refit on 2
   // H200s, at 2 GiB 1.04x and 1.06x (docs/performance.md).
   static constexpr std::uint64_t kDefaultStagingBudget = 2ull << 30;
-  // Most bytes of staging one rank holds at once: the wire buffers of the built-in transforms
+  // Most bytes of staging one PE holds at once: the wire buffers of the built-in transforms
   // (FP8 data and scales, casts, bf16 landing before a conversion on arrival) and slices packed
   // for transports that do not move rows in place. A refit that needs more runs in phases, each
   // within the budget and reusing the same memory, one after the other. The memory stays with the
@@ -44,13 +44,13 @@ struct ReshardOptions {
   // much as the refit needs. Unset: RESHARD_STAGING_BUDGET ("512MiB", "unlimited", ...). A budget
   // given either way is strict: a refit with a slice that alone needs more is refused before
   // anything moves, naming the slice. With neither, the budget is kDefaultStagingBudget, or the
-  // largest slice's need where that is more. Every rank must use the same budget. A custom
+  // largest slice's need where that is more. Every PE must use the same budget. A custom
   // transform's own wire buffers are its own and outside the budget.
   std::optional<std::uint64_t> staging_budget;
   // The built-in transforms that quantize on arrival (QuantizeSide::kReceiver) quantize on the
-  // sender instead for ops between two ranks whose tensors are on the same GPU (colocated
+  // sender instead for ops between two PEs whose tensors are on the same GPU (colocated
   // processes): the same kernel on the same GPU writes the same bits, half the bytes move and no
-  // bf16 landing buffer is needed. false: every op where the transform says. Every rank must agree.
+  // bf16 landing buffer is needed. false: every op where the transform says. Every PE must agree.
   bool quantize_colocated_on_sender = true;
   // Tensors under names the plan does not have are refused before any byte moves (as PyTorch's
   // load_state_dict(strict=True) refuses them): an engine parameter the model spec lacks would
@@ -61,7 +61,7 @@ struct ReshardOptions {
   // plan's parameters, by its index in ReshardPlan::params(); groups are numbered from 0, and
   // empty means one group. Each group's ops run in phases of their own, group after group (the
   // staging budget splits a group further where it must), so a run of some groups moves exactly
-  // their parameters' bytes and touches no other destination. Every rank must give the same
+  // their parameters' bytes and touches no other destination. Every PE must give the same
   // groups. layer_groups() makes one group per layer.
   std::vector<std::uint32_t> param_groups;
 };
@@ -77,10 +77,10 @@ std::vector<std::uint32_t> layer_groups(const ReshardPlan& plan,
 std::vector<std::uint32_t> layer_groups(std::span<const std::string> params,
                                         std::vector<std::string>* names = nullptr);
 
-// How long a refit's steps took on this rank: profiling, apart from what the refit did.
+// How long a refit's steps took on this PE: profiling, apart from what the refit did.
 struct ReshardTimings {
   // Host time execute() spent before any work: checking each tensor (and a custom transform's
-  // hooks) against the prepared refit, and the ranks agreeing whether it still holds; a run of a
+  // hooks) against the prepared refit, and the PEs agreeing whether it still holds; a run of a
   // prepared refit (Refit::run, rerun()) does neither (both 0 there). A MoE refit of thousands of
   // tensors spends most of its host time here.
   double check_seconds = 0, agree_seconds = 0;
@@ -91,12 +91,12 @@ struct ReshardTimings {
   double issue_seconds = 0;  // of those, the host's own time queuing the work
 };
 
-// What a refit did on this rank; `timing` says how long its steps took.
+// What a refit did on this PE; `timing` says how long its steps took.
 struct ReshardReport {
-  // This call registered and scheduled: the first call, or new buffers on any rank (the ranks
+  // This call registered and scheduled: the first call, or new buffers on any PE (the PEs
   // agree on it, so all of them report it in the same refit).
   bool rescheduled = false;
-  // On the wire from and to this rank, local copies excluded: what travels, e.g. FP8 data and
+  // On the wire from and to this PE, local copies excluded: what travels, e.g. FP8 data and
   // scales where a transform quantizes on the sender.
   std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
@@ -104,16 +104,16 @@ struct ReshardReport {
   // Slices that are not contiguous but travelled in place, row by row (no staging): all of them
   // on transports that move rows in place.
   std::uint64_t strided_bytes = 0;
-  // Local ops (source and destination on this rank) that the transform converted straight into
+  // Local ops (source and destination on this PE) that the transform converted straight into
   // the destination, beside the transfer: their bytes in the parameter's dtype.
   std::uint64_t locally_converted_bytes = 0;
-  // Staging memory this rank holds for the refit (at most the budget: the largest phase), and the
+  // Staging memory this PE holds for the refit (at most the budget: the largest phase), and the
   // phases the refit ran in (see ReshardOptions::staging_budget).
   std::uint64_t staging_bytes = 0;
   std::uint32_t phases = 1;
   // The phases alternated between two halves of the budget, each phase's unpacks and conversions
   // on arrival running on the GPU beside the next phase's transfer (a refit in phases on a GPU
-  // where some rank reads staging after its bytes land, and every slice fits in half the budget).
+  // where some PE reads staging after its bytes land, and every slice fits in half the budget).
   bool pipelined = false;
   // A built-in transform's conversions were queued as the last refit queued them, without calling
   // its hooks again (every refit after the first with the same tensors).
@@ -127,7 +127,7 @@ struct ReshardReport {
 
 class Resharder {
  public:
-  // The plan's ranks are the service's PEs. The transform, if any, applies to the parameters it
+  // The plan's PEs are the service's. The transform, if any, applies to the parameters it
   // selects with should_transform().
   Resharder(std::shared_ptr<const ReshardPlan> plan, CopyService& service,
             std::shared_ptr<ReshardTransform> transform = nullptr, ReshardOptions options = {});
@@ -135,17 +135,17 @@ class Resharder {
   Resharder(const Resharder&) = delete;
   Resharder& operator=(const Resharder&) = delete;
 
-  // Collective: every PE calls it once per refit. Moves this rank's source slices into the
-  // destination tensors of every rank. The first call (and any call whose tensors changed:
+  // Collective: every PE calls it once per refit. Moves this PE's source slices into the
+  // destination tensors of every PE. The first call (and any call whose tensors changed:
   // other pointers, sizes or dtypes) registers and schedules; later calls only run. Scheduling is
-  // collective, so a refit with new tensors must pass them on every rank at once. With a CUDA
+  // collective, so a refit with new tensors must pass them on every PE at once. With a CUDA
   // stream, packing, the transfers and the conversions are queued on it; otherwise the call returns
   // when the bytes have landed. Refused before any byte moves when a tensor is missing or too small
   // (naming it).
   ReshardReport execute(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
   // Collective: runs the refit the last execute() prepared again, with that call's tensors, as
-  // CopyService::run() runs registered buffers: nothing is looked up or compared, and the ranks
-  // do not agree on anything first, so every rank must call rerun() in the same refit, and the
+  // CopyService::run() runs registered buffers: nothing is looked up or compared, and the PEs
+  // do not agree on anything first, so every PE must call rerun() in the same refit, and the
   // tensors must still be where they were (the same allocations; their contents may change). A
   // refit of thousands of tensors saves the per-tensor checks of execute() (Qwen3-30B-A3B, 12
   // layers: about 1 ms a refit). Refused before any execute(), and after clear_requests() or
@@ -153,8 +153,8 @@ class Resharder {
   ReshardReport rerun(void* cuda_stream = nullptr);
   // Collective: execute() with the tensors the last execute() prepared with, which the caller
   // vouches it was given again (the same buffers, dtypes and shapes): nothing is looked up or
-  // compared, but the ranks agree as execute() does, so ranks with new tensors may call execute()
-  // in the same refit (every rank then prepares again). Refused where nothing is prepared.
+  // compared, but the PEs agree as execute() does, so PEs with new tensors may call execute()
+  // in the same refit (every PE then prepares again). Refused where nothing is prepared.
   ReshardReport execute_as_prepared(void* cuda_stream = nullptr);
 
   // Whether `options` ask for what this executor was made with (execute_reshard_plan makes a new
@@ -173,9 +173,9 @@ class Resharder {
 };
 
 // A refit bound once to its tensors, then run as often as needed: the fast path of a training
-// loop. Construction is collective (every rank at once): it checks that every rank holds the
+// loop. Construction is collective (every PE at once): it checks that every PE holds the
 // same plan, checks each tensor against the plan's layouts, places the staging and schedules; a
-// refusal on any rank is the same error on every rank, naming the rank and the cause, before
+// refusal on any PE is the same error on every PE, naming the PE and the cause, before
 // anything is scheduled. The refit holds its tensor maps (their buffers stay the caller's: they
 // must stay allocated while the refit may run them; Python's reshard.bind holds the tensors
 // themselves), its executor, staging and streams, and frees them with itself. The service must
@@ -192,8 +192,8 @@ class Refit {
   Refit(const Refit&) = delete;
   Refit& operator=(const Refit&) = delete;
 
-  // Collective: moves every bound source slice into every rank's bound destination tensors. No
-  // tensor is looked up or checked and no host collective runs: every rank must call run() in
+  // Collective: moves every bound source slice into every PE's bound destination tensors. No
+  // tensor is looked up or checked and no host collective runs: every PE must call run() in
   // the same refit (as CopyService::run()). With a CUDA stream the work is queued there and run()
   // returns at once (capturable in a CUDA graph); otherwise it returns when the bytes have landed,
   // after the work queued on the legacy default stream. Refused where the service no longer holds
@@ -201,14 +201,14 @@ class Refit {
   ReshardReport run(void* cuda_stream = nullptr);
   // Collective: run() of only the given groups of ReshardOptions::param_groups (any order, each
   // once; they run in group order), bitwise what run() writes into their parameters' destinations
-  // and nothing else. Every rank must run the same groups in the same calls.
+  // and nothing else. Every PE must run the same groups in the same calls.
   ReshardReport run(std::span<const std::uint32_t> groups, void* cuda_stream = nullptr);
   // How many groups the refit was bound with (1 without ReshardOptions::param_groups).
   std::uint32_t groups() const;
   // Collective: replaces the named tensors (names bound at construction; other tensors stay).
-  // Where no rank's tensors differ from those bound (the same buffers, dtype and shape) this is
-  // one small all-gather; otherwise every rank prepares and schedules again. A refusal on any
-  // rank (an unknown name, a bad tensor) is the same error on every rank and leaves the refit as
+  // Where no PE's tensors differ from those bound (the same buffers, dtype and shape) this is
+  // one small all-gather; otherwise every PE prepares and schedules again. A refusal on any
+  // PE (an unknown name, a bad tensor) is the same error on every PE and leaves the refit as
   // it was; a failure while scheduling leaves it unusable until an update() succeeds.
   ReshardReport update(const TensorMap& src, const TensorMap& dst, void* cuda_stream = nullptr);
 
@@ -228,7 +228,7 @@ class Refit {
 // One call per refit: keeps one Resharder on the service, for the last (plan, transform, options)
 // executed there, so the next call with the same plan, buffers and options reuses the schedule
 // (built-in transforms count as the same when they do the same: a fresh make_cast_transform at
-// every call reuses it). Where any rank passes new tensors, every rank schedules again in that
+// every call reuses it). Where any PE passes new tensors, every PE schedules again in that
 // refit (one small all-gather per call decides). clear_requests() on the service drops it; a
 // Refit is the same without the per-call check.
 ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& plan,

@@ -14,7 +14,7 @@
 
 namespace reshard {
 
-// A rank's local tensor of one parameter: contiguous, row-major, of the shard's local shape.
+// A PE's local tensor of one parameter: contiguous, row-major, of the shard's local shape.
 struct LocalTensor {
   Buffer data;
   DType dtype =
@@ -34,11 +34,11 @@ struct LocalTensor {
   std::vector<std::int64_t> scale_shape;
 };
 
-// What one transfer operation moves, seen from this rank.
+// What one transfer operation moves, seen from this PE.
 struct OpSlice {
   const ParamSpec& param;
   const TransferOp& op;
-  Box local;  // the block in this rank's local tensor (the op's source or destination box)
+  Box local;  // the block in this PE's local tensor (the op's source or destination box)
   const std::vector<std::int64_t>& local_shape;
 };
 
@@ -68,7 +68,7 @@ class ReshardTransform {
   // (both on `stream`): a transform that queued its GPU work op by op launches it here in one go.
   // The default does nothing.
   virtual void flush(void* stream) { (void)stream; }
-  // A local op (source and destination both on this rank): true where the transform writes the
+  // A local op (source and destination both on this PE): true where the transform writes the
   // destination slice straight from the source slice (convert_local), so the op needs no wire
   // buffer, no copy and no place in the schedule. Called once when the refit is prepared, before
   // the schedule: it checks the tensors as prepare_send and prepare_recv would (throwing on bad
@@ -84,7 +84,7 @@ class ReshardTransform {
   virtual void convert_local(const OpSlice& from, const LocalTensor& src, const OpSlice& to,
                              const LocalTensor& dst, void* stream);
   // The scale tensor a destination of a transformed parameter needs, given the shape of this
-  // rank's local tensor; none for formats without scales (the default). Throws kInvalidArgument
+  // PE's local tensor; none for formats without scales (the default). Throws kInvalidArgument
   // for a shape the format cannot take.
   virtual std::optional<ScaleTensor> destination_scale(
       const std::vector<std::int64_t>& local_shape) const {
