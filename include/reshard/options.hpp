@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "reshard/log.hpp"
 
@@ -194,6 +196,9 @@ struct CopyServiceOptions {
   // names left at their defaults: what a service runs with (CopyService::options()). Logs a
   // warning for each former name it moves.
   CopyServiceOptions with_former_names_applied() const;
+  // Every (former name, new name) pair of fields, e.g. ("debug.phase_timing",
+  // "advanced.step_timing"): the one table the C++ and Python former names follow.
+  static std::vector<std::pair<std::string, std::string>> former_names();
 };
 
 }  // namespace reshard

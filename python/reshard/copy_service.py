@@ -206,28 +206,22 @@ def make_bootstrap(
 _OPTION_GROUPS = ("host", "cuda", "nccl", "nvshmem", "advanced", "debug")
 _BYTE_FIELDS = {"chunk_bytes", "staging_bytes", "ce_min_bytes", "bytes_per_cta",
                 "cuda_ce_min_bytes", "cuda_bytes_per_cta"}
-# Settings that moved to advanced= (tuning and diagnosis), by their former group and name; the
-# former spelling still works for one release, with a DeprecationWarning.
-_FORMER_NAMES = {
-    ("cuda", "ce_min_bytes"): "cuda_ce_min_bytes",
-    ("cuda", "ctas_per_peer"): "cuda_ctas_per_peer",
-    ("cuda", "bytes_per_cta"): "cuda_bytes_per_cta",
-    ("nccl", "group_spans"): "nccl_group_spans",
-    ("debug", "phase_timing"): "step_timing",
-}
+# Settings that moved to advanced= (tuning and diagnosis), by their former "group.field" (the
+# C++ options' one table); the former spelling still works for one release, with a warning.
+_FORMER_NAMES = dict(_core.CopyServiceOptions.former_names())
 
 
 def _advanced_name(group: str, field: str) -> Optional[str]:
     """The advanced= name of a setting given under its former group, or None where it has none."""
-    if (group, field) in _FORMER_NAMES:
-        return _FORMER_NAMES[(group, field)]
-    return field if group == "debug" else None
+    moved = _FORMER_NAMES.get(f"{group}.{field}")
+    return moved.split(".", 1)[1] if moved else None
 
 
 def _fields(options: Any) -> list:
     return sorted(name for name in dir(options)
                   if not name.startswith("_")
-                  and name not in ("from_environment", "validate", "with_former_names_applied"))
+                  and name not in ("from_environment", "validate", "with_former_names_applied",
+                                   "former_names"))
 
 
 def _set(target: Any, name: str, value: Any, where: str) -> None:

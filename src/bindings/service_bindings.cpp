@@ -298,7 +298,8 @@ void bind_options(nb::module_& m) {
       .def_rw("nvshmem", &CopyServiceOptions::nvshmem)
       .def_rw("advanced", &CopyServiceOptions::advanced)
       .def_rw("debug", &CopyServiceOptions::debug)
-      .def("with_former_names_applied", &CopyServiceOptions::with_former_names_applied);
+      .def("with_former_names_applied", &CopyServiceOptions::with_former_names_applied)
+      .def_static("former_names", &CopyServiceOptions::former_names);
 }
 
 }  // namespace

@@ -317,4 +317,12 @@ CopyServiceOptions CopyServiceOptions::with_former_names_applied() const {
   return o;
 }
 
+std::vector<std::pair<std::string, std::string>> CopyServiceOptions::former_names() {
+  std::vector<std::pair<std::string, std::string>> names;
+  CopyServiceOptions o;
+  for_each_former_name(o, [&](const char* former_name, auto&, const auto&, const char* name, auto&,
+                              const auto&) { names.emplace_back(former_name, name); });
+  return names;
+}
+
 }  // namespace reshard
