@@ -1475,11 +1475,14 @@ TEST(ReshardReuse, GpuMemoryFreedAndAllocatedAgainIsScheduledAgain) {
   }
   std::printf("PE %d: %d of %zu destinations came back at the same address\n", me, same_address,
               tensors.dst.size());
-  // Only where peers map this PE's memory (the CUDA transport, alone or mixed): NCCL and NVSHMEM
-  // take the buffers by address at every run, which the new allocation satisfies.
+  // A new allocation at the same address is scheduled again only where peers map this PE's
+  // memory (the CUDA transport, alone or mixed): NCCL and NVSHMEM take the buffers by address at
+  // every run, which the new allocation satisfies. A destination the allocator placed elsewhere
+  // (on any PE: every PE schedules together) is scheduled again on every transport.
   const bool peers_map_memory = service->transport_name().find("cuda") != std::string::npos;
+  const bool moved = !all_pes(same_address == static_cast<int>(tensors.dst.size()));
   EXPECT_EQ(execute_reshard_plan(plan, tensors.src_map, tensors.dst_map, *service).rescheduled,
-            peers_map_memory);
+            peers_map_memory || moved);
   EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "the bytes in the new allocations";
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
