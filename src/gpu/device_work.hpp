@@ -150,8 +150,13 @@ struct DeviceStatus {
 };
 constexpr unsigned int kStatusTimeout = 1;
 constexpr unsigned int kStatusCancelled = 2;
-constexpr unsigned int kPhaseReady = 1;  // waiting for a peer to be ready to receive
+// What a wait waits for. kPhaseReady is a peer reaching this run: it may not have begun it (its
+// trainer still in its step), so the wait has the arrival timeout. The CUDA transport's ready
+// flags; on NVSHMEM, which has none, the first wait of a run on each peer (its first data, or its
+// first acknowledgement: until then the peer may not have begun).
+constexpr unsigned int kPhaseReady = 1;
 constexpr unsigned int kPhaseDone = 2;   // waiting for a peer's data to land
+constexpr unsigned int kPhaseDrain = 3;  // NVSHMEM: waiting for a peer to drain its inbox slot
 
 struct KernelArgs {
   const CopyDescriptor* descriptors;

@@ -4,12 +4,13 @@
 // schedule(), which the others are in), then reports what this PE saw and what its teardown left
 // behind (shared-memory segments of the job, CUDA IPC mappings of peers' memory). "healthy": every
 // PE schedules, runs three times and prints HEALTHY-DONE (a job after a failed one).
-// Retries (host memory, the CUDA, NVSHMEM and NCCL transports): "late-then-retry": PE 1 comes to its
-// third run 9 s late; "stall-then-retry": PE 1 is stopped for 9 s while it runs. With both timeouts
-// at 6 s, the others give the run up and still wait in the meeting of their next run when PE 1
-// comes. A PE whose run fails runs again; every PE then runs three more times, checking every
+// Retries (host memory, the CUDA, NVSHMEM and NCCL transports): "late-then-retry": PE 1 comes to
+// its third run 9 s late; "stall-then-retry": PE 1 is stopped for 9 s while it runs. With both
+// timeouts at 6 s, the others give the run up and still wait in the meeting of their next run when
+// PE 1 comes. A PE whose run fails runs again; every PE then runs three more times, checking every
 // received byte, and prints RETRIED-DONE with the failures it saw, or ERROR-SEEN where it could not
-// go on.
+// go on. "late-within-arrival": PE 1 comes to its third run 5 s late, later than a short transfer
+// timeout but within the arrival timeout (the test sets them): no run fails.
 //
 //     fault_worker SCENARIO [host|cuda|nccl|nvshmem|auto]   (GPU transports move GPU memory)
 #include <signal.h>
@@ -102,7 +103,8 @@ int run_and_retry(const std::string& scenario, reshard::CopyService& service,
                   Report report) {
   const std::span<std::byte> send = send_memory.view(), recv = recv_memory.view();
   const reshard::PeId me = service.my_pe();
-  const bool late = scenario == "late-then-retry";
+  const bool within_arrival = scenario == "late-within-arrival";
+  const bool late = scenario == "late-then-retry" || within_arrival;
   static std::atomic<bool> in_run{false};
   if (me == 1 && !late) {
     // Stop this process mid-run for 9 s: a child continues it (fork from a threaded process: the
@@ -128,9 +130,10 @@ int run_and_retry(const std::string& scenario, reshard::CopyService& service,
   auto last_end = start;
   for (int run = 0; !met || runs_since < 3; ++run) {
     if (me == 1 && late && run == 2) {
-      std::this_thread::sleep_for(std::chrono::seconds(9));  // the others give this run up
-      ++iteration;
-      met = true;  // this run begins with the meeting the others wait in
+      // The others give this run up, or (within the arrival timeout) wait for it.
+      std::this_thread::sleep_for(std::chrono::seconds(within_arrival ? 5 : 9));
+      if (!within_arrival) ++iteration;
+      met = true;  // this run begins with the meeting the others wait in, or is the awaited one
     }
     reshard::bench::prepare_buffers(w, me, late ? iteration : 0, send, recv);
     send_memory.upload(send);
@@ -227,7 +230,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   bootstrap->barrier();
-  if (scenario == "late-then-retry" || scenario == "stall-then-retry")
+  if (scenario == "late-then-retry" || scenario == "stall-then-retry" ||
+      scenario == "late-within-arrival")
     return run_and_retry(scenario, service, w, send, recv, report);
   if (scenario == "healthy") {
     for (int i = 0; i < 3; ++i) service.run();

@@ -173,6 +173,21 @@ TEST(Faults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
   }
 }
 
+// PE 1 comes to a run 5 s late: later than the transfer timeout (2 s), within the arrival timeout
+// (20 s): no PE's run fails, and every byte lands. (The GPU transports: GpuFaults below.)
+TEST(Faults, APeLaterThanTheTransferTimeoutButWithinTheArrivalTimeoutFailsNoRun) {
+  ::setenv("RESHARD_TIMEOUT_S", "2", 1);
+  ::setenv("RESHARD_ARRIVAL_TIMEOUT_S", "20", 1);
+  const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "late-within-arrival"}, true);
+  EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
+  EXPECT_EQ(outcome.result.exit_code, 0) << all_lines(outcome);
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string line = line_of(outcome, rank, "RETRIED-DONE");
+    ASSERT_FALSE(line.empty()) << all_lines(outcome);
+    EXPECT_NE(line.find("failures=0"), std::string::npos) << line << "\n" << all_lines(outcome);
+  }
+}
+
 // The same in a mixed schedule (two declared nodes of two PEs, host memory on both transports):
 // PE 0 gives the run up inside the node, PEs 2 and 3 between the nodes (or on a peer's mark);
 // every PE meets at its next run, both parts recover, and every byte of the runs after lands.
@@ -349,6 +364,24 @@ TEST_P(GpuFaults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
       EXPECT_NE(line.find("failures=1"), std::string::npos) << scenario << ": " << line;
       EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
     }
+  }
+}
+
+// PE 1 comes to a run 5 s late: later than the transfer timeout (2 s), within the arrival timeout
+// (20 s). A peer that has not begun a run is arriving, not stuck: no PE's run fails (the CUDA
+// transport's ready flags; NVSHMEM: a run's first word from each peer; NCCL: the run board of this
+// machine's PEs), and every byte lands.
+TEST_P(GpuFaults, APeLaterThanTheTransferTimeoutButWithinTheArrivalTimeoutFailsNoRun) {
+  ::setenv("RESHARD_TIMEOUT_S", "2", 1);
+  ::setenv("RESHARD_ARRIVAL_TIMEOUT_S", "20", 1);
+  const Outcome outcome = launch(
+      GetParam().pes, {RESHARD_FAULT_WORKER, "late-within-arrival", GetParam().transport}, true);
+  EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
+  EXPECT_EQ(outcome.result.exit_code, 0) << all_lines(outcome);
+  for (int rank = 0; rank < GetParam().pes; ++rank) {
+    const std::string line = line_of(outcome, rank, "RETRIED-DONE");
+    ASSERT_FALSE(line.empty()) << all_lines(outcome);
+    EXPECT_NE(line.find("failures=0"), std::string::npos) << line << "\n" << all_lines(outcome);
   }
 }
 

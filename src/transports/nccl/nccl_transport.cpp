@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <optional>
 #include <thread>
@@ -42,9 +43,9 @@ std::string nccl_failure(const char* call, ncclResult_t status) {
 // awaited with reshard's timeout and dead-peer checks. A failed call usually means a peer is gone
 // (its proxy socket refuses us): the error names it where it was a local process, and the
 // communicator is aborted so that teardown does not wait on it.
-#define RESHARD_NCCL_RUN_CHECK(call)                                \
-  do {                                                              \
-    if (Failure failure = settle(#call, (call))) fail_run(failure); \
+#define RESHARD_NCCL_RUN_CHECK(call)                                      \
+  do {                                                                    \
+    if (Failure failure = settle(#call, (call), true)) fail_run(failure); \
   } while (0)
 
 struct Failure {
@@ -78,6 +79,9 @@ class NcclTransport final : public Transport {
     }
     std::sort(peers_.begin(), peers_.end());
     peers_.erase(std::unique(peers_.begin(), peers_.end()), peers_.end());
+    remote_peers_ = std::any_of(peers_.begin(), peers_.end(), [&](int pe) {
+      return local_pids_[static_cast<std::size_t>(pe)] == 0;
+    });
   }
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
@@ -103,12 +107,26 @@ class NcclTransport final : public Transport {
   void check_peers_on_board(const char* waiting_for);
   // What went wrong with call `call` that returned `status`, waiting for it to finish where it
   // is in progress (nonblocking communicator); none once it succeeded.
-  Failure settle(const char* call, ncclResult_t status);
+  // `in_run`: a call of run(), bounded as the run is (late_peer_problem).
+  Failure settle(const char* call, ncclResult_t status, bool in_run = false);
+  // Why this run has waited too long, or nothing. A peer of this machine that has not begun it
+  // (the run board counts the runs each PE began) has the arrival timeout from this run's start;
+  // once every peer of the schedule has begun, the transfer timeout counts. A peer on another
+  // machine cannot be seen beginning: a schedule that exchanges with one has the longer of the
+  // two from this run's start.
+  std::string late_peer_problem();
+  // The most a wait in a run may take: the limits above, and a margin for them to report.
+  std::chrono::milliseconds run_backstop() const {
+    return std::max(timeout_, arrival_timeout_) + timeout_ + std::chrono::seconds(2);
+  }
   [[noreturn]] void fail_run(const Failure& failure);
 
   Bootstrap& bootstrap_;
-  std::uint32_t group_spans_;          // AdvancedOptions::nccl_group_spans
-  std::chrono::milliseconds timeout_;  // CopyServiceOptions::timeout
+  std::uint32_t group_spans_;                  // AdvancedOptions::nccl_group_spans
+  std::chrono::milliseconds timeout_;          // CopyServiceOptions::timeout
+  std::chrono::milliseconds arrival_timeout_;  // CopyServiceOptions::arrival_timeout
+  std::chrono::steady_clock::time_point run_started_{};
+  std::chrono::steady_clock::time_point all_begun_since_{};  // none yet: every peer began
   int me_ = 0;
   int n_pes_ = 0;
   int device_ = -1;
@@ -118,11 +136,12 @@ class NcclTransport final : public Transport {
   bool run_pending_ = false;
   std::vector<pid_t> local_pids_;  // 0 for PEs on other hosts
   std::vector<int> peers_;         // the PEs the schedule exchanges with, for timeouts
+  bool remote_peers_ = false;      // whether one of them is on another machine
   bool nonblocking_ = true;        // NcclTransportOptions::nonblocking
   bool aborted_ = false;           // failed for good (abort()): no retry
   std::string abort_reason_;
   bool can_retry_ = false;
-  cuda::RunBoard board_;  // this machine's PEs: the runs they gave up
+  cuda::RunBoard board_;  // this machine's PEs: the runs they began, the runs they gave up
   bool finalized_ = false;
 };
 
@@ -130,6 +149,7 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     : bootstrap_(bootstrap),
       group_spans_(options.advanced.nccl_group_spans),
       timeout_(options.timeout),
+      arrival_timeout_(options.arrival_timeout),
       me_(bootstrap.rank()),
       n_pes_(bootstrap.size()) {
   device_ = cuda::select_device(bootstrap, options.device);
@@ -184,6 +204,9 @@ void NcclTransport::run(const ExecutionPlan& plan, std::size_t /*phase*/, void* 
   }
   // A peer of this machine that failed for good: this run would wait for it in vain.
   check_peers_on_board("to begin this run");
+  board_.begin_run();
+  run_started_ = std::chrono::steady_clock::now();
+  all_begun_since_ = {};
   cuda::DeviceScope scope(device_);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
@@ -235,7 +258,7 @@ void NcclTransport::run(const ExecutionPlan& plan, std::size_t /*phase*/, void* 
   }
 }
 
-Failure NcclTransport::settle(const char* call, ncclResult_t status) {
+Failure NcclTransport::settle(const char* call, ncclResult_t status, bool in_run) {
   if (status != ncclInProgress) return {nccl_failure(call, status)};
   ncclResult_t state = ncclInProgress;
   int dead = -1;
@@ -244,9 +267,46 @@ Failure NcclTransport::settle(const char* call, ncclResult_t status) {
         if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
         return state != ncclInProgress;
       },
-      local_pids_, std::string("NCCL's ") + call, &dead, timeout_, {}, peers_);
+      local_pids_, std::string("NCCL's ") + call, &dead, in_run ? run_backstop() : timeout_,
+      in_run ? std::function<std::string()>([this] { return late_peer_problem(); })
+             : std::function<std::string()>(),
+      peers_);
   if (!problem.empty()) return {problem, dead >= 0 ? ErrorCode::kPeerFailure : ErrorCode::kTimeout};
   return {nccl_failure(call, state)};
+}
+
+std::string NcclTransport::late_peer_problem() {
+  const auto now = std::chrono::steady_clock::now();
+  const auto waits_on = [&] {
+    std::string text = "; this run waits on PE";
+    for (std::size_t i = 0; i < peers_.size(); ++i)
+      text += (i == 0 ? " " : ", ") + std::to_string(peers_[i]);
+    if (const int stopped = first_stopped_process(local_pids_); stopped >= 0)
+      text += "; PE " + std::to_string(stopped) + " is stopped";
+    return text;
+  };
+  if (remote_peers_) {
+    const auto limit = std::max(arrival_timeout_, timeout_);
+    if (now - run_started_ <= limit) return {};
+    return "the NCCL transfers did not finish within " + format_seconds(limit) +
+           " of this run's start" + waits_on() +
+           " (a peer on another machine may not have begun it, so the longer of the arrival and "
+           "transfer timeouts applies: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S; timeout, "
+           "RESHARD_TIMEOUT_S)";
+  }
+  const std::uint64_t mine = board_.runs_begun(me_);
+  for (const int pe : peers_) {
+    if (board_.runs_begun(pe) >= mine) continue;
+    if (now - run_started_ <= arrival_timeout_) return {};
+    return "PE " + std::to_string(pe) + " did not begin this run within " +
+           format_seconds(arrival_timeout_) + " (is PE " + std::to_string(pe) +
+           " calling run()? the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
+  }
+  if (all_begun_since_ == std::chrono::steady_clock::time_point{}) all_begun_since_ = now;
+  if (now - all_begun_since_ <= timeout_) return {};
+  return "the NCCL transfers did not finish within " + format_seconds(timeout_) +
+         " of every peer having begun this run" + waits_on() +
+         " (CopyServiceOptions::timeout / RESHARD_TIMEOUT_S sets the limit)";
 }
 
 void NcclTransport::fail_run(const Failure& failure) {
@@ -282,16 +342,16 @@ void NcclTransport::synchronize() {
   int dead = -1;
   cuda::RunBoard::State gone_state = cuda::RunBoard::kRunning;
   const std::string problem = cuda::wait_for_run(
-      last_run_, local_pids_, "NCCL", &dead, timeout_,
+      last_run_, local_pids_, "NCCL", &dead, run_backstop(),
       [&] {
         if (comm_ == nullptr) return std::string("the communicator was given up");
         if (const int gone = board_.first_peer_gone(&gone_state); gone >= 0)
           return "PE " + std::to_string(gone) + " gave its run up";
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(comm_, &async);
-        return async != ncclSuccess && async != ncclInProgress
-                   ? std::string("NCCL reported ") + ncclGetErrorString(async)
-                   : std::string();
+        if (async != ncclSuccess && async != ncclInProgress)
+          return std::string("NCCL reported ") + ncclGetErrorString(async);
+        return late_peer_problem();
       },
       peers_);
   run_pending_ = false;

@@ -3,6 +3,14 @@
 
 namespace reshard::nvshmem {
 
+unsigned int NvshmemTransport::wait_phase(std::vector<std::uint8_t>& waited, int peer,
+                                          unsigned int later) {
+  auto& seen = waited[static_cast<std::size_t>(peer)];
+  if (seen) return later;
+  seen = 1;
+  return cuda::kPhaseReady;
+}
+
 // The wave's sends to mapped peers in as few kernels as their groups allow: each group waits
 // until its peer drained the slot, writes the peer's inbox and adds to the slot's signal from
 // each CTA. Then each put batch: packed into an outbox slot (after the same wait) and put with
@@ -20,7 +28,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
       flags.wait = rt_.ack_signal(batch.peer);
       flags.wait_value = cuda::done_mark(*previous + 1);
       flags.peer = batch.peer;
-      flags.phase = cuda::kPhaseReady;
+      flags.phase = wait_phase(acknowledged_, batch.peer, cuda::kPhaseDrain);
       flags.raise_units -= *previous + 1;
     }
     rt_.last_put[batch.peer][*slot] = *sequence;
@@ -35,7 +43,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
       int slot = 0;
       cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
       flags.raise = remote_data_[batch.peer][slot];
-      to_stream(flags, waits);
+      to_stream(flags, waits, false);
       add_to_launch(launch, batch.group[slot], at_->groups[batch.group[slot]].cta_count, flags);
     }
     step(0, stream, [&] {
@@ -48,7 +56,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
     std::uint64_t sequence = 0;
     int slot = 0;
     cuda::CopyFlags flags = next_send(batch, &sequence, &slot);
-    to_stream(flags, waits);
+    to_stream(flags, waits, false);
     const int outbox = static_cast<int>(rt_.outbox_uses++ % kDepth);
     cuda::FlaggedLaunch launch;
     add_to_launch(launch, batch.group[outbox], at_->groups[batch.group[outbox]].cta_count, flags);
@@ -86,13 +94,13 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
       flags.wait = rt_.data_signal(peer, slot);
       flags.wait_value = cuda::done_mark(sequence + 1);
       flags.peer = peer;
-      flags.phase = cuda::kPhaseDone;
+      flags.phase = wait_phase(delivered_, peer, cuda::kPhaseDone);
       if (batch.mapped) {
         flags.raise = remote_ack_[peer];  // one unit: the acknowledgements of a pair go in order
       } else {
         acks.emplace_back(peer, cuda::done_mark(sequence + 1));
       }
-      to_stream(flags, waits);
+      to_stream(flags, waits, true);
       add_to_launch(launch, batch.group[slot], at_->groups[batch.group[slot]].cta_count, flags);
     }
     step(2, stream, [&] {
@@ -120,6 +128,8 @@ void NvshmemTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, voi
   check_peers_on_board("to begin this run");
   board_.begin_run();
   run_waits_.clear();
+  acknowledged_.assign(static_cast<std::size_t>(n_pes_), 0);
+  delivered_.assign(static_cast<std::size_t>(n_pes_), 0);
   cudaStream_t stream = stream_handle ? static_cast<cudaStream_t>(stream_handle) : stream_;
   if (stream_handle == nullptr) cuda::wait_for_default_stream(stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

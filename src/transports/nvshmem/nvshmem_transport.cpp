@@ -33,6 +33,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
   direct_ = options.advanced.nvshmem_direct;
   trace_ = options.advanced.nvshmem_trace;
   timeout_ = options.timeout;
+  arrival_timeout_ = options.arrival_timeout;
   device_ = cuda::select_device(bootstrap, options.device);
   cuda::DeviceScope scope(device_);
   cuda::load_copy_kernels();

@@ -176,7 +176,10 @@ class NvshmemTransport final : public Transport {
   KernelArgs launch_args() const;
   void send_wave(const Wave& wave, cudaStream_t stream);
   void receive_wave(const Wave& wave, cudaStream_t stream);
-  void to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits);
+  void to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits, bool data);
+  // The phase of this run's next wait on `peer` (waiting[peer] says whether one came before): the
+  // first has the arrival timeout (kPhaseReady), the others `later`.
+  static unsigned int wait_phase(std::vector<std::uint8_t>& waited, int peer, unsigned int later);
   void queue_waits(cudaStream_t stream, std::vector<cuda::StreamMemoryOp>& waits);
   void check_stream_waits() noexcept;
   void fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept;
@@ -205,6 +208,11 @@ class NvshmemTransport final : public Transport {
   bool send_stream_enabled_ = true;  // AdvancedOptions::nvshmem_send_stream
   int peers_per_round_ = 0;          // AdvancedOptions::nvshmem_peers_per_round
   std::chrono::milliseconds timeout_{};
+  // CopyServiceOptions::arrival_timeout: a run's first wait on each peer has it (kPhaseReady).
+  std::chrono::milliseconds arrival_timeout_{};
+  // The peers this run has waited on already, for an acknowledgement and for data: NVSHMEM has
+  // no flag that says a peer began the run, so its first word of the run says so.
+  std::vector<std::uint8_t> acknowledged_, delivered_;
   // Not with stream waits: a PE whose two streams both wait in their front ends on a GPU shared
   // without MPS kept the GPU for a time slice (one H200, 2 PEs, 4 KiB all-to-all: 2,224 us on two
   // streams, 168 us on one).

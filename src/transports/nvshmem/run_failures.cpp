@@ -8,10 +8,10 @@ namespace reshard::nvshmem {
 // Where this PE waits on the stream, the wait in `flags` moves from the kernel to `waits` (queued
 // before the kernel). Data that a NIC writes needs the wait to flush it; where the GPU cannot,
 // a wait for a peer on another machine stays in the kernel, whose acquiring loads see the data.
-void NvshmemTransport::to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits) {
+void NvshmemTransport::to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits,
+                                 bool data) {
   if (!stream_waits_ || flags.wait == nullptr) return;
-  const bool remote_data =
-      flags.phase == cuda::kPhaseDone && !nodes_.one_machine && !nodes_.same_node(me_, flags.peer);
+  const bool remote_data = data && !nodes_.one_machine && !nodes_.same_node(me_, flags.peer);
   if (remote_data && !can_flush_) return;
   waits.push_back({const_cast<std::uint64_t*>(flags.wait), flags.wait_value, true, remote_data});
   run_waits_.push_back({flags.wait, flags.wait_value, flags.peer, flags.phase});
@@ -46,9 +46,11 @@ void NvshmemTransport::check_stream_waits() noexcept {
     fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kPhaseDone);
   } else if (const int gone = board_.first_peer_gone(&gone_state); gone >= 0) {
     fail_stream_waits(cuda::kStatusCancelled, gone, cuda::kPhaseDone);
-  } else if (Clock::now() - last_queued_ > timeout_) {
-    const int stopped = first_stopped_process(local_pids_);
+  } else if (const auto waited = Clock::now() - last_queued_; waited > timeout_) {
     const auto [peer, phase] = first_unmet_wait();
+    // The run's first wait on a peer that may not have begun it has the arrival timeout.
+    if (phase == cuda::kPhaseReady && waited <= arrival_timeout_) return;
+    const int stopped = first_stopped_process(local_pids_);
     fail_stream_waits(cuda::kStatusTimeout, stopped >= 0 ? stopped : peer, phase);
   }
 }
@@ -96,10 +98,10 @@ void NvshmemTransport::synchronize() {
   if (!run_pending_) return throw_device_failure();
   cuda::DeviceScope scope(device_);
   int dead = -1;
-  // Stream waits are the watchdog's to end (it names the wait that was not met); this wait gives
-  // it a moment beyond the timeout to do so.
-  const auto limit =
-      timeout_ + (stream_waits_ ? std::chrono::milliseconds(2000) : std::chrono::milliseconds(0));
+  // The kernels' waits (or the watchdog, for stream waits) end a run that waits too long and name
+  // the wait: a peer's first word of the run has the arrival timeout, the rest the transfer
+  // timeout. This backstop allows both, and a moment for them to report.
+  const auto limit = std::max(timeout_, arrival_timeout_) + timeout_ + std::chrono::seconds(2);
   // A peer of this machine that gave its run up ends the wait at once (its signals will not come).
   int gone = -1;
   cuda::RunBoard::State gone_state = cuda::RunBoard::kRunning;
@@ -156,13 +158,27 @@ void NvshmemTransport::throw_device_failure() {
     abort(problem);
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
-  const std::string problem =
-      std::string(status->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
-      (known ? " waiting for PE " + std::to_string(peer) +
-                   (status->phase == cuda::kPhaseReady ? " to drain its inbox"
-                                                       : " to deliver its data")
-             : std::string(" waiting for its peers")) +
-      cuda::stuck_behind_clause(*status) + " (RESHARD_TIMEOUT_S sets the limit)";
+  const bool arrival = status->phase == cuda::kPhaseReady;
+  std::string problem;
+  if (!known) {
+    problem = std::string(status->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
+              " waiting for its peers" + cuda::stuck_behind_clause(*status) +
+              " (RESHARD_TIMEOUT_S sets the limit)";
+  } else if (arrival && status->code == cuda::kStatusTimeout) {
+    problem = "PE " + std::to_string(peer) + " did not begin this run within " +
+              format_seconds(std::max(arrival_timeout_, timeout_)) + " (nothing of it came)" +
+              cuda::stuck_behind_clause(*status) + " (is PE " +
+              std::to_string(status->stuck_behind) +
+              " calling run()? the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
+  } else {
+    problem = std::string(status->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
+              " waiting for PE " + std::to_string(peer) +
+              (status->phase == cuda::kPhaseDrain ? " to drain its inbox"
+               : arrival                          ? " to begin this run"
+                                                  : " to deliver its data") +
+              cuda::stuck_behind_clause(*status) + " (within " + format_seconds(timeout_) +
+              "; RESHARD_TIMEOUT_S sets the limit)";
+  }
   // A peer of this machine that gave its run up is why this one stopped: its words say more.
   check_peers_on_board("for its data");
   // Every PE of this machine alive: they may all meet and run again (a PE of another machine

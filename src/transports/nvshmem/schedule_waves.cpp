@@ -15,8 +15,8 @@ KernelArgs NvshmemTransport::launch_args() const {
   args.waiting_on = rt_.waiting_on();
   args.peer_waiting_on = peer_waiting_on_.get();
   args.timeout_ns = timeout_ns_;
-  // A late peer has the transfer timeout here too: this transport's host waits allow no more.
-  args.arrival_timeout_ns = 0;
+  // A run's first wait on each peer (kPhaseReady) has the arrival timeout.
+  args.arrival_timeout_ns = static_cast<std::uint64_t>(arrival_timeout_.count()) * 1000000;
   return args;
 }
 
