@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/message.hpp"
+
 namespace reshard::cuda {
 
 RunBoard::RunBoard(int me, int n_pes) : me_(me), segments_(static_cast<std::size_t>(n_pes)) {
@@ -13,6 +15,20 @@ RunBoard::RunBoard(int me, int n_pes) : me_(me), segments_(static_cast<std::size
   name_ = "/reshard-runs-" + std::to_string(::getpid()) + "-" + std::to_string(created++);
   segments_[static_cast<std::size_t>(me)] = host::ShmSegment::create(name_, sizeof(Entry));
   reset();
+}
+
+RunBoard RunBoard::of_this_machine(Bootstrap& bootstrap, std::span<const pid_t> local_pids) {
+  RunBoard board(bootstrap.rank(), bootstrap.size());
+  message::Writer name;
+  name.put_string(board.name());
+  const auto names = bootstrap.all_gather(name.bytes());
+  for (int pe = 0; pe < bootstrap.size(); ++pe) {
+    if (pe != bootstrap.rank() && local_pids[static_cast<std::size_t>(pe)] != 0)
+      board.open(pe, message::Reader(names[static_cast<std::size_t>(pe)]).get_string());
+  }
+  bootstrap.barrier();  // every PE of this machine has mapped every other's entry
+  board.unlink();
+  return board;
 }
 
 void RunBoard::open(int pe, const std::string& name) {

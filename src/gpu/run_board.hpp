@@ -1,15 +1,20 @@
 // How each PE's runs stand, in shared host memory that every PE of the machine maps: the runs it
 // has begun and whether it gave a run up (failed for good, or alive and meeting the others to run
-// again). The CUDA, NVSHMEM and NCCL transports read it where the host decides (a run's start, while it
-// waits for a run's end, the same-GPU watchdog) without a round trip to any GPU: a peer that has
-// not begun this run is late, not stuck; a peer that gave its run up ends this PE's wait at once.
+// again). The CUDA, NVSHMEM and NCCL transports read it where the host decides (a run's start,
+// while it waits for a run's end, the same-GPU watchdog) without a round trip to any GPU: a peer
+// that has not begun this run is late, not stuck; a peer that gave its run up ends this PE's wait
+// at once.
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "reshard/bootstrap.hpp"
 #include "transports/host/shm_segment.hpp"
 
 namespace reshard::cuda {
@@ -23,6 +28,9 @@ class RunBoard {
   RunBoard() = default;
   // This PE's entry, under a name no other process on the machine uses; peers open() it.
   RunBoard(int me, int n_pes);
+  // Collective over `bootstrap`: this PE's entry, and every entry of the PEs of this machine
+  // (`local_pids`: nonzero for those) mapped, the names gone once every PE mapped them.
+  static RunBoard of_this_machine(Bootstrap& bootstrap, std::span<const pid_t> local_pids);
   const std::string& name() const { return name_; }
   // Maps PE `pe`'s entry (a peer on this machine), created under `name`. Peers on other machines
   // stay unmapped: first_peer_gone() passes them over, and nothing else may ask for them.

@@ -158,15 +158,7 @@ NcclTransport::NcclTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   RESHARD_CUDA_CHECK(cudaEventCreateWithFlags(&last_run_, cudaEventDisableTiming));
 
   local_pids_ = cuda::local_peer_pids(bootstrap_);
-  board_ = cuda::RunBoard(me_, n_pes_);
-  message::Writer board_name;
-  board_name.put_string(board_.name());
-  const auto boards = bootstrap_.all_gather(board_name.bytes());
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    if (local_pids_[pe] != 0) board_.open(pe, message::Reader(boards[pe]).get_string());
-  }
-  bootstrap_.barrier();  // every PE of this machine has mapped every other's board entry
-  board_.unlink();
+  board_ = cuda::RunBoard::of_this_machine(bootstrap_, local_pids_);
   nonblocking_ = options.nccl.nonblocking;
   make_communicator();
   int version = 0;

@@ -105,13 +105,7 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
   }
 
   local_pids_ = cuda::local_peer_pids(bootstrap);
-  board_ = cuda::RunBoard(me_, n_pes_);
-  message::Writer board_name;
-  board_name.put_string(board_.name());
-  const auto boards = bootstrap.all_gather(board_name.bytes());
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    if (local_pids_[pe] != 0) board_.open(pe, message::Reader(boards[pe]).get_string());
-  }
+  board_ = cuda::RunBoard::of_this_machine(bootstrap, local_pids_);
   nodes_ = map_nodes(bootstrap, options.node_size);
   timeout_ns_ = static_cast<std::uint64_t>(timeout_.count()) * 1000000;
   std::vector<const std::uint64_t*> waiting_on(n_pes_, nullptr);
@@ -124,8 +118,6 @@ NvshmemTransport::NvshmemTransport(Bootstrap& bootstrap, const CopyServiceOption
     watchdog_.start(
         device_, [this] { return !watched_.empty(); }, [this] { check_stream_waits(); });
   }
-  bootstrap.barrier();  // every PE of this machine has mapped every other's board entry
-  board_.unlink();
 }
 
 void NvshmemTransport::finalize() noexcept {
