@@ -42,8 +42,8 @@ class Transport {
   // A schedule has one plan per phase; the phases run one after the other, in the same order on
   // every PE, and a later phase may reuse memory an earlier one wrote (the executor's staging):
   // a run must not write a peer's memory before that peer has reached the same run.
-  virtual void prepare(std::span<const ExecutionPlan> phases) = 0;
-  // Moves the bytes of phase `phase` once (`plan` is that phase's plan, as passed to prepare).
+  virtual void schedule(std::span<const ExecutionPlan> phases) = 0;
+  // Moves the bytes of phase `phase` once (`plan` is that phase's plan, as passed to schedule).
   // With stream == nullptr it returns when this PE's sends are read and its receives have landed.
   // A GPU transport given a CUDA stream enqueues the work there instead (ordered after the work
   // already queued) and returns at once.
@@ -57,7 +57,7 @@ class Transport {
   // Where two GPU transports run side by side (the mixed transport's parts), each one's kernels
   // that wait on other kernels may hold at most 1 / `parts` of what the GPU holds at once (parts:
   // the PEs sharing the GPU times the transports each of them runs), so that every such kernel of
-  // every PE can be resident together. Local; called before the first prepare().
+  // every PE can be resident together. Local; called before the first schedule().
   virtual void limit_gpu_share(int /*parts*/) {}
   // Tells peers this PE has failed, so they stop waiting for it at once.
   virtual void abort(const std::string& reason) noexcept = 0;
@@ -71,7 +71,7 @@ class Transport {
   // Whether some PE failed a run it can retry and waits for the others to meet it: checked at the
   // start of each run, before any byte moves.
   virtual bool retry_requested() const { return false; }
-  // Collective, on every PE once they have all met outside run(): back to the state prepare()
+  // Collective, on every PE once they have all met outside run(): back to the state schedule()
   // left, so that the next run starts afresh.
   virtual void recover() {}
   virtual void finalize() noexcept = 0;

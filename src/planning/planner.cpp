@@ -111,7 +111,7 @@ class Planner {
   }
 
   std::vector<TransferOp> plan() {
-    prepare_params();
+    match_params();
     for (const Shard& shard : dst_.shards()) settle_shard(shard);
     balance();
     if (!sink_) ops_.reserve(upper_bound_ops_);
@@ -146,7 +146,7 @@ class Planner {
     return src_.param_index(want.name);
   }
 
-  void prepare_params() {
+  void match_params() {
     const std::size_t n = dst_.params().size();
     src_param_.resize(n);
     groups_.resize(n);

@@ -1,5 +1,5 @@
 // schedule(): every PE's requests gathered at the meeting, matched, scheduled per phase and built
-// into this PE's plans, which the transport prepares.
+// into this PE's plans, which the transport schedules.
 #include <algorithm>
 #include <map>
 #include <sstream>
@@ -155,8 +155,8 @@ ScheduleReport CopyService::schedule() {
       report.lower_bound_bytes += schedule.lower_bound_bytes;
       report.makespan_bytes += schedule.makespan_bytes;
     }
-    self.transport->prepare(self.plans);
-    self.retry_pending = false;  // prepare() started the transport afresh on every PE
+    self.transport->schedule(self.plans);
+    self.retry_pending = false;  // schedule() started the transport afresh on every PE
     for (const ExecutionPlan& plan : self.plans) {
       for (const PlannedBatch& b : plan.sends) report.bytes_sent += b.bytes;
       for (const PlannedBatch& b : plan.receives) report.bytes_received += b.bytes;

@@ -153,7 +153,7 @@ class CudaTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override {
     check_device_buffer(buffer, device_, "cuda");
   }
-  void prepare(std::span<const ExecutionPlan> phases) override;
+  void schedule(std::span<const ExecutionPlan> phases) override;
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
   void forget_schedule() override;
@@ -175,7 +175,7 @@ class CudaTransport final : public Transport {
                                                               std::vector<std::uintptr_t>& refused,
                                                               bool first_phase, bool last_attempt);
   // Collective: one phase of a schedule.
-  std::unique_ptr<PreparedRun> prepare_phase(const ExecutionPlan& plan, bool first_phase);
+  std::unique_ptr<PreparedRun> schedule_phase(const ExecutionPlan& plan, bool first_phase);
   void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
   // Chooses each group's engine by `engine` (sm, ce or auto) and uploads the kernels' inputs.
   void lay_out(PreparedRun& prepared, const std::string& engine);

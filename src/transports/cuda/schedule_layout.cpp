@@ -17,7 +17,7 @@ bool rows_within_allocations(const CopyDescriptor& d) {
 
 }  // namespace
 
-void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
+void CudaTransport::schedule(std::span<const ExecutionPlan> phases) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
   DeviceScope scope(device_);
   if (run_pending_) wait_for(last_run_, "the previous schedule's runs");
@@ -27,7 +27,7 @@ void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
   prepared_.clear();
   SameDeviceOrder every_phase(signals_, peer_signals_, me_, batch_memops_);
   for (std::size_t p = 0; p < phases.size(); ++p) {
-    prepared_.push_back(prepare_phase(phases[p], p == 0));
+    prepared_.push_back(schedule_phase(phases[p], p == 0));
     every_phase.merge(prepared_.back()->same_device);
   }
   // Once per schedule; the watchdog reads them.
@@ -35,8 +35,8 @@ void CudaTransport::prepare(std::span<const ExecutionPlan> phases) {
   same_device_order_ = std::move(every_phase);
 }
 
-std::unique_ptr<PreparedRun> CudaTransport::prepare_phase(const ExecutionPlan& plan,
-                                                          bool first_phase) {
+std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& plan,
+                                                           bool first_phase) {
   auto prepared = std::make_unique<PreparedRun>();
   std::vector<CopyDescriptor> unstage;
 

@@ -1,7 +1,7 @@
 // Host transport: PEs are processes on one machine. Each PE owns a shared-memory inbox with one
 // channel per source PE; a channel is a ring of slots with a head counter (advanced by the sender
 // once a slot is filled) and a tail counter (advanced by the receiver once it has emptied one).
-// Counters only grow from one schedule on (prepare() and recover() zero them with every PE
+// Counters only grow from one schedule on (schedule() and recover() zero them with every PE
 // outside run()), so run() needs no barrier: both ends walk the same batches in the same order.
 #include <signal.h>
 #include <unistd.h>
@@ -82,7 +82,7 @@ class HostTransport final : public Transport {
   TransportCaps caps() const override { return {slot_bytes_, 1, 64 << 10}; }
   int device() const override { return -1; }
   void check_buffer(const Buffer& buffer) const override;
-  void prepare(std::span<const ExecutionPlan> phases) override;
+  void schedule(std::span<const ExecutionPlan> phases) override;
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void abort(const std::string& reason) noexcept override { set_aborted(reason, kFailed); }
   void offer_retry(const std::string& reason) noexcept override { set_aborted(reason, kWillRetry); }
@@ -244,7 +244,7 @@ void HostTransport::group_into_slots(const std::vector<PlannedBatch>& batches, i
   }
 }
 
-void HostTransport::prepare(std::span<const ExecutionPlan> phases) {
+void HostTransport::schedule(std::span<const ExecutionPlan> phases) {
   // Counters only grow, so phases need nothing between them: a later phase's bytes reach a
   // receiver's memory only through its own copies out of its inbox, after its earlier phases.
   phases_.assign(phases.size(), {});

@@ -76,12 +76,12 @@ class MixedTransport final : public Transport {
     inter_->check_buffer(buffer);
   }
 
-  void prepare(std::span<const ExecutionPlan> phases) override {
+  void schedule(std::span<const ExecutionPlan> phases) override {
     intra_plans_.clear();
     inter_plans_.clear();
     for (const ExecutionPlan& plan : phases) split(plan);
-    in_node([&] { intra_->prepare(intra_plans_); });
-    inter_->prepare(inter_plans_);
+    in_node([&] { intra_->schedule(intra_plans_); });
+    inter_->schedule(inter_plans_);
   }
 
   void run(const ExecutionPlan& /*plan*/, std::size_t phase, void* stream) override {

@@ -68,7 +68,7 @@ class NcclTransport final : public Transport {
   }
   // NCCL needs nothing between phases: a receive lands when the receiver's stream reaches it. A
   // new schedule starts as after a retry: a communicator given up on any PE is made again.
-  void prepare(std::span<const ExecutionPlan> phases) override {
+  void schedule(std::span<const ExecutionPlan> phases) override {
     if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
     recover();
     peers_.clear();

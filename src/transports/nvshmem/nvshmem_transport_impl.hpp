@@ -153,7 +153,7 @@ class NvshmemTransport final : public Transport {
   void check_buffer(const Buffer& buffer) const override {
     cuda::check_device_buffer(buffer, device_, "nvshmem");
   }
-  void prepare(std::span<const ExecutionPlan> phases) override;
+  void schedule(std::span<const ExecutionPlan> phases) override;
   void run(const ExecutionPlan& plan, std::size_t phase, void* stream) override;
   void synchronize() override;
   void abort(const std::string& reason) noexcept override;

@@ -177,7 +177,7 @@ void NvshmemTransport::share_ctas(const std::vector<std::uint32_t>& batches, std
   }
 }
 
-void NvshmemTransport::prepare(std::span<const ExecutionPlan> phases) {
+void NvshmemTransport::schedule(std::span<const ExecutionPlan> phases) {
   if (finalized_) throw_error(ErrorCode::kInvalidState, "schedule() after finalize()");
   cuda::DeviceScope scope(device_);
   // A new schedule starts from zeroed pair counters and signals on every PE, as after a retry.
