@@ -18,7 +18,7 @@ std::chrono::milliseconds timeout();
 std::chrono::milliseconds arrival_timeout();
 // RESHARD_LOG_LEVEL: overrides the level passed to init().
 std::optional<LogLevel> log_level();
-// RESHARD_STAGING_BUDGET: most staging memory the executor holds per rank at once ("unlimited" for
+// RESHARD_STAGING_BUDGET: most staging memory the executor holds per PE at once ("unlimited" for
 // no bound; 0 for none); unset: none given (see ReshardOptions::staging_budget).
 std::optional<std::uint64_t> staging_budget();
 // RESHARD_JOB_ID: set by reshard-run so leftovers of a failed job can be found and removed.

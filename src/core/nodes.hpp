@@ -20,7 +20,7 @@ struct NodeMap {
 };
 
 // Collective. PEs on one host form a node; `node_size` = N (CopyServiceOptions::node_size)
-// further splits the ranks into groups of N consecutive ones, so a single machine runs what a
+// further splits the PEs into groups of N consecutive ones, so a single machine runs what a
 // cluster of N-GPU nodes runs.
 NodeMap map_nodes(Bootstrap& bootstrap, std::optional<int> node_size);
 

@@ -45,8 +45,8 @@ ReshardReport execute_reshard_plan(const std::shared_ptr<const ReshardPlan>& pla
   if (!slot) slot = std::make_shared<ExecutorCache>();
   ExecutorCache& cache = *static_cast<ExecutorCache*>(slot.get());
   std::string key = transform_key(transform);
-  // Another plan, transform or budget: a new executor (and schedule) on every rank alike. Which
-  // one a rank keeps is its own business: a new executor's first call agrees with the ranks that
+  // Another plan, transform or budget: a new executor (and schedule) on every PE alike. Which
+  // one a PE keeps is its own business: a new executor's first call agrees with the PEs that
   // kept theirs exactly as a kept one whose tensors changed does.
   if (!cache.executor || cache.plan != plan || cache.transform_key != key ||
       !cache.executor->same_options(options)) {

@@ -58,7 +58,7 @@ void check_shape(const PhaseRequest& request) {
   }
 }
 
-// Each unit's needs per rank, on its first op.
+// Each unit's needs per PE, on its first op.
 std::vector<RankBytes> needs_of_units(const PhaseRequest& request,
                                       const std::vector<std::uint32_t>& unit) {
   std::vector<RankBytes> unit_needs(unit.size());

@@ -57,7 +57,7 @@ void Resharder::Impl::convert_locals(Phase& phase, const TensorMap& src, const T
 void Resharder::Impl::transfer_and_convert_locals(std::uint32_t p, const TensorMap& src,
                                                   const TensorMap& dst, void* stream, bool replay) {
   Phase& phase = *prepared.phases[p];
-  // The service has phases up to the last any rank registered a request in: one of only local
+  // The service has phases up to the last any PE registered a request in: one of only local
   // conversions (a group of them) may lie past them.
   if (p >= service.phases()) return convert_locals(phase, src, dst, stream, replay);
 #ifdef RESHARD_WITH_CUDA

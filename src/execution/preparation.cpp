@@ -1,5 +1,5 @@
-// A refit's preparation, once per set of tensors: this rank's sides of the plan's ops, the wire
-// buffers a transform makes of them, packs and unpacks, the staging phases every rank agrees on,
+// A refit's preparation, once per set of tensors: this PE's sides of the plan's ops, the wire
+// buffers a transform makes of them, packs and unpacks, the staging phases every PE agrees on,
 // and the copy service's schedule.
 #include <chrono>
 #include <cstring>
@@ -192,7 +192,7 @@ bool Resharder::Impl::all_ranks_agree(bool mine, const std::exception_ptr& failu
 std::vector<std::uint32_t> Resharder::Impl::assign_phases(
     const std::map<execution::StagingPool::OpKey, std::size_t>& sized,
     const std::map<std::uint32_t, std::uint32_t>& leaders, const std::exception_ptr& failure) {
-  std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this rank
+  std::map<std::uint32_t, std::uint64_t> mine;  // op index -> bytes on this PE
   bool reads_arrivals = false;  // on a GPU, staging that bytes land in before being read again
   for (const auto& [key, bytes] : sized) {
     mine[op_index.at(key.second)] += bytes;
@@ -212,7 +212,7 @@ std::vector<std::uint32_t> Resharder::Impl::assign_phases(
   out.put_array(std::span<const std::uint64_t>(flat));
   const auto all = gather_verdicts(out.bytes(), failure);
   bool any_reads_arrivals = false, every_rank_pipelines = true, gpu_shared = false;
-  std::set<std::uint64_t> gpus;  // the ranks' GPUs (gpu_identity)
+  std::set<std::uint64_t> gpus;  // the PEs' GPUs (gpu_identity)
   const std::size_t ops = plan->ops().size();
   std::vector<std::uint32_t> leader(ops);  // each op's, itself where it shares no conversion
   for (std::uint32_t i = 0; i < ops; ++i) leader[i] = i;
@@ -253,13 +253,13 @@ std::vector<std::uint32_t> Resharder::Impl::assign_phases(
   request.ranks = static_cast<int>(all.size());
   request.budget = budget;
   request.budget_given = requested.has_value();
-  // Where some rank reads staging after its bytes land (unpacks, conversions on arrival, on a
+  // Where some PE reads staging after its bytes land (unpacks, conversions on arrival, on a
   // GPU) and the refit runs in phases anyway, the phases alternate between two halves of the
   // budget: a phase's arrivals are read beside the next phase's transfer instead of after it
   // (run_pipelined). Not with a custom transform (its hooks run on the host at their own pace);
   // not where PEs share a GPU: there the conversions take the SMs that the transfer kernels of
   // the GPU's other PEs wait for (4x H200, 2 PEs per GPU, Llama-3-8B MXFP8 on arrival: 31.5 ms
-  // in phases one after the other, 85.5 ms pipelined); and not where any rank turns it off
+  // in phases one after the other, 85.5 ms pipelined); and not where any PE turns it off
   // (AdvancedOptions::pipelined_phases).
   const bool custom_transform = transform != nullptr && ranged == nullptr;
   request.may_pipeline =
@@ -375,10 +375,10 @@ void Resharder::Impl::prepare(const TensorMap& src, const TensorMap& dst, void* 
   } catch (...) {
     failure = std::current_exception();
   }
-  // A custom transform's hooks run only now (its wire buffers are its own): every rank says
-  // whether they took their buffers before any rank schedules.
+  // A custom transform's hooks run only now (its wire buffers are its own): every PE says
+  // whether they took their buffers before any PE schedules.
   gather_verdicts({}, failure);
-  // Every rank prepares in the same refit (execute agrees on it), so every rank schedules.
+  // Every PE prepares in the same refit (execute agrees on it), so every PE schedules.
   if (registered_generation == UINT64_MAX) {
     RESHARD_LOG(kDebug, "scheduling the reshard plan: "
                             << prepared.sends.size() + prepared.receives.size() << " sides here");
@@ -395,8 +395,8 @@ void Resharder::Impl::prepare(const TensorMap& src, const TensorMap& dst, void* 
   for (const LocalTensor& tensor : tensors)
     prepared.identities.push_back(TensorIdentity::of(tensor, prepared.shapes));
   prepared.allocations.record(tensors, service.transport_name().find("cuda") != std::string::npos);
-  // A map may hold tensors this rank does not move (a replica another rank sends from, the
-  // whole model handed to every rank): walking it reads those too, and their identities are
+  // A map may hold tensors this PE does not move (a replica another PE sends from, the
+  // whole model handed to every PE): walking it reads those too, and their identities are
   // recorded with the rest, so a walk that matches says the used ones are unchanged. Where
   // most of a map is unused, looking up the used names costs less than walking past the rest.
   for (auto [walk, map, used] :

@@ -22,7 +22,7 @@ struct Refit::Impl {
         src(std::move(s)),
         dst(std::move(d)) {}
 
-  // `meeting`: the call's name where binding opens it (the ranks may come at different times).
+  // `meeting`: the call's name where binding opens it (the PEs may come at different times).
   void bind(void* cuda_stream, ReshardReport& report, const char* meeting = nullptr) {
     bound = false;
     std::exception_ptr failure;
@@ -114,8 +114,8 @@ ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cu
   auto restore = [&] {
     for (auto& [it, tensor] : previous) it->second = std::move(tensor);
   };
-  // Collective: where no rank's tensors changed, nothing is prepared again. A refusal (a name
-  // not bound, on any rank) leaves every rank's refit as it was.
+  // Collective: where no PE's tensors changed, nothing is prepared again. A refusal (a name
+  // not bound, on any PE) leaves every PE's refit as it was.
   bool unchanged = false;
   try {
     unchanged = self.executor.all_ranks_agree(!changed, failure, "update()");

@@ -1,4 +1,4 @@
-// The executor: turns this rank's share of a reshard plan into copy-service requests once, then
+// The executor: turns this PE's share of a reshard plan into copy-service requests once, then
 // only packs, runs and unpacks at every refit. Here: its construction, the checks of the plan,
 // the names and the tensors, and a refit's entry (execute, rerun).
 #include <array>
@@ -287,9 +287,9 @@ ReshardReport Resharder::Impl::execute(const TensorMap* given_src, const TensorM
   }
   const auto checked = Clock::now();
   report.timing.check_seconds = std::chrono::duration<double>(checked - started).count();
-  // Scheduling is collective: a rank given new tensors alone must not schedule alone (its peers
-  // would run the old schedule and both sides time out), so the ranks agree, in one small
-  // all-gather per refit, and all prepare again where any one must. A rank that refused its
+  // Scheduling is collective: a PE given new tensors alone must not schedule alone (its peers
+  // would run the old schedule and both sides time out), so the PEs agree, in one small
+  // all-gather per refit, and all prepare again where any one must. A PE that refused its
   // tensors says so in the same all-gather.
   const bool agreed = all_ranks_agree(reusable, failure, "execute_reshard_plan()");
   report.timing.agree_seconds = std::chrono::duration<double>(Clock::now() - checked).count();
@@ -352,7 +352,7 @@ ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_s
   try {
     run_phases(*src, *dst, stream, cuda_stream, clock, report, phases);
   } catch (const Error& error) {
-    // Ranks agree on nothing before a rerun: one that executes the plan (or stops) while its
+    // PEs agree on nothing before a rerun: one that executes the plan (or stops) while its
     // peers rerun leaves them waiting for it. Say which calls must match.
     if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
     throw error.with_message(

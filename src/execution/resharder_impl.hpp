@@ -1,6 +1,6 @@
 // The executor's state (not installed): Resharder::Impl, whose member functions live in
 // resharder.cpp (construction, the checks of plan, names and tensors, a refit's entry),
-// preparation.cpp (once per set of tensors: this rank's sides of the plan's ops, their wire
+// preparation.cpp (once per set of tensors: this PE's sides of the plan's ops, their wire
 // buffers, the staging phases, the copy service's schedule) and phase_runs.cpp (every refit: each
 // phase's conversions, packs, transfer and unpacks, on a stream). Refit (refit.cpp) holds one.
 #pragma once
@@ -32,10 +32,10 @@
 namespace reshard {
 namespace execution {
 
-// One op as this rank takes part in it (as sender or receiver).
+// One op as this PE takes part in it (as sender or receiver).
 struct Side {
   const TransferOp* op = nullptr;
-  const Shard* shard = nullptr;  // this rank's shard of the parameter
+  const Shard* shard = nullptr;  // this PE's shard of the parameter
   bool transformed = false;
   std::uint32_t phase = 0;  // of the refit (Phase)
   std::vector<WireRange> wire;
@@ -44,10 +44,10 @@ struct Side {
 
 // A local op whose transform converts it in place (converts_locally): no wire, no request.
 struct LocalSide {
-  OpSlice from, to;  // the op's source and destination slices on this rank
+  OpSlice from, to;  // the op's source and destination slices on this PE
 };
 
-// One phase of a refit (ReshardOptions::staging_budget): this rank's sides of its ops, and the
+// One phase of a refit (ReshardOptions::staging_budget): this PE's sides of its ops, and the
 // packs and unpacks of their non-contiguous slices.
 struct Phase {
   std::vector<std::size_t> sends, receives;  // indices into Prepared::sends / receives
@@ -83,24 +83,24 @@ struct Resharder::Impl {
   // whose names were last checked.
   std::unordered_set<std::string_view> plan_names;
   std::size_t names_checked_src = SIZE_MAX, names_checked_dst = SIZE_MAX;
-  // Each rank's GPU (gpu_identity), where colocated_on_sender; else empty. Handed to the transform
+  // Each PE's GPU (gpu_identity), where colocated_on_sender; else empty. Handed to the transform
   // at every refit: executors with other options may share it.
   std::vector<std::uint64_t> placement;
   std::uint64_t budget;  // requested, else the default
   PeId me;
   bool rows_in_place;  // strided slices travel in place (ServiceSlot::moves_rows_in_place)
   std::vector<const TransferOp*> send_ops, recv_ops;
-  // The parameters this rank's ops touch, each once in op order: the sources (the first
+  // The parameters this PE's ops touch, each once in op order: the sources (the first
   // `source_params`), then the destinations. Copies, side by side in memory: the per-refit check
   // reads them in turn (same_tensors_as_prepared).
   std::vector<std::string> param_names;
   std::size_t source_params = 0;
-  // How many of this rank's ops send each source slice (parameter, then the box's offsets and
+  // How many of this PE's ops send each source slice (parameter, then the box's offsets and
   // extents): more than one where replicas receive it.
   std::map<std::vector<std::int64_t>, int> sends_of_slice;
   std::unordered_map<TaskId, std::uint32_t> op_index;  // by task id
   execution::StagingPool staging;
-  // This rank's sides of the ops, as registered and scheduled for `tensors`.
+  // This PE's sides of the ops, as registered and scheduled for `tensors`.
   struct Prepared {
     bool valid = false;
     std::vector<Side> sends, receives;
@@ -118,7 +118,7 @@ struct Resharder::Impl {
     std::vector<TensorIdentity> identities;
     std::vector<std::int64_t> shapes;
     GpuAllocations allocations;  // where the GPU tensors among them live
-    // The maps as given, where each holds only tensors this rank's ops touch (a map of more is
+    // The maps as given, where each holds only tensors this PE's ops touch (a map of more is
     // checked by name: walking it would read tensors the refit does not use).
     MapWalk src_walk, dst_walk;
     ReshardReport report;  // the byte counts, the same at every refit
@@ -169,13 +169,13 @@ struct Resharder::Impl {
     return execution::gather_verdicts(service, mine, failure, meeting);
   }
 
-  // Collective: ranks that built different plans (from different layouts) would register task
-  // ids that match nothing; say so plainly instead, naming the ranks and the first parameter
+  // Collective: PEs that built different plans (from different layouts) would register task
+  // ids that match nothing; say so plainly instead, naming the PEs and the first parameter
   // whose transfers differ.
-  // The same all-gather says where every rank's GPU is (`placement`).
+  // The same all-gather says where every PE's GPU is (`placement`).
   void check_same_plan_everywhere();
 
-  // This rank's GPU as every process on the machine names it (cuda::physical_gpu, hashed);
+  // This PE's GPU as every process on the machine names it (cuda::physical_gpu, hashed);
   // 0 on the host transport.
   std::uint64_t gpu_identity() const;
 
@@ -200,8 +200,8 @@ struct Resharder::Impl {
   // execute() of `src` and `dst`, or, where they are null, of the tensors the last call prepared
   // with, which the caller vouches it was given again (execute_as_prepared): then nothing is
   // looked up or compared here, and the maps are made of the prepared tensors only where
-  // something reads them (a custom transform's hooks, or a preparation that another rank's new
-  // tensors make every rank run).
+  // something reads them (a custom transform's hooks, or a preparation that another PE's new
+  // tensors make every PE run).
   ReshardReport execute(const TensorMap* given_src, const TensorMap* given_dst, void* cuda_stream);
 
   // The tensors the last preparation took, as maps (what a custom transform's hooks and a
@@ -224,7 +224,7 @@ struct Resharder::Impl {
                       const TensorMap* bound_dst = nullptr,
                       std::span<const std::uint32_t>* groups = nullptr);
 
-  // `op` as errors name it: its parameter, region and ranks.
+  // `op` as errors name it: its parameter, region and PEs.
   static std::string where(const ReshardPlan& plan, const TransferOp& op);
 
   // ---- preparation.cpp: once per set of tensors
@@ -238,7 +238,7 @@ struct Resharder::Impl {
   std::vector<execution::WireRange> transform_wire(const Side& side, const LocalTensor& tensor,
                                                    bool sending, void* stream);
 
-  // How this rank takes part in `op`: its wire buffers, and the pack (sending) or unpack
+  // How this PE takes part in `op`: its wire buffers, and the pack (sending) or unpack
   // (receiving) a non-contiguous slice needs, added to `copies`. While the pool is sizing, a
   // custom transform's hooks are not called (its wire buffers are its own, outside the budget).
   Side prepare_side(const TransferOp& op, const TensorMap& tensors, bool sending, void* stream,
@@ -264,13 +264,13 @@ struct Resharder::Impl {
     return i < source_params ? src : dst;
   }
 
-  // What a prepared refit depends on: every tensor this rank's ops touch (param_names' order).
+  // What a prepared refit depends on: every tensor this PE's ops touch (param_names' order).
   std::vector<LocalTensor> tensors_used(const TensorMap& src, const TensorMap& dst) const;
 
-  // Whether `src` and `dst` hold, for every tensor this rank's ops touch, what the prepared
+  // Whether `src` and `dst` hold, for every tensor this PE's ops touch, what the prepared
   // refit was prepared for: a walk of maps kept (or built again alike) beside a record of them,
   // else one lookup each; nothing copied. A MoE refit checks thousands at every refit
-  // (Qwen3-30B-A3B, 12 layers: 4,782 a rank; rerun() skips them): on one H200's host 0.1-0.2 ms
+  // (Qwen3-30B-A3B, 12 layers: 4,782 a PE; rerun() skips them): on one H200's host 0.1-0.2 ms
   // walked, 0.5-0.7 ms looked up, against a transfer of 8-9 ms. (Shares of the lookups on helper
   // threads made no difference on one H100 with 4 PEs, 2026-11-27.)
   bool same_tensors_as_prepared(const TensorMap& src, const TensorMap& dst) const;
@@ -286,40 +286,40 @@ struct Resharder::Impl {
   bool rerun_transforms(const TensorMap& src, const TensorMap& dst, void* stream,
                         const std::vector<bool>* phases = nullptr);
 
-  // Collective: whether `mine` holds on every rank (gather_verdicts: a rank's `failure` throws on
-  // every rank).
+  // Collective: whether `mine` holds on every PE (gather_verdicts: a PE's `failure` throws on
+  // every PE).
   bool all_ranks_agree(bool mine, const std::exception_ptr& failure = nullptr,
                        const char* meeting = nullptr);
 
-  // Collective: which phase each op of the plan runs in, the same on every rank. Every rank
+  // Collective: which phase each op of the plan runs in, the same on every PE. Every PE
   // says what staging each of its ops needs (`sized`: bytes per (sending, op task id)) and which
-  // ops share another's conversion (`leaders`); every rank then computes the same
+  // ops share another's conversion (`leaders`); every PE then computes the same
   // execution::assign_phases of it (a unit that alone needs more than a budget the caller gave is
-  // refused on every rank alike). Records each group's first phase in prepared.group_phases.
-  // Carries each rank's verdict on its own preparation so far (gather_verdicts), and refuses
-  // budgets or groups that differ between ranks.
+  // refused on every PE alike). Records each group's first phase in prepared.group_phases.
+  // Carries each PE's verdict on its own preparation so far (gather_verdicts), and refuses
+  // budgets or groups that differ between PEs.
   std::vector<std::uint32_t> assign_phases(
       const std::map<execution::StagingPool::OpKey, std::size_t>& sized,
       const std::map<std::uint32_t, std::uint32_t>& leaders, const std::exception_ptr& failure);
 
-  // A digest of param_groups, which every rank must give alike (FNV-1a).
+  // A digest of param_groups, which every PE must give alike (FNV-1a).
   std::uint64_t groups_digest() const {
     std::uint64_t digest = 1469598103934665603ull;
     for (std::uint32_t g : param_groups) digest = (digest ^ g) * 1099511628211ull;
     return digest;
   }
 
-  // Collective: prepares this rank's sides for `src` and `dst`: checks that every rank holds the
+  // Collective: prepares this PE's sides for `src` and `dst`: checks that every PE holds the
   // same plan, sizes the staging every op needs (the hooks run dry), agrees on the phases with
-  // the other ranks, places the staging, takes each side's wire buffers from there, phase by
-  // phase as the refits run them, and schedules. A refusal found on one rank (a missing or bad
-  // tensor, a transform's hook) stops every rank alike before anything is scheduled
+  // the other PEs, places the staging, takes each side's wire buffers from there, phase by
+  // phase as the refits run them, and schedules. A refusal found on one PE (a missing or bad
+  // tensor, a transform's hook) stops every PE alike before anything is scheduled
   // (gather_verdicts).
   void prepare(const TensorMap& src, const TensorMap& dst, void* stream, ReshardReport& report);
 
   // ---- phase_runs.cpp: every refit
 
-  // The GPU of the first GPU tensor (a rank's tensors are on one), or -1 where there is none.
+  // The GPU of the first GPU tensor (a PE's tensors are on one), or -1 where there is none.
   static int device_of(const TensorMap& src, const TensorMap& dst);
 
   // The stream a refit runs on: the caller's, else this executor's own on `device` (none for
@@ -376,7 +376,7 @@ struct Resharder::Impl {
   // phase's send-side conversions, packs and transfer on the high-priority stream, its local
   // conversions, unpacks and conversions on arrival on `stream`, after its bytes landed; so a
   // phase's arrivals are read while the next phase's bytes land in the other staging region. A
-  // phase writes a region (its own conversions, and peers, whose copies into this rank's memory
+  // phase writes a region (its own conversions, and peers, whose copies into this PE's memory
   // wait until its transfer starts here) only once the last phase that used the region has been
   // read. `stream` ends after all of it.
   void run_pipelined(const TensorMap& src, const TensorMap& dst, void* stream,

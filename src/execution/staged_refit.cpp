@@ -62,7 +62,7 @@ struct StagedRefit::Impl {
   std::deque<execution::BlockCopyBatch> commit_copies;
   std::vector<bool> staged;  // per group: staged since its last commit
   std::uint64_t version = 0;
-  int device = -1;             // the GPU of this rank's destinations, -1 on the host
+  int device = -1;             // the GPU of this PE's destinations, -1 on the host
   void* own_stream = nullptr;  // commit() without a stream runs here
 
   Impl(std::shared_ptr<const ReshardPlan> p, TensorMap d, std::vector<std::uint32_t> groups)
@@ -166,7 +166,7 @@ struct StagedRefit::Impl {
     ++version;
   }
 
-  // The blocks of this rank's destination tensors the plan writes, twin to tensor, by group;
+  // The blocks of this PE's destination tensors the plan writes, twin to tensor, by group;
   // scales whole.
   void list_commit_copies(PeId me, std::uint32_t groups) {
     commit_copies.clear();
@@ -208,7 +208,7 @@ StagedRefit::StagedRefit(std::shared_ptr<const ReshardPlan> plan, TensorMap src,
                          std::optional<std::uint64_t> max_staged_bytes)
     : impl_(std::make_unique<Impl>(plan, std::move(dst), options.param_groups)) {
   Impl& self = *impl_;
-  // Collective: a rank whose twins would pass the limit (or cannot have them) stops every rank
+  // Collective: a PE whose twins would pass the limit (or cannot have them) stops every PE
   // before anything is allocated or scheduled.
   std::exception_ptr failure;
   const std::uint64_t needed = bytes_of(self.dst);

@@ -61,7 +61,7 @@ struct TensorIdentity {
 // (cuda::allocation_id): the same address in a new allocation (freed and allocated again) is
 // other memory, and the peers' IPC mappings of the old one would receive its bytes. Checked per
 // allocation, not per tensor: a PyTorch model's thousands of tensors live in a few of its
-// allocator's segments (one driver query each, about 0.5 us). Only where peers map this rank's
+// allocator's segments (one driver query each, about 0.5 us). Only where peers map this PE's
 // memory (`peers_map_memory`: the CUDA transport, alone or in a mixed one); NCCL and NVSHMEM take
 // the buffers by address at every run, which a new allocation at the same address satisfies.
 class GpuAllocations {

@@ -57,8 +57,8 @@ std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
   }
   if (failed.empty()) return parts;
   if (failure && !ours) std::rethrow_exception(failure);
-  // A rank that failed itself tells its own cause (each rank's is the one it can correct); the
-  // others tell the first failing rank's.
+  // A PE that failed itself tells its own cause (each PE's is the one it can correct); the
+  // others tell the first failing PE's.
   if (failure) {
     first_code = code;
     first_text = text;

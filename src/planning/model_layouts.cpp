@@ -54,7 +54,7 @@ int stage_of(const ModelParam& param, const ModelSpec& model, int pp) {
   return static_cast<int>(static_cast<std::int64_t>(param.layer) * pp / std::max(1, model.layers));
 }
 
-// The pieces rank `index` of `parts` holds when `param` is split along its tp_dim.
+// The pieces PE `index` of `parts` holds when `param` is split along its tp_dim.
 void split_shard(const ModelParam& param, int parts, int index,
                  std::vector<std::int64_t>& local_shape, std::vector<Piece>& pieces) {
   const ParamSpec& spec = param.spec;
@@ -77,7 +77,7 @@ void split_shard(const ModelParam& param, int parts, int index,
   }
   // Each partition splits as torch.chunk splits it (as DTensor's Shard places it): chunks of
   // ceil(size / parts), the last ones shorter or empty, so a dim that does not divide (TP 3, a
-  // vocabulary not padded to the TP size) still has every element on exactly one rank.
+  // vocabulary not padded to the TP size) still has every element on exactly one PE.
   std::int64_t global_at = 0;
   std::int64_t local_at = 0;
   for (std::int64_t size : partitions) {
@@ -128,7 +128,7 @@ std::string Parallelism::str() const {
 Layout build_layout(const ModelSpec& model, const Parallelism& par) {
   check_parallelism(model, par);
   Layout layout;
-  const int group = par.tp * par.dp;  // ranks of one pipeline stage of one replica
+  const int group = par.tp * par.dp;  // PEs of one pipeline stage of one replica
   const int experts_per_rank = model.experts > 0 ? model.experts / par.ep : 0;
   std::vector<std::int64_t> local_shape;
   std::vector<Piece> pieces;

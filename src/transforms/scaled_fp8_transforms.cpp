@@ -102,7 +102,7 @@ class ScaledFp8Transform : public TransformBase {
   // the transfer runs: one pass over the slice (read 2 bytes, write 1 per bf16 element) where the
   // wire costs a conversion and a copy (FP8 into a wire buffer, then into the destination), or a
   // bf16 copy and a conversion on arrival. Except where the sender quantizes a slice that other
-  // ops send too (replicas; by the sender-side variant, or by a rank whose GPU other ranks share,
+  // ops send too (replicas; by the sender-side variant, or by a PE whose GPU other PEs share,
   // set_placement): there one conversion serves them all, and converting the local op again
   // would cost more than the FP8 copy it saves (Llama-3-8B TP2 -> 2 replicas, 2 PEs on one H100:
   // 15.3-17.0 ms against 13.8 ms through the wire; with MPS 13.9 against 11.7).
@@ -127,7 +127,7 @@ class ScaledFp8Transform : public TransformBase {
 
  protected:
   const char* side_name() const { return side_ == QuantizeSide::kSender ? "sender" : "receiver"; }
-  // Whether this op's slice is quantized on arrival: the side asked for, except between two ranks
+  // Whether this op's slice is quantized on arrival: the side asked for, except between two PEs
   // on one GPU, where the sender quantizes (see RangedTransform::set_placement). Sources are
   // checked by the side asked for, so the same input is refused or accepted everywhere.
   bool on_arrival(const OpSlice& slice) const {

@@ -120,11 +120,11 @@ class TransformBase : public ReshardTransform, public execution::RangedTransform
   static bool landed_in_place(const Buffer& wire, const Buffer& tensor) {
     return wire.data == tensor.data;
   }
-  // Whether `rank`'s GPU holds another rank's tensors too (set_placement).
+  // Whether PE `rank`'s GPU holds another PE's tensors too (set_placement).
   bool shares_gpu(PeId rank) const {
     return rank >= 0 && static_cast<std::size_t>(rank) < shares_gpu_.size() && shares_gpu_[rank];
   }
-  // Whether the op's two ranks hold their tensors on one GPU (set_placement).
+  // Whether the op's two PEs hold their tensors on one GPU (set_placement).
   bool same_gpu(const TransferOp& op) const {
     const auto known = [&](PeId rank) {
       return rank >= 0 && static_cast<std::size_t>(rank) < gpu_of_rank_.size();

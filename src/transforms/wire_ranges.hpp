@@ -39,9 +39,9 @@ class RangedTransform {
   // While on, the hooks convert nothing: they run only to learn their wire buffers (sizing, and
   // the schedule of a refit whose conversions run phase by phase later).
   virtual void set_dry_run(bool on) = 0;
-  // Where each rank's tensors are: `gpu_of_rank[r]` names rank r's GPU (0: not on a GPU). A
+  // Where each PE's tensors are: `gpu_of_rank[r]` names PE r's GPU (0: not on a GPU). A
   // transform that quantizes on arrival quantizes on the sender instead for an op between two
-  // ranks on the same GPU: the same kernel on the same GPU writes the same bits, and half the bytes
+  // PEs on the same GPU: the same kernel on the same GPU writes the same bits, and half the bytes
   // travel with no bf16 landing buffer. Empty: every op as configured.
   virtual void set_placement(std::vector<std::uint64_t> gpu_of_rank) = 0;
   // ReshardTransform::converts_locally, told whether other ops send the same source slice (to
