@@ -42,7 +42,7 @@ void check_shape(const PhaseRequest& request) {
     throw_error(ErrorCode::kInvalidState, "phase assignment: per-op lists of different lengths");
   }
   if (request.group_count == 0 || request.ranks <= 0) {
-    throw_error(ErrorCode::kInvalidState, "phase assignment: no groups or no ranks");
+    throw_error(ErrorCode::kInvalidState, "phase assignment: no groups or no PEs");
   }
   for (std::size_t i = 0; i < ops; ++i) {
     if (request.group[i] >= request.group_count || request.leader[i] >= ops) {
@@ -52,7 +52,7 @@ void check_shape(const PhaseRequest& request) {
     for (const auto& [rank, bytes] : request.needs[i]) {
       if (rank < 0 || rank >= request.ranks) {
         throw_error(ErrorCode::kInvalidState, "phase assignment: op " + std::to_string(i) +
-                                                  " names rank " + std::to_string(rank));
+                                                  " names PE " + std::to_string(rank));
       }
     }
   }
@@ -115,11 +115,10 @@ PhaseAssignment assign_phases(const PhaseRequest& request,
       const auto sharing = std::count(unit.begin(), unit.end(), i) - 1;
       throw_error(
           ErrorCode::kInvalidArgument,
-          "the staging budget of " + budget_text(limit) + " per rank is smaller than " +
-              name_op(i) +
+          "the staging budget of " + budget_text(limit) + " per PE is smaller than " + name_op(i) +
               (sharing > 0 ? " (converted once for it and " + std::to_string(sharing) + " more ops)"
                            : std::string()) +
-              " needs on rank " + std::to_string(rank) + ": " + format_bytes(bytes) +
+              " needs on PE " + std::to_string(rank) + ": " + format_bytes(bytes) +
               " of wire buffers; raise ReshardOptions::staging_budget "
               "(RESHARD_STAGING_BUDGET) to at least that");
     }
@@ -211,7 +210,7 @@ std::string check_phase_assignment(const PhaseRequest& request, const PhaseAssig
     for (const auto& [rank, bytes] : unit_needs[i]) {
       used[p][rank] += bytes;
       if (used[p][rank] > assignment.limit) {
-        return "phase " + std::to_string(p) + " takes more than the limit on rank " +
+        return "phase " + std::to_string(p) + " takes more than the limit on PE " +
                std::to_string(rank);
       }
     }

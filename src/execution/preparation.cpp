@@ -222,16 +222,16 @@ std::vector<std::uint32_t> Resharder::Impl::assign_phases(
     const auto theirs = in.get<std::uint64_t>();
     if (theirs != budget) {
       throw_error(ErrorCode::kInvalidArgument,
-                  "the staging budget differs between ranks: rank " + std::to_string(me) + " has " +
-                      execution::budget_text(budget) + ", rank " + std::to_string(rank) + " " +
+                  "the staging budget differs between PEs: PE " + std::to_string(me) + " has " +
+                      execution::budget_text(budget) + ", PE " + std::to_string(rank) + " " +
                       execution::budget_text(theirs) +
                       " (ReshardOptions::staging_budget / RESHARD_STAGING_BUDGET must agree)");
     }
     if (in.get<std::uint64_t>() != groups_digest()) {
       throw_error(ErrorCode::kInvalidArgument,
-                  "the refit's groups (ReshardOptions::param_groups) differ between rank " +
-                      std::to_string(me) + " and rank " + std::to_string(rank) +
-                      ": every rank must group the plan's parameters alike");
+                  "the refit's groups (ReshardOptions::param_groups) differ between PE " +
+                      std::to_string(me) + " and PE " + std::to_string(rank) +
+                      ": every PE must group the plan's parameters alike");
     }
     any_reads_arrivals = in.get<std::uint8_t>() != 0 || any_reads_arrivals;
     every_rank_pipelines = in.get<std::uint8_t>() != 0 && every_rank_pipelines;
@@ -384,8 +384,8 @@ void Resharder::Impl::prepare(const TensorMap& src, const TensorMap& dst, void* 
                             << prepared.sends.size() + prepared.receives.size() << " sides here");
   } else {
     RESHARD_LOG(kInfo,
-                "a rank's reshard buffers changed since the last schedule: scheduling "
-                "again on every rank");
+                "a PE's reshard buffers changed since the last schedule: scheduling "
+                "again on every PE");
   }
   register_and_schedule(prepared.sends, prepared.receives);
   registered_generation = execution::ServiceSlot::generation(service);

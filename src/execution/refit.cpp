@@ -44,7 +44,7 @@ struct Refit::Impl {
   std::string unusable() const {
     if (!bound) {
       return "Refit::run: the last update() of this refit failed, so it holds no schedule; "
-             "update() again on every rank with the tensors corrected";
+             "update() again on every PE with the tensors corrected";
     }
     if (!executor.still_scheduled()) {
       return "Refit::run: the copy service no longer holds this refit's schedule "
@@ -99,7 +99,7 @@ ReshardReport Refit::update(const TensorMap& src, const TensorMap& dst, void* cu
         if (it == bound->end()) {
           throw_error(ErrorCode::kInvalidArgument,
                       std::string("Refit::update: '") + name + "' is not a " + role +
-                          " tensor of this refit on rank " + std::to_string(self.executor.me) +
+                          " tensor of this refit on PE " + std::to_string(self.executor.me) +
                           " (only tensors bound at construction can be replaced)");
         }
         std::vector<std::int64_t> shapes;

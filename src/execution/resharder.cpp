@@ -22,8 +22,8 @@ namespace reshard {
 
 std::string Resharder::Impl::where(const ReshardPlan& plan, const TransferOp& op) {
   std::ostringstream text;
-  text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (rank " << op.src_pe
-       << " -> rank " << op.dst_pe << ")";
+  text << "'" << plan.params()[op.param].name << "' " << op.region.str() << " (PE " << op.src_pe
+       << " -> PE " << op.dst_pe << ")";
   return text.str();
 }
 
@@ -87,7 +87,7 @@ void Resharder::Impl::check_names(const TensorMap& src, const TensorMap& dst, bo
     std::sort(unknown.begin(), unknown.end());
     throw_error(
         ErrorCode::kInvalidArgument,
-        std::string(role) + " tensor '" + std::string(unknown[0]) + "' on rank " +
+        std::string(role) + " tensor '" + std::string(unknown[0]) + "' on PE " +
             std::to_string(me) + " is not a parameter of the plan" +
             (unknown.size() > 1 ? " (nor are " + std::to_string(unknown.size() - 1) + " more)"
                                 : std::string()) +
@@ -107,7 +107,7 @@ void Resharder::Impl::check_same_plan_everywhere() {
   std::vector<std::uint64_t> gpu_of_rank(all.size());
   for (std::size_t r = 0; r < all.size(); ++r) {
     if (all[r].size() != sizeof mine) {
-      throw_error(ErrorCode::kInvalidState, "rank " + std::to_string(r) +
+      throw_error(ErrorCode::kInvalidState, "PE " + std::to_string(r) +
                                                 " runs another reshard build (its executor "
                                                 "sent " +
                                                 std::to_string(all[r].size()) +
@@ -120,9 +120,9 @@ void Resharder::Impl::check_same_plan_everywhere() {
     std::memcpy(&on_sender, all[r].data() + 32, 8);
     if ((on_sender != 0) != colocated_on_sender) {
       throw_error(ErrorCode::kInvalidArgument,
-                  "ReshardOptions::quantize_colocated_on_sender differs between ranks: rank " +
+                  "ReshardOptions::quantize_colocated_on_sender differs between PEs: PE " +
                       std::to_string(me) + " has " + (colocated_on_sender ? "true" : "false") +
-                      ", rank " + std::to_string(r) + " " + (on_sender ? "true" : "false"));
+                      ", PE " + std::to_string(r) + " " + (on_sender ? "true" : "false"));
     }
   }
   if (colocated_on_sender) placement = std::move(gpu_of_rank);
@@ -141,18 +141,18 @@ void Resharder::Impl::check_same_plan_everywhere() {
   }
   const auto params = service.all_gather(std::as_bytes(std::span(per_param)));
   std::ostringstream text;
-  text << "the reshard plan differs between ranks: rank 0 has " << theirs[0][1] << " ops over "
-       << theirs[0][2] << " parameters, rank " << other << " " << theirs[other][1] << " ops over "
+  text << "the reshard plan differs between PEs: PE 0 has " << theirs[0][1] << " ops over "
+       << theirs[0][2] << " parameters, PE " << other << " " << theirs[other][1] << " ops over "
        << theirs[other][2] << " parameters";
   const std::size_t n0 = params[0].size() / 8, n1 = params[other].size() / 8;
   for (std::size_t p = 0; p < std::min({n0, n1, plan->params().size()}); ++p) {
     if (std::memcmp(params[0].data() + 8 * p, params[other].data() + 8 * p, 8) != 0) {
       text << "; the first parameter whose transfers differ is '" << plan->params()[p].name
-           << "' (as rank " << me << " numbers them)";
+           << "' (as PE " << me << " numbers them)";
       break;
     }
   }
-  text << ". Every rank must build the plan from the same two layouts.";
+  text << ". Every PE must build the plan from the same two layouts.";
   throw_error(ErrorCode::kValidation, text.str());
 }
 
@@ -190,7 +190,7 @@ const LocalTensor& Resharder::Impl::tensor_for(const TensorMap& tensors, const L
   auto it = tensors.find(param.name);
   if (it == tensors.end()) {
     throw_error(ErrorCode::kInvalidArgument,
-                std::string("rank ") + std::to_string(me) + " has no " + role + " tensor for '" +
+                std::string("PE ") + std::to_string(me) + " has no " + role + " tensor for '" +
                     param.name + "', which the plan moves (" + where(*plan, op) + ")");
   }
   shard = layout.find_shard(me, layout.param_index(param.name));
@@ -199,13 +199,13 @@ const LocalTensor& Resharder::Impl::tensor_for(const TensorMap& tensors, const L
   const bool converted = transforms(op);
   if (!converted && tensor.dtype != param.dtype) {
     throw_error(ErrorCode::kInvalidArgument,
-                std::string(role) + " tensor '" + param.name + "' on rank " + std::to_string(me) +
+                std::string(role) + " tensor '" + param.name + "' on PE " + std::to_string(me) +
                     " is " + dtype_name(tensor.dtype) + " but the parameter is " +
                     dtype_name(param.dtype) + " (no transform applies to it)");
   }
   if (!tensor.shape.empty() && tensor.shape != shard->local_shape) {
     throw_error(ErrorCode::kInvalidArgument,
-                std::string(role) + " tensor '" + param.name + "' on rank " + std::to_string(me) +
+                std::string(role) + " tensor '" + param.name + "' on PE " + std::to_string(me) +
                     " has shape " + shape_str(tensor.shape) + " but the layout's local shape is " +
                     shape_str(shard->local_shape) +
                     " (a transposed or reshaped tensor would scramble the parameter)");
@@ -213,7 +213,7 @@ const LocalTensor& Resharder::Impl::tensor_for(const TensorMap& tensors, const L
   const std::size_t need = elements * dtype_size(tensor.dtype);
   if (tensor.data.data == nullptr || tensor.data.bytes < need) {
     throw_error(ErrorCode::kInvalidArgument,
-                std::string(role) + " tensor '" + param.name + "' on rank " + std::to_string(me) +
+                std::string(role) + " tensor '" + param.name + "' on PE " + std::to_string(me) +
                     " holds " + std::to_string(tensor.data.bytes) + " bytes; its local shape " +
                     Box::whole(shard->local_shape).str() + " needs " + std::to_string(need));
   }
@@ -346,7 +346,7 @@ ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_s
       throw_error(ErrorCode::kInvalidState,
                   "rerun: transform '" + transform->name() +
                       "' returned other wire buffers than the refit was scheduled with: "
-                      "execute the plan instead, on every rank, to schedule it again");
+                      "execute the plan instead, on every PE, to schedule it again");
     }
   }
   try {
@@ -357,9 +357,9 @@ ReshardReport Resharder::Impl::rerun(void* cuda_stream, const TensorMap* bound_s
     if (error.code() != ErrorCode::kTimeout && error.code() != ErrorCode::kPeerFailure) throw;
     throw error.with_message(
         std::string(error.what()) +
-        " [during a run of a prepared refit (Refit::run, rerun_reshard_plan): every rank must "
-        "rerun the same refit together; where any rank executes or updates it instead, every "
-        "rank must]");
+        " [during a run of a prepared refit (Refit::run, rerun_reshard_plan): every PE must "
+        "rerun the same refit together; where any PE executes or updates it instead, every "
+        "PE must]");
   }
   return with_former_timing_names(report);
 }

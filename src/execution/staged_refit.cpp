@@ -215,7 +215,7 @@ StagedRefit::StagedRefit(std::shared_ptr<const ReshardPlan> plan, TensorMap src,
   try {
     if (max_staged_bytes && needed > *max_staged_bytes) {
       throw_error(ErrorCode::kInvalidArgument,
-                  "a staged refit needs " + format_bytes(needed) + " of staging on rank " +
+                  "a staged refit needs " + format_bytes(needed) + " of staging on PE " +
                       std::to_string(service.my_pe()) +
                       " (a twin of each destination tensor), more than max_staged_bytes " +
                       format_bytes(*max_staged_bytes) +

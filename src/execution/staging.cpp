@@ -279,7 +279,7 @@ void BlockCopyBatch::add(const Buffer& src, const BoxView& src_view, const Buffe
   if (!copies_.empty() &&
       (src.kind != kind_ || (kind_ == MemoryKind::kCuda && src.device != device_))) {
     throw_error(ErrorCode::kInvalidArgument,
-                "one rank's tensors must all be host memory or all on one GPU; found " +
+                "one PE's tensors must all be host memory or all on one GPU; found " +
                     describe(src) + " beside memory on " +
                     (kind_ == MemoryKind::kHost ? std::string("the host")
                                                 : "GPU " + std::to_string(device_)));

@@ -66,16 +66,16 @@ std::vector<std::vector<std::byte>> gather_verdicts(CopyService& service,
   }
   std::string others;
   if (failed.size() > 1) {
-    others = " (and rank";
+    others = " (and PE";
     others += failed.size() > 2 ? "s" : "";
     for (std::size_t i = 1; i < failed.size(); ++i)
       others += (i > 1 ? ", " : " ") + std::to_string(failed[i]);
     others += ")";
   }
   throw Error(first_code,
-              "rank " + std::to_string(failed[0]) + others +
-                  " refused the refit, so every rank stops before any byte moves: " + first_text +
-                  " [the copy service stays usable: call again on every rank with "
+              "PE " + std::to_string(failed[0]) + others +
+                  " refused the refit, so every PE stops before any byte moves: " + first_text +
+                  " [the copy service stays usable: call again on every PE with "
                   "that corrected]");
 }
 

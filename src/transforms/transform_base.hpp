@@ -31,8 +31,8 @@ inline std::byte* at_byte(const Buffer& buffer) { return static_cast<std::byte*>
 [[noreturn]] inline void refuse(const std::string& transform, const OpSlice& slice,
                                 const std::string& why) {
   throw_error(ErrorCode::kInvalidArgument, transform + " transform, '" + slice.param.name + "' " +
-                                               slice.op.region.str() + " (rank " +
-                                               std::to_string(slice.op.src_pe) + " -> rank " +
+                                               slice.op.region.str() + " (PE " +
+                                               std::to_string(slice.op.src_pe) + " -> PE " +
                                                std::to_string(slice.op.dst_pe) + "): " + why);
 }
 

@@ -921,14 +921,14 @@ TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
     return std::string();
   };
   const std::string too_small = refusal(1000, 1000);
-  EXPECT_NE(too_small.find("the staging budget of 1000 B per rank is smaller than '"),
+  EXPECT_NE(too_small.find("the staging budget of 1000 B per PE is smaller than '"),
             std::string::npos)
       << too_small;
-  EXPECT_NE(too_small.find("needs on rank "), std::string::npos) << too_small;
+  EXPECT_NE(too_small.find("needs on PE "), std::string::npos) << too_small;
   EXPECT_NE(too_small.find("RESHARD_STAGING_BUDGET"), std::string::npos) << too_small;
   if (n > 1) {
     const std::string differ = refusal(1 << 20, 2 << 20);
-    EXPECT_NE(differ.find("the staging budget differs between ranks"), std::string::npos) << differ;
+    EXPECT_NE(differ.find("the staging budget differs between PEs"), std::string::npos) << differ;
     ReshardOptions mixed;
     mixed.quantize_colocated_on_sender = service->my_pe() == 0;
     try {
@@ -936,9 +936,8 @@ TEST(ReshardErrors, ABudgetTooSmallForOneSliceIsRefusedNamingIt) {
       ADD_FAILURE() << "ranks disagreeing on quantize_colocated_on_sender were not refused";
     } catch (const Error& error) {
       EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-      EXPECT_NE(
-          std::string(error.what()).find("quantize_colocated_on_sender differs between ranks"),
-          std::string::npos)
+      EXPECT_NE(std::string(error.what()).find("quantize_colocated_on_sender differs between PEs"),
+                std::string::npos)
           << error.what();
     }
   }
@@ -1023,7 +1022,7 @@ TEST(ReshardErrors, TransformsThatDisagreeOnWireBuffersAreRefused) {
   auto service = make_service();
   if (service->n_pes() < 2) GTEST_SKIP() << "needs two ranks";
   const ModelSpec model = test_model(false);
-  // norm.weight lives on the last stage (rank 1) and moves to rank 0.
+  // norm.weight lives on the last stage (PE 1) and moves to PE 0.
   auto plan = std::make_shared<const ReshardPlan>(
       make_reshard_plan(build_layout(model, {.pp = 2}), build_layout(model, {.first_pe = 0})));
   const std::map<std::string, Expected> expected = expectations(*plan, Mode::kPlain, nullptr);
@@ -1070,7 +1069,7 @@ TEST(ReshardErrors, ATensorOfTheWrongShapeIsRefusedBeforeAnyByteMoves) {
       EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
       const std::string text = error.what();
       for (const std::string& part :
-           {role + " tensor '" + name + "'", "rank " + std::to_string(me),
+           {role + " tensor '" + name + "'", "PE " + std::to_string(me),
             "shape " + shape_str(given), "local shape is " + shape_str(wanted)})
         EXPECT_NE(text.find(part), std::string::npos) << part << " not in: " << text;
     }
@@ -1144,7 +1143,7 @@ TEST(ReshardErrors, RanksWithDifferentPlansAreToldSo) {
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kValidation);
     const std::string text = error.what();
-    EXPECT_NE(text.find("the reshard plan differs between ranks"), std::string::npos) << text;
+    EXPECT_NE(text.find("the reshard plan differs between PEs"), std::string::npos) << text;
     EXPECT_NE(text.find("the first parameter whose transfers differ is '"), std::string::npos)
         << text;
   }
@@ -1347,8 +1346,7 @@ TEST(BoundRefit, ARefusalOnOneRankIsEveryRanksErrorAndTheRetryWorks) {
   auto expect_named = [&](const Error& error, const char* when) {
     EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << when;
     const std::string text = error.what();
-    EXPECT_NE(text.find("rank " + std::to_string(culprit) + " refused the refit"),
-              std::string::npos)
+    EXPECT_NE(text.find("PE " + std::to_string(culprit) + " refused the refit"), std::string::npos)
         << when << ": " << text;
     EXPECT_NE(text.find("no source tensor for '" + missing + "'"), std::string::npos)
         << when << ": " << text;
@@ -1356,7 +1354,7 @@ TEST(BoundRefit, ARefusalOnOneRankIsEveryRanksErrorAndTheRetryWorks) {
   for (int attempt = 0; attempt < 2; ++attempt) {  // a refusal, a retry that works, again
     try {
       execute_reshard_plan(plan, src_without, good.dst_map, *service);
-      ADD_FAILURE() << "execute_reshard_plan ran without rank " << culprit << "'s tensor";
+      ADD_FAILURE() << "execute_reshard_plan ran without PE " << culprit << "'s tensor";
     } catch (const Error& error) {
       expect_named(error, "execute_reshard_plan");
     }
@@ -1366,7 +1364,7 @@ TEST(BoundRefit, ARefusalOnOneRankIsEveryRanksErrorAndTheRetryWorks) {
   }
   try {
     Refit refused(plan, src_without, good.dst_map, *service);
-    ADD_FAILURE() << "a refit was bound without rank " << culprit << "'s tensor";
+    ADD_FAILURE() << "a refit was bound without PE " << culprit << "'s tensor";
   } catch (const Error& error) {
     expect_named(error, "binding");
   }
@@ -1383,7 +1381,7 @@ TEST(BoundRefit, ARefusalOnOneRankIsEveryRanksErrorAndTheRetryWorks) {
     EXPECT_NE(std::string(error.what()).find("'not.a.parameter' is not a source tensor"),
               std::string::npos)
         << error.what();
-    EXPECT_NE(std::string(error.what()).find("rank " + std::to_string(culprit)), std::string::npos)
+    EXPECT_NE(std::string(error.what()).find("PE " + std::to_string(culprit)), std::string::npos)
         << error.what();
   }
   expect_run_writes_all(refit, *plan, me, good, expected, "the refit after a refused update");
@@ -1401,7 +1399,7 @@ TEST(BoundRefit, ARefusalOnOneRankIsEveryRanksErrorAndTheRetryWorks) {
     refit.update({}, misshapen);
     ADD_FAILURE() << "update() took a tensor of the wrong shape";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("rank " + std::to_string(culprit) + " refused"),
+    EXPECT_NE(std::string(error.what()).find("PE " + std::to_string(culprit) + " refused"),
               std::string::npos)
         << error.what();
   }
@@ -1506,7 +1504,7 @@ TEST(ReshardErrors, TensorsUnderNamesThePlanLacksAreRefused) {
     } catch (const Error& error) {
       EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << when;
       EXPECT_NE(std::string(error.what())
-                    .find("destination tensor 'bogus.weight' on rank " + std::to_string(n - 1) +
+                    .find("destination tensor 'bogus.weight' on PE " + std::to_string(n - 1) +
                           " is not a parameter of the plan"),
                 std::string::npos)
           << when << ": " << error.what();

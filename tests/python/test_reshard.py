@@ -913,9 +913,9 @@ def test_a_tensor_under_a_name_the_plan_lacks_is_refused_unless_not_strict(servi
     plan, src, dst = _one_pe_plan()
     extra = dict(dst, **{"bogus.weight": reshard.LocalTensor(np.zeros(4, np.uint16),
                                                              dtype="bfloat16")})
-    with pytest.raises(reshard.ReshardError, match="'bogus.weight' on rank 0 is not a parameter"):
+    with pytest.raises(reshard.ReshardError, match="'bogus.weight' on PE 0 is not a parameter"):
         reshard.execute_reshard_plan(plan, src, extra, service)
-    with pytest.raises(reshard.ReshardError, match="'bogus.weight' on rank 0 is not a parameter"):
+    with pytest.raises(reshard.ReshardError, match="'bogus.weight' on PE 0 is not a parameter"):
         reshard.bind(plan, src, extra, service)
     reshard.execute_reshard_plan(plan, src, dst, service)
     with pytest.raises(reshard.ReshardError, match="strict=False"):
@@ -986,7 +986,7 @@ def test_tensor_of_the_wrong_shape_is_refused_naming_both_shapes(service):
     with pytest.raises(reshard.ReshardError) as error:
         reshard.execute_reshard_plan(plan, src, dst, service)
     text = str(error.value)
-    assert f"source tensor '{param.name}' on rank 0 has shape [{cols}, {rows}]" in text, text
+    assert f"source tensor '{param.name}' on PE 0 has shape [{cols}, {rows}]" in text, text
     assert f"local shape is [{rows}, {cols}]" in text, text
     assert error.value.code == "invalid argument"
 
@@ -1191,7 +1191,7 @@ def test_a_rerun_on_one_rank_while_the_others_execute_fails_in_bounded_time(n):
     code, _, rest = ended[0].partition(" after ")
     assert code == "timeout", ended[0]
     assert float(rest.split(" s: ")[0]) < timeout + 10, ended[0]
-    assert "every rank must rerun the same refit together" in rest, ended[0]
+    assert "every PE must rerun the same refit together" in rest, ended[0]
     for rank in range(1, n):  # left waiting in the ranks' agreement, told that rank 0 went away
         assert ended[rank].startswith("peer failure"), ended[rank]
 

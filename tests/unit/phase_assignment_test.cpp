@@ -77,7 +77,7 @@ TEST(PhaseAssignment, AUnitOverAGivenBudgetIsRefusedNamingItsOpAndRank) {
   } catch (const Error& error) {
     const std::string text = error.what();
     EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-    for (const char* words : {"op#1", "and 1 more ops", "on rank 2", "160 B", "staging_budget"})
+    for (const char* words : {"op#1", "and 1 more ops", "on PE 2", "160 B", "staging_budget"})
       EXPECT_NE(text.find(words), std::string::npos) << words << " in: " << text;
   }
 }

@@ -87,7 +87,7 @@ def main():
         except reshard.ReshardError as error:
             text = str(error)
             assert error.code == "invalid argument", (call, error.code, text)
-            assert f"rank {culprit} refused the refit" in text, (call, text)
+            assert f"PE {culprit} refused the refit" in text, (call, text)
             assert f"no source tensor for '{missing}'" in text, (call, text)
         for tensor in dst.values():
             tensor.data[...] = 0
@@ -108,7 +108,7 @@ def main():
             call()
             raise AssertionError(f"rank {me}: a string was taken for a tensor")
         except reshard.ReshardError as error:
-            assert f"rank {culprit} refused the refit" in str(error), str(error)
+            assert f"PE {culprit} refused the refit" in str(error), str(error)
             assert "is not an array reshard can read" in str(error), str(error)
 
     # update() with a name the refit does not hold, on one rank: refused everywhere, the refit
