@@ -152,7 +152,7 @@ def main():
             raise AssertionError(f"rank {me}: bound past max_staged_bytes")
         except reshard.ReshardError as error:
             text = str(error)
-            assert f"rank {n - 1} refused" in text and "max_staged_bytes" in text, text
+            assert f"PE {n - 1} refused" in text and "max_staged_bytes" in text, text
         refit = reshard.bind(plan, src, dst, svc, staged=True, max_staged_bytes=need)
         refit.run()
         check(dst, 1, "within the limit")
