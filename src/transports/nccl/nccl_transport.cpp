@@ -110,7 +110,8 @@ class NcclTransport final : public Transport {
   // `in_run`: a call of run(), bounded as the run is (late_peer_problem).
   Failure settle(const char* call, ncclResult_t status, bool in_run = false);
   // Why this run has waited too long, or nothing. A peer of this machine that has not begun it
-  // (the run board counts the runs each PE began) has the arrival timeout from this run's start;
+  // (the run board counts the runs each PE began) has the arrival timeout (where it is the longer)
+  // from this run's start;
   // once every peer of the schedule has begun, the transfer timeout counts. A peer on another
   // machine cannot be seen beginning: a schedule that exchanges with one has the longer of the
   // two from this run's start.
@@ -289,9 +290,10 @@ std::string NcclTransport::late_peer_problem() {
   const std::uint64_t mine = board_.runs_begun(me_);
   for (const int pe : peers_) {
     if (board_.runs_begun(pe) >= mine) continue;
-    if (now - run_started_ <= arrival_timeout_) return {};
-    return "PE " + std::to_string(pe) + " did not begin this run within " +
-           format_seconds(arrival_timeout_) + " (is PE " + std::to_string(pe) +
+    const auto limit = std::max(arrival_timeout_, timeout_);
+    if (now - run_started_ <= limit) return {};
+    return "PE " + std::to_string(pe) + " did not begin this run within " + format_seconds(limit) +
+           " (is PE " + std::to_string(pe) +
            " calling run()? the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
   }
   if (all_begun_since_ == std::chrono::steady_clock::time_point{}) all_begun_since_ = now;
