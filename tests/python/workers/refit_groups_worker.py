@@ -198,7 +198,7 @@ def main():
     # Ranks that group differently: refused on every rank alike, before anything is scheduled.
     expect_refusal(lambda: reshard.bind(plan, src, dst, svc, transform,
                                         groups="layers" if me else (lambda name: "one")),
-                   reshard.ReshardError, "groups (ReshardOptions::param_groups) differ between rank")
+                   reshard.ReshardError, "groups (ReshardOptions::param_groups) differ between PE")
     # The service stays usable: a corrected bind works.
     refit = reshard.bind(plan, src, dst, svc, transform, groups=lambda name: name)
     assert refit.groups == [p.name for p in plan.params]
