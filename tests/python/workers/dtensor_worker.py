@@ -591,6 +591,13 @@ def main():
     dist.barrier()
     print(f"rank {me}: ok {case}")
     dist.destroy_process_group()
+    # Every check has passed. The interpreter's teardown is left out: a rank now and then aborted
+    # there ("terminate called without an active exception", about 1 run in 60 of the padded
+    # case on a 2-core machine, after every rank printed ok), with no thread of reshard's in the
+    # process; the gloo process group's threads are what remain to be torn down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
