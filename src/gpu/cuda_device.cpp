@@ -213,6 +213,18 @@ void cancel_waits(DeviceStatus* status) noexcept {
   std::atomic_ref<unsigned int>(status->cancel).store(1, std::memory_order_release);
 }
 
+std::string waiting_on_clause(std::span<const pid_t> pids, std::span<const int> peers) {
+  if (const int stopped = first_stopped_process(pids); stopped >= 0) {
+    return ": PE " + std::to_string(stopped) + " (pid " + std::to_string(pids[stopped]) +
+           ") is stopped";
+  }
+  if (peers.empty()) return {};
+  std::string text = "; this run waits on PE";
+  for (std::size_t i = 0; i < peers.size(); ++i)
+    text += (i == 0 ? " " : ", ") + std::to_string(peers[i]);
+  return text + " (is every PE calling run()?)";
+}
+
 std::string wait_until(const std::function<bool()>& finished, std::span<const pid_t> pids,
                        const std::string& what, int* dead, std::chrono::milliseconds limit,
                        const std::function<std::string()>& transport_problem,
@@ -232,18 +244,9 @@ std::string wait_until(const std::function<bool()>& finished, std::span<const pi
              ") exited mid-run";
     }
     if (Clock::now() - start > limit) {
-      std::string text =
-          what + " did not finish within " + std::to_string(limit.count() / 1000) + " s";
-      if (const int stopped = first_stopped_process(pids); stopped >= 0) {
-        text += ": PE " + std::to_string(stopped) + " (pid " + std::to_string(pids[stopped]) +
-                ") is stopped";
-      } else if (!peers.empty()) {
-        text += "; this run waits on PE";
-        for (std::size_t i = 0; i < peers.size(); ++i)
-          text += (i == 0 ? " " : ", ") + std::to_string(peers[i]);
-        text += " (is every PE calling run()?)";
-      }
-      return text + " (CopyServiceOptions::timeout / RESHARD_TIMEOUT_S sets the limit)";
+      return what + " did not finish within " + std::to_string(limit.count() / 1000) + " s" +
+             waiting_on_clause(pids, peers) +
+             " (CopyServiceOptions::timeout / RESHARD_TIMEOUT_S sets the limit)";
     }
     throw_if_interrupted(what.c_str(), start);
     std::this_thread::sleep_for(std::chrono::microseconds(

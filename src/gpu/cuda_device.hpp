@@ -84,6 +84,9 @@ void cancel_waits(DeviceStatus* status) noexcept;
 // "; PE p is itself stuck waiting, behind PE q" for a timed-out device wait whose peer p was
 // itself stuck (see SignalLayout::waiting_on), else empty.
 std::string stuck_behind_clause(const RunFailure& failure);
+// What a wait that ran too long says of whom it waited on: ": PE p (pid n) is stopped" for a
+// stopped local peer, else "; this run waits on PE a, b (is every PE calling run()?)", else empty.
+std::string waiting_on_clause(std::span<const pid_t> pids, std::span<const int> peers);
 // Polls `finished` until it returns true: an empty string then, else what went wrong:
 // `transport_problem` (asked between polls), a local peer exiting (*dead = its PE), or
 // `limit` (the service's timeout, plus any grace) passing while `what` is unfinished — naming a

@@ -270,19 +270,12 @@ Failure NcclTransport::settle(const char* call, ncclResult_t status, bool in_run
 
 std::string NcclTransport::late_peer_problem() {
   const auto now = std::chrono::steady_clock::now();
-  const auto waits_on = [&] {
-    std::string text = "; this run waits on PE";
-    for (std::size_t i = 0; i < peers_.size(); ++i)
-      text += (i == 0 ? " " : ", ") + std::to_string(peers_[i]);
-    if (const int stopped = first_stopped_process(local_pids_); stopped >= 0)
-      text += "; PE " + std::to_string(stopped) + " is stopped";
-    return text;
-  };
+  // A peer not yet begun has the arrival timeout where it is the longer, as on CUDA.
+  const auto arrival_limit = std::max(arrival_timeout_, timeout_);
   if (remote_peers_) {
-    const auto limit = std::max(arrival_timeout_, timeout_);
-    if (now - run_started_ <= limit) return {};
-    return "the NCCL transfers did not finish within " + format_seconds(limit) +
-           " of this run's start" + waits_on() +
+    if (now - run_started_ <= arrival_limit) return {};
+    return "the NCCL transfers did not finish within " + format_seconds(arrival_limit) +
+           " of this run's start" + cuda::waiting_on_clause(local_pids_, peers_) +
            " (a peer on another machine may not have begun it, so the longer of the arrival and "
            "transfer timeouts applies: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S; timeout, "
            "RESHARD_TIMEOUT_S)";
@@ -290,16 +283,15 @@ std::string NcclTransport::late_peer_problem() {
   const std::uint64_t mine = board_.runs_begun(me_);
   for (const int pe : peers_) {
     if (board_.runs_begun(pe) >= mine) continue;
-    const auto limit = std::max(arrival_timeout_, timeout_);
-    if (now - run_started_ <= limit) return {};
-    return "PE " + std::to_string(pe) + " did not begin this run within " + format_seconds(limit) +
-           " (is PE " + std::to_string(pe) +
+    if (now - run_started_ <= arrival_limit) return {};
+    return "PE " + std::to_string(pe) + " did not begin this run within " +
+           format_seconds(arrival_limit) + " (is PE " + std::to_string(pe) +
            " calling run()? the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
   }
   if (all_begun_since_ == std::chrono::steady_clock::time_point{}) all_begun_since_ = now;
   if (now - all_begun_since_ <= timeout_) return {};
   return "the NCCL transfers did not finish within " + format_seconds(timeout_) +
-         " of every peer having begun this run" + waits_on() +
+         " of every peer having begun this run" + cuda::waiting_on_clause(local_pids_, peers_) +
          " (CopyServiceOptions::timeout / RESHARD_TIMEOUT_S sets the limit)";
 }
 
