@@ -54,8 +54,8 @@ __device__ std::uint32_t find_group(const KernelArgs& a, std::uint32_t cta) {
   return g;
 }
 
-__device__ __forceinline__ void stamp(const KernelArgs& a, std::uint64_t epoch, TracePhase phase) {
-  if (a.trace != nullptr) a.trace[(epoch % kTraceRuns) * kTracePhases + phase] = global_timer_ns();
+__device__ __forceinline__ void stamp(const KernelArgs& a, std::uint64_t epoch, TraceMark mark) {
+  if (a.trace != nullptr) a.trace[(epoch % kTraceRuns) * kTraceMarks + mark] = global_timer_ns();
 }
 
 // The epoch of the run this kernel belongs to: one past the last run this PE completed.
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   if (threadIdx.x == 0) {
     if (may_write && a.groups[group_index].local_ready != nullptr) {
       const PeerGroup& g = a.groups[group_index];
-      may_write = wait_at_least(g.local_ready, epoch, a, g.peer, kPhaseReady);
+      may_write = wait_at_least(g.local_ready, epoch, a, g.peer, kWaitArrival);
     }
     if (blockIdx.x == 0) stamp(a, epoch, kTraceReady);
   }
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kCopyThreads) fused_copy_kernel(KernelArgs a) 
   // The last CTA: the kernel ends only when every source's bytes have landed here.
   for (std::uint32_t s = 0; s < a.source_count; ++s) {
     if (!wait_at_least(SignalLayout::done(signals, a.n_pes, a.sources[s]), done_mark(epoch), a,
-                       a.sources[s], kPhaseDone))
+                       a.sources[s], kWaitData))
       break;
   }
   stamp(a, epoch, kTraceAllDone);
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     go = !failed_here(a);
     if (go && f.wait != nullptr) {
       if (blockIdx.x == mine.first_cta) {
-        go = wait_at_least(f.wait, f.wait_value, a, f.peer, f.phase);
+        go = wait_at_least(f.wait, f.wait_value, a, f.peer, f.wait_kind);
       } else {
         // The other CTAs poll gently while the peer's data streams in; the group's first CTA
         // makes the bounded wait and records a timeout or cancellation, which stops them. Every
@@ -272,7 +272,7 @@ __global__ void begin_kernel(KernelArgs a) {
     store_relaxed(a.source_ready[s], epoch);
   for (std::uint32_t g = threadIdx.x; g < a.group_count; g += blockDim.x) {
     if (a.groups[g].local_ready != nullptr)
-      wait_at_least(a.groups[g].local_ready, epoch, a, a.groups[g].peer, kPhaseReady);
+      wait_at_least(a.groups[g].local_ready, epoch, a, a.groups[g].peer, kWaitArrival);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -315,7 +315,7 @@ __global__ void end_kernel(KernelArgs a) {
   }
   for (std::uint32_t s = threadIdx.x; s < a.source_count; s += blockDim.x) {
     wait_at_least(SignalLayout::done(a.signals, a.n_pes, a.sources[s]), done_mark(epoch), a,
-                  a.sources[s], kPhaseDone);
+                  a.sources[s], kWaitData);
   }
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -24,7 +24,7 @@ struct CopyFlags {
   const std::uint64_t* wait = nullptr;  // null: copy at once
   std::uint64_t wait_value = 0;         // copy once *wait >= wait_value
   int peer = -1;                        // whom the wait is for (named if it runs out)
-  unsigned int phase = 0;               // kPhaseReady, kPhaseDone or kPhaseDrain
+  unsigned int wait_kind = 0;           // kWaitArrival, kWaitData or kWaitDrain
   std::uint64_t* raise = nullptr;       // null: nothing to raise
   std::uint64_t raise_units = 1;        // *raise grows by done_mark(raise_units) (done_share)
 };

@@ -172,10 +172,10 @@ std::string stuck_behind_clause(const RunFailure& failure) {
          std::to_string(failure.stuck_behind);
 }
 
-bool HostFailure::record(unsigned int code, int peer, unsigned int phase) noexcept {
+bool HostFailure::record(unsigned int code, int peer, unsigned int wait_kind) noexcept {
   if (claimed_.exchange(true, std::memory_order_acq_rel)) return false;
   peer_ = peer;
-  phase_ = phase;
+  wait_kind_ = wait_kind;
   code_.store(code, std::memory_order_release);
   return true;
 }
@@ -183,14 +183,14 @@ bool HostFailure::record(unsigned int code, int peer, unsigned int phase) noexce
 void HostFailure::clear() noexcept {
   code_.store(0, std::memory_order_relaxed);
   peer_ = -1;
-  phase_ = 0;
+  wait_kind_ = 0;
   claimed_.store(false, std::memory_order_release);
 }
 
 std::optional<RunFailure> HostFailure::get() const noexcept {
   const unsigned int code = code_.load(std::memory_order_acquire);
   if (code == 0) return std::nullopt;
-  return RunFailure{code, peer_, peer_, phase_};
+  return RunFailure{code, peer_, peer_, wait_kind_};
 }
 
 std::optional<RunFailure> run_failure(const DeviceStatus* status,
@@ -202,7 +202,7 @@ std::optional<RunFailure> run_failure(const DeviceStatus* status,
         std::atomic_ref<unsigned int>(code).load(std::memory_order_acquire);
     if (device_code != 0) {
       const volatile DeviceStatus& seen = *status;
-      return RunFailure{device_code, seen.peer, seen.stuck_behind, seen.phase};
+      return RunFailure{device_code, seen.peer, seen.stuck_behind, seen.wait_kind};
     }
   }
   return host.get();

@@ -57,7 +57,7 @@ struct RunFailure {
   unsigned int code = 0;  // kStatus*
   int peer = -1;          // whom it waited for
   int stuck_behind = -1;  // where the chain of stuck waits from `peer` ends
-  unsigned int phase = 0;
+  unsigned int wait_kind = 0;
 };
 // A failure a host thread found (a watchdog, a dead peer): recorded apart from the kernels'
 // DeviceStatus, each record by one side only, so neither can hold half of the other's. The first
@@ -65,16 +65,16 @@ struct RunFailure {
 class HostFailure {
  public:
   // True where this call recorded it.
-  bool record(unsigned int code, int peer, unsigned int phase) noexcept;
+  bool record(unsigned int code, int peer, unsigned int wait_kind) noexcept;
   std::optional<RunFailure> get() const noexcept;
   // Forgets the record (recover(): no run pending, the watchdog's lock held).
   void clear() noexcept;
 
  private:
   std::atomic<bool> claimed_{false};
-  std::atomic<unsigned int> code_{0};  // stored last (release): peer_ and phase_ are whole then
+  std::atomic<unsigned int> code_{0};  // stored last (release): peer_ and wait_kind_ are whole then
   int peer_ = -1;
-  unsigned int phase_ = 0;
+  unsigned int wait_kind_ = 0;
 };
 // The failure that stopped the runs, if any: the kernels' record where a wait failed, else the
 // host's. `status` may be null.

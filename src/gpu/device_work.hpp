@@ -142,21 +142,21 @@ RESHARD_HD std::uint64_t done_share(std::uint32_t cta, std::uint32_t ctas) {
 // host that loads `code` with acquire ordering (run_failure) reads the rest whole. A failure the
 // host finds goes to a record of its own (HostFailure); the host writes only `cancel` here.
 struct DeviceStatus {
-  unsigned int code;    // 0 ok, kStatus*
-  int peer;             // whom it waited for
-  int stuck_behind;     // where the chain of stuck waits from `peer` ends (`peer` if it was not)
-  unsigned int phase;   // kPhase*
-  unsigned int cancel;  // set by the host: stop waiting (a peer process died, or abort())
+  unsigned int code;       // 0 ok, kStatus*
+  int peer;                // whom it waited for
+  int stuck_behind;        // where the chain of stuck waits from `peer` ends (`peer` if it was not)
+  unsigned int wait_kind;  // kWait*
+  unsigned int cancel;     // set by the host: stop waiting (a peer process died, or abort())
 };
 constexpr unsigned int kStatusTimeout = 1;
 constexpr unsigned int kStatusCancelled = 2;
-// What a wait waits for. kPhaseReady is a peer reaching this run: it may not have begun it (its
+// What a wait waits for. kWaitArrival is a peer reaching this run: it may not have begun it (its
 // trainer still in its step), so the wait has the arrival timeout. The CUDA transport's ready
 // flags; on NVSHMEM, which has none, the first wait of a run on each peer (its first data, or its
 // first acknowledgement: until then the peer may not have begun).
-constexpr unsigned int kPhaseReady = 1;
-constexpr unsigned int kPhaseDone = 2;   // waiting for a peer's data to land
-constexpr unsigned int kPhaseDrain = 3;  // NVSHMEM: waiting for a peer to drain its inbox slot
+constexpr unsigned int kWaitArrival = 1;
+constexpr unsigned int kWaitData = 2;   // waiting for a peer's data to land
+constexpr unsigned int kWaitDrain = 3;  // NVSHMEM: waiting for a peer to drain its inbox slot
 
 struct KernelArgs {
   const CopyDescriptor* descriptors;
@@ -180,11 +180,11 @@ struct KernelArgs {
   // by tens of microseconds (4 GPUs, 1 MiB all-to-all: 45 instead of 193 GB/s).
   unsigned int* failure;
   std::uint64_t timeout_ns;
-  // A wait for a peer to reach this run (kPhaseReady: the peer has not begun it, its trainer may
+  // A wait for a peer to reach this run (kWaitArrival: the peer has not begun it, its trainer may
   // still be in its step) has this long, where it is longer than timeout_ns.
   std::uint64_t arrival_timeout_ns;
   int unroll;  // 16-byte loads in flight per thread before the stores: 4 or 8
-  // RESHARD_CUDA_TRACE: globaltimer stamps of each run's phases (PhaseTrace), else null.
+  // RESHARD_CUDA_TRACE: globaltimer stamps of each run (TraceMark), else null.
   std::uint64_t* trace;
   // The run counts (SignalLayout::run_count, mapped here) of the PEs on this GPU whose copies this
   // PE makes and that run no kernel of their own: each run ends by setting them to its epoch, so
@@ -194,7 +194,7 @@ struct KernelArgs {
   std::uint32_t follower_count;
 };
 
-// Where the fused kernel stamps a run's phases: kTraceRuns records of kTracePhases stamps, the
+// Where the fused kernel stamps a run: kTraceRuns records of kTraceMarks stamps, the
 // record of run e at (e % kTraceRuns). CTA 0 stamps its start, the moment its peer was ready, the
 // end of its copy and its done signal; the last CTA stamps when every source's data had landed.
 // A copy-engine or mixed (SM + copy engine) run stamps the begin kernel's start and the moment
@@ -202,7 +202,7 @@ struct KernelArgs {
 // done), the moment it had raised done for the SM share, and the moment every source's data had
 // landed.
 inline constexpr int kTraceRuns = 1024;
-inline constexpr int kTracePhases = 5;
-enum TracePhase : int { kTraceStart, kTraceReady, kTraceCopied, kTraceSignalled, kTraceAllDone };
+inline constexpr int kTraceMarks = 5;
+enum TraceMark : int { kTraceStart, kTraceReady, kTraceCopied, kTraceSignalled, kTraceAllDone };
 
 }  // namespace reshard::cuda

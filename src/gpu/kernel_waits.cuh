@@ -75,7 +75,7 @@ __device__ int stuck_behind(const KernelArgs& a, int peer) {
 // (which also stops the copies of this PE's kernels), so two waits failing at once, or a wait and
 // the host, never write half a record each.
 __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
-                               unsigned int phase) {
+                               unsigned int wait_kind) {
   volatile DeviceStatus* status = a.status;
   if (a.failure != nullptr) {
     if (atomicCAS(a.failure, 0u, code) != 0u) return;  // another wait, or the host, was first
@@ -84,7 +84,7 @@ __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
   }
   status->peer = peer;
   status->stuck_behind = code == kStatusTimeout ? stuck_behind(a, peer) : peer;
-  status->phase = phase;
+  status->wait_kind = wait_kind;
   __threadfence_system();
   status->code = code;
 }
@@ -93,9 +93,9 @@ __device__ void record_failure(const KernelArgs& a, unsigned int code, int peer,
 // run already failed (then nothing more is written or awaited). A long wait names its peer in
 // this PE's waiting_on word until it ends (a timed-out wait leaves it there).
 __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, const KernelArgs& a,
-                              int peer, unsigned int phase) {
+                              int peer, unsigned int wait_kind) {
   const std::uint64_t start = global_timer_ns();
-  const std::uint64_t limit = phase == kPhaseReady && a.arrival_timeout_ns > a.timeout_ns
+  const std::uint64_t limit = wait_kind == kWaitArrival && a.arrival_timeout_ns > a.timeout_ns
                                   ? a.arrival_timeout_ns
                                   : a.timeout_ns;
   const std::uint64_t stuck_mark = static_cast<std::uint64_t>(peer) + 1;
@@ -105,12 +105,12 @@ __device__ bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, co
       volatile DeviceStatus* status = a.status;
       if (status->code != 0) return false;
       if (status->cancel != 0) {
-        record_failure(a, kStatusCancelled, peer, phase);
+        record_failure(a, kStatusCancelled, peer, wait_kind);
         return false;
       }
       const std::uint64_t waited = global_timer_ns() - start;
       if (waited > limit) {
-        record_failure(a, kStatusTimeout, peer, phase);
+        record_failure(a, kStatusTimeout, peer, wait_kind);
         return false;
       }
       // Other waits of this run may share the word: mark again if one of them cleared it.

@@ -97,7 +97,7 @@ class DeviceWaits : public testing::Test {
     flags.wait = flag_.device;
     flags.wait_value = 1;
     flags.peer = kPeer;
-    flags.phase = kPhaseDone;
+    flags.wait_kind = kWaitData;
     FlaggedLaunch launch;
     ASSERT_TRUE(launch.add(0, 1, flags));
     launch_flagged_copies(args, launch, stream_);
@@ -113,7 +113,7 @@ class DeviceWaits : public testing::Test {
     const DeviceStatus status = *status_.host;  // the stream is done: plain reads
     EXPECT_EQ(status.code, kStatusTimeout);
     EXPECT_EQ(status.peer, kPeer);
-    EXPECT_EQ(status.phase, kPhaseDone);
+    EXPECT_EQ(status.wait_kind, kWaitData);
     // The wait lasted 20 ms: it named its peer in this PE's word, and left it there.
     EXPECT_EQ(words_.load(kMe), std::uint64_t{kPeer + 1});
     unsigned int failure = 0;
@@ -197,17 +197,17 @@ TEST_F(DeviceWaits, AHostFailureBesideAKernelsLeavesOneWholeRecord) {
     flag_[0] = 0;
     launch_wait(100'000 + 5'000 * (trial % 40));  // 0.1-0.3 ms
     std::this_thread::sleep_for(std::chrono::microseconds(10 * (trial % 30)));
-    host.record(kStatusCancelled, kHostPeer, kPhaseReady);
+    host.record(kStatusCancelled, kHostPeer, kWaitArrival);
     cancel_waits(status_.host);
     ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
     const std::optional<RunFailure> failure = run_failure(status_.host, host);
     ASSERT_TRUE(failure.has_value());
-    const bool kernels = failure->peer == kPeer && failure->phase == kPhaseDone &&
+    const bool kernels = failure->peer == kPeer && failure->wait_kind == kWaitData &&
                          (failure->code == kStatusTimeout || failure->code == kStatusCancelled);
-    const bool hosts = failure->peer == kHostPeer && failure->phase == kPhaseReady &&
+    const bool hosts = failure->peer == kHostPeer && failure->wait_kind == kWaitArrival &&
                        failure->code == kStatusCancelled;
     EXPECT_TRUE(kernels || hosts) << "trial " << trial << ": code " << failure->code << ", peer "
-                                  << failure->peer << ", phase " << failure->phase;
+                                  << failure->peer << ", wait kind " << failure->wait_kind;
     (kernels ? kernel_records : host_records) += 1;
   }
   std::printf("records: %d the kernels', %d the host's\n", kernel_records, host_records);
@@ -228,7 +228,7 @@ TEST(HostFailures, TheFirstOfSeveralAtOnceIsRecordedWhole) {
     const std::optional<RunFailure> failure = host.get();
     ASSERT_TRUE(failure.has_value());
     EXPECT_EQ(recorded.load(), 1);
-    EXPECT_EQ(static_cast<unsigned int>(failure->peer), failure->phase);
+    EXPECT_EQ(static_cast<unsigned int>(failure->peer), failure->wait_kind);
     EXPECT_EQ(run_failure(nullptr, host)->peer, failure->peer);
   }
 }
@@ -295,7 +295,7 @@ TEST(FlaggedLaunch, GroupsWaitCopyAndRaiseIndependently) {
       flags.wait = waits.device + g;
       flags.wait_value = run;
       flags.peer = static_cast<int>(g);
-      flags.phase = kPhaseDone;
+      flags.wait_kind = kWaitData;
       flags.raise = raised + g;
       // Group g's flag ends run r at done_mark(10 r + g): the first run adds 10 + g units.
       flags.raise_units = run == 1 ? 10 + g : 10;

@@ -46,7 +46,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   RESHARD_CUDA_CHECK(cudaMemset(signals_, 0, signal_bytes));
   ready_epoch_ = SignalLayout::ready_epoch(signals_, n_pes_);
   if (options.advanced.cuda_trace) {
-    const std::size_t bytes = sizeof(std::uint64_t) * kTraceRuns * kTracePhases;
+    const std::size_t bytes = sizeof(std::uint64_t) * kTraceRuns * kTraceMarks;
     RESHARD_CUDA_CHECK(cudaMalloc(&trace_, bytes));
     RESHARD_CUDA_CHECK(cudaMemset(trace_, 0, bytes));
   }
@@ -159,39 +159,39 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                                                   << " SMs), engine " << engine_);
 }
 
-// Medians over the recorded runs of each phase of the fused kernel, and of the gap from one
-// run's end to the next one's start (kernel launch, or the host falling behind).
+// Medians over the recorded runs of the time between each two marks of the fused kernel, and of the
+// gap from one run's end to the next one's start (kernel launch, or the host falling behind).
 void CudaTransport::log_trace() noexcept {
-  std::vector<std::uint64_t> stamps(static_cast<std::size_t>(kTraceRuns) * kTracePhases);
+  std::vector<std::uint64_t> stamps(static_cast<std::size_t>(kTraceRuns) * kTraceMarks);
   if (cudaMemcpy(stamps.data(), trace_, stamps.size() * sizeof stamps[0], cudaMemcpyDeviceToHost) !=
       cudaSuccess) {
     cudaGetLastError();
     return;
   }
-  auto at = [&](int run, int phase) { return stamps[run * kTracePhases + phase]; };
+  auto at = [&](int run, int mark) { return stamps[run * kTraceMarks + mark]; };
   auto complete = [&](int run) {
-    for (int p = 0; p < kTracePhases; ++p) {
+    for (int p = 0; p < kTraceMarks; ++p) {
       if (at(run, p) == 0) return false;
     }
     return true;
   };
   const char* names[] = {"wait for peer ready", "copy", "signal done", "wait for sources"};
-  std::vector<std::vector<double>> deltas(kTracePhases);
+  std::vector<std::vector<double>> deltas(kTraceMarks);
   for (int run = 0; run < kTraceRuns; ++run) {
     if (!complete(run)) continue;
-    for (int p = 0; p + 1 < kTracePhases; ++p)
+    for (int p = 0; p + 1 < kTraceMarks; ++p)
       deltas[p].push_back(static_cast<double>(at(run, p + 1)) - static_cast<double>(at(run, p)));
     const int next = (run + 1) % kTraceRuns;
     if (complete(next) && at(next, kTraceStart) > at(run, kTraceAllDone))
-      deltas[kTracePhases - 1].push_back(at(next, kTraceStart) - at(run, kTraceAllDone));
+      deltas[kTraceMarks - 1].push_back(at(next, kTraceStart) - at(run, kTraceAllDone));
   }
   std::ostringstream text;
   text << "cuda trace, PE " << me_ << ", medians over " << deltas[0].size() << " runs (us):";
-  for (int p = 0; p < kTracePhases; ++p) {
+  for (int p = 0; p < kTraceMarks; ++p) {
     auto& d = deltas[p];
     if (d.empty()) continue;
     std::nth_element(d.begin(), d.begin() + d.size() / 2, d.end());
-    text << " " << (p + 1 < kTracePhases ? names[p] : "end to next start") << " "
+    text << " " << (p + 1 < kTraceMarks ? names[p] : "end to next start") << " "
          << d[d.size() / 2] / 1000.0 << ";";
   }
   RESHARD_LOG(kWarn, text.str());

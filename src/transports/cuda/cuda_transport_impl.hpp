@@ -194,7 +194,7 @@ class CudaTransport final : public Transport {
   bool early_launch_for(std::uint32_t ctas);
   // A run is stuck: records why (as a kernel's failed wait would), stops the copies that follow
   // and lets this PE's stream past its waits on same-GPU peers.
-  void fail_run(unsigned int code, int peer, unsigned int phase,
+  void fail_run(unsigned int code, int peer, unsigned int wait_kind,
                 const std::string& why = {}) noexcept;
   // While a run with same-GPU peers is pending: their waits are the stream's, with no timeout of
   // their own, so the watchdog gives up on them after RESHARD_TIMEOUT_S or when a peer exits.
@@ -203,8 +203,8 @@ class CudaTransport final : public Transport {
   void throw_device_failure();
   // Throws where a peer gave its run up (the run board): before a run, or while waiting for one.
   void check_peers_on_board(const char* waiting_for);
-  // The seconds a wait of kind `phase` (kPhase*) had: arrival for kPhaseReady.
-  std::uint64_t seconds_for(unsigned int phase) const;
+  // The seconds a wait of kind `wait_kind` (kWait*) had: arrival for kWaitArrival.
+  std::uint64_t seconds_for(unsigned int wait_kind) const;
 
   Bootstrap& bootstrap_;
   int me_ = 0;
@@ -234,7 +234,7 @@ class CudaTransport final : public Transport {
   cudaEvent_t joins_[kCopyEngineStreams] = {};
   cudaEvent_t last_run_ = nullptr;
   bool run_pending_ = false;
-  std::uint64_t* trace_ = nullptr;  // RESHARD_CUDA_TRACE: device stamps, see TracePhase
+  std::uint64_t* trace_ = nullptr;  // RESHARD_CUDA_TRACE: device stamps, see TraceMark
   std::uint64_t* signals_ = nullptr;
   std::vector<std::uint64_t*> peer_signals_;           // mapped; [me_] is signals_
   DeviceArray<const std::uint64_t*> peer_waiting_on_;  // each PE's SignalLayout::waiting_on

@@ -27,7 +27,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_boa
     const int peer = dead >= 0 ? dead : gone;
     cancel_waits(status_);
     if (!same_device_order_.empty())
-      fail_run(kStatusCancelled, peer, kPhaseDone, dead >= 0 ? std::string() : problem);
+      fail_run(kStatusCancelled, peer, kWaitData, dead >= 0 ? std::string() : problem);
     int ignored = -1;
     if (std::string stuck = wait_for_run(event, {}, what, &ignored, timeout_ + grace);
         !stuck.empty())
@@ -43,7 +43,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_boa
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
   if (!problem.empty()) {
-    if (!same_device_order_.empty()) fail_run(kStatusTimeout, -1, kPhaseDone);
+    if (!same_device_order_.empty()) fail_run(kStatusTimeout, -1, kWaitData);
     throw_error(ErrorCode::kTimeout, "PE " + std::to_string(me_) + ": " + problem);
   }
 }
@@ -56,7 +56,7 @@ void CudaTransport::check_peers_on_board(const char* waiting_for) {
   throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
 
-void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase,
+void CudaTransport::fail_run(unsigned int code, int peer, unsigned int wait_kind,
                              const std::string& why) noexcept {
   if (status_ == nullptr) return;
   RESHARD_LOG(kDebug, "PE " << me_ << " gives up its run on CUDA device " << device_ << ": "
@@ -74,7 +74,7 @@ void CudaTransport::fail_run(unsigned int code, int peer, unsigned int phase,
                           : std::string(code == kStatusTimeout ? "(timed out" : "(cancelled") +
                                 " waiting for PE " + std::to_string(peer) + ")"));
   }
-  host_failure_.record(code, peer, phase);
+  host_failure_.record(code, peer, wait_kind);
   cancel_waits(status_);
   // The kernels after the waits copy nothing once this word is set (see KernelArgs::failure).
   static const unsigned int one = 1;
@@ -92,7 +92,7 @@ void CudaTransport::check_same_device_run() noexcept {
   }
   const int dead = first_exited_process(pids_);
   if (dead >= 0) {
-    fail_run(kStatusCancelled, dead, kPhaseDone);
+    fail_run(kStatusCancelled, dead, kWaitData);
     watched_since_ = {};
     return;
   }
@@ -110,13 +110,13 @@ void CudaTransport::check_same_device_run() noexcept {
   if (late < 0 && all_begun_since_ == std::chrono::steady_clock::time_point{})
     all_begun_since_ = now;
   if (late >= 0 && now - watched_since_ > arrival_timeout_) {
-    fail_run(kStatusTimeout, late, kPhaseReady);
+    fail_run(kStatusTimeout, late, kWaitArrival);
     watched_since_ = {};
   } else if (late < 0 && now - all_begun_since_ > std::chrono::nanoseconds(timeout_ns_)) {
     const int stopped = first_stopped_process(pids_);
     const auto& peers = same_device_order_.peers();
     const int peer = stopped >= 0 ? stopped : (peers.empty() ? -1 : peers.front());
-    fail_run(kStatusTimeout, peer, kPhaseDone);
+    fail_run(kStatusTimeout, peer, kWaitData);
     watched_since_ = {};
   }
 }
@@ -148,20 +148,20 @@ void CudaTransport::throw_device_failure() {
   }
   // Every PE alive: they may all meet and run again.
   can_retry_ = first_exited_process(pids_, true) < 0;
-  if (status->phase == kPhaseReady) {
-    text << "PE " << peer << " did not begin this run within " << seconds_for(kPhaseReady) << " s"
+  if (status->wait_kind == kWaitArrival) {
+    text << "PE " << peer << " did not begin this run within " << seconds_for(kWaitArrival) << " s"
          << stuck_behind_clause(*status) << " (is PE " << status->stuck_behind
          << " calling run()? the arrival timeout: arrival_timeout, RESHARD_ARRIVAL_TIMEOUT_S)";
   } else {
-    text << "the data from PE " << peer << " did not arrive within " << seconds_for(kPhaseDone)
+    text << "the data from PE " << peer << " did not arrive within " << seconds_for(kWaitData)
          << " s" << stuck_behind_clause(*status) << " (is PE " << status->stuck_behind
          << " calling run()? RESHARD_TIMEOUT_S sets the limit)";
   }
   throw_error(ErrorCode::kTimeout, text.str());
 }
 
-std::uint64_t CudaTransport::seconds_for(unsigned int phase) const {
-  const auto limit = phase == kPhaseReady ? std::max(arrival_timeout_, timeout_) : timeout_;
+std::uint64_t CudaTransport::seconds_for(unsigned int wait_kind) const {
+  const auto limit = wait_kind == kWaitArrival ? std::max(arrival_timeout_, timeout_) : timeout_;
   return static_cast<std::uint64_t>(limit.count()) / 1000;
 }
 

@@ -3,12 +3,12 @@
 
 namespace reshard::nvshmem {
 
-unsigned int NvshmemTransport::wait_phase(std::vector<std::uint8_t>& waited, int peer,
-                                          unsigned int later) {
+unsigned int NvshmemTransport::next_wait_kind(std::vector<std::uint8_t>& waited, int peer,
+                                              unsigned int later) {
   auto& seen = waited[static_cast<std::size_t>(peer)];
   if (seen) return later;
   seen = 1;
-  return cuda::kPhaseReady;
+  return cuda::kWaitArrival;
 }
 
 // The wave's sends to mapped peers in as few kernels as their groups allow: each group waits
@@ -28,7 +28,7 @@ void NvshmemTransport::send_wave(const Wave& wave, cudaStream_t stream) {
       flags.wait = rt_.ack_signal(batch.peer);
       flags.wait_value = cuda::done_mark(*previous + 1);
       flags.peer = batch.peer;
-      flags.phase = wait_phase(acknowledged_, batch.peer, cuda::kPhaseDrain);
+      flags.wait_kind = next_wait_kind(acknowledged_, batch.peer, cuda::kWaitDrain);
       flags.raise_units -= *previous + 1;
     }
     rt_.last_put[batch.peer][*slot] = *sequence;
@@ -94,7 +94,7 @@ void NvshmemTransport::receive_wave(const Wave& wave, cudaStream_t stream) {
       flags.wait = rt_.data_signal(peer, slot);
       flags.wait_value = cuda::done_mark(sequence + 1);
       flags.peer = peer;
-      flags.phase = wait_phase(delivered_, peer, cuda::kPhaseDone);
+      flags.wait_kind = next_wait_kind(delivered_, peer, cuda::kWaitData);
       if (batch.mapped) {
         flags.raise = remote_ack_[peer];  // one unit: the acknowledgements of a pair go in order
       } else {

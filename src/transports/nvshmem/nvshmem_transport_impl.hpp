@@ -177,12 +177,13 @@ class NvshmemTransport final : public Transport {
   void send_wave(const Wave& wave, cudaStream_t stream);
   void receive_wave(const Wave& wave, cudaStream_t stream);
   void to_stream(cuda::CopyFlags& flags, std::vector<cuda::StreamMemoryOp>& waits, bool data);
-  // The phase of this run's next wait on `peer` (waiting[peer] says whether one came before): the
-  // first has the arrival timeout (kPhaseReady), the others `later`.
-  static unsigned int wait_phase(std::vector<std::uint8_t>& waited, int peer, unsigned int later);
+  // The kind of this run's next wait on `peer` (waiting[peer] says whether one came before): the
+  // first has the arrival timeout (kWaitArrival), the others `later`.
+  static unsigned int next_wait_kind(std::vector<std::uint8_t>& waited, int peer,
+                                     unsigned int later);
   void queue_waits(cudaStream_t stream, std::vector<cuda::StreamMemoryOp>& waits);
   void check_stream_waits() noexcept;
-  void fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept;
+  void fail_stream_waits(unsigned int code, int peer, unsigned int wait_kind) noexcept;
   void release_own_waits(cudaStream_t side) noexcept;
   std::pair<int, unsigned int> first_unmet_wait() noexcept;
   void throw_device_failure();
@@ -208,7 +209,7 @@ class NvshmemTransport final : public Transport {
   bool send_stream_enabled_ = true;  // AdvancedOptions::nvshmem_send_stream
   int peers_per_round_ = 0;          // AdvancedOptions::nvshmem_peers_per_round
   std::chrono::milliseconds timeout_{};
-  // CopyServiceOptions::arrival_timeout: a run's first wait on each peer has it (kPhaseReady).
+  // CopyServiceOptions::arrival_timeout: a run's first wait on each peer has it (kWaitArrival).
   std::chrono::milliseconds arrival_timeout_{};
   // The peers this run has waited on already, for an acknowledgement and for data: NVSHMEM has
   // no flag that says a peer began the run, so its first word of the run says so.
@@ -290,7 +291,7 @@ class NvshmemTransport final : public Transport {
     const std::uint64_t* flag;
     std::uint64_t value;
     int peer;
-    unsigned int phase;
+    unsigned int wait_kind;
   };
   struct WatchedRun {
     cudaEvent_t done;

@@ -14,7 +14,7 @@ void NvshmemTransport::to_stream(cuda::CopyFlags& flags, std::vector<cuda::Strea
   const bool remote_data = data && !nodes_.one_machine && !nodes_.same_node(me_, flags.peer);
   if (remote_data && !can_flush_) return;
   waits.push_back({const_cast<std::uint64_t*>(flags.wait), flags.wait_value, true, remote_data});
-  run_waits_.push_back({flags.wait, flags.wait_value, flags.peer, flags.phase});
+  run_waits_.push_back({flags.wait, flags.wait_value, flags.peer, flags.wait_kind});
   flags.wait = nullptr;
 }
 
@@ -43,19 +43,19 @@ void NvshmemTransport::check_stream_waits() noexcept {
   } else if (watch_failed_) {
     fail_stream_waits(cuda::kStatusCancelled, -1, 0);
   } else if (const int dead = first_exited_process(local_pids_, true); dead >= 0) {
-    fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kPhaseDone);
+    fail_stream_waits(cuda::kStatusCancelled, dead, cuda::kWaitData);
   } else if (const int gone = board_.first_peer_gone(&gone_state); gone >= 0) {
-    fail_stream_waits(cuda::kStatusCancelled, gone, cuda::kPhaseDone);
+    fail_stream_waits(cuda::kStatusCancelled, gone, cuda::kWaitData);
   } else if (const auto waited = Clock::now() - last_queued_; waited > timeout_) {
-    const auto [peer, phase] = first_unmet_wait();
+    const auto [peer, wait_kind] = first_unmet_wait();
     // The run's first wait on a peer that may not have begun it has the arrival timeout.
-    if (phase == cuda::kPhaseReady && waited <= arrival_timeout_) return;
+    if (wait_kind == cuda::kWaitArrival && waited <= arrival_timeout_) return;
     const int stopped = first_stopped_process(local_pids_);
-    fail_stream_waits(cuda::kStatusTimeout, stopped >= 0 ? stopped : peer, phase);
+    fail_stream_waits(cuda::kStatusTimeout, stopped >= 0 ? stopped : peer, wait_kind);
   }
 }
 
-// The peer and phase of the first watched wait whose word is still below its value (-1: none).
+// The peer and kind of the first watched wait whose word is still below its value (-1: none).
 std::pair<int, unsigned int> NvshmemTransport::first_unmet_wait() noexcept {
   const std::size_t words = rt_.signal_words_bytes() / sizeof(std::uint64_t);
   std::vector<std::uint64_t> now(words);
@@ -63,22 +63,23 @@ std::pair<int, unsigned int> NvshmemTransport::first_unmet_wait() noexcept {
                       release_stream_) != cudaSuccess ||
       cudaStreamSynchronize(release_stream_) != cudaSuccess) {
     cudaGetLastError();
-    return {-1, cuda::kPhaseDone};
+    return {-1, cuda::kWaitData};
   }
   const auto* base = reinterpret_cast<const std::uint64_t*>(rt_.heap);
   for (const WatchedRun& run : watched_) {
     for (const StreamWait& wait : run.waits) {
       const auto word = static_cast<std::size_t>(wait.flag - base);
-      if (word < words && now[word] < wait.value) return {wait.peer, wait.phase};
+      if (word < words && now[word] < wait.value) return {wait.peer, wait.wait_kind};
     }
   }
-  return {-1, cuda::kPhaseDone};
+  return {-1, cuda::kWaitData};
 }
 
 // Records the failure in the pinned status (first one only), stops the kernels' copies and raises
 // every signal word this PE waits on past any value a run expects.
-void NvshmemTransport::fail_stream_waits(unsigned int code, int peer, unsigned int phase) noexcept {
-  host_failure_.record(code, peer, phase);
+void NvshmemTransport::fail_stream_waits(unsigned int code, int peer,
+                                         unsigned int wait_kind) noexcept {
+  host_failure_.record(code, peer, wait_kind);
   cuda::cancel_waits(status_);
   watch_failed_ = true;
   release_own_waits(release_stream_);
@@ -158,7 +159,7 @@ void NvshmemTransport::throw_device_failure() {
     abort(problem);
     throw_error(ErrorCode::kPeerFailure, "run() on PE " + std::to_string(me_) + ": " + problem);
   }
-  const bool arrival = status->phase == cuda::kPhaseReady;
+  const bool arrival = status->wait_kind == cuda::kWaitArrival;
   std::string problem;
   if (!known) {
     problem = std::string(status->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
@@ -173,9 +174,9 @@ void NvshmemTransport::throw_device_failure() {
   } else {
     problem = std::string(status->code == cuda::kStatusTimeout ? "timed out" : "stopped") +
               " waiting for PE " + std::to_string(peer) +
-              (status->phase == cuda::kPhaseDrain ? " to drain its inbox"
-               : arrival                          ? " to begin this run"
-                                                  : " to deliver its data") +
+              (status->wait_kind == cuda::kWaitDrain ? " to drain its inbox"
+               : arrival                             ? " to begin this run"
+                                                     : " to deliver its data") +
               cuda::stuck_behind_clause(*status) + " (within " + format_seconds(timeout_) +
               "; RESHARD_TIMEOUT_S sets the limit)";
   }
@@ -206,7 +207,7 @@ void NvshmemTransport::give_up_run(const std::string& reason) noexcept {
 
 void NvshmemTransport::stop_own_work() noexcept {
   // Waits stop at once (each records itself cancelled unless a failure was claimed first).
-  host_failure_.record(cuda::kStatusCancelled, -1, cuda::kPhaseDone);
+  host_failure_.record(cuda::kStatusCancelled, -1, cuda::kWaitData);
   cuda::cancel_waits(status_);
   if (rt_.heap == nullptr) return;
   cudaStream_t side = nullptr;

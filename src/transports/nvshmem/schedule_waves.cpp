@@ -15,7 +15,7 @@ KernelArgs NvshmemTransport::launch_args() const {
   args.waiting_on = rt_.waiting_on();
   args.peer_waiting_on = peer_waiting_on_.get();
   args.timeout_ns = timeout_ns_;
-  // A run's first wait on each peer (kPhaseReady) has the arrival timeout.
+  // A run's first wait on each peer (kWaitArrival) has the arrival timeout.
   args.arrival_timeout_ns = static_cast<std::uint64_t>(arrival_timeout_.count()) * 1000000;
   return args;
 }
