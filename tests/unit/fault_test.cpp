@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <regex>
 
@@ -64,6 +65,22 @@ std::string all_lines(const Outcome& outcome) {
   std::string text;
   for (const auto& line : outcome.lines) text += line + "\n";
   return text;
+}
+
+// Every PE of a retry scenario reported RETRIED-DONE, and PE `pe` gave `failures(pe)` runs up
+// (-1: not checked), each naming PE 1, the PE every scenario makes late or stops.
+void expect_runs_given_up(const Outcome& outcome, int pes, const std::string& scenario,
+                          const std::function<int(int)>& failures) {
+  for (int pe = 0; pe < pes; ++pe) {
+    const std::string line = line_of(outcome, pe, "RETRIED-DONE");
+    ASSERT_FALSE(line.empty()) << scenario << "\n" << all_lines(outcome);
+    const int expected = failures(pe);
+    if (expected < 0) continue;
+    EXPECT_NE(line.find("failures=" + std::to_string(expected)), std::string::npos)
+        << scenario << ": " << line << "\n"
+        << all_lines(outcome);
+    if (expected > 0) EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
+  }
 }
 
 TEST(Faults, PeKilledMidRunFailsTheOthersQuicklyAndCleanly) {
@@ -162,14 +179,9 @@ TEST(Faults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
     const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, scenario}, true);
     EXPECT_LT(outcome.seconds, 60.0) << scenario << "\n" << all_lines(outcome);
     EXPECT_EQ(outcome.result.exit_code, 0) << scenario << "\n" << all_lines(outcome);
-    for (int rank = 0; rank < 3; ++rank) {
-      const std::string line = line_of(outcome, rank, "RETRIED-DONE");
-      ASSERT_FALSE(line.empty()) << scenario << "\n" << all_lines(outcome);
-      if (rank == 1) continue;  // told at its next run's meeting, or by a peer's error
-      // Each of the others gave one run up, naming PE 1 (late, or what the other one saw).
-      EXPECT_NE(line.find("failures=1"), std::string::npos) << scenario << ": " << line;
-      EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
-    }
+    // PE 1 is told at its next run's meeting, or by a peer's error; each of the others gave one
+    // run up, naming PE 1 (late, or what the other one saw).
+    expect_runs_given_up(outcome, 3, scenario, [](int pe) { return pe == 1 ? -1 : 1; });
   }
 }
 
@@ -181,11 +193,7 @@ TEST(Faults, APeLaterThanTheTransferTimeoutButWithinTheArrivalTimeoutFailsNoRun)
   const Outcome outcome = launch(3, {RESHARD_FAULT_WORKER, "late-within-arrival"}, true);
   EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
   EXPECT_EQ(outcome.result.exit_code, 0) << all_lines(outcome);
-  for (int rank = 0; rank < 3; ++rank) {
-    const std::string line = line_of(outcome, rank, "RETRIED-DONE");
-    ASSERT_FALSE(line.empty()) << all_lines(outcome);
-    EXPECT_NE(line.find("failures=0"), std::string::npos) << line << "\n" << all_lines(outcome);
-  }
+  expect_runs_given_up(outcome, 3, "late-within-arrival", [](int) { return 0; });
 }
 
 // The same in a mixed schedule (two declared nodes of two PEs, host memory on both transports):
@@ -199,13 +207,7 @@ TEST(Faults, ARunGivenUpInAMixedScheduleIsRunAgainByEveryPe) {
     const Outcome outcome = launch(4, {RESHARD_FAULT_WORKER, scenario, "auto"}, true);
     EXPECT_LT(outcome.seconds, 60.0) << scenario << "\n" << all_lines(outcome);
     EXPECT_EQ(outcome.result.exit_code, 0) << scenario << "\n" << all_lines(outcome);
-    for (int rank = 0; rank < 4; ++rank) {
-      const std::string line = line_of(outcome, rank, "RETRIED-DONE");
-      ASSERT_FALSE(line.empty()) << scenario << "\n" << all_lines(outcome);
-      if (rank == 1) continue;
-      EXPECT_NE(line.find("failures=1"), std::string::npos) << scenario << ": " << line;
-      EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
-    }
+    expect_runs_given_up(outcome, 4, scenario, [](int pe) { return pe == 1 ? -1 : 1; });
   }
   ::unsetenv("RESHARD_NODE_SIZE");
   ::unsetenv("CUDA_VISIBLE_DEVICES");
@@ -357,13 +359,9 @@ TEST_P(GpuFaults, ARunGivenUpOnALateOrStoppedPeIsRunAgainByEveryPe) {
         launch(GetParam().pes, {RESHARD_FAULT_WORKER, scenario, GetParam().transport}, true);
     EXPECT_LT(outcome.seconds, 90.0) << scenario << "\n" << all_lines(outcome);
     EXPECT_EQ(outcome.result.exit_code, 0) << scenario << "\n" << all_lines(outcome);
-    for (int rank = 0; rank < GetParam().pes; ++rank) {
-      const std::string line = line_of(outcome, rank, "RETRIED-DONE");
-      ASSERT_FALSE(line.empty()) << scenario << "\n" << all_lines(outcome);
-      if (rank != 0) continue;  // PE 0 waits on PE 1 in every run of the uniform workload
-      EXPECT_NE(line.find("failures=1"), std::string::npos) << scenario << ": " << line;
-      EXPECT_NE(line.find("PE 1"), std::string::npos) << scenario << ": " << line;
-    }
+    // PE 0 waits on PE 1 in every run of the uniform workload.
+    expect_runs_given_up(outcome, GetParam().pes, scenario,
+                         [](int pe) { return pe == 0 ? 1 : -1; });
   }
 }
 
@@ -378,11 +376,7 @@ TEST_P(GpuFaults, APeLaterThanTheTransferTimeoutButWithinTheArrivalTimeoutFailsN
       GetParam().pes, {RESHARD_FAULT_WORKER, "late-within-arrival", GetParam().transport}, true);
   EXPECT_LT(outcome.seconds, 60.0) << all_lines(outcome);
   EXPECT_EQ(outcome.result.exit_code, 0) << all_lines(outcome);
-  for (int rank = 0; rank < GetParam().pes; ++rank) {
-    const std::string line = line_of(outcome, rank, "RETRIED-DONE");
-    ASSERT_FALSE(line.empty()) << all_lines(outcome);
-    EXPECT_NE(line.find("failures=0"), std::string::npos) << line << "\n" << all_lines(outcome);
-  }
+  expect_runs_given_up(outcome, GetParam().pes, "late-within-arrival", [](int) { return 0; });
 }
 
 // PE 1 killed or stopped instead of calling schedule() (the others are in it, exchanging the
