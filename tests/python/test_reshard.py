@@ -1628,14 +1628,15 @@ def test_launch_gives_each_rank_torchrun_variables(tmp_path):
 # ---- staged refits: stage while the engine serves, commit at once ----
 
 @pytest.mark.parametrize("case,n", [("commit", 4), ("commit", 2), ("budget", 4), ("dead_peer", 4),
-                                    ("dead_peer", 2)])
+                                    ("dead_peer", 2), ("killed_in_stage", 2),
+                                    ("killed_in_stage", 4)])
 def test_staged_refit(case, n):
-    # dead_peer: the last rank leaves before stage(); the others must fail within the timeout
-    # (RESHARD_TIMEOUT_S=10), their destinations untouched.
+    # dead_peer / killed_in_stage: the last rank leaves before stage() / inside it; the others
+    # must fail within the timeout (RESHARD_TIMEOUT_S=10), their destinations untouched.
     result = launch(n, WORKERS / "staged_refit_worker.py", case, timeout=180,
                     RESHARD_TIMEOUT_S="10")
     assert_ok(result)
-    survivors = n - 1 if case == "dead_peer" else n
+    survivors = n - 1 if case in ("dead_peer", "killed_in_stage") else n
     assert result.stdout.count(f": ok {case}") == survivors, result.stdout
 
 
@@ -1921,10 +1922,12 @@ def test_gpu_torch_state_dicts(case, n):
 
 @pytest.mark.skipif(gpu_count() < 1 or not has_torch(), reason=ONE_GPU)
 @pytest.mark.parametrize("case,n", [("commit", 2), ("commit", 4), ("dead_peer", 2),
-                                    ("dead_peer", 4)])
+                                    ("dead_peer", 4), ("killed_in_stage", 2),
+                                    ("killed_in_stage", 4)])
 def test_gpu_staged_refit(case, n):
+    gone = case in ("dead_peer", "killed_in_stage")
     result = launch(n, WORKERS / "staged_refit_worker.py", case, "torch-cuda",
-                    timeout=90 if case == "dead_peer" else 240, RESHARD_TIMEOUT_S="10")
+                    timeout=90 if gone else 240, RESHARD_TIMEOUT_S="10")
     assert_ok(result)
-    survivors = n - 1 if case == "dead_peer" else n
+    survivors = n - 1 if gone else n
     assert result.stdout.count(f": ok {case}") == survivors, result.stdout

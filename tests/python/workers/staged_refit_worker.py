@@ -1,17 +1,22 @@
 """One rank of a job that stages and commits a refit (TP n -> n replicas of a toy model, every
 rank needs the others' slices), checked element by element; prints "rank R: ok CASE".
 
-    staged_refit_worker.py commit|budget|dead_peer [numpy|torch-cuda]
+    staged_refit_worker.py commit|budget|dead_peer|killed_in_stage [numpy|torch-cuda]
 
 - commit: stage() leaves the destinations as they were and commit() writes what a plain refit
   writes (also MXFP8 data and scales), the version advancing only on commit; update(), run().
 - budget: max_staged_bytes below a rank's need refuses the refit on every rank, saying how much.
 - dead_peer: the last rank leaves before stage(); the others' stage() fails within the timeout,
   saying no destination tensor was written, and every destination holds its old values.
+- killed_in_stage: the same with the last rank gone while it is inside stage(), after a few whole
+  stages (a larger model, so that most of each rank's time is in the transfer): the others fail
+  within the timeout naming it, their destinations unchanged, version 0.
 """
 
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -46,7 +51,7 @@ def main():
     make, read, transport = arrays(kind)
     svc = reshard.CopyService(transport).init("WARN")
     me, n = svc.my_pe, svc.n_pes
-    model = reshard.toy_model(2, 128)
+    model = reshard.toy_model(2, 1024 if case == "killed_in_stage" else 128)
     plan = reshard.make_reshard_plan(reshard.build_layout(model, reshard.Parallelism(tp=n)),
                                      reshard.build_layout(model, reshard.Parallelism(dp=n)))
 
@@ -170,6 +175,37 @@ def main():
         for name, array in values(dst).items():
             assert np.array_equal(array, before[name]), f"rank {me}: '{name}' was written"
         assert refit.version == 0 and not refit.staged
+    elif case == "killed_in_stage":
+        refit = reshard.bind(plan, src, dst, svc, staged=True)
+        before = values(dst)
+        timeout = float(os.environ["RESHARD_TIMEOUT_S"])
+        if me == n - 1:
+            inside = threading.Event()
+
+            def vanish():  # as a crashed peer does: no word, mid-transfer
+                time.sleep(0.3)
+                inside.wait()
+                os._exit(0)  # 0: the launcher leaves the others running, to see what they do
+
+            threading.Thread(target=vanish, daemon=True).start()
+        start = time.monotonic()
+        stages = 0
+        try:
+            while time.monotonic() - start < 4 * timeout:
+                if me == n - 1 and stages >= 3:
+                    inside.set()  # stage() releases the interpreter while it moves the bytes
+                refit.stage()
+                stages += 1
+            raise AssertionError(f"rank {me}: {stages} stages finished without rank {n - 1}")
+        except reshard.ReshardError as error:
+            text = str(error)
+            assert "no destination tensor was written" in text and f"PE {n - 1}" in text, text
+        failed_after = time.monotonic() - start
+        assert failed_after < timeout + 10, f"rank {me}: failed after {failed_after:.1f} s"
+        for name, array in values(dst).items():
+            assert np.array_equal(array, before[name]), f"rank {me}: '{name}' was written"
+        assert refit.version == 0
+        print(f"rank {me}: {stages} stages, then failed after {failed_after:.1f} s")
     print(f"rank {me}: ok {case}")
     sys.stdout.flush()
     os._exit(0)  # without finalize(): a peer is gone
