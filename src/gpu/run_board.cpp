@@ -87,6 +87,11 @@ std::string RunBoard::gone_message(int peer, State state, const char* waiting_fo
          " while PE " + std::to_string(me_) + " was waiting " + waiting_for + ": " + reason(peer);
 }
 
+std::string RunBoard::gone_clause(int peer, State state) const {
+  return "PE " + std::to_string(peer) + (state == kFailed ? " failed" : " gave this run up") +
+         " (" + reason(peer) + ")";
+}
+
 bool RunBoard::retry_asked() const noexcept {
   for (int pe = 0; pe < static_cast<int>(segments_.size()); ++pe) {
     if (!has(pe)) continue;

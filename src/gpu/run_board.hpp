@@ -55,6 +55,10 @@ class RunBoard {
   int first_peer_gone(State* state) const noexcept;
   // What that PE's mark tells this PE, which was waiting `waiting_for` ("for its data").
   std::string gone_message(int peer, State state, const char* waiting_for) const;
+  // "PE p failed (its reason)" / "PE p gave this run up (its reason)": a PE that gives its run up
+  // because a peer did passes the peer's reason on, so the first cause reaches every PE however
+  // the marks chain (PE 3 saw PE 1 die, PE 2 gave up on PE 3, PE 0 on PE 2).
+  std::string gone_clause(int peer, State state) const;
   // Whether some PE of the board, this one too, gave its run up and meets the others to run it
   // again ("giving up" or "will retry"): what retry_requested() asks at each run's start.
   bool retry_asked() const noexcept;

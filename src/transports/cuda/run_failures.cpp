@@ -15,9 +15,7 @@ void CudaTransport::wait_for(cudaEvent_t event, const char* what, bool watch_boa
   RunBoard::State gone_state = RunBoard::kRunning;
   const auto board_problem = [&]() -> std::string {
     if (!watch_board || (gone = board_.first_peer_gone(&gone_state)) < 0) return {};
-    return "PE " + std::to_string(gone) +
-           (gone_state == RunBoard::kFailed ? " failed" : " gave this run up") + " (" +
-           board_.reason(gone) + ")";
+    return board_.gone_clause(gone, gone_state);
   };
   int dead = -1;
   const std::string problem = wait_for_run(event, pids_, what, &dead, limit, board_problem);

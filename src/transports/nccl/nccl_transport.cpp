@@ -332,7 +332,7 @@ void NcclTransport::synchronize() {
       [&] {
         if (comm_ == nullptr) return std::string("the communicator was given up");
         if (const int gone = board_.first_peer_gone(&gone_state); gone >= 0)
-          return "PE " + std::to_string(gone) + " gave its run up";
+          return board_.gone_clause(gone, gone_state);
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(comm_, &async);
         if (async != ncclSuccess && async != ncclInProgress)
@@ -396,7 +396,7 @@ void NcclTransport::recover() {
         last_run_, local_pids_, "NCCL", &dead, timeout_,
         [&] {
           const int gone = board_.first_peer_gone(&gone_state);
-          return gone < 0 ? std::string() : "PE " + std::to_string(gone) + " gave its run up";
+          return gone < 0 ? std::string() : board_.gone_clause(gone, gone_state);
         },
         peers_);
     if (dead >= 0) {

@@ -108,7 +108,7 @@ void NvshmemTransport::synchronize() {
   cuda::RunBoard::State gone_state = cuda::RunBoard::kRunning;
   const auto board_problem = [&]() -> std::string {
     if ((gone = board_.first_peer_gone(&gone_state)) < 0) return {};
-    return "PE " + std::to_string(gone) + " gave its run up";
+    return board_.gone_clause(gone, gone_state);
   };
   const std::string problem =
       cuda::wait_for_run(last_run_, local_pids_, "NVSHMEM", &dead, limit, board_problem);
