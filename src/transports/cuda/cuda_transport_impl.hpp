@@ -123,6 +123,10 @@ struct PreparedRun {
   // (`follower_runs`, on the leader).
   bool delegated = false;
   bool local_copies_delegated = false;
+  // The CTAs this phase's launches may keep resident at once (0: no limit), where PEs on this GPU
+  // order their runs by the kernels (see kernel_ordered_sharers_): the GPU's resident wave shared
+  // in proportion to what each of them wants in this phase.
+  std::uint64_t cta_share = 0;
   bool kernel_idle = false;
   DeviceArray<std::uint64_t*> follower_runs;
   std::uint32_t follower_run_count = 0;
@@ -176,7 +180,12 @@ class CudaTransport final : public Transport {
                                                               bool first_phase, bool last_attempt);
   // Collective: one phase of a schedule.
   std::unique_ptr<PreparedRun> schedule_phase(const ExecutionPlan& plan, bool first_phase);
-  void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const;
+  void assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total, std::uint64_t share) const;
+  // The CTAs `groups` (and a bounce buffer's `unstage` copies) would take with no share.
+  std::uint64_t ctas_wanted(const std::vector<GroupPlan>& groups,
+                            const std::vector<CopyDescriptor>& unstage) const;
+  // Collective where some GPU is shared by kernel-ordered PEs: this phase's resident share.
+  std::uint64_t phase_cta_share(std::uint64_t wanted);
   // Chooses each group's engine by `engine` (sm, ce or auto) and uploads the kernels' inputs.
   void lay_out(PreparedRun& prepared, const std::string& engine);
   // Collective: times each engine on the schedule and lays out the one slowest PE finds fastest.
@@ -191,7 +200,7 @@ class CudaTransport final : public Transport {
   // ends the wait at once; a wait past the kernels' own limits ends it too.
   void wait_for(cudaEvent_t event, const char* what, bool watch_board = true);
   // Whether a launch of `ctas` CTAs may be early (programmatic dependent launch).
-  bool early_launch_for(std::uint32_t ctas);
+  bool early_launch_for(std::uint32_t ctas, std::uint64_t share);
   // A run is stuck: records why (as a kernel's failed wait would), stops the copies that follow
   // and lets this PE's stream past its waits on same-GPU peers.
   void fail_run(unsigned int code, int peer, unsigned int wait_kind,
@@ -258,8 +267,13 @@ class CudaTransport final : public Transport {
   }
   // Where peers on this GPU are ordered by the kernels (MPS: the processes' kernels run side by
   // side and wait on each other's flags), every one of those kernels must be resident at once:
-  // the CTAs of one resident wave each may take, shared among them (assign_ctas); less where
-  // another GPU transport runs beside this one (limit_gpu_share).
+  // the GPU's resident wave is shared among them, each phase in proportion to the CTAs each wants
+  // (PreparedRun::cta_share: a PE that only receives wants one, so the senders beside it get the
+  // rest). This PE and those peers (empty where it has none), and whether any GPU of the job is
+  // shared so (the same on every PE: the share's all-gather is collective).
+  std::vector<int> kernel_ordered_sharers_;
+  bool kernel_ordered_sharing_anywhere_ = false;
+  // Where another GPU transport runs beside this one (limit_gpu_share): a fixed share.
   std::uint64_t resident_cta_share_ = 0;
   bool previous_launch_large_ = false;  // more than half the share (early_launch_for)
   // Where every PE on this GPU delegates (see exchange_destinations): the lowest of them leads.

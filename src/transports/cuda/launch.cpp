@@ -38,14 +38,14 @@ void CudaTransport::run(const ExecutionPlan& /*plan*/, std::size_t phase, void* 
   }
 }
 
-bool CudaTransport::early_launch_for(std::uint32_t ctas) {
+bool CudaTransport::early_launch_for(std::uint32_t ctas, std::uint64_t share) {
   if (!early_launch_) return false;
-  if (resident_cta_share_ == 0) return true;
+  if (share == 0) return true;
   // An early launch is resident beside the previous one (the kernel lets the next launch in once
   // the previous ended, so never more than two): where peers' kernels on this GPU must be
   // resident too, only two launches of at most half a share each may overlap; a larger one
   // neither launches early nor lets the next one in early.
-  const bool large = 2ull * ctas > resident_cta_share_;
+  const bool large = 2ull * ctas > share;
   const bool early = !large && !previous_launch_large_;
   previous_launch_large_ = large;
   return early;
@@ -57,9 +57,9 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     // A follower with no peer its kernels order: its GPU's leader makes its copies and counts its
     // run (KernelArgs::follower_runs); a kernel here would hand the GPU over twice.
   } else if (p.fused) {
-    launch_fused_copy(p.copy_args, stream, early_launch_for(p.copy_args.cta_count));
+    launch_fused_copy(p.copy_args, stream, early_launch_for(p.copy_args.cta_count, p.cta_share));
   } else {
-    launch_begin(p.signal_args, stream, early_launch_for(1));
+    launch_begin(p.signal_args, stream, early_launch_for(1, p.cta_share));
     const int used = static_cast<int>(p.copy_engine_batches.size());
     // With one copy-engine batch and no SM share nothing runs beside the copies: they go on the
     // caller's stream itself, without the fork and join (two cross-stream waits per run).

@@ -95,6 +95,8 @@ std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& 
   std::sort(sources.begin(), sources.end());
   for (int s : sources) source_ready.push_back(SignalLayout::ready(peer_signals_[s], n_pes_, me_));
 
+  prepared->cta_share = phase_cta_share(ctas_wanted(groups, unstage));
+
   KernelArgs& base = prepared->base;
   base.sources = prepared->sources.upload(sources);
   base.source_ready = prepared->source_ready.upload(source_ready);
@@ -121,7 +123,7 @@ std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& 
     std::vector<PeerGroup> unstage_groups{staged.group};
     unstage_groups[0].descriptor_count = static_cast<std::uint32_t>(staged.descriptors.size());
     prepared->unstage_args = base;
-    assign_ctas(unstage_groups, prepared->unstage_args.cta_count);
+    assign_ctas(unstage_groups, prepared->unstage_args.cta_count, prepared->cta_share);
     prepared->unstage_args.descriptors = prepared->unstage_descriptors.upload(staged.descriptors);
     prepared->unstage_args.groups = prepared->unstage_groups.upload(unstage_groups);
     prepared->unstage_args.group_count = 1;
@@ -140,23 +142,62 @@ std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& 
   return prepared;
 }
 
-void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total) const {
+// Bytes earn CTAs, and so do pieces: a CTA's warps take a piece each when they are small.
+static std::uint64_t group_ctas(std::uint64_t bytes, std::uint64_t pieces,
+                                std::uint64_t bytes_per_cta, std::uint64_t ctas_per_peer) {
+  const std::uint64_t by_bytes = (bytes + bytes_per_cta - 1) / bytes_per_cta;
+  const std::uint64_t by_pieces = (pieces + kPiecesPerCta - 1) / kPiecesPerCta;
+  return std::clamp<std::uint64_t>(std::max(by_bytes, by_pieces), 1, ctas_per_peer);
+}
+
+std::uint64_t CudaTransport::ctas_wanted(const std::vector<GroupPlan>& groups,
+                                         const std::vector<CopyDescriptor>& unstage) const {
+  std::uint64_t copies = 0;
+  for (const GroupPlan& g : groups)
+    copies += group_ctas(g.group.bytes, g.descriptors.size(), bytes_per_cta_, ctas_per_peer_);
+  std::uint64_t unstage_bytes = 0;
+  for (const CopyDescriptor& d : unstage) unstage_bytes += d.bytes;
+  // The bounce buffer's copies run after this PE's own copy kernel, not beside it.
+  const std::uint64_t unstaging =
+      unstage.empty() ? 0
+                      : group_ctas(unstage_bytes, unstage.size(), bytes_per_cta_, ctas_per_peer_);
+  return std::clamp<std::uint64_t>(std::max(copies, unstaging), 1, std::max(1, sm_count_));
+}
+
+std::uint64_t CudaTransport::phase_cta_share(std::uint64_t wanted) {
+  if (!kernel_ordered_sharing_anywhere_) return resident_cta_share_;
+  message::Writer mine;
+  mine.put<std::uint64_t>(wanted);
+  const auto all = bootstrap_.all_gather(mine.bytes());
+  if (kernel_ordered_sharers_.empty()) return resident_cta_share_;
+  std::uint64_t together = 0;
+  for (const int pe : kernel_ordered_sharers_) {
+    message::Reader reader(all[pe]);
+    together += reader.get<std::uint64_t>();
+  }
+  // What the GPU holds resident at once, in proportion to each PE's want (a PE whose want fits
+  // gets it whole; what is left over lets its launches overlap, see early_launch_for).
+  const std::uint64_t wave =
+      static_cast<std::uint64_t>(std::max(1, sm_count_)) * std::max(1, fused_copy_ctas_per_sm());
+  const std::uint64_t share =
+      std::max<std::uint64_t>(1, wave * wanted / std::max<std::uint64_t>(1, together));
+  return resident_cta_share_ == 0 ? share : std::min(resident_cta_share_, share);
+}
+
+void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total,
+                                std::uint64_t share) const {
   std::uint64_t wanted = 0;
   std::vector<std::uint64_t> want(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    // Bytes earn CTAs, and so do pieces: a CTA's warps take a piece each when they are small.
-    const std::uint64_t by_bytes = (groups[g].bytes + bytes_per_cta_ - 1) / bytes_per_cta_;
-    const std::uint64_t by_pieces =
-        (groups[g].descriptor_count + kPiecesPerCta - 1) / kPiecesPerCta;
-    want[g] = std::clamp<std::uint64_t>(std::max(by_bytes, by_pieces), 1, ctas_per_peer_);
+    want[g] =
+        group_ctas(groups[g].bytes, groups[g].descriptor_count, bytes_per_cta_, ctas_per_peer_);
     wanted += want[g];
   }
   // One resident wave at most, leaving the rest of the GPU to the caller's kernels; with peers on
-  // this GPU whose kernels wait on ours, a share of what it holds at once, so that all of them
-  // are resident together (else spinning CTAs could keep a peer's kernel off the GPU).
-  const std::uint64_t cap = resident_cta_share_ > 0
-                                ? std::min<std::uint64_t>(sm_count_, resident_cta_share_)
-                                : std::max(1, sm_count_);
+  // this GPU whose kernels wait on ours, this phase's share of what it holds at once, so that all
+  // of them are resident together (else spinning CTAs could keep a peer's kernel off the GPU).
+  const std::uint64_t cap =
+      share > 0 ? std::min<std::uint64_t>(sm_count_, share) : std::max(1, sm_count_);
   total = 0;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const std::uint64_t ctas =
@@ -226,7 +267,7 @@ void CudaTransport::lay_out(PreparedRun& prepared, const std::string& engine) {
   prepared.fused = copy_engine_groups == 0;
 
   prepared.copy_args = prepared.base;
-  assign_ctas(sm_groups, prepared.copy_args.cta_count);
+  assign_ctas(sm_groups, prepared.copy_args.cta_count, prepared.cta_share);
   prepared.copy_args.descriptors = prepared.copy_descriptors.upload(sm_descriptors);
   prepared.copy_args.groups = prepared.copy_groups.upload(sm_groups);
   prepared.copy_args.group_count = static_cast<std::uint32_t>(sm_groups.size());
