@@ -123,13 +123,13 @@ struct PreparedRun {
   // (`follower_runs`, on the leader).
   bool delegated = false;
   bool local_copies_delegated = false;
+  bool kernel_idle = false;
+  DeviceArray<std::uint64_t*> follower_runs;
+  std::uint32_t follower_run_count = 0;
   // The CTAs this phase's launches may keep resident at once (0: no limit), where PEs on this GPU
   // order their runs by the kernels (see kernel_ordered_sharers_): the GPU's resident wave shared
   // in proportion to what each of them wants in this phase.
   std::uint64_t cta_share = 0;
-  bool kernel_idle = false;
-  DeviceArray<std::uint64_t*> follower_runs;
-  std::uint32_t follower_run_count = 0;
 
   ~PreparedRun() {
     if (bounce != nullptr) cudaFree(bounce);
