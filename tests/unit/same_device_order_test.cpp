@@ -174,5 +174,57 @@ TEST(StreamOrderedPeers, EveryPairIsSeenAlikeFromBothEndsOverRandomJobs) {
   }
 }
 
+// The PEs that share one GPU by their kernels (MPS) form one set, as each of them sees it.
+TEST(KernelOrderedSharers, EveryPeOfAGpuSharedByItsKernelsSeesTheSameSet) {
+  // GPU a runs under MPS (its PEs would not stream); GPU b's two PEs stream; c holds one PE.
+  const std::vector<std::string> gpus{"a", "b", "a", "b", "a", "c"};
+  const std::vector<bool> streams{false, true, false, true, false, true};
+  std::vector<int> a = kernel_ordered_sharers(gpus, streams, 0);
+  EXPECT_EQ(a, (std::vector<int>{0, 2, 4}));
+  for (const int me : {2, 4}) {
+    std::vector<int> seen = kernel_ordered_sharers(gpus, streams, me);
+    EXPECT_EQ(seen.front(), me);
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen, a);
+  }
+  for (const int me : {1, 3, 5}) EXPECT_TRUE(kernel_ordered_sharers(gpus, streams, me).empty());
+  // One PE that would not stream beside one that would: they wait on each other's kernels.
+  EXPECT_EQ(kernel_ordered_sharers({"a", "a"}, {true, false}, 1), (std::vector<int>{1, 0}));
+}
+
+// A one-sided refit under MPS: two PEs copy, two only wait (one CTA each). The senders get what
+// the waiting PEs leave, not a quarter of the GPU each.
+TEST(ResidentShare, PesThatOnlyWaitLeaveTheGpuToThoseThatCopy) {
+  const std::vector<std::uint64_t> wants{128, 128, 1, 1};
+  EXPECT_GE(resident_share(wants, 0, 264), 128u);
+  EXPECT_GE(resident_share(wants, 2, 264), 1u);
+  EXPECT_EQ(resident_share(wants, 0, 132), 65u);  // 1 + 128 * 127 / 254
+  EXPECT_EQ(resident_share(wants, 3, 132), 1u);
+}
+
+// Over random wants and GPU sizes: the shares fit the GPU together (every kernel resident at
+// once), each is at least one CTA, a want that fits is met, and one that does not is cut.
+TEST(ResidentShare, SharesFitTheGpuTogetherAndMeetWantsThatFit) {
+  std::mt19937 random(7);
+  for (int trial = 0; trial < 5000; ++trial) {
+    const std::size_t sharers = 2 + random() % 7;
+    std::vector<std::uint64_t> wants(sharers);
+    std::uint64_t together = 0;
+    for (auto& want : wants) together += (want = 1 + random() % (trial % 2 ? 300 : 40));
+    const std::uint64_t wave = sharers + random() % 600;
+    std::uint64_t sum = 0;
+    for (std::size_t i = 0; i < sharers; ++i) {
+      const std::uint64_t share = resident_share(wants, i, wave);
+      sum += share;
+      ASSERT_GE(share, 1u) << "trial " << trial;
+      if (together <= wave)
+        ASSERT_GE(share, wants[i]) << "trial " << trial;
+      else
+        ASSERT_LE(share, wants[i]) << "trial " << trial;
+    }
+    ASSERT_LE(sum, wave) << "trial " << trial << ": " << sharers << " PEs, wants " << together;
+  }
+}
+
 }  // namespace
 }  // namespace reshard::cuda

@@ -123,18 +123,10 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                                 << " (another GPU): runs ordered by the streams, as a GPU "
                                    "of the pair is shared by processes");
   }
-  // Pairs on one GPU that are not both ordered by their streams wait on each other's kernels.
-  for (int a = 0; a < n_pes_; ++a) {
-    for (int b = a + 1; b < n_pes_; ++b) {
-      if (gpus[a] == gpus[b] && !(streams[a] && streams[b]))
-        kernel_ordered_sharing_anywhere_ = true;
-    }
-  }
+  kernel_ordered_sharers_ = kernel_ordered_sharers(gpus, streams, me_);
+  for (int pe = 0; pe < n_pes_; ++pe)
+    if (!kernel_ordered_sharers(gpus, streams, pe).empty()) kernel_ordered_sharing_anywhere_ = true;
   if (kernel_ordered_on_device > 0) {
-    kernel_ordered_sharers_.push_back(me_);
-    for (int pe = 0; pe < n_pes_; ++pe)
-      if (pe != me_ && gpus[pe] == my_gpu && !same_device_[pe])
-        kernel_ordered_sharers_.push_back(pe);
     RESHARD_LOG(kDebug, kernel_ordered_on_device << " PE(s) share CUDA device " << device_
                                                  << " with kernels that wait on this PE's: "
                                                     "they share its resident CTAs");

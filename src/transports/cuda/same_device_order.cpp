@@ -31,6 +31,27 @@ std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
   return ordered;
 }
 
+std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
+                                        const std::vector<bool>& streams, int me) {
+  std::vector<int> sharers{me};
+  for (int pe = 0; pe < static_cast<int>(gpus.size()); ++pe) {
+    if (pe != me && gpus[pe] == gpus[me] && !(streams[pe] && streams[me])) sharers.push_back(pe);
+  }
+  if (sharers.size() == 1) sharers.clear();
+  return sharers;
+}
+
+std::uint64_t resident_share(const std::vector<std::uint64_t>& wants, std::size_t mine,
+                             std::uint64_t wave) {
+  std::uint64_t together = 0;
+  for (const std::uint64_t want : wants) together += std::max<std::uint64_t>(1, want);
+  const std::uint64_t want = std::max<std::uint64_t>(1, wants.at(mine));
+  if (together <= wave) return want + (wave - together) * want / together;
+  const std::uint64_t sharers = wants.size();
+  if (wave <= sharers) return 1;
+  return 1 + (wave - sharers) * (want - 1) / (together - sharers);
+}
+
 SameDeviceOrder::SameDeviceOrder(std::uint64_t* signals, std::vector<std::uint64_t*> peer_signals,
                                  int me, bool batch)
     : signals_(signals), peer_signals_(std::move(peer_signals)), me_(me), batch_(batch) {}

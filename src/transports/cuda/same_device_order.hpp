@@ -40,6 +40,21 @@ namespace reshard::cuda {
 std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
                                        const std::vector<bool>& streams, int me);
 
+// The PEs on `me`'s GPU whose kernels wait on each other's (a pair not both ordered by the
+// streams, as under MPS): `me` first, then those peers; empty where `me` has none. Every PE of such
+// a set computes the same set (in another order), so they can share the GPU among them.
+std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
+                                        const std::vector<bool>& streams, int me);
+
+// The CTAs one of the kernel-ordered PEs on a GPU may keep resident in a phase, so that all of
+// their kernels are resident together: `wants[i]` is what sharer i's launches would take (at
+// least 1), `wave` what the GPU holds at once. Where the wants fit, each gets its want and a
+// part of what is left over in proportion to it; where they do not, each gets 1 and the rest in
+// proportion to its want beyond 1. The shares never add up to more than `wave` (given at least
+// one CTA of the wave for each sharer).
+std::uint64_t resident_share(const std::vector<std::uint64_t>& wants, std::size_t mine,
+                             std::uint64_t wave);
+
 class SameDeviceOrder {
  public:
   // One stream memory operation of a run (no flush: the flags and data are on this machine).

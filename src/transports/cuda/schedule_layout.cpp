@@ -170,17 +170,15 @@ std::uint64_t CudaTransport::phase_cta_share(std::uint64_t wanted) {
   mine.put<std::uint64_t>(wanted);
   const auto all = bootstrap_.all_gather(mine.bytes());
   if (kernel_ordered_sharers_.empty()) return resident_cta_share_;
-  std::uint64_t together = 0;
+  std::vector<std::uint64_t> wants;
   for (const int pe : kernel_ordered_sharers_) {
     message::Reader reader(all[pe]);
-    together += reader.get<std::uint64_t>();
+    wants.push_back(reader.get<std::uint64_t>());
   }
-  // What the GPU holds resident at once, in proportion to each PE's want (a PE whose want fits
-  // gets it whole; what is left over lets its launches overlap, see early_launch_for).
+  // What the GPU holds resident at once, shared by what each of its kernel-ordered PEs wants.
   const std::uint64_t wave =
       static_cast<std::uint64_t>(std::max(1, sm_count_)) * std::max(1, fused_copy_ctas_per_sm());
-  const std::uint64_t share =
-      std::max<std::uint64_t>(1, wave * wanted / std::max<std::uint64_t>(1, together));
+  const std::uint64_t share = resident_share(wants, 0, wave);  // this PE is the first sharer
   return resident_cta_share_ == 0 ? share : std::min(resident_cta_share_, share);
 }
 
