@@ -179,17 +179,29 @@ TEST(KernelOrderedSharers, EveryPeOfAGpuSharedByItsKernelsSeesTheSameSet) {
   // GPU a runs under MPS (its PEs would not stream); GPU b's two PEs stream; c holds one PE.
   const std::vector<std::string> gpus{"a", "b", "a", "b", "a", "c"};
   const std::vector<bool> streams{false, true, false, true, false, true};
-  std::vector<int> a = kernel_ordered_sharers(gpus, streams, 0);
+  const auto both = [&](int a, int b) { return streams[a] && streams[b]; };
+  std::vector<int> a = kernel_ordered_sharers(gpus, both, 0);
   EXPECT_EQ(a, (std::vector<int>{0, 2, 4}));
   for (const int me : {2, 4}) {
-    std::vector<int> seen = kernel_ordered_sharers(gpus, streams, me);
+    std::vector<int> seen = kernel_ordered_sharers(gpus, both, me);
     EXPECT_EQ(seen.front(), me);
     std::sort(seen.begin(), seen.end());
     EXPECT_EQ(seen, a);
   }
-  for (const int me : {1, 3, 5}) EXPECT_TRUE(kernel_ordered_sharers(gpus, streams, me).empty());
-  // One PE that would not stream beside one that would: they wait on each other's kernels.
-  EXPECT_EQ(kernel_ordered_sharers({"a", "a"}, {true, false}, 1), (std::vector<int>{1, 0}));
+  for (const int me : {1, 3, 5}) EXPECT_TRUE(kernel_ordered_sharers(gpus, both, me).empty());
+  // One PE that would not stream beside two that would: all three wait on a kernel of the GPU.
+  const std::vector<bool> one_not{true, false, true};
+  for (const int me : {0, 1, 2}) {
+    std::vector<int> seen = kernel_ordered_sharers(
+        {"a", "a", "a"}, [&](int p, int q) { return one_not[p] && one_not[q]; }, me);
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen, (std::vector<int>{0, 1, 2}));
+  }
+  // Pairs ordered per schedule (MPS): PEs 0 and 1 send to each other (the kernels order them),
+  // every other pair's bytes go one way (the streams): 2 and 3 wait on no kernel of the GPU.
+  const auto all_but_0_1 = [](int p, int q) { return std::min(p, q) != 0 || std::max(p, q) != 1; };
+  EXPECT_EQ(kernel_ordered_sharers({"a", "a", "a", "a"}, all_but_0_1, 1), (std::vector<int>{1, 0}));
+  EXPECT_TRUE(kernel_ordered_sharers({"a", "a", "a", "a"}, all_but_0_1, 2).empty());
 }
 
 // A one-sided refit under MPS: two PEs copy, two only wait (one CTA each). The senders get what

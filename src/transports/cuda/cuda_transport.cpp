@@ -62,6 +62,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                               stream_memory_ops_supported(device_) &&
                               (same_device_mode != "auto" || !mps_server_found());
   const bool delegates = stream_ordered && same_device_mode != "stream";
+  const bool per_schedule =
+      same_device_mode == "auto" && !stream_ordered && stream_memory_ops_supported(device_);
   message::Writer mine;
   mine.put<std::int32_t>(::getpid());
   // Same GPU by host and PCI bus id, not by ordinal: processes may see different
@@ -72,6 +74,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   mine.put<std::uint8_t>(engine_ == "autotune");
   mine.put<std::uint8_t>(stream_ordered);
   mine.put<std::uint8_t>(delegates);
+  mine.put<std::uint8_t>(per_schedule);
   mine.put_string(board_.name());
   const auto all = bootstrap_.all_gather(mine.bytes());
   bool every_one_delegates = delegates;
@@ -81,6 +84,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   same_device_.assign(n_pes_, false);
   std::vector<std::string> gpus(n_pes_);
   std::vector<bool> streams(n_pes_, false);  // whether each PE would order by its stream
+  per_schedule_.assign(n_pes_, false);
   for (int pe = 0; pe < n_pes_; ++pe) {
     message::Reader reader(all[pe]);
     const auto pid = reader.get<std::int32_t>();
@@ -97,6 +101,7 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
     }
     const bool peer_stream_ordered = reader.get<std::uint8_t>() != 0;
     const bool peer_delegates = reader.get<std::uint8_t>() != 0;
+    per_schedule_[pe] = reader.get<std::uint8_t>() != 0;
     const std::string peer_board = reader.get_string();
     if (pe != me_) board_.open(pe, peer_board);
     gpus[pe] = peer_gpu;
@@ -123,9 +128,14 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                                 << " (another GPU): runs ordered by the streams, as a GPU "
                                    "of the pair is shared by processes");
   }
-  kernel_ordered_sharers_ = kernel_ordered_sharers(gpus, streams, me_);
-  for (int pe = 0; pe < n_pes_; ++pe)
-    if (!kernel_ordered_sharers(gpus, streams, pe).empty()) kernel_ordered_sharing_anywhere_ = true;
+  init_stream_ordered_ = stream_ordered_;
+  front_end_waits_ = any_stream_ordered();
+  gpus_ = gpus;
+  streams_ = streams;
+  order_same_gpu_pairs([&](int a, int b) { return streams_[a] && streams_[b]; });
+  for (int a = 0; a < n_pes_; ++a)
+    for (int b = a + 1; b < n_pes_; ++b)
+      if (gpus_[a] == gpus_[b] && per_schedule_[a] && per_schedule_[b]) any_per_schedule_ = true;
   if (kernel_ordered_on_device > 0) {
     RESHARD_LOG(kDebug, kernel_ordered_on_device << " PE(s) share CUDA device " << device_
                                                  << " with kernels that wait on this PE's: "

@@ -144,7 +144,7 @@ class CudaTransport final : public Transport {
   const char* name() const override { return "cuda"; }
   TransportCaps caps() const override {
     TransportCaps caps{kUnbounded, n_pes_, kUnbounded};
-    caps.front_end_waits = any_stream_ordered();
+    caps.front_end_waits = front_end_waits_;
     return caps;
   }
   int device() const override { return device_; }
@@ -262,6 +262,21 @@ class CudaTransport final : public Transport {
   // GPU to GPU (4 H200s, 2 PEs each: a 4 KiB all-to-all took 4.8 ms with the kernels waiting
   // across GPUs). Flags raised and waited for by the streams let the other processes' work run.
   std::vector<bool> stream_ordered_;
+  // What init found: the relation every schedule starts from, each PE's GPU, whether each PE would
+  // order its GPU's pairs by the streams, and whether it orders them per schedule instead (MPS with
+  // the `auto` order: a pair whose bytes go one way in a schedule is ordered by the streams, where
+  // the receiver's kernel would only wait; a pair that exchanges both ways by the kernels).
+  std::vector<bool> init_stream_ordered_;
+  std::vector<std::string> gpus_;
+  std::vector<bool> streams_, per_schedule_;
+  bool any_per_schedule_ =
+      false;                      // some pair of one GPU orders per schedule (the same on every PE)
+  bool front_end_waits_ = false;  // as init found it (TransportCaps::front_end_waits)
+  // Collective where any_per_schedule_: this schedule's order of pairs on one GPU.
+  void order_pairs_of_this_schedule(std::span<const ExecutionPlan> phases);
+  // stream_ordered_ and the kernel-ordered sharers of this PE's GPU, given which pairs of one GPU
+  // the streams order.
+  void order_same_gpu_pairs(const std::function<bool(int, int)>& by_streams);
   bool any_stream_ordered() const {
     return std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end();
   }

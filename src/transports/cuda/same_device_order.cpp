@@ -32,12 +32,17 @@ std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
 }
 
 std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
-                                        const std::vector<bool>& streams, int me) {
+                                        const std::function<bool(int, int)>& by_streams, int me) {
+  const int n = static_cast<int>(gpus.size());
+  auto waits_on_kernels = [&](int pe) {
+    for (int other = 0; other < n; ++other)
+      if (other != pe && gpus[other] == gpus[pe] && !by_streams(pe, other)) return true;
+    return false;
+  };
+  if (!waits_on_kernels(me)) return {};
   std::vector<int> sharers{me};
-  for (int pe = 0; pe < static_cast<int>(gpus.size()); ++pe) {
-    if (pe != me && gpus[pe] == gpus[me] && !(streams[pe] && streams[me])) sharers.push_back(pe);
-  }
-  if (sharers.size() == 1) sharers.clear();
+  for (int pe = 0; pe < n; ++pe)
+    if (pe != me && gpus[pe] == gpus[me] && waits_on_kernels(pe)) sharers.push_back(pe);
   return sharers;
 }
 

@@ -24,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -40,11 +41,11 @@ namespace reshard::cuda {
 std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
                                        const std::vector<bool>& streams, int me);
 
-// The PEs on `me`'s GPU whose kernels wait on each other's (a pair not both ordered by the
-// streams, as under MPS): `me` first, then those peers; empty where `me` has none. Every PE of such
-// a set computes the same set (in another order), so they can share the GPU among them.
+// The PEs on `me`'s GPU whose kernels wait on a peer's on it (a pair `by_streams` does not order,
+// as under MPS), where `me` is one of them: `me` first, then the others; else empty. Every PE of
+// the set computes the same set (in another order), so they can share the GPU among them.
 std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
-                                        const std::vector<bool>& streams, int me);
+                                        const std::function<bool(int, int)>& by_streams, int me);
 
 // The CTAs one of the kernel-ordered PEs on a GPU may keep resident in a phase, so that all of
 // their kernels are resident together: `wants[i]` is what sharer i's launches would take (at
