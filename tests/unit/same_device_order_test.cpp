@@ -174,34 +174,52 @@ TEST(StreamOrderedPeers, EveryPairIsSeenAlikeFromBothEndsOverRandomJobs) {
   }
 }
 
-// The PEs that share one GPU by their kernels (MPS) form one set, as each of them sees it.
-TEST(KernelOrderedSharers, EveryPeOfAGpuSharedByItsKernelsSeesTheSameSet) {
-  // GPU a runs under MPS (its PEs would not stream); GPU b's two PEs stream; c holds one PE.
+// The PEs of a GPU whose kernels wait for a peer's flags form one set, as each of them sees it.
+TEST(KernelOrderedSharers, EveryPeOfAGpuWhoseKernelsWaitSeesTheSameSet) {
+  // GPU a runs under MPS (its PEs would not stream); GPU b's two PEs stream; c holds one PE. Every
+  // pair exchanges bytes; the kernels order a pair where the streams do not.
   const std::vector<std::string> gpus{"a", "b", "a", "b", "a", "c"};
   const std::vector<bool> streams{false, true, false, true, false, true};
-  const auto both = [&](int a, int b) { return streams[a] && streams[b]; };
-  std::vector<int> a = kernel_ordered_sharers(gpus, both, 0);
+  const std::vector<bool> shared = stream_shared(gpus, streams);
+  const auto in_kernels = [&](int p, int q) {
+    return p != q && !ordered_by_streams(streams, shared, p, q);
+  };
+  const std::vector<int> a = kernel_ordered_sharers(gpus, in_kernels, 0);
   EXPECT_EQ(a, (std::vector<int>{0, 2, 4}));
   for (const int me : {2, 4}) {
-    std::vector<int> seen = kernel_ordered_sharers(gpus, both, me);
+    std::vector<int> seen = kernel_ordered_sharers(gpus, in_kernels, me);
     EXPECT_EQ(seen.front(), me);
     std::sort(seen.begin(), seen.end());
     EXPECT_EQ(seen, a);
   }
-  for (const int me : {1, 3, 5}) EXPECT_TRUE(kernel_ordered_sharers(gpus, both, me).empty());
-  // One PE that would not stream beside two that would: all three wait on a kernel of the GPU.
-  const std::vector<bool> one_not{true, false, true};
-  for (const int me : {0, 1, 2}) {
-    std::vector<int> seen = kernel_ordered_sharers(
-        {"a", "a", "a"}, [&](int p, int q) { return one_not[p] && one_not[q]; }, me);
-    std::sort(seen.begin(), seen.end());
-    EXPECT_EQ(seen, (std::vector<int>{0, 1, 2}));
-  }
-  // Pairs ordered per schedule (MPS): PEs 0 and 1 send to each other (the kernels order them),
-  // every other pair's bytes go one way (the streams): 2 and 3 wait on no kernel of the GPU.
-  const auto all_but_0_1 = [](int p, int q) { return std::min(p, q) != 0 || std::max(p, q) != 1; };
-  EXPECT_EQ(kernel_ordered_sharers({"a", "a", "a", "a"}, all_but_0_1, 1), (std::vector<int>{1, 0}));
-  EXPECT_TRUE(kernel_ordered_sharers({"a", "a", "a", "a"}, all_but_0_1, 2).empty());
+  // b's PEs stream to each other, but wait in the kernels for a's (which would not stream) and
+  // c's (no GPU of that pair is shared through the streams): they share b. c's is alone on c.
+  std::vector<int> b = kernel_ordered_sharers(gpus, in_kernels, 3);
+  std::sort(b.begin(), b.end());
+  EXPECT_EQ(b, (std::vector<int>{1, 3}));
+  EXPECT_TRUE(kernel_ordered_sharers(gpus, in_kernels, 5).empty());
+  // Where b's PEs exchange bytes only with each other, they wait on no kernel.
+  const auto only_b = [&](int p, int q) {
+    return gpus[p] == "b" && gpus[q] == "b" && in_kernels(p, q);
+  };
+  EXPECT_TRUE(kernel_ordered_sharers(gpus, only_b, 1).empty());
+}
+
+// Pairs ordered per schedule (MPS, one GPU): PEs 0 and 1 send to each other (the kernels order
+// them), 2 -> 3 goes one way (the streams): 2 and 3 wait on no kernel. With 2 and 3 also in
+// kernel-ordered pairs with PEs of another GPU, every waiting PE of the GPU shares it.
+TEST(KernelOrderedSharers, APeWaitingOnAnotherGpuSharesItsOwnGpuToo) {
+  const auto only_0_1 = [](int p, int q) { return std::min(p, q) == 0 && std::max(p, q) == 1; };
+  EXPECT_EQ(kernel_ordered_sharers({"a", "a", "a", "a"}, only_0_1, 1), (std::vector<int>{1, 0}));
+  EXPECT_TRUE(kernel_ordered_sharers({"a", "a", "a", "a"}, only_0_1, 2).empty());
+  // PE 4 on GPU b: 2 -> 4 and 3 -> 4 wait in the kernels.
+  const auto across = [&](int p, int q) {
+    return only_0_1(p, q) || (std::max(p, q) == 4 && std::min(p, q) >= 2);
+  };
+  std::vector<int> seen = kernel_ordered_sharers({"a", "a", "a", "a", "b"}, across, 3);
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(kernel_ordered_sharers({"a", "a", "a", "a", "b"}, across, 4).empty());  // alone on b
 }
 
 // A one-sided refit under MPS: two PEs copy, two only wait (one CTA each). The senders get what

@@ -128,11 +128,12 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                                 << " (another GPU): runs ordered by the streams, as a GPU "
                                    "of the pair is shared by processes");
   }
-  init_stream_ordered_ = stream_ordered_;
   front_end_waits_ = any_stream_ordered();
   gpus_ = gpus;
   streams_ = streams;
-  order_same_gpu_pairs([&](int a, int b) { return streams_[a] && streams_[b]; });
+  stream_shared_ = stream_shared(gpus_, streams_);
+  // Before a schedule says who sends to whom, every pair may exchange.
+  order_pairs([&](int p, int q) { return init_by_streams(p, q); }, [](int, int) { return true; });
   for (int a = 0; a < n_pes_; ++a)
     for (int b = a + 1; b < n_pes_; ++b)
       if (gpus_[a] == gpus_[b] && per_schedule_[a] && per_schedule_[b]) any_per_schedule_ = true;

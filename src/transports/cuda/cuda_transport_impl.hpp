@@ -266,17 +266,22 @@ class CudaTransport final : public Transport {
   // order its GPU's pairs by the streams, and whether it orders them per schedule instead (MPS with
   // the `auto` order: a pair whose bytes go one way in a schedule is ordered by the streams, where
   // the receiver's kernel would only wait; a pair that exchanges both ways by the kernels).
-  std::vector<bool> init_stream_ordered_;
   std::vector<std::string> gpus_;
   std::vector<bool> streams_, per_schedule_;
-  bool any_per_schedule_ =
-      false;                      // some pair of one GPU orders per schedule (the same on every PE)
+  std::vector<bool> stream_shared_;  // on a GPU shared through the streams (stream_ordered_peers)
+  // Some pair of one GPU orders per schedule (the same on every PE).
+  bool any_per_schedule_ = false;
   bool front_end_waits_ = false;  // as init found it (TransportCaps::front_end_waits)
+  // The pair (p, q) as init ordered it: by the streams (stream_ordered_peers's relation).
+  bool init_by_streams(int p, int q) const {
+    return ordered_by_streams(streams_, stream_shared_, p, q);
+  }
   // Collective where any_per_schedule_: this schedule's order of pairs on one GPU.
   void order_pairs_of_this_schedule(std::span<const ExecutionPlan> phases);
-  // stream_ordered_ and the kernel-ordered sharers of this PE's GPU, given which pairs of one GPU
-  // the streams order.
-  void order_same_gpu_pairs(const std::function<bool(int, int)>& by_streams);
+  // stream_ordered_ and the kernel-ordered sharers of this PE's GPU, given which pairs the streams
+  // order and which pairs exchange bytes at all.
+  void order_pairs(const std::function<bool(int, int)>& by_streams,
+                   const std::function<bool(int, int)>& exchange);
   bool any_stream_ordered() const {
     return std::find(stream_ordered_.begin(), stream_ordered_.end(), true) != stream_ordered_.end();
   }

@@ -20,29 +20,36 @@ void add(std::vector<int>& into, const std::vector<int>& from) {
 
 std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
                                        const std::vector<bool>& streams, int me) {
-  const int n = static_cast<int>(gpus.size());
-  std::vector<bool> shared(n, false);  // on a GPU shared through the streams
-  for (int a = 0; a < n; ++a)
-    for (int b = a + 1; b < n; ++b)
-      if (gpus[a] == gpus[b] && streams[a] && streams[b]) shared[a] = shared[b] = true;
-  std::vector<bool> ordered(n, false);
-  for (int pe = 0; pe < n; ++pe)
-    ordered[pe] = pe != me && streams[me] && streams[pe] && (shared[me] || shared[pe]);
+  const std::vector<bool> shared = stream_shared(gpus, streams);
+  std::vector<bool> ordered(gpus.size(), false);
+  for (int pe = 0; pe < static_cast<int>(gpus.size()); ++pe)
+    ordered[pe] = ordered_by_streams(streams, shared, me, pe);
   return ordered;
 }
 
-std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
-                                        const std::function<bool(int, int)>& by_streams, int me) {
+std::vector<bool> stream_shared(const std::vector<std::string>& gpus,
+                                const std::vector<bool>& streams) {
   const int n = static_cast<int>(gpus.size());
-  auto waits_on_kernels = [&](int pe) {
+  std::vector<bool> shared(n, false);
+  for (int a = 0; a < n; ++a)
+    for (int b = a + 1; b < n; ++b)
+      if (gpus[a] == gpus[b] && streams[a] && streams[b]) shared[a] = shared[b] = true;
+  return shared;
+}
+
+std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
+                                        const std::function<bool(int, int)>& in_kernels, int me) {
+  const int n = static_cast<int>(gpus.size());
+  auto waits = [&](int pe) {
     for (int other = 0; other < n; ++other)
-      if (other != pe && gpus[other] == gpus[pe] && !by_streams(pe, other)) return true;
+      if (other != pe && in_kernels(pe, other)) return true;
     return false;
   };
-  if (!waits_on_kernels(me)) return {};
+  if (!waits(me)) return {};
   std::vector<int> sharers{me};
   for (int pe = 0; pe < n; ++pe)
-    if (pe != me && gpus[pe] == gpus[me] && waits_on_kernels(pe)) sharers.push_back(pe);
+    if (pe != me && gpus[pe] == gpus[me] && waits(pe)) sharers.push_back(pe);
+  if (sharers.size() == 1) sharers.clear();
   return sharers;
 }
 

@@ -40,12 +40,22 @@ namespace reshard::cuda {
 // from the same inputs, so both ends of a pair agree.
 std::vector<bool> stream_ordered_peers(const std::vector<std::string>& gpus,
                                        const std::vector<bool>& streams, int me);
+// The same relation for one pair, given which PEs are on a GPU shared through the streams
+// (`shared`, from stream_shared).
+std::vector<bool> stream_shared(const std::vector<std::string>& gpus,
+                                const std::vector<bool>& streams);
+inline bool ordered_by_streams(const std::vector<bool>& streams, const std::vector<bool>& shared,
+                               int p, int q) {
+  return p != q && streams[p] && streams[q] && (shared[p] || shared[q]);
+}
 
-// The PEs on `me`'s GPU whose kernels wait on a peer's on it (a pair `by_streams` does not order,
-// as under MPS), where `me` is one of them: `me` first, then the others; else empty. Every PE of
-// the set computes the same set (in another order), so they can share the GPU among them.
+// The PEs on `me`'s GPU whose kernels wait for a peer's flags (`in_kernels(p, q)`: the kernels
+// order the pair, on this GPU or across GPUs), where `me` is one of them and not alone on its
+// GPU: `me` first, then the others; else empty. Every PE of the set computes the same set (in
+// another order), so they can share the GPU among them: a kernel that waits must not be kept off
+// the GPU by another that waits (a PE whose kernels never wait ends its kernel by itself).
 std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
-                                        const std::function<bool(int, int)>& by_streams, int me);
+                                        const std::function<bool(int, int)>& in_kernels, int me);
 
 // The CTAs one of the kernel-ordered PEs on a GPU may keep resident in a phase, so that all of
 // their kernels are resident together: `wants[i]` is what sharer i's launches would take (at

@@ -51,21 +51,25 @@ void CudaTransport::order_pairs_of_this_schedule(std::span<const ExecutionPlan> 
     sends_of[pe] = message::Reader(all[pe]).get_array<std::uint8_t>();
   // One H200, MPS on, FSDP2 -> TP 2 on 4 PEs: the streams' order 0.98 of the copy ceiling, the
   // kernels' 0.86 (the receivers' kernels only wait); a small all-to-all is faster on the kernels'.
-  order_same_gpu_pairs([&](int a, int b) {
-    if (streams_[a] && streams_[b]) return true;
-    return per_schedule_[a] && per_schedule_[b] && !(sends_of[a][b] && sends_of[b][a]);
-  });
+  order_pairs(
+      [&](int p, int q) {
+        if (init_by_streams(p, q)) return true;
+        return p != q && gpus_[p] == gpus_[q] && per_schedule_[p] && per_schedule_[q] &&
+               !(sends_of[p][q] && sends_of[q][p]);
+      },
+      [&](int p, int q) { return sends_of[p][q] || sends_of[q][p]; });
 }
 
-void CudaTransport::order_same_gpu_pairs(const std::function<bool(int, int)>& by_streams) {
-  for (int pe = 0; pe < n_pes_; ++pe) {
-    stream_ordered_[pe] =
-        init_stream_ordered_[pe] || (pe != me_ && gpus_[pe] == gpus_[me_] && by_streams(me_, pe));
-  }
-  kernel_ordered_sharers_ = kernel_ordered_sharers(gpus_, by_streams, me_);
+void CudaTransport::order_pairs(const std::function<bool(int, int)>& by_streams,
+                                const std::function<bool(int, int)>& exchange) {
+  for (int pe = 0; pe < n_pes_; ++pe) stream_ordered_[pe] = by_streams(me_, pe);
+  // A PE waits in its kernels for a peer it exchanges bytes with that the streams do not order,
+  // on its GPU or on another: every such PE of a GPU shares it (a chain of waits may cross GPUs).
+  const auto in_kernels = [&](int p, int q) { return exchange(p, q) && !by_streams(p, q); };
+  kernel_ordered_sharers_ = kernel_ordered_sharers(gpus_, in_kernels, me_);
   kernel_ordered_sharing_anywhere_ = false;
   for (int pe = 0; pe < n_pes_ && !kernel_ordered_sharing_anywhere_; ++pe)
-    kernel_ordered_sharing_anywhere_ = !kernel_ordered_sharers(gpus_, by_streams, pe).empty();
+    kernel_ordered_sharing_anywhere_ = !kernel_ordered_sharers(gpus_, in_kernels, pe).empty();
 }
 
 std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& plan,
