@@ -361,8 +361,7 @@ void NcclTransport::check_peers_on_board(const char* waiting_for) {
   cuda::RunBoard::State state = cuda::RunBoard::kRunning;
   const int peer = board_.first_peer_gone(&state);
   if (peer < 0) return;
-  give_up_run("PE " + std::to_string(me_) + " gave its run up: PE " + std::to_string(peer) +
-              " had given its own up (" + board_.reason(peer) + ")");
+  give_up_run("PE " + std::to_string(me_) + " gave its run up: " + board_.gone_clause(peer, state));
   can_retry_ = state != cuda::RunBoard::kFailed && first_exited_process(local_pids_, true) < 0;
   throw_error(ErrorCode::kPeerFailure, board_.gone_message(peer, state, waiting_for));
 }
