@@ -220,9 +220,39 @@ class Refit {
   CopyService& service() const;
 
  private:
+  friend class RefitGraph;
   struct Impl;
   std::unique_ptr<Impl> impl_;
   ReshardReport report_;
+};
+
+// A bound refit's run(stream) captured once in a CUDA graph and replayed with one launch: the
+// refit for the host time of a graph launch (the cuda transport; built-in conversions included).
+// Capturing queues nothing to run and talks to no peer; every PE replays as it would run() (the
+// same refits, in the same order, each ordered after its writes to the sources). A replay runs
+// the tensors, staging and schedule the refit held at capture: once an update() scheduled it
+// again or its service holds another schedule, replay() refuses (capture again). The refit must
+// outlive its graphs (moving it is fine). Like a graph captured by hand, a replay is not followed
+// by the copy service's watchdog: the kernels' own timeouts bound its waits.
+class RefitGraph {
+ public:
+  // Captures on `cuda_stream` (a non-blocking stream of its own where null).
+  explicit RefitGraph(Refit& refit, void* cuda_stream = nullptr);
+  ~RefitGraph();
+  RefitGraph(RefitGraph&&) noexcept;
+  RefitGraph& operator=(RefitGraph&&) noexcept;
+  RefitGraph(const RefitGraph&) = delete;
+  RefitGraph& operator=(const RefitGraph&) = delete;
+
+  // Queues the refit on `cuda_stream` (the legacy default stream where null) and returns at once.
+  void replay(void* cuda_stream = nullptr);
+
+ private:
+  void release() noexcept;
+  const Refit::Impl* refit_ = nullptr;  // stays where it is when the Refit is moved
+  std::uint64_t schedule_ = 0;          // the refit's schedule it captured (Refit::Impl::schedules)
+  int device_ = -1;
+  void* graph_ = nullptr;  // cudaGraphExec_t
 };
 
 // One call per refit: keeps one Resharder on the service, for the last (plan, transform, options)

@@ -52,7 +52,7 @@ from .errors import (
     UnsupportedError,
 )
 from .execution import execute_reshard_plan, rerun_reshard_plan
-from .refit import BoundRefit, bind
+from .refit import BoundRefit, RefitGraph, bind
 from .tensors import DLPackArray, LocalTensor
 from .transforms import MegatronStyleTransform, ReshardTransform, SliceInfo
 
@@ -75,6 +75,7 @@ __all__ = [
     "ParamSpec",
     "PeerFailureError",
     "PlanStats",
+    "RefitGraph",
     "ReshardError",
     "ReshardPlan",
     "ReshardReport",

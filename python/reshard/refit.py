@@ -15,7 +15,7 @@ from .errors import (
 from .tensors import LocalTensor, _budget_bytes, _entries
 from .transforms import ReshardTransform, native_transform
 
-__all__ = ["BoundRefit", "bind"]
+__all__ = ["BoundRefit", "RefitGraph", "bind"]
 
 
 def _array(value: Any) -> Any:
@@ -294,6 +294,18 @@ class BoundRefit:
         self._dst.update(dst)
         return report
 
+    def capture_graph(self, stream: StreamLike = None) -> "RefitGraph":
+        """The refit's :meth:`run` captured once in a CUDA graph (the ``cuda`` transport;
+        built-in conversions included), to replay at the host cost of one graph launch: see
+        :class:`RefitGraph`. Capturing moves no bytes and talks to no peer; ``stream`` is the
+        stream to capture on (a side stream of its own where None)."""
+        if self._core is None:
+            raise _state_refusal("capture_graph(): this refit was closed; bind it again")
+        if self._staged:
+            raise _state_refusal("capture_graph(): a staged refit stages and commits in two "
+                                 "calls; capture stage() and commit() with torch.cuda.graph")
+        return RefitGraph(self._core, stream_handle(stream), (dict(self._src), dict(self._dst)))
+
     @property
     def report(self) -> "_core.ReshardReport":
         """What binding (or the last update that scheduled again) prepared: bytes on the wire,
@@ -320,6 +332,31 @@ class BoundRefit:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class RefitGraph:
+    """A bound refit's run captured in a CUDA graph (:meth:`BoundRefit.capture_graph`).
+
+    ``replay(stream=None)`` queues the whole refit with one graph launch on ``stream`` (the
+    legacy default stream, PyTorch's default stream, where None) and returns at once: order it
+    after your writes to the sources as you would a kernel, and before your reads of the
+    destinations. Every rank replays as it would :meth:`BoundRefit.run` (the same refits, in
+    the same order). A replay moves the tensors the refit was bound to at capture: after an
+    ``update()`` that scheduled again it raises :class:`reshard.ReshardError`; capture again.
+    The graph holds those tensors and the refit's state until it is dropped. Unlike ``run()``,
+    a replay is not followed by the service's watchdog: a same-GPU peer that dies while a
+    replay waits for it is found by the kernels' own timeouts only."""
+
+    __slots__ = ("_core", "_tensors", "__weakref__")
+
+    def __init__(self, refit: "_core.Refit", stream: Optional[int], tensors: tuple):
+        self._core = _core.RefitGraph(refit, stream)
+        self._tensors = tensors  # alive as long as the graph may write or read them
+
+    def replay(self, stream: StreamLike = None) -> None:
+        """Queues the refit on ``stream`` (see the class) and returns at once."""
+        self._core.replay(stream if stream is None or isinstance(stream, int)
+                          else stream_handle(stream))
 
 
 def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],

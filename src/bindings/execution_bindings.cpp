@@ -325,6 +325,21 @@ void bind_execution(nb::module_& m) {
           },
           "src"_a, "dst"_a, "stream"_a = nb::none())
       .def_prop_ro("report", &Refit::report);
+  nb::class_<RefitGraph>(m, "RefitGraph")
+      .def(
+          "__init__",
+          [](RefitGraph* self, Refit& refit, std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release released;  // a custom transform's hooks run in the capture
+            new (self) RefitGraph(refit, stream_of(stream));
+          },
+          "refit"_a, "stream"_a = nb::none(), nb::keep_alive<1, 2>())
+      // The GIL stays held: a launch returns at once, and releasing it would cost more.
+      .def(
+          "replay",
+          [](RefitGraph& self, std::optional<std::uintptr_t> stream) {
+            self.replay(stream_of(stream));
+          },
+          "stream"_a = nb::none());
   nb::class_<StagedRefit>(m, "StagedRefit")
       .def(
           "__init__",

@@ -3,9 +3,14 @@
 #include <algorithm>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "execution/resharder_impl.hpp"
 #include "reshard/error.hpp"
+#ifdef RESHARD_WITH_CUDA
+#include "gpu/cuda_check.hpp"
+#include "gpu/cuda_device.hpp"
+#endif
 
 namespace reshard {
 
@@ -15,6 +20,7 @@ struct Refit::Impl {
   Resharder::Impl executor;
   TensorMap src, dst;  // the bound tensors (the executor's records point into these)
   bool bound = false;  // prepared and scheduled for src and dst (false after a failed update)
+  std::uint64_t schedules = 0;  // how often it was prepared and scheduled (a RefitGraph's check)
 
   Impl(std::shared_ptr<const ReshardPlan> plan, TensorMap s, TensorMap d, CopyService& service,
        std::shared_ptr<ReshardTransform> transform, const ReshardOptions& options)
@@ -38,6 +44,7 @@ struct Refit::Impl {
     if (cuda_stream == nullptr && stream != nullptr) executor.wait_for_own_stream(stream);
 #endif
     bound = true;
+    ++schedules;
   }
 
   // Why run() cannot run, or empty.
@@ -181,6 +188,121 @@ std::vector<std::uint32_t> layer_groups(std::span<const std::string> params,
   }
   if (names != nullptr) *names = std::move(found);
   return groups;
+}
+
+RefitGraph::RefitGraph(Refit& refit, void* cuda_stream) : refit_(refit.impl_.get()) {
+  const Refit::Impl& bound = *refit_;
+  if (const std::string why = bound.unusable(); !why.empty())
+    throw_error(ErrorCode::kInvalidState, "RefitGraph: " + why);
+  const std::string transport = refit.service().transport_name();
+  if (transport != "cuda") {
+    throw_error(ErrorCode::kUnsupported,
+                "RefitGraph: this refit runs on the " + transport +
+                    " transport; only the cuda transport's runs can be captured in a CUDA graph "
+                    "(NVSHMEM's signal values advance every run; NCCL's and the host's runs are "
+                    "driven from the host)");
+  }
+  device_ = bound.executor.prepared.device;
+  if (device_ < 0) {
+    throw_error(ErrorCode::kInvalidArgument,
+                "RefitGraph: this refit's tensors on PE " + std::to_string(bound.executor.me) +
+                    " are host memory; a CUDA graph captures a refit of GPU tensors");
+  }
+  schedule_ = bound.schedules;
+#ifdef RESHARD_WITH_CUDA
+  cuda::DeviceScope scope(device_);
+  cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  cudaStream_t own = nullptr;  // a capture needs a stream other than the legacy default one
+  if (stream == nullptr) {
+    RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+    stream = own;
+  }
+  cudaGraph_t graph = nullptr;
+  // Relaxed: a run's first use of a job list allocates its device and pinned memory (kept for
+  // every later run), which a stricter capture mode would refuse.
+  cudaError_t status = cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed);
+  if (status == cudaSuccess) {
+    try {
+      refit.run(stream);
+    } catch (...) {
+      cudaStreamEndCapture(stream, &graph);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      if (own != nullptr) cudaStreamDestroy(own);
+      throw;
+    }
+    status = cudaStreamEndCapture(stream, &graph);
+  }
+  cudaGraphExec_t exec = nullptr;
+  if (status == cudaSuccess) status = cudaGraphInstantiate(&exec, graph, 0);
+  // Uploaded now, so that the first replay does not pay for it.
+  if (status == cudaSuccess) status = cudaGraphUpload(exec, stream);
+  if (status == cudaSuccess && own != nullptr) status = cudaStreamSynchronize(own);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (own != nullptr) cudaStreamDestroy(own);
+  if (status != cudaSuccess) {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    cuda::throw_cuda_error(status, "RefitGraph: capturing the refit's run in a CUDA graph");
+  }
+  graph_ = exec;
+#else
+  (void)cuda_stream;
+  throw_error(ErrorCode::kUnsupported, "RefitGraph: reshard was built without CUDA");
+#endif
+}
+
+void RefitGraph::replay(void* cuda_stream) {
+  if (graph_ == nullptr)
+    throw_error(ErrorCode::kInvalidState, "RefitGraph::replay: this graph was moved from");
+  const Refit::Impl& bound = *refit_;
+  // Two integers and the service's generation: a replay of a refit scheduled again since would
+  // move bytes from and into memory that is no longer the refit's.
+  if (!bound.bound || bound.schedules != schedule_ || !bound.executor.still_scheduled()) {
+    const std::string why = bound.unusable();
+    throw_error(ErrorCode::kInvalidState,
+                "RefitGraph::replay: " +
+                    (why.empty() ? std::string("the refit was scheduled again since this graph "
+                                               "was captured (an update() with new tensors)")
+                                 : why) +
+                    "; capture the refit again");
+  }
+#ifdef RESHARD_WITH_CUDA
+  if (cuda_stream == nullptr) {  // the legacy default stream of the refit's device's context
+    cuda::DeviceScope scope(device_);
+    RESHARD_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph_), nullptr));
+    return;
+  }
+  RESHARD_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph_),
+                                     static_cast<cudaStream_t>(cuda_stream)));
+#endif
+}
+
+void RefitGraph::release() noexcept {
+#ifdef RESHARD_WITH_CUDA
+  if (graph_ != nullptr) {
+    auto scope = cuda::DeviceScope::try_enter(device_);
+    cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_));
+  }
+#endif
+  graph_ = nullptr;
+}
+
+RefitGraph::~RefitGraph() { release(); }
+
+RefitGraph::RefitGraph(RefitGraph&& other) noexcept
+    : refit_(other.refit_),
+      schedule_(other.schedule_),
+      device_(other.device_),
+      graph_(std::exchange(other.graph_, nullptr)) {}
+
+RefitGraph& RefitGraph::operator=(RefitGraph&& other) noexcept {
+  if (this != &other) {
+    release();
+    refit_ = other.refit_;
+    schedule_ = other.schedule_;
+    device_ = other.device_;
+    graph_ = std::exchange(other.graph_, nullptr);
+  }
+  return *this;
 }
 
 const TensorMap& Refit::sources() const { return impl_->src; }

@@ -1236,6 +1236,91 @@ TEST(BoundRefit, RunsAgainAndUpdatesOneTensor) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// The code and text of what `call` throws, or nullopt where it throws nothing.
+template <typename Call>
+std::optional<std::pair<ErrorCode, std::string>> error_of(Call&& call) {
+  try {
+    call();
+  } catch (const Error& error) {
+    return std::pair{error.code(), std::string(error.what())};
+  }
+  return std::nullopt;
+}
+
+// A bound refit captured once in a CUDA graph (RefitGraph) replays every byte bitwise, with a
+// transform converting on arrival, at every replay; after an update() that scheduled it again a
+// replay is refused. A refit on any other transport, or of host memory, is refused at capture.
+TEST(BoundRefit, ReplaysFromACudaGraph) {
+  auto service = make_service();
+  const PeId me = service->my_pe();
+  const int n = service->n_pes();
+  for (const Mode mode : kBoundRefitModes) {
+    SCOPED_TRACE(mode_name(mode));
+    ModeRefit refit_of_mode = mode_refit(mode, me, n);
+    auto& [plan, transform, expected, tensors] = refit_of_mode;
+    Refit refit(plan, tensors.src_map, tensors.dst_map, *service, transform);
+    if (service->transport_name() != "cuda" || !on_gpu()) {
+      const auto refused = error_of([&] { RefitGraph graph(refit); });
+      ASSERT_TRUE(refused.has_value()) << "a refit on " << service->transport_name() << " memory "
+                                       << (on_gpu() ? "cuda" : "host") << " was captured";
+      const bool other_transport = service->transport_name() != "cuda";
+      EXPECT_EQ(refused->first,
+                other_transport ? ErrorCode::kUnsupported : ErrorCode::kInvalidArgument);
+      EXPECT_NE(refused->second.find(other_transport ? "only the cuda transport's runs"
+                                                     : "are host memory"),
+                std::string::npos)
+          << refused->second;
+      expect_run_writes_all(refit, *plan, me, tensors, expected, "after the refused capture");
+      continue;
+    }
+#ifdef RESHARD_WITH_CUDA
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    {
+      RefitGraph graph(refit, stream);
+      for (int replay = 0; replay < 3; ++replay) {
+        poison(tensors);
+        graph.replay(stream);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "replay " << replay;
+      }
+      RefitGraph own_stream(refit);  // captured on a stream of its own, replayed on the default
+      poison(tensors);
+      own_stream.replay();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "replay on the default stream";
+      // One destination in new memory on the last PE: every PE schedules again, and a replay
+      // (which would write into the old memory) is refused on every PE.
+      const std::string name = tensors.dst.rbegin()->first;
+      TensorMap changed;
+      std::unique_ptr<TestMemory> old;
+      if (me == n - 1) {
+        auto fresh =
+            std::make_unique<TestMemory>(tensors.dst.at(name)->download().size(), my_device());
+        LocalTensor tensor = tensors.dst_map.at(name);
+        tensor.data = fresh->buffer();
+        tensors.dst_map.at(name) = tensor;
+        changed.emplace(name, tensor);
+        old = std::exchange(tensors.dst.at(name), std::move(fresh));
+      }
+      EXPECT_TRUE(refit.update({}, changed).rescheduled);
+      const auto refused = error_of([&] { graph.replay(stream); });
+      ASSERT_TRUE(refused.has_value()) << "a replay after the refit was scheduled again";
+      EXPECT_EQ(refused->first, ErrorCode::kInvalidState);
+      EXPECT_NE(refused->second.find("capture the refit again"), std::string::npos)
+          << refused->second;
+      RefitGraph again(refit, stream);
+      poison(tensors);
+      again.replay(stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "captured again after the update";
+    }
+    cudaStreamDestroy(stream);
+#endif
+  }
+  EXPECT_TRUE(all_pes(!HasFailure()));
+}
+
 // Staged, a refit leaves every destination byte as it was through stage() and writes exactly what
 // a plain run writes at commit(), on each rank alone, the version advancing only there; a commit
 // with nothing staged is refused.

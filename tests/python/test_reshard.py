@@ -759,6 +759,23 @@ def test_refused_calls_do_not_pile_up_their_tensors_on_the_service(service):
     assert all(ref() is None for ref in refused)
 
 
+@pytest.mark.quick
+def test_a_refit_on_the_host_transport_cannot_be_captured_in_a_cuda_graph(service):
+    plan, src, dst = _one_pe_plan()
+    refit = reshard.bind(plan, src, dst, service)
+    with pytest.raises(reshard.UnsupportedError, match="runs on the host transport; only the cuda"):
+        refit.capture_graph()
+    refit.run()  # the refusal leaves the refit usable
+    for name in src:
+        np.testing.assert_array_equal(dst[name].data, src[name].data)
+    staged = reshard.bind(plan, src, dst, service, staged=True)
+    with pytest.raises(reshard.InvalidStateError, match="capture stage\\(\\) and commit\\(\\)"):
+        staged.capture_graph()
+    staged.close()
+    with pytest.raises(reshard.InvalidStateError, match="closed; bind it again"):
+        staged.capture_graph()
+
+
 def test_a_device_given_for_one_bootstrap_is_not_set_for_the_process(monkeypatch):
     monkeypatch.delenv("RESHARD_DEVICE", raising=False)
     reshard.make_bootstrap(None, device=3)

@@ -214,14 +214,15 @@ def main():
         _, small_driver = time_each(lambda: driver.cuGraphLaunch(small_exec, current),
                                     torch.cuda.synchronize)
 
-        def launch_after(before):
-            """Host time of cuGraphLaunch of the refit's graph right after `before()`."""
+        def launch_after(before, launch=lambda: driver.cuGraphLaunch(graph_exec, current)):
+            """Host time of `launch()` (cuGraphLaunch of the refit's graph) right after
+            `before()`."""
             spans = []
             for i in range(args.warmup + args.iters):
                 barrier()
                 before()
                 start = time.perf_counter()
-                driver.cuGraphLaunch(graph_exec, current)
+                launch()
                 span = time.perf_counter() - start
                 torch.cuda.synchronize()
                 if i >= args.warmup:
@@ -240,10 +241,23 @@ def main():
         after_spin = launch_after(lambda: spin(1e-3))
         after_itself = launch_after(lambda: driver.cuGraphLaunch(graph_exec, current))
         wrong += wrong_after(replay_waited)
+        torch_after_itself = launch_after(graph.replay, graph.replay)
+        # reshard's own capture of the same run: RefitGraph.replay() is one launch from Python.
+        native = refit.capture_graph(stream)
+        handle = stream.cuda_stream
+        native_replay = lambda: native.replay(handle)  # noqa: E731
+        native_replayed, native_issued = time_each(native_replay, stream.synchronize)
+        native_after_small = launch_after(lambda: driver.cuGraphLaunch(small_exec, current),
+                                          native_replay)
+        native_after_itself = launch_after(native_replay, native_replay)
+        wrong += wrong_after(lambda: (native_replay(), stream.synchronize()))
         graphed = {"replay": replayed, "host": replay_issued, "nodes": nodes,
                    "driver_host": driver_issued, "small_host": small_issued,
                    "small_driver_host": small_driver, "driver_after_small": after_small,
-                   "driver_after_spin": after_spin, "driver_after_itself": after_itself}
+                   "driver_after_spin": after_spin, "driver_after_itself": after_itself,
+                   "torch_after_itself": torch_after_itself, "native_replay": native_replayed,
+                   "native_host": native_issued, "native_after_small": native_after_small,
+                   "native_after_itself": native_after_itself}
 
     # Staged (after the checks above: binding it replaces the bound refit's schedule on svc).
     staged = None
@@ -333,6 +347,12 @@ def main():
                   f" right after its own launch {graphed['driver_after_itself'] * 1e6:.1f} us);"
                   f" of a one-kernel PyTorch graph: replay() {graphed['small_host'] * 1e6:.1f} us,"
                   f" cuGraphLaunch {graphed['small_driver_host'] * 1e6:.1f} us")
+            print(f"  RefitGraph.replay() then synchronize:        "
+                  f"{graphed['native_replay'] * 1e3:.3f} ms (host time of replay() "
+                  f"{graphed['native_host'] * 1e6:.1f} us, right after a small graph's launch "
+                  f"{graphed['native_after_small'] * 1e6:.1f} us, right after its own "
+                  f"{graphed['native_after_itself'] * 1e6:.1f} us; torch's replay() right "
+                  f"after its own {graphed['torch_after_itself'] * 1e6:.1f} us)")
         if staged is not None:
             print(f"  staged: stage() {staged['stage'] * 1e3:.3f} ms, commit() (the pause) "
                   f"{staged['commit'] * 1e3:.3f} ms = {staged['commit'] / bound:.2f}x the run, "
@@ -376,7 +396,15 @@ def main():
                                "graph_driver_launch_after_spin_host_median_s":
                                    graphed["driver_after_spin"],
                                "graph_driver_launch_after_itself_host_median_s":
-                                   graphed["driver_after_itself"]})
+                                   graphed["driver_after_itself"],
+                               "graph_replay_after_itself_host_median_s":
+                                   graphed["torch_after_itself"],
+                               "refit_graph_replay_median_s": graphed["native_replay"],
+                               "refit_graph_replay_host_median_s": graphed["native_host"],
+                               "refit_graph_replay_after_small_host_median_s":
+                                   graphed["native_after_small"],
+                               "refit_graph_replay_after_itself_host_median_s":
+                                   graphed["native_after_itself"]})
             if staged is not None:
                 record.update({"staged_stage_median_s": staged["stage"],
                                "staged_commit_median_s": staged["commit"],

@@ -4,7 +4,10 @@
   kernel) are read by run() and by execute_reshard_plan given no stream;
 * a refit with MXFP8 quantized on arrival, captured in a CUDA graph (torch.cuda.graph) and
   replayed, writes bit for bit what the refit run directly writes, at every replay with new
-  source values.
+  source values;
+* the same refit captured by reshard itself (BoundRefit.capture_graph) and replayed with one
+  launch: bit for bit again, its host time beside torch's replay of its own capture, and a
+  replay after an update() that scheduled the refit again refused.
 
     bound_refit_gpu_worker.py
 Prints "rank R: ok" at the end, the failures otherwise.
@@ -172,6 +175,54 @@ def main():
         torch.cuda.synchronize()
     print(f"rank {me}: median host time of 50 replays {statistics.median(hosts) * 1e6:.1f} us, "
           f"{graph_nodes(graph)} nodes")
+
+    # 3. reshard's own capture: RefitGraph.replay() is one launch from Python.
+    native = graphed.capture_graph(stream)
+    svc.all_gather(b"")
+    for replay in range(3):
+        full = weights(20 + replay)
+        for name, tensor in sources_of(full).items():
+            graphed_src[name].copy_(tensor)
+        for value in graphed_dst.values():
+            (value.data if isinstance(value, reshard.LocalTensor) else value).zero_()
+        torch.cuda.synchronize()
+        svc.all_gather(b"")
+        native.replay(stream)
+        stream.synchronize()
+        reference = fp8_destinations()
+        reshard.execute_reshard_plan(plan, graphed_src, reference, reference_svc, mx)
+        torch.cuda.synchronize()
+        for name in reference:
+            if any(not torch.equal(a, b)
+                   for a, b in zip(as_bytes(graphed_dst[name]), as_bytes(reference[name]))):
+                failures.append(f"RefitGraph replay {replay}: '{name}' differs from a direct "
+                                "refit")
+                break
+    handle = stream.cuda_stream
+    spans = {"RefitGraph.replay": [], "torch graph.replay": []}
+    for _ in range(50):
+        for label, call in (("RefitGraph.replay", lambda: native.replay(handle)),
+                            ("torch graph.replay", graph.replay)):
+            svc.all_gather(b"")
+            call()  # the launch path warm, as in an engine's step of many launches
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            call()
+            spans[label].append(time.perf_counter() - started)
+            torch.cuda.synchronize()
+    print(f"rank {me}: median host time right after a replay: " + ", ".join(
+        f"{label} {statistics.median(s) * 1e6:.1f} us" for label, s in spans.items()))
+    # A new destination tensor schedules the refit again: the graph would write into the old one.
+    name = next(iter(graphed_dst))
+    fresh = fp8_destinations()[name]
+    graphed.update(dst={name: fresh})
+    try:
+        native.replay(stream)
+        failures.append("a replay after an update() that scheduled again was not refused")
+    except reshard.InvalidStateError as error:
+        if "capture the refit again" not in str(error):
+            failures.append(f"the refused replay does not say what to do: {error}")
+    stream.synchronize()
     reference_svc.finalize()
     svc.finalize()
     for failure in failures[:10]:
