@@ -250,7 +250,12 @@ def main():
         native_after_small = launch_after(lambda: driver.cuGraphLaunch(small_exec, current),
                                           native_replay)
         native_after_itself = launch_after(native_replay, native_replay)
-        wrong += wrong_after(lambda: (native_replay(), stream.synchronize()))
+        def native_replay_waited():  # after the zeroing queued on the current stream
+            stream.wait_stream(torch.cuda.current_stream())
+            native_replay()
+            stream.synchronize()
+
+        wrong += wrong_after(native_replay_waited)
         graphed = {"replay": replayed, "host": replay_issued, "nodes": nodes,
                    "driver_host": driver_issued, "small_host": small_issued,
                    "small_driver_host": small_driver, "driver_after_small": after_small,
