@@ -413,9 +413,40 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   // The same refit bound once (Refit): what a training loop keeping its tensors runs, with
   // nothing looked up or checked and no collective besides the transfer's own.
   double bound_median = 0;
+  // The same bound refit captured in a CUDA graph (RefitGraph) and replayed on a stream (the cuda
+  // transport): each replay's wall time, and the host time of one launch right after another
+  // (the driver's launch path warm), the slowest PE's median.
+  double graph_median = 0, graph_launch_host = 0;
   {
     Refit bound(plan, src, dst, service, transform, reshard_options);
     bound_median = time_each([&] { bound.run(); });
+#ifdef RESHARD_WITH_CUDA
+    if (service.transport_name() == "cuda") {  // its tensors are GPU memory
+      cudaStream_t stream = nullptr;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      {
+        RefitGraph graph(bound, stream);
+        graph_median = time_each([&] {
+          graph.replay(stream);
+          cudaStreamSynchronize(stream);
+        });
+        std::vector<double> launches;
+        for (int i = 0; i < options.warmup + options.iterations; ++i) {
+          bootstrap->barrier();
+          graph.replay(stream);
+          const auto start = std::chrono::steady_clock::now();
+          graph.replay(stream);
+          const double host =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          cudaStreamSynchronize(stream);
+          if (i >= options.warmup) launches.push_back(max_over_pes(*bootstrap, host));
+        }
+        std::sort(launches.begin(), launches.end());
+        graph_launch_host = launches[launches.size() / 2];
+      }
+      cudaStreamDestroy(stream);
+    }
+#endif
   }
   std::uint64_t my_source_bytes = 0;
   for (const auto& [name, tensor] : src) my_source_bytes += tensor.data.bytes;
@@ -528,6 +559,12 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
                 options.iterations, bound_median * 1e3);
     if (baseline_median > 0) std::printf(", %.2fx the baseline", baseline_median / bound_median);
     std::printf("\n");
+    if (graph_median > 0) {
+      std::printf(
+          "  median of %d replays of it captured in a CUDA graph (RefitGraph::replay, then the "
+          "stream waited for): %.2f ms; host time of a replay right after another %.1f us\n",
+          options.iterations, graph_median * 1e3, graph_launch_host * 1e6);
+    }
     std::printf(
         "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "
         "the tensors %.3f ms, the PEs agreeing %.3f ms\n",
@@ -587,6 +624,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << ",\"locally_converted_bytes_pe0\":" << report.locally_converted_bytes
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
+      if (graph_median > 0) {
+        json << ",\"graph_replay_median_s\":" << graph_median
+             << ",\"graph_replay_host_median_s\":" << graph_launch_host;
+      }
       if (shares_gpu) {
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
              << ",\"same_device_order\":\"" << service.options().cuda.same_device << "\"";
