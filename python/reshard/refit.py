@@ -334,7 +334,7 @@ class BoundRefit:
         self.close()
 
 
-class RefitGraph:
+class RefitGraph(_core.RefitGraph):
     """A bound refit's run captured in a CUDA graph (:meth:`BoundRefit.capture_graph`).
 
     ``replay(stream=None)`` queues the whole refit with one graph launch on ``stream`` (the
@@ -347,16 +347,12 @@ class RefitGraph:
     a replay is not followed by the service's watchdog: a same-GPU peer that dies while a
     replay waits for it is found by the kernels' own timeouts only."""
 
-    __slots__ = ("_core", "_tensors", "__weakref__")
+    # replay(stream=None) is the native method itself: a replay is one launch, and a Python
+    # frame in front of it would cost about as much.
 
     def __init__(self, refit: "_core.Refit", stream: Optional[int], tensors: tuple):
-        self._core = _core.RefitGraph(refit, stream)
+        super().__init__(refit, stream)
         self._tensors = tensors  # alive as long as the graph may write or read them
-
-    def replay(self, stream: StreamLike = None) -> None:
-        """Queues the refit on ``stream`` (see the class) and returns at once."""
-        self._core.replay(stream if stream is None or isinstance(stream, int)
-                          else stream_handle(stream))
 
 
 def bind(plan: "_core.ReshardPlan", src: Mapping[str, Any], dst: Mapping[str, Any],

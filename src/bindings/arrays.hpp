@@ -132,6 +132,23 @@ inline void* stream_of(std::optional<std::uintptr_t> stream) {
   return stream ? reinterpret_cast<void*>(*stream) : nullptr;
 }
 
+// A CUDA stream given as None, an int handle, or an object with one (`cuda_stream`: PyTorch;
+// `ptr`: CuPy), as reshard.copy_service.stream_handle reads it; refused naming `call` otherwise.
+inline void* stream_handle_of(nb::handle stream, const char* call) {
+  if (stream.is_none()) return nullptr;
+  if (PyLong_Check(stream.ptr())) return reinterpret_cast<void*>(nb::cast<std::uintptr_t>(stream));
+  for (const char* attribute : {"cuda_stream", "ptr"}) {
+    if (nb::hasattr(stream, attribute)) {
+      nb::object handle = stream.attr(attribute);
+      if (PyLong_Check(handle.ptr()))
+        return reinterpret_cast<void*>(nb::cast<std::uintptr_t>(handle));
+    }
+  }
+  throw nb::type_error((std::string(call) + ": cannot use " + nb::type_name(stream.type()).c_str() +
+                        " as a CUDA stream (pass an int handle, a torch.cuda.Stream or None)")
+                           .c_str());
+}
+
 // What `object` exports through DLPack. PyTorch's Tensor.__dlpack__ is Python code (checks, then
 // the export: about 2 us a tensor), where torch.utils.dlpack.to_dlpack is the export alone (0.4
 // us); a refit of a MoE model passes thousands of tensors a call, so plain tensors and

@@ -333,11 +333,14 @@ void bind_execution(nb::module_& m) {
             new (self) RefitGraph(refit, stream_of(stream));
           },
           "refit"_a, "stream"_a = nb::none(), nb::keep_alive<1, 2>())
-      // The GIL stays held: a launch returns at once, and releasing it would cost more.
+      // The stream as an int handle, None, or an object holding one (a torch.cuda.Stream's
+      // cuda_stream, a CuPy stream's ptr), read here: a replay is one launch, and a Python
+      // wrapper converting it would cost more than the launch. The GIL stays held: releasing
+      // it would too.
       .def(
           "replay",
-          [](RefitGraph& self, std::optional<std::uintptr_t> stream) {
-            self.replay(stream_of(stream));
+          [](RefitGraph& self, nb::handle stream) {
+            self.replay(stream_handle_of(stream, "RefitGraph.replay"));
           },
           "stream"_a = nb::none());
   nb::class_<StagedRefit>(m, "StagedRefit")
