@@ -1191,6 +1191,22 @@ void expect_run_writes_all(Refit& refit, const ReshardPlan& plan, PeId me, RankT
   EXPECT_EQ(verify(plan, me, tensors, expected), 0u) << when;
 }
 
+// On the last PE, the last destination moved into new memory (the old one kept alive in
+// `old`): the map to update() a refit with (empty on the other PEs).
+TensorMap last_destination_moved_on_last_pe(RankTensors& tensors, PeId me, int n,
+                                            std::unique_ptr<TestMemory>& old) {
+  TensorMap changed;
+  if (me != n - 1) return changed;
+  const std::string name = tensors.dst.rbegin()->first;
+  auto fresh = std::make_unique<TestMemory>(tensors.dst.at(name)->download().size(), my_device());
+  LocalTensor tensor = tensors.dst_map.at(name);
+  tensor.data = fresh->buffer();
+  tensors.dst_map.at(name) = tensor;
+  changed.emplace(name, tensor);
+  old = std::exchange(tensors.dst.at(name), std::move(fresh));
+  return changed;
+}
+
 // Bound once, a refit runs with nothing checked, every byte written again at every run, with a
 // transform converting on the wire; update() of one tensor on one rank schedules again on every
 // rank, and one that changes nothing on any rank does not.
@@ -1214,19 +1230,9 @@ TEST(BoundRefit, RunsAgainAndUpdatesOneTensor) {
     }
     // One destination in new storage on the last rank: every rank schedules again, and the
     // bytes land in the new storage.
-    const std::string name = tensors.dst.rbegin()->first;
-    TensorMap changed;
     std::unique_ptr<TestMemory> old;
-    if (me == n - 1) {
-      auto fresh =
-          std::make_unique<TestMemory>(tensors.dst.at(name)->download().size(), my_device());
-      LocalTensor tensor = tensors.dst_map.at(name);
-      tensor.data = fresh->buffer();
-      tensors.dst_map.at(name) = tensor;
-      changed.emplace(name, tensor);
-      old = std::exchange(tensors.dst.at(name), std::move(fresh));
-    }
-    EXPECT_TRUE(refit.update({}, changed).rescheduled);
+    EXPECT_TRUE(
+        refit.update({}, last_destination_moved_on_last_pe(tensors, me, n, old)).rescheduled);
     expect_run_writes_all(refit, *plan, me, tensors, expected, "after the update");
     // The same tensors again: one small all-gather, nothing scheduled.
     EXPECT_FALSE(refit.update(tensors.src_map, {}).rescheduled);
@@ -1291,19 +1297,9 @@ TEST(BoundRefit, ReplaysFromACudaGraph) {
       EXPECT_EQ(verify(*plan, me, tensors, expected), 0u) << "replay on the default stream";
       // One destination in new memory on the last PE: every PE schedules again, and a replay
       // (which would write into the old memory) is refused on every PE.
-      const std::string name = tensors.dst.rbegin()->first;
-      TensorMap changed;
       std::unique_ptr<TestMemory> old;
-      if (me == n - 1) {
-        auto fresh =
-            std::make_unique<TestMemory>(tensors.dst.at(name)->download().size(), my_device());
-        LocalTensor tensor = tensors.dst_map.at(name);
-        tensor.data = fresh->buffer();
-        tensors.dst_map.at(name) = tensor;
-        changed.emplace(name, tensor);
-        old = std::exchange(tensors.dst.at(name), std::move(fresh));
-      }
-      EXPECT_TRUE(refit.update({}, changed).rescheduled);
+      EXPECT_TRUE(
+          refit.update({}, last_destination_moved_on_last_pe(tensors, me, n, old)).rescheduled);
       const auto refused = error_of([&] { graph.replay(stream); });
       ASSERT_TRUE(refused.has_value()) << "a replay after the refit was scheduled again";
       EXPECT_EQ(refused->first, ErrorCode::kInvalidState);

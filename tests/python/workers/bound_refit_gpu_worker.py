@@ -143,28 +143,33 @@ def main():
         graph.instantiate()
     svc.all_gather(b"")
     reference_svc = reshard.CopyService("cuda").init("WARN")
-    for replay in range(3):
-        full = weights(10 + replay)
-        for name, tensor in sources_of(full).items():
-            graphed_src[name].copy_(tensor)
-        for value in graphed_dst.values():
-            (value.data if isinstance(value, reshard.LocalTensor) else value).zero_()
-        torch.cuda.synchronize()
-        svc.all_gather(b"")
-        started = time.perf_counter()
-        graph.replay()
-        host = time.perf_counter() - started
-        torch.cuda.synchronize()
-        # The reference: the same refit executed directly, on a service of its own.
-        reference = fp8_destinations()
-        reshard.execute_reshard_plan(plan, graphed_src, reference, reference_svc, mx)
-        torch.cuda.synchronize()
-        for name in reference:
-            if any(not torch.equal(a, b)
-                   for a, b in zip(as_bytes(graphed_dst[name]), as_bytes(reference[name]))):
-                failures.append(f"graph replay {replay}: '{name}' differs from a direct refit")
-                break
-        print(f"rank {me}: replay {replay} host time {host * 1e6:.1f} us")
+
+    def check_replays(replay_once, label, first_seed):
+        """Three replays, each of new source values into cleared destinations, each compared
+        bit for bit with the same refit executed directly on a service of its own."""
+        for replay in range(3):
+            full = weights(first_seed + replay)
+            for name, tensor in sources_of(full).items():
+                graphed_src[name].copy_(tensor)
+            for value in graphed_dst.values():
+                (value.data if isinstance(value, reshard.LocalTensor) else value).zero_()
+            torch.cuda.synchronize()
+            svc.all_gather(b"")
+            started = time.perf_counter()
+            replay_once()
+            host = time.perf_counter() - started
+            torch.cuda.synchronize()
+            reference = fp8_destinations()
+            reshard.execute_reshard_plan(plan, graphed_src, reference, reference_svc, mx)
+            torch.cuda.synchronize()
+            for name in reference:
+                if any(not torch.equal(a, b) for a, b in
+                       zip(as_bytes(graphed_dst[name]), as_bytes(reference[name]))):
+                    failures.append(f"{label} {replay}: '{name}' differs from a direct refit")
+                    break
+            print(f"rank {me}: {label} {replay} host time {host * 1e6:.1f} us")
+
+    check_replays(graph.replay, "graph replay", 10)
     # Host time of a replay once the graph is on the device (the first launch uploads it).
     hosts = []
     for _ in range(50):
@@ -179,25 +184,7 @@ def main():
     # 3. reshard's own capture: RefitGraph.replay() is one launch from Python.
     native = graphed.capture_graph(stream)
     svc.all_gather(b"")
-    for replay in range(3):
-        full = weights(20 + replay)
-        for name, tensor in sources_of(full).items():
-            graphed_src[name].copy_(tensor)
-        for value in graphed_dst.values():
-            (value.data if isinstance(value, reshard.LocalTensor) else value).zero_()
-        torch.cuda.synchronize()
-        svc.all_gather(b"")
-        native.replay(stream)
-        stream.synchronize()
-        reference = fp8_destinations()
-        reshard.execute_reshard_plan(plan, graphed_src, reference, reference_svc, mx)
-        torch.cuda.synchronize()
-        for name in reference:
-            if any(not torch.equal(a, b)
-                   for a, b in zip(as_bytes(graphed_dst[name]), as_bytes(reference[name]))):
-                failures.append(f"RefitGraph replay {replay}: '{name}' differs from a direct "
-                                "refit")
-                break
+    check_replays(lambda: native.replay(stream), "RefitGraph replay", 20)
     handle = stream.cuda_stream
     spans = {"RefitGraph.replay": [], "torch graph.replay": []}
     for _ in range(50):
