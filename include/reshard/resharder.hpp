@@ -228,8 +228,9 @@ class Refit {
 
 // A bound refit's run(stream) captured once in a CUDA graph and replayed with one launch: the
 // refit for the host time of a graph launch (the cuda transport; built-in conversions included).
-// Capturing queues nothing to run and talks to no peer; every PE replays as it would run() (the
-// same refits, in the same order, each ordered after its writes to the sources). A replay runs
+// Capturing moves no bytes and waits for no peer, but the transport counts it as a run begun: every
+// PE captures where the others do (the same point among its runs), and replays as it would run()
+// (the same refits, in the same order, each ordered after its writes to the sources). A replay runs
 // the tensors, staging and schedule the refit held at capture: once an update() scheduled it
 // again or its service holds another schedule, replay() refuses (capture again). The refit must
 // outlive its graphs (moving it is fine). Like a graph captured by hand, a replay is not followed

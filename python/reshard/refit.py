@@ -297,8 +297,9 @@ class BoundRefit:
     def capture_graph(self, stream: StreamLike = None) -> "RefitGraph":
         """The refit's :meth:`run` captured once in a CUDA graph (the ``cuda`` transport;
         built-in conversions included), to replay at the host cost of one graph launch: see
-        :class:`RefitGraph`. Capturing moves no bytes and talks to no peer; ``stream`` is the
-        stream to capture on (a side stream of its own where None)."""
+        :class:`RefitGraph`. Capturing moves no bytes and waits for no peer, but counts as a
+        run begun: every rank captures where the others do. ``stream`` is the stream to
+        capture on (a side stream of its own where None)."""
         if self._core is None:
             raise _state_refusal("capture_graph(): this refit was closed; bind it again")
         if self._staged:
