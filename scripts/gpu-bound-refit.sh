@@ -8,7 +8,8 @@
 # narrows the sweep; TESTS=0 skips the tests, TESTS=ctest runs only the GPU_TESTS ctest pattern;
 # STAGED=1 times the staged refit too (stage(), the commit() pause); LAYER_GROUPS=1 the refit bound
 # with groups="layers" (a whole run, a group at a time); GRAPH=1 the run captured in a CUDA graph
-# and replayed (host time of a replay, the graph's nodes by kind).
+# and replayed from Python, by torch.cuda.graph and by BoundRefit.capture_graph (host time of a
+# replay, the graph's nodes by kind); bench-refit times RefitGraph::replay on the cuda transport.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh
