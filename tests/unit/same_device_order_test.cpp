@@ -224,6 +224,43 @@ TEST(KernelOrderedSharers, APeWaitingOnAnotherGpuSharesItsOwnGpuToo) {
 
 // A one-sided refit under MPS: two PEs copy, two only wait (one CTA each). The senders get what
 // the waiting PEs leave, not a quarter of the GPU each.
+// kernel_waiters once, then each PE's set and the "anywhere" answer in one pass, are what asking
+// every pair again for each PE gives (the definition), over random jobs.
+TEST(KernelOrderedSharers, OnePassOverTheWaitersGivesWhatAskingEveryPairGives) {
+  std::mt19937 random(20261130);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int n = 1 + static_cast<int>(random() % 12);
+    std::vector<std::string> gpus(n);
+    for (std::string& gpu : gpus) gpu = std::string(1, static_cast<char>('a' + random() % 4));
+    std::vector<std::vector<bool>> pairs(n, std::vector<bool>(n));
+    const unsigned density = 1 + random() % 8;  // from most pairs waiting to few
+    for (auto& row : pairs)
+      for (auto&& pair : row) pair = random() % density == 0;
+    const auto in_kernels = [&](int p, int q) { return p != q && pairs[p][q]; };
+    auto waits = [&](int pe) {
+      for (int other = 0; other < n; ++other)
+        if (in_kernels(pe, other)) return true;
+      return false;
+    };
+    const std::vector<bool> waiters = kernel_waiters(n, in_kernels);
+    bool anywhere = false;
+    for (int me = 0; me < n; ++me) {
+      ASSERT_EQ(waiters[me], waits(me)) << "trial " << trial << ", PE " << me;
+      std::vector<int> expected;
+      if (waits(me)) {
+        expected.push_back(me);
+        for (int pe = 0; pe < n; ++pe)
+          if (pe != me && gpus[pe] == gpus[me] && waits(pe)) expected.push_back(pe);
+        if (expected.size() == 1) expected.clear();
+      }
+      EXPECT_EQ(kernel_ordered_sharers(gpus, waiters, me), expected)
+          << "trial " << trial << ", PE " << me;
+      anywhere = anywhere || !expected.empty();
+    }
+    EXPECT_EQ(kernel_ordered_sharing_anywhere(gpus, waiters), anywhere) << "trial " << trial;
+  }
+}
+
 TEST(ResidentShare, PesThatOnlyWaitLeaveTheGpuToThoseThatCopy) {
   const std::vector<std::uint64_t> wants{128, 128, 1, 1};
   EXPECT_GE(resident_share(wants, 0, 264), 128u);

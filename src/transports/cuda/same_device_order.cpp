@@ -1,6 +1,8 @@
 #include "transports/cuda/same_device_order.hpp"
 
 #include <algorithm>
+#include <string_view>
+#include <unordered_map>
 
 #include "gpu/cuda_check.hpp"
 #include "gpu/cuda_device.hpp"
@@ -37,20 +39,36 @@ std::vector<bool> stream_shared(const std::vector<std::string>& gpus,
   return shared;
 }
 
-std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
-                                        const std::function<bool(int, int)>& in_kernels, int me) {
-  const int n = static_cast<int>(gpus.size());
-  auto waits = [&](int pe) {
-    for (int other = 0; other < n; ++other)
-      if (other != pe && in_kernels(pe, other)) return true;
-    return false;
-  };
-  if (!waits(me)) return {};
-  std::vector<int> sharers{me};
+std::vector<bool> kernel_waiters(int n, const std::function<bool(int, int)>& in_kernels) {
+  std::vector<bool> waits(n, false);
   for (int pe = 0; pe < n; ++pe)
-    if (pe != me && gpus[pe] == gpus[me] && waits(pe)) sharers.push_back(pe);
+    for (int other = 0; other < n && !waits[pe]; ++other)
+      waits[pe] = other != pe && in_kernels(pe, other);
+  return waits;
+}
+
+std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
+                                        const std::vector<bool>& waiters, int me) {
+  if (!waiters[me]) return {};
+  std::vector<int> sharers{me};
+  for (int pe = 0; pe < static_cast<int>(gpus.size()); ++pe)
+    if (pe != me && waiters[pe] && gpus[pe] == gpus[me]) sharers.push_back(pe);
   if (sharers.size() == 1) sharers.clear();
   return sharers;
+}
+
+std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
+                                        const std::function<bool(int, int)>& in_kernels, int me) {
+  return kernel_ordered_sharers(gpus, kernel_waiters(static_cast<int>(gpus.size()), in_kernels),
+                                me);
+}
+
+bool kernel_ordered_sharing_anywhere(const std::vector<std::string>& gpus,
+                                     const std::vector<bool>& waiters) {
+  std::unordered_map<std::string_view, int> on_gpu;
+  for (std::size_t pe = 0; pe < gpus.size(); ++pe)
+    if (waiters[pe] && ++on_gpu[gpus[pe]] == 2) return true;
+  return false;
 }
 
 std::uint64_t resident_share(const std::vector<std::uint64_t>& wants, std::size_t mine,

@@ -49,13 +49,23 @@ inline bool ordered_by_streams(const std::vector<bool>& streams, const std::vect
   return p != q && streams[p] && streams[q] && (shared[p] || shared[q]);
 }
 
-// The PEs on `me`'s GPU whose kernels wait for a peer's flags (`in_kernels(p, q)`: the kernels
-// order the pair, on this GPU or across GPUs), where `me` is one of them and not alone on its
-// GPU: `me` first, then the others; else empty. Every PE of the set computes the same set (in
-// another order), so they can share the GPU among them: a kernel that waits must not be kept off
-// the GPU by another that waits (a PE whose kernels never wait ends its kernel by itself).
+// Which PEs' kernels wait for a peer's flags (`in_kernels(p, q)`: the kernels order the pair, on
+// one GPU or across GPUs) for at least one peer: n * (n - 1) questions, asked once per ordering.
+std::vector<bool> kernel_waiters(int n, const std::function<bool(int, int)>& in_kernels);
+// The PEs on `me`'s GPU whose kernels wait (`waiters`, from kernel_waiters), where `me` is one of
+// them and not alone on its GPU: `me` first, then the others; else empty. Every PE of the set
+// computes the same set (in another order), so they can share the GPU among them: a kernel that
+// waits must not be kept off the GPU by another that waits (a PE whose kernels never wait ends
+// its kernel by itself).
+std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
+                                        const std::vector<bool>& waiters, int me);
+// The same, asking `in_kernels` directly (for one PE; kernel_waiters once serves every PE).
 std::vector<int> kernel_ordered_sharers(const std::vector<std::string>& gpus,
                                         const std::function<bool(int, int)>& in_kernels, int me);
+// Whether some GPU holds two PEs whose kernels wait: whether kernel_ordered_sharers is non-empty
+// for any PE, in one pass.
+bool kernel_ordered_sharing_anywhere(const std::vector<std::string>& gpus,
+                                     const std::vector<bool>& waiters);
 
 // The CTAs one of the kernel-ordered PEs on a GPU may keep resident in a phase, so that all of
 // their kernels are resident together: `wants[i]` is what sharer i's launches would take (at

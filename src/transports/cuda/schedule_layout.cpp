@@ -66,10 +66,9 @@ void CudaTransport::order_pairs(const std::function<bool(int, int)>& by_streams,
   // A PE waits in its kernels for a peer it exchanges bytes with that the streams do not order,
   // on its GPU or on another: every such PE of a GPU shares it (a chain of waits may cross GPUs).
   const auto in_kernels = [&](int p, int q) { return exchange(p, q) && !by_streams(p, q); };
-  kernel_ordered_sharers_ = kernel_ordered_sharers(gpus_, in_kernels, me_);
-  kernel_ordered_sharing_anywhere_ = false;
-  for (int pe = 0; pe < n_pes_ && !kernel_ordered_sharing_anywhere_; ++pe)
-    kernel_ordered_sharing_anywhere_ = !kernel_ordered_sharers(gpus_, in_kernels, pe).empty();
+  const std::vector<bool> waiters = kernel_waiters(n_pes_, in_kernels);
+  kernel_ordered_sharers_ = kernel_ordered_sharers(gpus_, waiters, me_);
+  kernel_ordered_sharing_anywhere_ = kernel_ordered_sharing_anywhere(gpus_, waiters);
 }
 
 std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& plan,
