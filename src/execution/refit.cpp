@@ -273,6 +273,8 @@ void RefitGraph::replay(void* cuda_stream) {
   }
   RESHARD_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph_),
                                      static_cast<cudaStream_t>(cuda_stream)));
+#else
+  (void)cuda_stream;  // a build without CUDA has no graph to replay (none could be captured)
 #endif
 }
 
