@@ -858,18 +858,26 @@ TEST(ReshardReuse, MapsBuiltAgainAreCheckedEntryByEntry) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
+// What `call` throws, or nullopt where it throws nothing.
+template <typename Call>
+std::optional<Error> error_of(Call&& call) {
+  try {
+    call();
+  } catch (const Error& error) {
+    return error;
+  }
+  return std::nullopt;
+}
+
 // The error this PE's refit of `t` is refused with; a test failure where the refit ran.
 std::optional<Error> refusal_of(CopyService& service,
                                 const std::shared_ptr<const ReshardPlan>& plan,
                                 const RankTensors& t,
                                 std::shared_ptr<ReshardTransform> transform = nullptr) {
-  try {
-    execute_reshard_plan(plan, t.src_map, t.dst_map, service, std::move(transform));
-  } catch (const Error& error) {
-    return error;
-  }
-  ADD_FAILURE() << "expected a refusal";
-  return std::nullopt;
+  std::optional<Error> refused = error_of(
+      [&] { execute_reshard_plan(plan, t.src_map, t.dst_map, service, std::move(transform)); });
+  if (!refused) ADD_FAILURE() << "expected a refusal";
+  return refused;
 }
 
 TEST(ReshardErrors, MissingTensorIsNamedBeforeAnyByteMoves) {
@@ -1242,17 +1250,6 @@ TEST(BoundRefit, RunsAgainAndUpdatesOneTensor) {
   EXPECT_TRUE(all_pes(!HasFailure()));
 }
 
-// The code and text of what `call` throws, or nullopt where it throws nothing.
-template <typename Call>
-std::optional<std::pair<ErrorCode, std::string>> error_of(Call&& call) {
-  try {
-    call();
-  } catch (const Error& error) {
-    return std::pair{error.code(), std::string(error.what())};
-  }
-  return std::nullopt;
-}
-
 // A bound refit captured once in a CUDA graph (RefitGraph) replays every byte bitwise, with a
 // transform converting on arrival, at every replay; after an update() that scheduled it again a
 // replay is refused. A refit on any other transport, or of host memory, is refused at capture.
@@ -1270,12 +1267,12 @@ TEST(BoundRefit, ReplaysFromACudaGraph) {
       ASSERT_TRUE(refused.has_value()) << "a refit on " << service->transport_name() << " memory "
                                        << (on_gpu() ? "cuda" : "host") << " was captured";
       const bool other_transport = service->transport_name() != "cuda";
-      EXPECT_EQ(refused->first,
+      EXPECT_EQ(refused->code(),
                 other_transport ? ErrorCode::kUnsupported : ErrorCode::kInvalidArgument);
-      EXPECT_NE(refused->second.find(other_transport ? "only the cuda transport's runs"
-                                                     : "are host memory"),
+      EXPECT_NE(std::string(refused->what())
+                    .find(other_transport ? "only the cuda transport's runs" : "are host memory"),
                 std::string::npos)
-          << refused->second;
+          << refused->what();
       expect_run_writes_all(refit, *plan, me, tensors, expected, "after the refused capture");
       continue;
     }
@@ -1302,9 +1299,9 @@ TEST(BoundRefit, ReplaysFromACudaGraph) {
           refit.update({}, last_destination_moved_on_last_pe(tensors, me, n, old)).rescheduled);
       const auto refused = error_of([&] { graph.replay(stream); });
       ASSERT_TRUE(refused.has_value()) << "a replay after the refit was scheduled again";
-      EXPECT_EQ(refused->first, ErrorCode::kInvalidState);
-      EXPECT_NE(refused->second.find("capture the refit again"), std::string::npos)
-          << refused->second;
+      EXPECT_EQ(refused->code(), ErrorCode::kInvalidState);
+      EXPECT_NE(std::string(refused->what()).find("capture the refit again"), std::string::npos)
+          << refused->what();
       RefitGraph again(refit, stream);
       poison(tensors);
       again.replay(stream);
