@@ -69,6 +69,14 @@ __device__ __forceinline__ void complete_run(const KernelArgs& a, std::uint64_t 
   // Followers read them only after this stream's done flag, raised behind a memory barrier.
   for (std::uint32_t f = 0; f < a.follower_count; ++f)
     *reinterpret_cast<volatile std::uint64_t*>(a.follower_runs[f]) = epoch;
+  if (a.stream_done_count == 0) return;
+  // Every CTA's copies (counted in before the last CTA got here) and the copy engine's (joined
+  // before the end kernel) are complete: a system fence publishes them, as the stream memory
+  // operation's barrier would, before the peer's stream may go on. Raised after a failed wait
+  // too, as the stream's end would: the peers learn of the failure from the device status.
+  __threadfence_system();
+  for (std::uint32_t f = 0; f < a.stream_done_count; ++f)
+    *reinterpret_cast<volatile std::uint64_t*>(a.stream_done[f]) = 1;
 }
 
 // Adds this CTA's part of `units` units to `flag` (thread 0, after a barrier, once the CTA's

@@ -192,6 +192,11 @@ struct KernelArgs {
   // does.
   std::uint64_t* const* follower_runs;
   std::uint32_t follower_count;
+  // The same-GPU done flags (SameDeviceOrder::end_raises, mapped here) that the kernel completing
+  // a run raises to 1 after its copies, where raising them is all its stream's end would do: one
+  // stream memory operation fewer a run (without MPS, a CUDA graph of a run launched faster).
+  std::uint64_t* const* stream_done;
+  std::uint32_t stream_done_count;
 };
 
 // Where the fused kernel stamps a run: kTraceRuns records of kTraceMarks stamps, the

@@ -95,6 +95,38 @@ TEST(SameDeviceOrder, ALeaderWaitsForItsFollowersAndItsPairs) {
                                      wait_and_reset(flags.done(me, 4))}));
 }
 
+TEST(SameDeviceOrder, OnlyAnEndThatWaitsForNothingIsLeftToTheKernel) {
+  Flags flags;
+  // A leader of 1 and 3 that receives from no PE its stream orders: its end only raises, and the
+  // kernel completing its run may raise those flags instead.
+  SameDeviceOrder leader(flags.pointers()[0], flags.pointers(), 0);
+  leader.lead({1, 3});
+  EXPECT_EQ(leader.end_raises(), (std::vector<std::uint64_t*>{flags.done(1, 0), flags.done(3, 0)}));
+  // One that receives from PE 4 waits at its end: nothing is left to the kernel.
+  leader.order_pairs({}, {4});
+  EXPECT_TRUE(leader.end_raises().empty());
+  // A follower waits for its leader at its end.
+  SameDeviceOrder follower(flags.pointers()[2], flags.pointers(), 2);
+  follower.follow(0);
+  EXPECT_TRUE(follower.end_raises().empty());
+  EXPECT_TRUE(SameDeviceOrder(flags.pointers()[2], flags.pointers(), 2).end_raises().empty());
+}
+
+TEST(SameDeviceOrder, BeginAndEndTogetherKeepTheirOrder) {
+  Flags flags;
+  const int me = 2;
+  SameDeviceOrder order(flags.pointers()[me], flags.pointers(), me);
+  order.follow(0);
+  order.order_pairs({3}, {4});
+  EXPECT_EQ(order.begin_and_end_ops(), concat({order.begin_ops(), order.end_ops()}));
+  EXPECT_EQ(order.begin_and_end_ops(), concat({{raise(flags.ready(4, me))},
+                                               wait_and_reset(flags.ready(me, 3)),
+                                               {raise(flags.ready(0, me))},
+                                               wait_and_reset(flags.done(me, 0)),
+                                               {raise(flags.done(3, me))},
+                                               wait_and_reset(flags.done(me, 4))}));
+}
+
 TEST(SameDeviceOrder, MergedPhasesWatchEveryPeerOfEither) {
   Flags flags;
   const int me = 2;

@@ -417,6 +417,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   // transport): each replay's wall time, and the host time of one launch right after another
   // (the driver's launch path warm), the slowest PE's median.
   double graph_median = 0, graph_launch_host = 0;
+  std::vector<double> graph_launch_host_of_pe;
   {
     Refit bound(plan, src, dst, service, transform, reshard_options);
     bound_median = time_each([&] { bound.run(); });
@@ -430,7 +431,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           graph.replay(stream);
           cudaStreamSynchronize(stream);
         });
-        std::vector<double> launches;
+        std::vector<double> launches, mine;
         for (int i = 0; i < options.warmup + options.iterations; ++i) {
           bootstrap->barrier();
           graph.replay(stream);
@@ -439,10 +440,15 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           const double host =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           cudaStreamSynchronize(stream);
-          if (i >= options.warmup) launches.push_back(max_over_pes(*bootstrap, host));
+          if (i < options.warmup) continue;
+          launches.push_back(max_over_pes(*bootstrap, host));
+          mine.push_back(host);
         }
         std::sort(launches.begin(), launches.end());
         graph_launch_host = launches[launches.size() / 2];
+        // Each PE's own median too: which PE's graph is the slowest to launch.
+        std::sort(mine.begin(), mine.end());
+        graph_launch_host_of_pe = gather_from_pes(*bootstrap, mine[mine.size() / 2]);
       }
       cudaStreamDestroy(stream);
     }
@@ -564,6 +570,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           "  median of %d replays of it captured in a CUDA graph (RefitGraph::replay, then the "
           "stream waited for): %.2f ms; host time of a replay right after another %.1f us\n",
           options.iterations, graph_median * 1e3, graph_launch_host * 1e6);
+      std::printf("  each PE's median host time of such a replay:");
+      for (std::size_t pe = 0; pe < graph_launch_host_of_pe.size(); ++pe)
+        std::printf(" PE %zu %.1f us%s", pe, graph_launch_host_of_pe[pe] * 1e6,
+                    pe + 1 < graph_launch_host_of_pe.size() ? "," : "\n");
     }
     std::printf(
         "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "

@@ -126,6 +126,10 @@ struct PreparedRun {
   bool kernel_idle = false;
   DeviceArray<std::uint64_t*> follower_runs;
   std::uint32_t follower_run_count = 0;
+  // The kernel that completes each run raises the same-GPU done flags (KernelArgs::stream_done),
+  // so the run queues no SameDeviceOrder::end().
+  DeviceArray<std::uint64_t*> stream_done;
+  bool kernel_raises_stream_done = false;
   // The CTAs this phase's launches may keep resident at once (0: no limit), where PEs on this GPU
   // order their runs by the kernels (see kernel_ordered_sharers_): the GPU's resident wave shared
   // in proportion to what each of them wants in this phase.

@@ -52,13 +52,16 @@ bool CudaTransport::early_launch_for(std::uint32_t ctas, std::uint64_t share) {
 }
 
 void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
-  p.same_device.begin(stream);
   if (p.kernel_idle) {
     // A follower with no peer its kernels order: its GPU's leader makes its copies and counts its
-    // run (KernelArgs::follower_runs); a kernel here would hand the GPU over twice.
+    // run (KernelArgs::follower_runs); a kernel here would hand the GPU over twice. Its stream
+    // hands its memory over and waits for it back in one queue.
+    p.same_device.begin_and_end(stream);
   } else if (p.fused) {
+    p.same_device.begin(stream);
     launch_fused_copy(p.copy_args, stream, early_launch_for(p.copy_args.cta_count, p.cta_share));
   } else {
+    p.same_device.begin(stream);
     launch_begin(p.signal_args, stream, early_launch_for(1, p.cta_share));
     const int used = static_cast<int>(p.copy_engine_batches.size());
     // With one copy-engine batch and no SM share nothing runs beside the copies: they go on the
@@ -101,7 +104,7 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     }
     launch_end(p.end_args, stream);
   }
-  p.same_device.end(stream);
+  if (!p.kernel_idle && !p.kernel_raises_stream_done) p.same_device.end(stream);
   if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
 }
 

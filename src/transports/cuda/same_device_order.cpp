@@ -137,6 +137,7 @@ void SameDeviceOrder::build() {
   };
   begin_ops_.clear();
   end_ops_.clear();
+  begin_and_end_ops_.clear();
   if (n == 0) return;
   for (int pe : raise_ready_)
     raise(begin_ops_, SignalLayout::same_device_ready(peer_signals_[pe], n, me_));
@@ -151,6 +152,8 @@ void SameDeviceOrder::build() {
     raise(end_ops_, SignalLayout::same_device_done(peer_signals_[pe], n, me_));
   for (int pe : wait_done_)
     wait_and_reset(end_ops_, SignalLayout::same_device_done(signals_, n, pe));
+  begin_and_end_ops_ = begin_ops_;
+  begin_and_end_ops_.insert(begin_and_end_ops_.end(), end_ops_.begin(), end_ops_.end());
 }
 
 void SameDeviceOrder::queue(cudaStream_t stream, const std::vector<MemoryOp>& ops) const {
@@ -160,6 +163,19 @@ void SameDeviceOrder::queue(cudaStream_t stream, const std::vector<MemoryOp>& op
 void SameDeviceOrder::begin(cudaStream_t stream) const { queue(stream, begin_ops_); }
 
 void SameDeviceOrder::end(cudaStream_t stream) const { queue(stream, end_ops_); }
+
+void SameDeviceOrder::begin_and_end(cudaStream_t stream) const {
+  queue(stream, begin_and_end_ops_);
+}
+
+std::vector<std::uint64_t*> SameDeviceOrder::end_raises() const {
+  std::vector<std::uint64_t*> flags;
+  for (const MemoryOp& op : end_ops_) {
+    if (op.wait) return {};
+    flags.push_back(op.flag);
+  }
+  return flags;
+}
 
 void SameDeviceOrder::release(cudaStream_t side) const noexcept {
   const int n = static_cast<int>(peer_signals_.size());

@@ -111,12 +111,20 @@ class SameDeviceOrder {
   // After the copies: raises the done flags (after a memory barrier), then holds the stream until
   // the peers' have been raised.
   void end(cudaStream_t stream) const;
+  // begin() and end() as one queue (one batch where batched), for a run that queues nothing
+  // between them (a follower whose leader makes all its copies).
+  void begin_and_end(cudaStream_t stream) const;
+  // The flags end() raises where raising them is all it does (no wait), else none: the kernel
+  // that completes a run may raise them itself (KernelArgs::stream_done) and the run skip end(),
+  // one stream memory operation fewer (a graph node fewer in a captured run).
+  std::vector<std::uint64_t*> end_raises() const;
   // Raises every flag this PE's stream could be waiting on (a peer died or did not answer in
   // time): queued on `side`, a stream of its own, and waited for.
   void release(cudaStream_t side) const noexcept;
   // What begin() and end() queue, in order.
   const std::vector<MemoryOp>& begin_ops() const { return begin_ops_; }
   const std::vector<MemoryOp>& end_ops() const { return end_ops_; }
+  const std::vector<MemoryOp>& begin_and_end_ops() const { return begin_and_end_ops_; }
 
  private:
   std::uint64_t* signals_ = nullptr;
@@ -128,7 +136,7 @@ class SameDeviceOrder {
   int leader_ = -1;  // follow()
   bool batch_ = false;
   std::vector<int> peers_;
-  std::vector<MemoryOp> begin_ops_, end_ops_;
+  std::vector<MemoryOp> begin_ops_, end_ops_, begin_and_end_ops_;
   // Collects peers_ and the operations of begin() and end().
   void build();
   void queue(cudaStream_t stream, const std::vector<MemoryOp>& ops) const;

@@ -132,8 +132,21 @@ std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& 
   for (int s : sources) source_ready.push_back(SignalLayout::ready(peer_signals_[s], n_pes_, me_));
 
   prepared->cta_share = phase_cta_share(ctas_wanted(groups, unstage));
+  // Every launch of the phase, autotune's included, orders the same peers.
+  prepared->same_device = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
+  if (prepared->delegated && leader_ == me_)
+    prepared->same_device.lead(followers_);
+  else if (prepared->delegated)
+    prepared->same_device.follow(leader_);
+  prepared->same_device.order_pairs(stream_destinations, stream_sources);
+  // Every run that launches a kernel ends with one that completes it (the fused or end kernel).
+  const std::vector<std::uint64_t*> stream_done =
+      prepared->kernel_idle ? std::vector<std::uint64_t*>{} : prepared->same_device.end_raises();
+  prepared->kernel_raises_stream_done = !stream_done.empty();
 
   KernelArgs& base = prepared->base;
+  base.stream_done = prepared->stream_done.upload(stream_done);
+  base.stream_done_count = static_cast<std::uint32_t>(stream_done.size());
   base.sources = prepared->sources.upload(sources);
   base.source_ready = prepared->source_ready.upload(source_ready);
   base.source_count = static_cast<std::uint32_t>(sources.size());
@@ -164,13 +177,6 @@ std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& 
     prepared->unstage_args.groups = prepared->unstage_groups.upload(unstage_groups);
     prepared->unstage_args.group_count = 1;
   }
-  // Every launch of the phase, autotune's included, orders the same peers.
-  prepared->same_device = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
-  if (prepared->delegated && leader_ == me_)
-    prepared->same_device.lead(followers_);
-  else if (prepared->delegated)
-    prepared->same_device.follow(leader_);
-  prepared->same_device.order_pairs(stream_destinations, stream_sources);
   if (engine_ == "autotune")
     autotune(*prepared);
   else
