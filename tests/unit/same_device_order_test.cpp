@@ -325,5 +325,58 @@ TEST(ResidentShare, SharesFitTheGpuTogetherAndMeetWantsThatFit) {
   }
 }
 
+TEST(GroupCtaCounts, AGroupWithMoreBytesGetsMoreCtasWhenTheCapCuts) {
+  // Four peers wanting the per-peer most (64 CTAs each) on 132 SMs; one copies three times what
+  // each other does: it gets three times the CTAs, not a quarter of the cap.
+  const std::vector<std::uint64_t> counts =
+      group_cta_counts({3u << 30, 1u << 30, 1u << 30, 1u << 30}, {64, 64, 64, 64}, 132);
+  EXPECT_EQ(counts, (std::vector<std::uint64_t>{64, 22, 22, 22}));
+  // Wants that fit are met whatever the bytes.
+  EXPECT_EQ(group_cta_counts({1u << 30, 100}, {40, 1}, 132), (std::vector<std::uint64_t>{40, 1}));
+}
+
+// Over random groups: every group has a CTA and at most its want, the counts never pass the cap
+// (given a CTA for each group), wants that fit are met, and where the cap cuts, a group's bytes
+// per CTA stay within one CTA's worth of the others' (unless it got all it wanted, or just one).
+TEST(GroupCtaCounts, CtasFollowTheBytesWithinTheCap) {
+  std::mt19937_64 random(11);
+  for (int trial = 0; trial < 5000; ++trial) {
+    const std::size_t groups = 1 + random() % 12;
+    const std::uint64_t cap = 1 + random() % 264;
+    std::vector<std::uint64_t> bytes(groups), want(groups);
+    std::uint64_t wanted = 0;
+    for (std::size_t g = 0; g < groups; ++g) {
+      bytes[g] = random() % 4 == 0 ? 1 + random() % 4096 : 1 + random() % (std::uint64_t{8} << 30);
+      want[g] = 1 + random() % 64;
+      wanted += want[g];
+    }
+    const std::vector<std::uint64_t> counts = group_cta_counts(bytes, want, cap);
+    ASSERT_EQ(counts.size(), groups);
+    std::uint64_t total = 0;
+    for (std::size_t g = 0; g < groups; ++g) {
+      EXPECT_GE(counts[g], 1u) << "trial " << trial;
+      EXPECT_LE(counts[g], want[g]) << "trial " << trial;
+      total += counts[g];
+    }
+    if (wanted <= cap) {
+      EXPECT_EQ(counts, want) << "trial " << trial;
+      continue;
+    }
+    EXPECT_LE(total, std::max<std::uint64_t>(cap, groups)) << "trial " << trial;
+    // A group held below its want has no more bytes per CTA than any other group would have
+    // with one CTA fewer: moving a CTA to it could not even the load.
+    for (std::size_t g = 0; g < groups; ++g) {
+      if (counts[g] >= want[g]) continue;
+      const double mine = static_cast<double>(bytes[g]) / static_cast<double>(counts[g] + 1);
+      for (std::size_t h = 0; h < groups; ++h) {
+        if (h == g || counts[h] <= 1) continue;
+        EXPECT_LE(mine, static_cast<double>(bytes[h]) / static_cast<double>(counts[h] - 1))
+            << "trial " << trial << ": group " << g << " (" << bytes[g] << " bytes, " << counts[g]
+            << " CTAs), group " << h << " (" << bytes[h] << " bytes, " << counts[h] << " CTAs)";
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace reshard::cuda

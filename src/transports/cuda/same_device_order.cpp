@@ -71,6 +71,48 @@ bool kernel_ordered_sharing_anywhere(const std::vector<std::string>& gpus,
   return false;
 }
 
+std::vector<std::uint64_t> group_cta_counts(const std::vector<std::uint64_t>& bytes,
+                                            const std::vector<std::uint64_t>& want,
+                                            std::uint64_t cap) {
+  const std::size_t n = want.size();
+  std::uint64_t wanted = 0;
+  for (const std::uint64_t w : want) wanted += std::max<std::uint64_t>(1, w);
+  std::vector<std::uint64_t> ctas(n);
+  for (std::size_t g = 0; g < n; ++g) ctas[g] = std::max<std::uint64_t>(1, want[g]);
+  if (wanted <= cap) return ctas;
+  // Water-filling: the groups whose byte share reaches their want take it; the others share
+  // what is left by their bytes, until none reaches its want.
+  std::vector<bool> full(n, false);
+  for (bool changed = true; changed;) {
+    changed = false;
+    std::uint64_t left = cap, open = 0, open_bytes = 0;
+    for (std::size_t g = 0; g < n; ++g) {
+      if (full[g]) {
+        left -= std::min(left, ctas[g]);
+      } else {
+        ++open;
+        open_bytes += bytes[g];
+      }
+    }
+    // One CTA each first, so that the shares never add up to more than the cap.
+    const std::uint64_t spare = left > open ? left - open : 0;
+    for (std::size_t g = 0; g < n; ++g) {
+      if (full[g]) continue;
+      // Doubles: bytes * cap can pass 2^64 (hundreds of GiB times thousands of CTAs).
+      const double part = open_bytes == 0
+                              ? 0.0
+                              : static_cast<double>(spare) * static_cast<double>(bytes[g]) /
+                                    static_cast<double>(open_bytes);
+      ctas[g] = 1 + std::min(spare, static_cast<std::uint64_t>(part));
+      if (ctas[g] >= std::max<std::uint64_t>(1, want[g])) {
+        ctas[g] = std::max<std::uint64_t>(1, want[g]);
+        full[g] = changed = true;
+      }
+    }
+  }
+  return ctas;
+}
+
 std::uint64_t resident_share(const std::vector<std::uint64_t>& wants, std::size_t mine,
                              std::uint64_t wave) {
   std::uint64_t together = 0;

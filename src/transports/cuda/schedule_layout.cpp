@@ -226,25 +226,23 @@ std::uint64_t CudaTransport::phase_cta_share(std::uint64_t wanted) {
 
 void CudaTransport::assign_ctas(std::vector<PeerGroup>& groups, std::uint32_t& total,
                                 std::uint64_t share) const {
-  std::uint64_t wanted = 0;
-  std::vector<std::uint64_t> want(groups.size());
+  std::vector<std::uint64_t> want(groups.size()), bytes(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     want[g] =
         group_ctas(groups[g].bytes, groups[g].descriptor_count, bytes_per_cta_, ctas_per_peer_);
-    wanted += want[g];
+    bytes[g] = groups[g].bytes;
   }
   // One resident wave at most, leaving the rest of the GPU to the caller's kernels; with peers on
   // this GPU whose kernels wait on ours, this phase's share of what it holds at once, so that all
   // of them are resident together (else spinning CTAs could keep a peer's kernel off the GPU).
   const std::uint64_t cap =
       share > 0 ? std::min<std::uint64_t>(sm_count_, share) : std::max(1, sm_count_);
+  const std::vector<std::uint64_t> ctas = group_cta_counts(bytes, want, cap);
   total = 0;
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    const std::uint64_t ctas =
-        wanted <= cap ? want[g] : std::max<std::uint64_t>(1, want[g] * cap / wanted);
     groups[g].first_cta = total;
-    groups[g].cta_count = static_cast<std::uint32_t>(ctas);
-    total += static_cast<std::uint32_t>(ctas);
+    groups[g].cta_count = static_cast<std::uint32_t>(ctas[g]);
+    total += static_cast<std::uint32_t>(ctas[g]);
   }
 }
 
