@@ -739,6 +739,42 @@ def test_execute_again_with_the_same_tensors_notices_storage_swapped_in_place(se
         assert torch.equal(landed(first), src[first])
 
 
+def test_execute_again_reads_each_address_the_way_its_type_says(service):
+    # The same-dicts check reads a NumPy array's address from the array, a tensor's through
+    # PyTorch's C data_ptr directly, and a type that overrides data_ptr in Python through that
+    # override, every call: a subclass's swapped storage is noticed either way.
+    torch = pytest.importorskip("torch")
+    plan, arrays, _ = _one_pe_plan()
+    calls = []
+
+    class Counted(torch.Tensor):
+        def data_ptr(self):
+            calls.append(self)
+            return super().data_ptr()
+
+    class Plain(torch.Tensor):
+        pass
+
+    names = sorted(arrays)
+    src = {name: torch.full(arrays[name].data.shape, i + 1, dtype=torch.bfloat16).as_subclass(
+        Counted if i % 2 else Plain) for i, name in enumerate(names)}
+    dst = {name: reshard.LocalTensor(np.zeros(arrays[name].data.shape, np.uint16),
+                                     dtype="bfloat16") for name in names}
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    before = len(calls)
+    assert not reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    assert len(calls) - before == sum(isinstance(t, Counted) for t in src.values())
+    for i, name in enumerate(names[:2]):  # one Plain, one Counted
+        src[name].data = torch.full_like(src[name], 50 + i)
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    for name in names:
+        assert np.array_equal(dst[name].data, src[name].view(torch.int16).numpy().view(np.uint16))
+    dst[names[-1]] = reshard.LocalTensor(np.zeros_like(dst[names[-1]].data), dtype="bfloat16")
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    assert np.array_equal(dst[names[-1]].data,
+                          src[names[-1]].view(torch.int16).numpy().view(np.uint16))
+
+
 def test_refused_calls_do_not_pile_up_their_tensors_on_the_service(service):
     # A failed call's tensors stay held (the refit may have prepared with them) until a call
     # succeeds, but a loop of refused calls holds one set of them, not every set.
