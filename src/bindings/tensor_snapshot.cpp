@@ -117,6 +117,29 @@ class TensorSnapshot {
     AddressReader reader, scale_reader;  // how the addresses are read again
   };
 
+  // A LocalTensor's field names, interned once (at first use, the GIL held): a name made from a
+  // C string at every lookup cost as much as the lookup.
+  struct FieldNames {
+    PyObject* data = PyUnicode_InternFromString("data");
+    PyObject* scale = PyUnicode_InternFromString("scale");
+    PyObject* dtype = PyUnicode_InternFromString("dtype");
+  };
+  static const FieldNames& field_names() {
+    static const FieldNames names;
+    return names;
+  }
+
+  // Whether `object`'s attribute `name` is `expected` itself.
+  static bool field_is(PyObject* object, PyObject* name, PyObject* expected) {
+    PyObject* value = PyObject_GetAttr(object, name);
+    if (value == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_DECREF(value);  // only its identity is compared; `expected` is held by the entry
+    return value == expected;
+  }
+
   bool is_wrapper(PyObject* value) const {
     return PyObject_TypeCheck(value, reinterpret_cast<PyTypeObject*>(wrapper_.ptr()));
   }
@@ -165,16 +188,16 @@ class TensorSnapshot {
       }
       PyObject* array = value;
       if (entry.data.is_valid()) {
-        // The same LocalTensor object, its fields unchanged.
-        nb::object data = nb::borrow(value).attr("data");
-        if (data.ptr() != entry.data.ptr() ||
-            nb::borrow(value).attr("scale").ptr() != entry.scale.ptr() ||
-            nb::borrow(value).attr("dtype").ptr() != entry.dtype.ptr())
+        // The same LocalTensor object, its fields unchanged (each still the recorded object).
+        const FieldNames& names = field_names();
+        if (!field_is(value, names.data, entry.data.ptr()) ||
+            !field_is(value, names.scale, entry.scale.ptr()) ||
+            !field_is(value, names.dtype, entry.dtype.ptr()))
           return false;
         if (!entry.scale.is_none() &&
             entry.scale_reader.read(entry.scale.ptr()) != entry.scale_address)
           return false;
-        array = data.ptr();
+        array = entry.data.ptr();
       }
       if (entry.reader.read(array) != entry.address) return false;
     }

@@ -773,6 +773,12 @@ def test_execute_again_reads_each_address_the_way_its_type_says(service):
     assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
     assert np.array_equal(dst[names[-1]].data,
                           src[names[-1]].view(torch.int16).numpy().view(np.uint16))
+    # A LocalTensor's dtype field reassigned is seen too: the call checks again and refuses it.
+    dst[names[0]].dtype = "float16"
+    with pytest.raises(reshard.ReshardError, match=f"'{names[0]}' on PE 0 is float16"):
+        reshard.execute_reshard_plan(plan, src, dst, service)
+    dst[names[0]].dtype = "bfloat16"
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
 
 
 def test_refused_calls_do_not_pile_up_their_tensors_on_the_service(service):
