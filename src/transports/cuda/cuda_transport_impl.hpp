@@ -126,10 +126,9 @@ struct PreparedRun {
   bool kernel_idle = false;
   DeviceArray<std::uint64_t*> follower_runs;
   std::uint32_t follower_run_count = 0;
-  // The kernel that completes each run raises the same-GPU done flags (KernelArgs::stream_done),
-  // so the run queues no SameDeviceOrder::end().
+  // The same-GPU done flags the kernel completing each run raises (KernelArgs::stream_done; the
+  // run then queues no SameDeviceOrder::end()).
   DeviceArray<std::uint64_t*> stream_done;
-  bool kernel_raises_stream_done = false;
   // The CTAs this phase's launches may keep resident at once (0: no limit), where PEs on this GPU
   // order their runs by the kernels (see kernel_ordered_sharers_): the GPU's resident wave shared
   // in proportion to what each of them wants in this phase.
@@ -195,6 +194,7 @@ class CudaTransport final : public Transport {
   // Collective: times each engine on the schedule and lays out the one slowest PE finds fastest.
   void autotune(PreparedRun& prepared);
   void launch(PreparedRun& prepared, cudaStream_t stream);
+  void launch_with_copy_engines(PreparedRun& prepared, cudaStream_t stream);
   // Queues batch's copies [begin, end) on stream.
   void queue_copies(const CopyEngineBatch& batch, std::size_t begin, std::size_t end,
                     bool may_batch, cudaStream_t stream);

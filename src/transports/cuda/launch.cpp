@@ -57,55 +57,64 @@ void CudaTransport::launch(PreparedRun& p, cudaStream_t stream) {
     // run (KernelArgs::follower_runs); a kernel here would hand the GPU over twice. Its stream
     // hands its memory over and waits for it back in one queue.
     p.same_device.begin_and_end(stream);
-  } else if (p.fused) {
-    p.same_device.begin(stream);
-    launch_fused_copy(p.copy_args, stream, early_launch_for(p.copy_args.cta_count, p.cta_share));
   } else {
     p.same_device.begin(stream);
-    launch_begin(p.signal_args, stream, early_launch_for(1, p.cta_share));
-    const int used = static_cast<int>(p.copy_engine_batches.size());
-    // With one copy-engine batch and no SM share nothing runs beside the copies: they go on the
-    // caller's stream itself, without the fork and join (two cross-stream waits per run).
-    const bool on_stream = used == 1 && p.copy_args.cta_count == 0;
-    if (!on_stream) {
-      RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
-      for (int i = 0; i < used; ++i)
-        RESHARD_CUDA_CHECK(cudaStreamWaitEvent(copy_engine_streams_[i], fork_, 0));
+    if (p.fused) {
+      launch_fused_copy(p.copy_args, stream, early_launch_for(p.copy_args.cta_count, p.cta_share));
+    } else {
+      launch_with_copy_engines(p, stream);
     }
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    const bool may_batch = capture == cudaStreamCaptureStatusNone;
-    for (int i = 0; i < used; ++i) {
-      const CopyEngineBatch& batch = p.copy_engine_batches[i];
-      cudaStream_t side = on_stream ? stream : copy_engine_streams_[i];
-      // Each peer's done flag follows its data on the same stream: the copy engine raises it once
-      // the copies before it are complete, which is when that peer's bytes have landed, with no
-      // kernel boundary in between (2x H200: 4 KiB copy-engine run 18.7-19.1 -> 16.0-16.6 us with
-      // the early-launched begin kernel; a batch does not order its copies, so each peer's copies
-      // form their own batch).
-      std::size_t begin = 0, boxes_begin = 0;
-      for (const CopyEngineBatch::Peer& peer : batch.peers) {
-        queue_copies(batch, begin, peer.copies_end, may_batch, side);
-        begin = peer.copies_end;
-        for (; boxes_begin < peer.boxes_end; ++boxes_begin)
-          queue_rows(batch.boxes[boxes_begin], side);
-        if (peer.done != nullptr) {
-          RESHARD_CUDA_CHECK(cudaMemcpyAsync(peer.done, ready_epoch_, sizeof(std::uint64_t),
-                                             cudaMemcpyDeviceToDevice, side));
-        }
+    // Where all end() would do is raise done flags, the run's last kernel raised them.
+    if (p.base.stream_done_count == 0) p.same_device.end(stream);
+  }
+  if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
+}
+
+// A copy-engine or mixed run: the begin kernel, each copy-engine batch on its stream (forked from
+// and joined back into `stream` where there are several, or an SM share beside them), the SM
+// share, and the end kernel.
+void CudaTransport::launch_with_copy_engines(PreparedRun& p, cudaStream_t stream) {
+  launch_begin(p.signal_args, stream, early_launch_for(1, p.cta_share));
+  const int used = static_cast<int>(p.copy_engine_batches.size());
+  // With one copy-engine batch and no SM share nothing runs beside the copies: they go on the
+  // caller's stream itself, without the fork and join (two cross-stream waits per run).
+  const bool on_stream = used == 1 && p.copy_args.cta_count == 0;
+  if (!on_stream) {
+    RESHARD_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    for (int i = 0; i < used; ++i)
+      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(copy_engine_streams_[i], fork_, 0));
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool may_batch = capture == cudaStreamCaptureStatusNone;
+  for (int i = 0; i < used; ++i) {
+    const CopyEngineBatch& batch = p.copy_engine_batches[i];
+    cudaStream_t side = on_stream ? stream : copy_engine_streams_[i];
+    // Each peer's done flag follows its data on the same stream: the copy engine raises it once
+    // the copies before it are complete, which is when that peer's bytes have landed, with no
+    // kernel boundary in between (2x H200: 4 KiB copy-engine run 18.7-19.1 -> 16.0-16.6 us with
+    // the early-launched begin kernel; a batch does not order its copies, so each peer's copies
+    // form their own batch).
+    std::size_t begin = 0, boxes_begin = 0;
+    for (const CopyEngineBatch::Peer& peer : batch.peers) {
+      queue_copies(batch, begin, peer.copies_end, may_batch, side);
+      begin = peer.copies_end;
+      for (; boxes_begin < peer.boxes_end; ++boxes_begin)
+        queue_rows(batch.boxes[boxes_begin], side);
+      if (peer.done != nullptr) {
+        RESHARD_CUDA_CHECK(cudaMemcpyAsync(peer.done, ready_epoch_, sizeof(std::uint64_t),
+                                           cudaMemcpyDeviceToDevice, side));
       }
     }
-    // The SM share runs while the copy engines work (it was queued after the join, which made
-    // a mixed run the sum of its two parts); the end kernel waits for both.
-    launch_plain_copy(p.copy_args, stream);
-    for (int i = 0; !on_stream && i < used; ++i) {
-      RESHARD_CUDA_CHECK(cudaEventRecord(joins_[i], copy_engine_streams_[i]));
-      RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, joins_[i], 0));
-    }
-    launch_end(p.end_args, stream);
   }
-  if (!p.kernel_idle && !p.kernel_raises_stream_done) p.same_device.end(stream);
-  if (p.unstage_args.group_count > 0) launch_plain_copy(p.unstage_args, stream);
+  // The SM share runs while the copy engines work (it was queued after the join, which made
+  // a mixed run the sum of its two parts); the end kernel waits for both.
+  launch_plain_copy(p.copy_args, stream);
+  for (int i = 0; !on_stream && i < used; ++i) {
+    RESHARD_CUDA_CHECK(cudaEventRecord(joins_[i], copy_engine_streams_[i]));
+    RESHARD_CUDA_CHECK(cudaStreamWaitEvent(stream, joins_[i], 0));
+  }
+  launch_end(p.end_args, stream);
 }
 
 void CudaTransport::queue_copies(const CopyEngineBatch& batch, std::size_t begin, std::size_t end,

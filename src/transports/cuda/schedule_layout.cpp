@@ -142,7 +142,6 @@ std::unique_ptr<PreparedRun> CudaTransport::schedule_phase(const ExecutionPlan& 
   // Every run that launches a kernel ends with one that completes it (the fused or end kernel).
   const std::vector<std::uint64_t*> stream_done =
       prepared->kernel_idle ? std::vector<std::uint64_t*>{} : prepared->same_device.end_raises();
-  prepared->kernel_raises_stream_done = !stream_done.empty();
 
   KernelArgs& base = prepared->base;
   base.stream_done = prepared->stream_done.upload(stream_done);
