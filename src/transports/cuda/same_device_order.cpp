@@ -75,11 +75,11 @@ std::vector<std::uint64_t> group_cta_counts(const std::vector<std::uint64_t>& by
                                             const std::vector<std::uint64_t>& want,
                                             std::uint64_t cap) {
   const std::size_t n = want.size();
+  std::vector<std::uint64_t> wants(n);  // at least one CTA each
   std::uint64_t wanted = 0;
-  for (const std::uint64_t w : want) wanted += std::max<std::uint64_t>(1, w);
-  std::vector<std::uint64_t> ctas(n);
-  for (std::size_t g = 0; g < n; ++g) ctas[g] = std::max<std::uint64_t>(1, want[g]);
-  if (wanted <= cap) return ctas;
+  for (std::size_t g = 0; g < n; ++g) wanted += wants[g] = std::max<std::uint64_t>(1, want[g]);
+  if (wanted <= cap) return wants;
+  std::vector<std::uint64_t> ctas = wants;
   // Water-filling: the groups whose byte share reaches their want take it; the others share
   // what is left by their bytes, until none reaches its want.
   std::vector<bool> full(n, false);
@@ -104,8 +104,8 @@ std::vector<std::uint64_t> group_cta_counts(const std::vector<std::uint64_t>& by
                               : static_cast<double>(spare) * static_cast<double>(bytes[g]) /
                                     static_cast<double>(open_bytes);
       ctas[g] = 1 + std::min(spare, static_cast<std::uint64_t>(part));
-      if (ctas[g] >= std::max<std::uint64_t>(1, want[g])) {
-        ctas[g] = std::max<std::uint64_t>(1, want[g]);
+      if (ctas[g] >= wants[g]) {
+        ctas[g] = wants[g];
         full[g] = changed = true;
       }
     }

@@ -71,9 +71,9 @@ bool kernel_ordered_sharing_anywhere(const std::vector<std::string>& gpus,
 // alone (at least 1), `bytes[g]` what it copies, `cap` the most the launch may have. Where the
 // wants fit each gets its want; where they do not, the cap is shared in proportion to the bytes,
 // none above its want nor below 1, so that every CTA has about as many bytes to copy (never more
-// than `cap` in all, given one CTA for each group at least): shared in
-// proportion to the wants (each clamped to the per-peer most), a refit whose peers' bytes differ
-// 2-3x ended on its largest peer's CTAs 0.5 ms after the others (FSDP2 -> TP 2, one H200).
+// than `cap` in all, given one CTA for each group at least). Shared in proportion to the wants
+// instead (each clamped to the per-peer most), a refit whose peers' bytes differ 2-3x ended on
+// its largest peer's CTAs 0.5 ms after the others (FSDP2 -> TP 2, one H200).
 std::vector<std::uint64_t> group_cta_counts(const std::vector<std::uint64_t>& bytes,
                                             const std::vector<std::uint64_t>& want,
                                             std::uint64_t cap);
