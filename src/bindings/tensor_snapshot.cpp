@@ -28,6 +28,12 @@ std::uintptr_t address_from(PyObject* result) {
   return address;
 }
 
+// "data_ptr", interned once (at first use, the GIL held).
+PyObject* data_ptr_name() {
+  static PyObject* const name = PyUnicode_InternFromString("data_ptr");
+  return name;
+}
+
 // The memory address of an array object: the buffer protocol's (NumPy), else its data_ptr()
 // (PyTorch); 0 where it has neither (such an object is never vouched for).
 std::uintptr_t address_of(PyObject* array) {
@@ -41,10 +47,9 @@ std::uintptr_t address_of(PyObject* array) {
     PyBuffer_Release(&view);
     return address;
   }
-  static PyObject* const kDataPtr = PyUnicode_InternFromString("data_ptr");
   PyObject* args[] = {array};
-  return address_from(
-      PyObject_VectorcallMethod(kDataPtr, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+  return address_from(PyObject_VectorcallMethod(data_ptr_name(), args,
+                                                1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
 }
 
 // NumPy's array object begins with its data pointer after the object header: the layout that
@@ -66,8 +71,7 @@ class AddressReader {
       return;
     }
     if (PyObject_CheckBuffer(array)) return;
-    static PyObject* const kDataPtr = PyUnicode_InternFromString("data_ptr");
-    PyObject* method = PyObject_GetAttr(reinterpret_cast<PyObject*>(type_), kDataPtr);
+    PyObject* method = PyObject_GetAttr(reinterpret_cast<PyObject*>(type_), data_ptr_name());
     if (method == nullptr) {
       PyErr_Clear();
       return;
