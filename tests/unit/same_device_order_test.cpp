@@ -175,6 +175,73 @@ TEST(StreamOrderedPeers, APeerThatCannotStreamKeepsTheKernelsFlags) {
   EXPECT_EQ(r[2], (std::vector<bool>{false, false, false, true}));
 }
 
+// sends[p][q]: PE p sends to q, from a list of (p, q).
+std::vector<std::vector<std::uint8_t>> sends_of(int n, const std::vector<std::pair<int, int>>& to) {
+  std::vector<std::vector<std::uint8_t>> sends(n, std::vector<std::uint8_t>(n, 0));
+  for (const auto& [p, q] : to) sends[p][q] = 1;
+  return sends;
+}
+
+TEST(DelegatingPerSchedule, AGpuWhosePesSendOneWayDelegatesAndOneExchangingBothWaysDoesNot) {
+  // GPU a: trainer PEs 0, 1 send to engine PEs 2, 3. GPU b: PEs 4 and 5 exchange both ways.
+  const std::vector<std::string> gpus{"a", "a", "a", "a", "b", "b"};
+  const std::vector<bool> per_schedule(6, true);
+  const auto sends = sends_of(6, {{0, 2}, {0, 3}, {1, 2}, {1, 3}, {4, 5}, {5, 4}, {0, 4}});
+  EXPECT_EQ(delegating_per_schedule(gpus, per_schedule, sends),
+            (std::vector<bool>{true, true, true, true, false, false}));
+  // An engine PE answering a trainer PE: GPU a's pairs keep their own order.
+  auto answered = sends;
+  answered[3][1] = 1;
+  EXPECT_EQ(delegating_per_schedule(gpus, per_schedule, answered), std::vector<bool>(6, false));
+}
+
+TEST(DelegatingPerSchedule, APeAloneOrNotOrderedPerScheduleDoesNotDelegate) {
+  // PE 1 is told to order by its kernels: PE 0 is the only per-schedule PE of GPU a.
+  EXPECT_EQ(
+      delegating_per_schedule({"a", "a", "b"}, {true, false, true}, sends_of(3, {{0, 1}, {1, 2}})),
+      std::vector<bool>(3, false));
+  // PEs that send nothing on a shared GPU still delegate (the leader's run orders them all).
+  EXPECT_EQ(delegating_per_schedule({"a", "a"}, {true, true}, sends_of(2, {})),
+            (std::vector<bool>{true, true}));
+}
+
+TEST(DelegatingPerSchedule, EveryPeOfAGpuAgreesOverRandomJobs) {
+  std::mt19937 random(20261130);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int n = 1 + static_cast<int>(random() % 10),
+              gpus_count = 1 + static_cast<int>(random() % 4);
+    std::vector<std::string> gpus;
+    std::vector<bool> per_schedule;
+    auto sends = sends_of(n, {});
+    for (int pe = 0; pe < n; ++pe) {
+      gpus.push_back(std::to_string(random() % gpus_count));
+      per_schedule.push_back(random() % 4 != 0);
+      for (int q = 0; q < n; ++q) sends[pe][q] = q != pe && random() % 3 == 0;
+    }
+    const std::vector<bool> delegating = delegating_per_schedule(gpus, per_schedule, sends);
+    for (int p = 0; p < n; ++p) {
+      if (!per_schedule[p]) {
+        EXPECT_FALSE(delegating[p]) << "trial " << trial << ", PE " << p;
+        continue;
+      }
+      int mates = 0;
+      bool both_ways = false;
+      for (int q = 0; q < n; ++q) {
+        if (q == p || gpus[q] != gpus[p] || !per_schedule[q]) continue;
+        ++mates;
+        ASSERT_EQ(delegating[p], delegating[q]) << "trial " << trial << ", PEs " << p << ", " << q;
+        for (int r = 0; r < n; ++r)
+          if (r != q && gpus[r] == gpus[p] && per_schedule[r] && sends[q][r] && sends[r][q])
+            both_ways = true;
+      }
+      for (int q = 0; q < n; ++q)
+        if (q != p && gpus[q] == gpus[p] && per_schedule[q] && sends[p][q] && sends[q][p])
+          both_ways = true;
+      EXPECT_EQ(delegating[p], mates > 0 && !both_ways) << "trial " << trial << ", PE " << p;
+    }
+  }
+}
+
 TEST(StreamOrderedPeers, EveryPairIsSeenAlikeFromBothEndsOverRandomJobs) {
   std::mt19937 random(20261127);
   for (int trial = 0; trial < 2000; ++trial) {

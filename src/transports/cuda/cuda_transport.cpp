@@ -160,7 +160,8 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
                               << " PEs on CUDA device " << device_);
   }
   same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);
-  if (any_stream_ordered()) {
+  // Under MPS with the `auto` order the streams order pairs per schedule: watched as well.
+  if (any_stream_ordered() || any_per_schedule_) {
     RESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
     watchdog_.start(
         device_, [this] { return watched_since_ != std::chrono::steady_clock::time_point{}; },

@@ -301,9 +301,16 @@ class CudaTransport final : public Transport {
   std::uint64_t resident_cta_share_ = 0;
   bool previous_launch_large_ = false;  // more than half the share (early_launch_for)
   // Where every PE on this GPU delegates (see exchange_destinations): the lowest of them leads.
+  // Found at init without MPS; under MPS with the `auto` order, per schedule (where the GPU's PEs
+  // send one way only: order_pairs_of_this_schedule).
   bool delegate_ = false;
   int leader_ = -1;
-  std::vector<int> followers_;         // the group but its leader
+  std::vector<int> followers_;  // the group but its leader
+  bool in_delegated_group(int pe) const {
+    return delegate_ && pe != me_ &&
+           (pe == leader_ ||
+            std::find(followers_.begin(), followers_.end(), pe) != followers_.end());
+  }
   SameDeviceOrder same_device_order_;  // every phase's same-GPU peers (the watchdog's)
   cudaStream_t release_stream_ = nullptr;
   std::chrono::steady_clock::time_point watched_since_{};  // of the pending run; epoch: none

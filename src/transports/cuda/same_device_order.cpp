@@ -39,6 +39,25 @@ std::vector<bool> stream_shared(const std::vector<std::string>& gpus,
   return shared;
 }
 
+std::vector<bool> delegating_per_schedule(const std::vector<std::string>& gpus,
+                                          const std::vector<bool>& per_schedule,
+                                          const std::vector<std::vector<std::uint8_t>>& sends) {
+  const int n = static_cast<int>(gpus.size());
+  std::unordered_map<std::string_view, int> members;
+  std::unordered_map<std::string_view, bool> both_ways;
+  for (int p = 0; p < n; ++p) {
+    if (!per_schedule[p]) continue;
+    ++members[gpus[p]];
+    for (int q = p + 1; q < n; ++q)
+      if (per_schedule[q] && gpus[q] == gpus[p] && sends[p][q] && sends[q][p])
+        both_ways[gpus[p]] = true;
+  }
+  std::vector<bool> delegating(n, false);
+  for (int p = 0; p < n; ++p)
+    delegating[p] = per_schedule[p] && members[gpus[p]] > 1 && !both_ways[gpus[p]];
+  return delegating;
+}
+
 std::vector<bool> kernel_waiters(int n, const std::function<bool(int, int)>& in_kernels) {
   std::vector<bool> waits(n, false);
   for (int pe = 0; pe < n; ++pe)

@@ -49,6 +49,16 @@ inline bool ordered_by_streams(const std::vector<bool>& streams, const std::vect
   return p != q && streams[p] && streams[q] && (shared[p] || shared[q]);
 }
 
+// Under MPS with the `auto` order (`per_schedule[p]`), which PEs delegate in a schedule whose
+// sends are `sends[p][q]` (PE p sends to PE q): those of a GPU holding two or more such PEs of
+// which no pair sends both ways. Their GPU's lowest such PE makes every copy among them, as a GPU
+// without MPS does (SameDeviceOrder::lead); a GPU with a pair exchanging both ways keeps each
+// pair's own order (the kernels' flags are faster there). Every PE computes the same from the
+// same inputs.
+std::vector<bool> delegating_per_schedule(const std::vector<std::string>& gpus,
+                                          const std::vector<bool>& per_schedule,
+                                          const std::vector<std::vector<std::uint8_t>>& sends);
+
 // Which PEs' kernels wait for a peer's flags (`in_kernels(p, q)`: the kernels order the pair, on
 // one GPU or across GPUs) for at least one peer: n * (n - 1) questions, asked once per ordering.
 std::vector<bool> kernel_waiters(int n, const std::function<bool(int, int)>& in_kernels);
