@@ -224,19 +224,19 @@ TEST(DelegatingPerSchedule, EveryPeOfAGpuAgreesOverRandomJobs) {
         EXPECT_FALSE(delegating[p]) << "trial " << trial << ", PE " << p;
         continue;
       }
+      // The PEs of p's GPU that order per schedule: p's mates, and whether a pair of them
+      // exchanges both ways.
+      auto ours = [&](int pe) { return gpus[pe] == gpus[p] && per_schedule[pe]; };
       int mates = 0;
       bool both_ways = false;
       for (int q = 0; q < n; ++q) {
-        if (q == p || gpus[q] != gpus[p] || !per_schedule[q]) continue;
+        if (q == p || !ours(q)) continue;
         ++mates;
         ASSERT_EQ(delegating[p], delegating[q]) << "trial " << trial << ", PEs " << p << ", " << q;
-        for (int r = 0; r < n; ++r)
-          if (r != q && gpus[r] == gpus[p] && per_schedule[r] && sends[q][r] && sends[r][q])
-            both_ways = true;
       }
-      for (int q = 0; q < n; ++q)
-        if (q != p && gpus[q] == gpus[p] && per_schedule[q] && sends[p][q] && sends[q][p])
-          both_ways = true;
+      for (int a = 0; a < n; ++a)
+        for (int b = 0; b < n; ++b)
+          both_ways = both_ways || (a != b && ours(a) && ours(b) && sends[a][b] && sends[b][a]);
       EXPECT_EQ(delegating[p], mates > 0 && !both_ways) << "trial " << trial << ", PE " << p;
     }
   }
