@@ -416,8 +416,8 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   // The same bound refit captured in a CUDA graph (RefitGraph) and replayed on a stream (the cuda
   // transport): each replay's wall time, and the host time of one launch right after another
   // (the driver's launch path warm), the slowest PE's median.
-  double graph_median = 0, graph_launch_host = 0;
-  std::vector<double> graph_launch_host_of_pe;
+  double graph_median = 0, graph_launch_host = 0, graph_floor_host = 0;
+  std::vector<double> graph_launch_host_of_pe, graph_floor_host_of_pe;
   {
     Refit bound(plan, src, dst, service, transform, reshard_options);
     bound_median = time_each([&] { bound.run(); });
@@ -431,24 +431,50 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           graph.replay(stream);
           cudaStreamSynchronize(stream);
         });
-        std::vector<double> launches, mine;
-        for (int i = 0; i < options.warmup + options.iterations; ++i) {
-          bootstrap->barrier();
-          graph.replay(stream);
-          const auto start = std::chrono::steady_clock::now();
-          graph.replay(stream);
-          const double host =
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          cudaStreamSynchronize(stream);
-          if (i < options.warmup) continue;
-          launches.push_back(max_over_pes(*bootstrap, host));
-          mine.push_back(host);
+        // The host time of a launch right after another, every PE at once: the slowest PE's
+        // median and each PE's own (which PE's graph is the slowest to launch).
+        const auto launch_host_time = [&](const auto& launch, double& slowest,
+                                          std::vector<double>& of_pe) {
+          std::vector<double> launches, mine;
+          for (int i = 0; i < options.warmup + options.iterations; ++i) {
+            bootstrap->barrier();
+            launch();
+            const auto start = std::chrono::steady_clock::now();
+            launch();
+            const double host =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            cudaStreamSynchronize(stream);
+            if (i < options.warmup) continue;
+            launches.push_back(max_over_pes(*bootstrap, host));
+            mine.push_back(host);
+          }
+          std::sort(launches.begin(), launches.end());
+          slowest = launches[launches.size() / 2];
+          std::sort(mine.begin(), mine.end());
+          of_pe = gather_from_pes(*bootstrap, mine[mine.size() / 2]);
+        };
+        launch_host_time([&] { graph.replay(stream); }, graph_launch_host, graph_launch_host_of_pe);
+        // The driver's floor in the same processes: a graph of one node (a 4-byte memset) launched
+        // the same way, beside the same contexts sharing the GPU.
+        void* word = nullptr;
+        cudaGraph_t one_node = nullptr;
+        cudaGraphExec_t one_node_exec = nullptr;
+        if (cudaMalloc(&word, 4) == cudaSuccess &&
+            cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+          cudaMemsetAsync(word, 0, 4, stream);
+          if (cudaStreamEndCapture(stream, &one_node) == cudaSuccess &&
+              cudaGraphInstantiate(&one_node_exec, one_node, 0) != cudaSuccess)
+            one_node_exec = nullptr;
         }
-        std::sort(launches.begin(), launches.end());
-        graph_launch_host = launches[launches.size() / 2];
-        // Each PE's own median too: which PE's graph is the slowest to launch.
-        std::sort(mine.begin(), mine.end());
-        graph_launch_host_of_pe = gather_from_pes(*bootstrap, mine[mine.size() / 2]);
+        cudaGetLastError();
+        // Measured only where every PE has it (the measurement's barriers are collective).
+        if (max_over_pes(*bootstrap, one_node_exec == nullptr ? 1.0 : 0.0) == 0.0) {
+          launch_host_time([&] { cudaGraphLaunch(one_node_exec, stream); }, graph_floor_host,
+                           graph_floor_host_of_pe);
+        }
+        if (one_node_exec != nullptr) cudaGraphExecDestroy(one_node_exec);
+        if (one_node != nullptr) cudaGraphDestroy(one_node);
+        if (word != nullptr) cudaFree(word);
       }
       cudaStreamDestroy(stream);
     }
@@ -574,6 +600,15 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       for (std::size_t pe = 0; pe < graph_launch_host_of_pe.size(); ++pe)
         std::printf(" PE %zu %.1f us%s", pe, graph_launch_host_of_pe[pe] * 1e6,
                     pe + 1 < graph_launch_host_of_pe.size() ? "," : "\n");
+      if (graph_floor_host > 0) {
+        std::printf(
+            "  the driver's floor, a one-node graph (a 4-byte memset) launched the same way: %.1f "
+            "us;",
+            graph_floor_host * 1e6);
+        for (std::size_t pe = 0; pe < graph_floor_host_of_pe.size(); ++pe)
+          std::printf(" PE %zu %.1f us%s", pe, graph_floor_host_of_pe[pe] * 1e6,
+                      pe + 1 < graph_floor_host_of_pe.size() ? "," : "\n");
+      }
     }
     std::printf(
         "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "
@@ -637,6 +672,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       if (graph_median > 0) {
         json << ",\"graph_replay_median_s\":" << graph_median
              << ",\"graph_replay_host_median_s\":" << graph_launch_host;
+        if (graph_floor_host > 0) json << ",\"graph_floor_host_median_s\":" << graph_floor_host;
       }
       if (shares_gpu) {
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
