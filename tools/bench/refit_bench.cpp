@@ -436,7 +436,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         const auto launch_host_time = [&](const auto& launch, double& slowest,
                                           std::vector<double>& of_pe) {
           std::vector<double> launches, mine;
-          for (int i = 0; i < options.warmup + options.iterations; ++i) {
+          // A launch's host time is a few microseconds and varies with the host's scheduling: at
+          // least 50 samples (each waits for one replay, milliseconds) make its median steady.
+          const int samples = std::max(options.iterations, 50);
+          for (int i = 0; i < options.warmup + samples; ++i) {
             bootstrap->barrier();
             launch();
             const auto start = std::chrono::steady_clock::now();
