@@ -415,9 +415,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   double bound_median = 0;
   // The same bound refit captured in a CUDA graph (RefitGraph) and replayed on a stream (the cuda
   // transport): each replay's wall time, and the host time of one launch right after another
-  // (the driver's launch path warm), the slowest PE's median.
+  // (the driver's launch path warm) and of one launched cold, the slowest PE's medians.
   double graph_median = 0, graph_launch_host = 0, graph_floor_host = 0;
-  std::vector<double> graph_launch_host_of_pe, graph_floor_host_of_pe;
+  double graph_launch_cold_host = 0, graph_floor_cold_host = 0;
+  std::vector<double> graph_launch_host_of_pe, graph_floor_host_of_pe, cold_of_pe;
   {
     Refit bound(plan, src, dst, service, transform, reshard_options);
     bound_median = time_each([&] { bound.run(); });
@@ -431,9 +432,11 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           graph.replay(stream);
           cudaStreamSynchronize(stream);
         });
-        // The host time of a launch right after another, every PE at once: the slowest PE's
-        // median and each PE's own (which PE's graph is the slowest to launch).
-        const auto launch_host_time = [&](const auto& launch, double& slowest,
+        // The host time of a launch, every PE at once: the slowest PE's median and each PE's own
+        // (which PE's graph is the slowest to launch). `warm`: right after another launch, the
+        // driver's launch path warm; else cold: the stream idle and the process just back from a
+        // barrier, as a refit once a training step is launched.
+        const auto launch_host_time = [&](const auto& launch, bool warm, double& slowest,
                                           std::vector<double>& of_pe) {
           std::vector<double> launches, mine;
           // A launch's host time is a few microseconds and varies with the host's scheduling: at
@@ -441,7 +444,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           const int samples = std::max(options.iterations, 50);
           for (int i = 0; i < options.warmup + samples; ++i) {
             bootstrap->barrier();
-            launch();
+            if (warm) launch();
             const auto start = std::chrono::steady_clock::now();
             launch();
             const double host =
@@ -456,7 +459,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           std::sort(mine.begin(), mine.end());
           of_pe = gather_from_pes(*bootstrap, mine[mine.size() / 2]);
         };
-        launch_host_time([&] { graph.replay(stream); }, graph_launch_host, graph_launch_host_of_pe);
+        const auto replay = [&] { graph.replay(stream); };
+        launch_host_time(replay, true, graph_launch_host, graph_launch_host_of_pe);
+        launch_host_time(replay, false, graph_launch_cold_host, cold_of_pe);
         // The driver's floor in the same processes: a graph of one node (a 4-byte memset) launched
         // the same way, beside the same contexts sharing the GPU.
         void* word = nullptr;
@@ -472,8 +477,9 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         cudaGetLastError();
         // Measured only where every PE has it (the measurement's barriers are collective).
         if (max_over_pes(*bootstrap, one_node_exec == nullptr ? 1.0 : 0.0) == 0.0) {
-          launch_host_time([&] { cudaGraphLaunch(one_node_exec, stream); }, graph_floor_host,
-                           graph_floor_host_of_pe);
+          const auto launch_floor = [&] { cudaGraphLaunch(one_node_exec, stream); };
+          launch_host_time(launch_floor, true, graph_floor_host, graph_floor_host_of_pe);
+          launch_host_time(launch_floor, false, graph_floor_cold_host, cold_of_pe);
         }
         if (one_node_exec != nullptr) cudaGraphExecDestroy(one_node_exec);
         if (one_node != nullptr) cudaGraphDestroy(one_node);
@@ -612,6 +618,13 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           std::printf(" PE %zu %.1f us%s", pe, graph_floor_host_of_pe[pe] * 1e6,
                       pe + 1 < graph_floor_host_of_pe.size() ? "," : "\n");
       }
+      std::printf(
+          "  launched cold (the stream idle, each PE just back from a barrier): the replay "
+          "%.1f us",
+          graph_launch_cold_host * 1e6);
+      if (graph_floor_cold_host > 0)
+        std::printf(", the one-node graph %.1f us", graph_floor_cold_host * 1e6);
+      std::printf("\n");
     }
     std::printf(
         "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "
@@ -674,8 +687,12 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
       if (graph_median > 0) {
         json << ",\"graph_replay_median_s\":" << graph_median
-             << ",\"graph_replay_host_median_s\":" << graph_launch_host;
-        if (graph_floor_host > 0) json << ",\"graph_floor_host_median_s\":" << graph_floor_host;
+             << ",\"graph_replay_host_median_s\":" << graph_launch_host
+             << ",\"graph_replay_cold_host_median_s\":" << graph_launch_cold_host;
+        if (graph_floor_host > 0) {
+          json << ",\"graph_floor_host_median_s\":" << graph_floor_host
+               << ",\"graph_floor_cold_host_median_s\":" << graph_floor_cold_host;
+        }
       }
       if (shares_gpu) {
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
