@@ -148,15 +148,10 @@ CudaTransport::CudaTransport(Bootstrap& bootstrap, const CopyServiceOptions& opt
   peer_waiting_on_.upload(waiting_on);
   // The PEs ordered by the streams on this GPU form one group (the relation is the same for
   // every pair of them); the group delegates only if every member was asked to.
-  std::vector<int> group{me_};
-  for (int pe = 0; pe < n_pes_; ++pe)
-    if (same_device_[pe]) group.push_back(pe);
-  std::sort(group.begin(), group.end());
-  if (group.size() > 1 && every_one_delegates) {
-    delegate_ = true;
-    leader_ = group.front();
-    followers_.assign(group.begin() + 1, group.end());
-    RESHARD_LOG(kDebug, "PE " << leader_ << " makes the copies among the " << group.size()
+  if (every_one_delegates &&
+      std::find(same_device_.begin(), same_device_.end(), true) != same_device_.end()) {
+    delegate_among([&](int pe) { return same_device_[pe]; });
+    RESHARD_LOG(kDebug, "PE " << leader_ << " makes the copies among the " << followers_.size() + 1
                               << " PEs on CUDA device " << device_);
   }
   same_device_order_ = SameDeviceOrder(signals_, peer_signals_, me_, batch_memops_);

@@ -306,6 +306,9 @@ class CudaTransport final : public Transport {
   bool delegate_ = false;
   int leader_ = -1;
   std::vector<int> followers_;  // the group but its leader
+  // Delegates among this PE and the PEs `with` picks: the lowest of them leads (delegate_,
+  // leader_ and followers_ as init and each schedule set them).
+  void delegate_among(const std::function<bool(int)>& with);
   bool in_delegated_group(int pe) const {
     return delegate_ && pe != me_ &&
            (pe == leader_ ||

@@ -66,20 +66,27 @@ void CudaTransport::order_pairs_of_this_schedule(std::span<const ExecutionPlan> 
       },
       [&](int p, int q) { return sends_of[p][q] || sends_of[q][p]; });
   if (!per_schedule_[me_]) return;
-  delegate_ = delegating[me_];
+  delegate_ = false;
   leader_ = -1;
   followers_.clear();
-  for (int pe = 0; delegate_ && pe < n_pes_; ++pe) {
-    if (pe != me_ && !per_schedule_pair(me_, pe)) continue;
+  if (!delegating[me_]) return;
+  delegate_among([&](int pe) { return per_schedule_pair(me_, pe); });
+  RESHARD_LOG(kDebug, "PE " << leader_ << " makes this schedule's copies among the "
+                            << followers_.size() + 1 << " PEs on CUDA device " << device_
+                            << " (MPS, bytes one way)");
+}
+
+void CudaTransport::delegate_among(const std::function<bool(int)>& with) {
+  delegate_ = true;
+  leader_ = -1;
+  followers_.clear();
+  for (int pe = 0; pe < n_pes_; ++pe) {
+    if (pe != me_ && !with(pe)) continue;
     if (leader_ < 0)
       leader_ = pe;
     else
       followers_.push_back(pe);
   }
-  if (delegate_)
-    RESHARD_LOG(kDebug, "PE " << leader_ << " makes this schedule's copies among the "
-                              << followers_.size() + 1 << " PEs on CUDA device " << device_
-                              << " (MPS, bytes one way)");
 }
 
 void CudaTransport::order_pairs(const std::function<bool(int, int)>& by_streams,
