@@ -418,7 +418,8 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   // (the driver's launch path warm) and of one launched cold, the slowest PE's medians.
   double graph_median = 0, graph_launch_host = 0, graph_floor_host = 0;
   double graph_launch_cold_host = 0, graph_floor_cold_host = 0;
-  std::vector<double> graph_launch_host_of_pe, graph_floor_host_of_pe, cold_of_pe;
+  std::vector<double> graph_launch_host_of_pe, graph_floor_host_of_pe, replay_cold_of_pe,
+      floor_cold_of_pe;
   {
     Refit bound(plan, src, dst, service, transform, reshard_options);
     bound_median = time_each([&] { bound.run(); });
@@ -461,7 +462,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         };
         const auto replay = [&] { graph.replay(stream); };
         launch_host_time(replay, true, graph_launch_host, graph_launch_host_of_pe);
-        launch_host_time(replay, false, graph_launch_cold_host, cold_of_pe);
+        launch_host_time(replay, false, graph_launch_cold_host, replay_cold_of_pe);
         // The driver's floor in the same processes: a graph of one node (a 4-byte memset) launched
         // the same way, beside the same contexts sharing the GPU.
         void* word = nullptr;
@@ -479,7 +480,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         if (max_over_pes(*bootstrap, one_node_exec == nullptr ? 1.0 : 0.0) == 0.0) {
           const auto launch_floor = [&] { cudaGraphLaunch(one_node_exec, stream); };
           launch_host_time(launch_floor, true, graph_floor_host, graph_floor_host_of_pe);
-          launch_host_time(launch_floor, false, graph_floor_cold_host, cold_of_pe);
+          launch_host_time(launch_floor, false, graph_floor_cold_host, floor_cold_of_pe);
         }
         if (one_node_exec != nullptr) cudaGraphExecDestroy(one_node_exec);
         if (one_node != nullptr) cudaGraphDestroy(one_node);
@@ -624,6 +625,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           graph_launch_cold_host * 1e6);
       if (graph_floor_cold_host > 0)
         std::printf(", the one-node graph %.1f us", graph_floor_cold_host * 1e6);
+      std::printf("; each PE's replay:");
+      for (std::size_t pe = 0; pe < replay_cold_of_pe.size(); ++pe)
+        std::printf(" PE %zu %.1f us%s", pe, replay_cold_of_pe[pe] * 1e6,
+                    pe + 1 < replay_cold_of_pe.size() ? "," : "");
       std::printf("\n");
     }
     std::printf(
