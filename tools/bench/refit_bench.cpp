@@ -314,6 +314,14 @@ struct RefitTensors {
   }
 };
 
+// Prints " PE 0 x us, PE 1 y us" and a newline: each PE's median host time of one launch.
+void print_each_pe(const std::vector<double>& seconds_of_pe) {
+  for (std::size_t pe = 0; pe < seconds_of_pe.size(); ++pe)
+    std::printf(" PE %zu %.1f us%s", pe, seconds_of_pe[pe] * 1e6,
+                pe + 1 < seconds_of_pe.size() ? "," : "");
+  std::printf("\n");
+}
+
 }  // namespace
 
 std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
@@ -607,17 +615,13 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           "stream waited for): %.2f ms; host time of a replay right after another %.1f us\n",
           options.iterations, graph_median * 1e3, graph_launch_host * 1e6);
       std::printf("  each PE's median host time of such a replay:");
-      for (std::size_t pe = 0; pe < graph_launch_host_of_pe.size(); ++pe)
-        std::printf(" PE %zu %.1f us%s", pe, graph_launch_host_of_pe[pe] * 1e6,
-                    pe + 1 < graph_launch_host_of_pe.size() ? "," : "\n");
+      print_each_pe(graph_launch_host_of_pe);
       if (graph_floor_host > 0) {
         std::printf(
             "  the driver's floor, a one-node graph (a 4-byte memset) launched the same way: %.1f "
             "us;",
             graph_floor_host * 1e6);
-        for (std::size_t pe = 0; pe < graph_floor_host_of_pe.size(); ++pe)
-          std::printf(" PE %zu %.1f us%s", pe, graph_floor_host_of_pe[pe] * 1e6,
-                      pe + 1 < graph_floor_host_of_pe.size() ? "," : "\n");
+        print_each_pe(graph_floor_host_of_pe);
       }
       std::printf(
           "  launched cold (the stream idle, each PE just back from a barrier): the replay "
@@ -626,10 +630,11 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       if (graph_floor_cold_host > 0)
         std::printf(", the one-node graph %.1f us", graph_floor_cold_host * 1e6);
       std::printf("; each PE's replay:");
-      for (std::size_t pe = 0; pe < replay_cold_of_pe.size(); ++pe)
-        std::printf(" PE %zu %.1f us%s", pe, replay_cold_of_pe[pe] * 1e6,
-                    pe + 1 < replay_cold_of_pe.size() ? "," : "");
-      std::printf("\n");
+      print_each_pe(replay_cold_of_pe);
+      if (graph_floor_cold_host > 0) {
+        std::printf("  each PE's one-node graph launched cold:");
+        print_each_pe(floor_cold_of_pe);
+      }
     }
     std::printf(
         "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "
