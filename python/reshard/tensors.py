@@ -3,6 +3,7 @@ as bytes."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
 
@@ -22,7 +23,10 @@ class DLPackArray(Protocol):
     def __dlpack_device__(self) -> Tuple[int, int]: ...
 
 
-@dataclass
+# Slots (Python 3.11 and later, where a slotted dataclass can still be weakly referenced): the
+# check that a call's dicts are the last call's reads a LocalTensor's fields at their offsets
+# rather than looking each up by name (7.7 against 48 ns an array).
+@dataclass(**({"slots": True, "weakref_slot": True} if sys.version_info >= (3, 11) else {}))
 class LocalTensor:
     """A rank's local tensor of one parameter, with what reshard cannot read from it.
 

@@ -3,6 +3,9 @@
 // tensor where converting and checking each through DLPack costs half a microsecond or more.
 #include "bindings/tensor_snapshot.hpp"
 
+#include <structmember.h>  // T_OBJECT_EX: a __slots__ field's kind
+
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -98,10 +101,84 @@ class AddressReader {
   PyCFunction no_args_ = nullptr;
 };
 
+// How a LocalTensor's fields are read again at every matches(): where its class keeps them in
+// __slots__ (Python 3.10 and later), loaded at their offsets in the object, as the slot's own
+// descriptor does; else looked up by name (three lookups cost 10-20 ns a tensor).
+class FieldReader {
+ public:
+  FieldReader() = default;
+  explicit FieldReader(PyObject* type) : type_(reinterpret_cast<PyTypeObject*>(type)) {
+    const Names& names = field_names();
+    const std::ptrdiff_t data = slot_offset(names.data), scale = slot_offset(names.scale),
+                         dtype = slot_offset(names.dtype);
+    if (data >= 0 && scale >= 0 && dtype >= 0) offsets_ = {data, scale, dtype};
+  }
+
+  // Whether `object`'s fields are the objects `data`, `scale` and `dtype` themselves.
+  bool fields_are(PyObject* object, PyObject* data, PyObject* scale, PyObject* dtype) const {
+    // A subclass may define its fields otherwise: read by name.
+    if (offsets_.empty() || Py_TYPE(object) != type_) {
+      const Names& names = field_names();
+      return field_is(object, names.data, data) && field_is(object, names.scale, scale) &&
+             field_is(object, names.dtype, dtype);
+    }
+    const char* base = reinterpret_cast<const char*>(object);
+    return *reinterpret_cast<PyObject* const*>(base + offsets_[0]) == data &&
+           *reinterpret_cast<PyObject* const*>(base + offsets_[1]) == scale &&
+           *reinterpret_cast<PyObject* const*>(base + offsets_[2]) == dtype;
+  }
+
+ private:
+  // The field names, interned once (at first use, the GIL held): a name made from a C string at
+  // every lookup cost as much as the lookup.
+  struct Names {
+    PyObject* data = PyUnicode_InternFromString("data");
+    PyObject* scale = PyUnicode_InternFromString("scale");
+    PyObject* dtype = PyUnicode_InternFromString("dtype");
+  };
+  static const Names& field_names() {
+    static const Names names;
+    return names;
+  }
+
+  // The offset of the slot holding attribute `name` in an object of type_, or -1 where the
+  // attribute is not a plain object slot.
+  std::ptrdiff_t slot_offset(PyObject* name) const {
+    PyObject* descriptor = PyObject_GetAttr(reinterpret_cast<PyObject*>(type_), name);
+    if (descriptor == nullptr) {
+      PyErr_Clear();
+      return -1;
+    }
+    std::ptrdiff_t offset = -1;
+    if (Py_IS_TYPE(descriptor, &PyMemberDescr_Type)) {
+      const PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descriptor)->d_member;
+      if (member->type == T_OBJECT_EX && (member->flags & READONLY) == 0)
+        offset = static_cast<std::ptrdiff_t>(member->offset);
+    }
+    Py_DECREF(descriptor);
+    return offset;
+  }
+
+  // Whether `object`'s attribute `name` is `expected` itself.
+  static bool field_is(PyObject* object, PyObject* name, PyObject* expected) {
+    PyObject* value = PyObject_GetAttr(object, name);
+    if (value == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_DECREF(value);  // only its identity is compared; `expected` is held by the entry
+    return value == expected;
+  }
+
+  PyTypeObject* type_ = nullptr;
+  std::vector<std::ptrdiff_t> offsets_;  // data, scale, dtype; empty: read by name
+};
+
 class TensorSnapshot {
  public:
   // `wrapper`: reshard.LocalTensor, whose data, scale and dtype are recorded too.
-  TensorSnapshot(nb::dict src, nb::dict dst, nb::handle wrapper) : wrapper_(nb::borrow(wrapper)) {
+  TensorSnapshot(nb::dict src, nb::dict dst, nb::handle wrapper)
+      : wrapper_(nb::borrow(wrapper)), fields_(wrapper.ptr()) {
     complete_ = record(src, src_) && record(dst, dst_);
   }
 
@@ -120,29 +197,6 @@ class TensorSnapshot {
     std::uintptr_t address = 0, scale_address = 0;
     AddressReader reader, scale_reader;  // how the addresses are read again
   };
-
-  // A LocalTensor's field names, interned once (at first use, the GIL held): a name made from a
-  // C string at every lookup cost as much as the lookup.
-  struct FieldNames {
-    PyObject* data = PyUnicode_InternFromString("data");
-    PyObject* scale = PyUnicode_InternFromString("scale");
-    PyObject* dtype = PyUnicode_InternFromString("dtype");
-  };
-  static const FieldNames& field_names() {
-    static const FieldNames names;
-    return names;
-  }
-
-  // Whether `object`'s attribute `name` is `expected` itself.
-  static bool field_is(PyObject* object, PyObject* name, PyObject* expected) {
-    PyObject* value = PyObject_GetAttr(object, name);
-    if (value == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    Py_DECREF(value);  // only its identity is compared; `expected` is held by the entry
-    return value == expected;
-  }
 
   bool is_wrapper(PyObject* value) const {
     return PyObject_TypeCheck(value, reinterpret_cast<PyTypeObject*>(wrapper_.ptr()));
@@ -193,10 +247,7 @@ class TensorSnapshot {
       PyObject* array = value;
       if (entry.data.is_valid()) {
         // The same LocalTensor object, its fields unchanged (each still the recorded object).
-        const FieldNames& names = field_names();
-        if (!field_is(value, names.data, entry.data.ptr()) ||
-            !field_is(value, names.scale, entry.scale.ptr()) ||
-            !field_is(value, names.dtype, entry.dtype.ptr()))
+        if (!fields_.fields_are(value, entry.data.ptr(), entry.scale.ptr(), entry.dtype.ptr()))
           return false;
         if (!entry.scale.is_none() &&
             entry.scale_reader.read(entry.scale.ptr()) != entry.scale_address)
@@ -209,6 +260,7 @@ class TensorSnapshot {
   }
 
   nb::object wrapper_;
+  FieldReader fields_;
   std::vector<Entry> src_, dst_;
   bool complete_ = false;
 };

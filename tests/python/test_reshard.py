@@ -781,6 +781,37 @@ def test_execute_again_reads_each_address_the_way_its_type_says(service):
     assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
 
 
+def test_execute_again_notices_a_local_tensors_fields_reassigned_in_a_subclass_too(service):
+    # A LocalTensor's fields are read at their slots' offsets where the object is a LocalTensor
+    # itself, by name where it is of a subclass (which may keep its own attributes): a field
+    # reassigned is noticed both ways, and the same object kept weakly referable.
+    plan, arrays, _ = _one_pe_plan()
+
+    class Tagged(reshard.LocalTensor):
+        pass
+
+    names = sorted(arrays)
+    src = {name: reshard.LocalTensor(np.full(arrays[name].data.shape, i + 1, np.uint16),
+                                     dtype="bfloat16") for i, name in enumerate(names)}
+    dst = {name: (Tagged if i % 2 else reshard.LocalTensor)(
+        np.zeros(arrays[name].data.shape, np.uint16), dtype="bfloat16")
+        for i, name in enumerate(names)}
+    dst[names[1]].tag = "engine"
+    assert weakref.ref(dst[names[0]])() is dst[names[0]]
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    assert not reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    for name in names[:2]:  # a LocalTensor's and a Tagged's
+        dst[name].data = np.zeros_like(dst[name].data)
+        src[name].data = np.full_like(src[name].data, 9)
+        assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled, name
+        assert not reshard.execute_reshard_plan(plan, src, dst, service).rescheduled, name
+    for name in names:
+        assert np.array_equal(dst[name].data, src[name].data), name
+    dst[names[1]].dtype = "float16"
+    with pytest.raises(reshard.ReshardError, match=f"'{names[1]}' on PE 0 is float16"):
+        reshard.execute_reshard_plan(plan, src, dst, service)
+
+
 def test_refused_calls_do_not_pile_up_their_tensors_on_the_service(service):
     # A failed call's tensors stay held (the refit may have prepared with them) until a call
     # succeeds, but a loop of refused calls holds one set of them, not every set.
