@@ -314,6 +314,14 @@ struct RefitTensors {
   }
 };
 
+// The host time of launching one graph, every PE at once (bench-refit's graph replay and the
+// driver's floors beside it): the slowest PE's median, warm (right after another launch) and cold
+// (the stream idle, the PE just back from a barrier), and each PE's own medians. 0: not measured.
+struct LaunchTimes {
+  double warm = 0, cold = 0;
+  std::vector<double> warm_of_pe, cold_of_pe;
+};
+
 // Prints " PE 0 x us, PE 1 y us" and a newline: each PE's median host time of one launch.
 void print_each_pe(const std::vector<double>& seconds_of_pe) {
   for (std::size_t pe = 0; pe < seconds_of_pe.size(); ++pe)
@@ -424,10 +432,11 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
   // The same bound refit captured in a CUDA graph (RefitGraph) and replayed on a stream (the cuda
   // transport): each replay's wall time, and the host time of one launch right after another
   // (the driver's launch path warm) and of one launched cold, the slowest PE's medians.
-  double graph_median = 0, graph_launch_host = 0, graph_floor_host = 0;
-  double graph_launch_cold_host = 0, graph_floor_cold_host = 0;
-  std::vector<double> graph_launch_host_of_pe, graph_floor_host_of_pe, replay_cold_of_pe,
-      floor_cold_of_pe;
+  double graph_median = 0;
+  // The host time of a launch of the refit's graph, of the driver's one-node graph and of a graph
+  // of the leader's shape (stream memory operations, then one more node) made of nodes with
+  // nothing to do: the slowest PE's medians and each PE's, launched warm and cold.
+  LaunchTimes replay_times, floor_times, shaped_floor_times;
   {
     Refit bound(plan, src, dst, service, transform, reshard_options);
     bound_median = time_each([&] { bound.run(); });
@@ -468,31 +477,52 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           std::sort(mine.begin(), mine.end());
           of_pe = gather_from_pes(*bootstrap, mine[mine.size() / 2]);
         };
-        const auto replay = [&] { graph.replay(stream); };
-        launch_host_time(replay, true, graph_launch_host, graph_launch_host_of_pe);
-        launch_host_time(replay, false, graph_launch_cold_host, replay_cold_of_pe);
-        // The driver's floor in the same processes: a graph of one node (a 4-byte memset) launched
-        // the same way, beside the same contexts sharing the GPU.
-        void* word = nullptr;
-        cudaGraph_t one_node = nullptr;
-        cudaGraphExec_t one_node_exec = nullptr;
-        if (cudaMalloc(&word, 4) == cudaSuccess &&
-            cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
-          cudaMemsetAsync(word, 0, 4, stream);
-          if (cudaStreamEndCapture(stream, &one_node) == cudaSuccess &&
-              cudaGraphInstantiate(&one_node_exec, one_node, 0) != cudaSuccess)
-            one_node_exec = nullptr;
+        const auto time_launches = [&](const auto& launch, LaunchTimes& times) {
+          launch_host_time(launch, true, times.warm, times.warm_of_pe);
+          launch_host_time(launch, false, times.cold, times.cold_of_pe);
+        };
+        time_launches([&] { graph.replay(stream); }, replay_times);
+        // The driver's floors in the same processes, launched the same way beside the same
+        // contexts sharing the GPU: a graph of one node (a 4-byte memset); and one of the shape a
+        // delegating leader's run has, a batch of stream memory operations (a wait for a word
+        // already set and a write of it) and then one node (the memset): what the driver charges
+        // for the kinds of node a refit ordered among processes sharing a GPU needs.
+        std::uint64_t* words = nullptr;  // the memset's and the memory operations' words
+        const auto capture = [&](bool memory_ops) {
+          cudaGraph_t captured = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+            return exec;
+          try {
+            if (memory_ops) {
+              const cuda::StreamMemoryOp ops[] = {{words + 1, 0, true}, {words + 1, 0, false}};
+              cuda::queue_stream_memory_ops(stream, ops,
+                                            service.options().advanced.cuda_batch_memops);
+            }
+          } catch (const std::exception&) {  // the driver lacks them: no shaped floor
+          }
+          cudaMemsetAsync(words, 0, 4, stream);
+          if (cudaStreamEndCapture(stream, &captured) == cudaSuccess &&
+              cudaGraphInstantiate(&exec, captured, 0) != cudaSuccess)
+            exec = nullptr;
+          if (captured != nullptr) cudaGraphDestroy(captured);
+          return exec;
+        };
+        cudaGraphExec_t one_node = nullptr, shaped = nullptr;
+        if (cudaMalloc(&words, 2 * sizeof(std::uint64_t)) == cudaSuccess &&
+            cudaMemset(words, 0, 2 * sizeof(std::uint64_t)) == cudaSuccess) {
+          one_node = capture(false);
+          shaped = capture(true);
         }
         cudaGetLastError();
-        // Measured only where every PE has it (the measurement's barriers are collective).
-        if (max_over_pes(*bootstrap, one_node_exec == nullptr ? 1.0 : 0.0) == 0.0) {
-          const auto launch_floor = [&] { cudaGraphLaunch(one_node_exec, stream); };
-          launch_host_time(launch_floor, true, graph_floor_host, graph_floor_host_of_pe);
-          launch_host_time(launch_floor, false, graph_floor_cold_host, floor_cold_of_pe);
-        }
-        if (one_node_exec != nullptr) cudaGraphExecDestroy(one_node_exec);
-        if (one_node != nullptr) cudaGraphDestroy(one_node);
-        if (word != nullptr) cudaFree(word);
+        // Each measured only where every PE has it (the measurement's barriers are collective).
+        if (max_over_pes(*bootstrap, one_node == nullptr ? 1.0 : 0.0) == 0.0)
+          time_launches([&] { cudaGraphLaunch(one_node, stream); }, floor_times);
+        if (max_over_pes(*bootstrap, shaped == nullptr ? 1.0 : 0.0) == 0.0)
+          time_launches([&] { cudaGraphLaunch(shaped, stream); }, shaped_floor_times);
+        if (one_node != nullptr) cudaGraphExecDestroy(one_node);
+        if (shaped != nullptr) cudaGraphExecDestroy(shaped);
+        if (words != nullptr) cudaFree(words);
       }
       cudaStreamDestroy(stream);
     }
@@ -612,29 +642,22 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
     if (graph_median > 0) {
       std::printf(
           "  median of %d replays of it captured in a CUDA graph (RefitGraph::replay, then the "
-          "stream waited for): %.2f ms; host time of a replay right after another %.1f us\n",
-          options.iterations, graph_median * 1e3, graph_launch_host * 1e6);
-      std::printf("  each PE's median host time of such a replay:");
-      print_each_pe(graph_launch_host_of_pe);
-      if (graph_floor_host > 0) {
-        std::printf(
-            "  the driver's floor, a one-node graph (a 4-byte memset) launched the same way: %.1f "
-            "us;",
-            graph_floor_host * 1e6);
-        print_each_pe(graph_floor_host_of_pe);
-      }
-      std::printf(
-          "  launched cold (the stream idle, each PE just back from a barrier): the replay "
-          "%.1f us",
-          graph_launch_cold_host * 1e6);
-      if (graph_floor_cold_host > 0)
-        std::printf(", the one-node graph %.1f us", graph_floor_cold_host * 1e6);
-      std::printf("; each PE's replay:");
-      print_each_pe(replay_cold_of_pe);
-      if (graph_floor_cold_host > 0) {
-        std::printf("  each PE's one-node graph launched cold:");
-        print_each_pe(floor_cold_of_pe);
-      }
+          "stream waited for): %.2f ms\n  host time of a launch (slowest PE's median; each PE's), "
+          "right after another launch and cold (the stream idle, each PE just back from a "
+          "barrier):\n",
+          options.iterations, graph_median * 1e3);
+      const auto print_times = [](const char* what, const LaunchTimes& times) {
+        if (times.warm <= 0) return;
+        std::printf("    %s: %.1f us;", what, times.warm * 1e6);
+        print_each_pe(times.warm_of_pe);
+        std::printf("      cold %.1f us;", times.cold * 1e6);
+        print_each_pe(times.cold_of_pe);
+      };
+      print_times("the replay (RefitGraph::replay)", replay_times);
+      print_times("the driver's floor, a one-node graph (a 4-byte memset)", floor_times);
+      print_times(
+          "a graph of a delegating leader's shape (stream memory operations, then the memset)",
+          shaped_floor_times);
     }
     std::printf(
         "  host time of each execute_reshard_plan before any work (slowest PE, median): checking "
@@ -696,13 +719,15 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
            << ",\"lower_bound_bytes\":" << stats.lower_bound_bytes
            << ",\"busiest_pe_gbps\":" << busiest << ",\"ce_ceiling_gbps\":" << ceiling;
       if (graph_median > 0) {
-        json << ",\"graph_replay_median_s\":" << graph_median
-             << ",\"graph_replay_host_median_s\":" << graph_launch_host
-             << ",\"graph_replay_cold_host_median_s\":" << graph_launch_cold_host;
-        if (graph_floor_host > 0) {
-          json << ",\"graph_floor_host_median_s\":" << graph_floor_host
-               << ",\"graph_floor_cold_host_median_s\":" << graph_floor_cold_host;
-        }
+        json << ",\"graph_replay_median_s\":" << graph_median;
+        const auto json_times = [&](const char* name, const LaunchTimes& times) {
+          if (times.warm <= 0) return;
+          json << ",\"graph_" << name << "_host_median_s\":" << times.warm << ",\"graph_" << name
+               << "_cold_host_median_s\":" << times.cold;
+        };
+        json_times("replay", replay_times);
+        json_times("floor", floor_times);
+        json_times("shaped_floor", shaped_floor_times);
       }
       if (shares_gpu) {
         json << ",\"colocated\":true,\"mps\":" << (mps ? "true" : "false")
