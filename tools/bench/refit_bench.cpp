@@ -452,8 +452,11 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
         });
         // The host time of a launch, every PE at once: the slowest PE's median and each PE's own
         // (which PE's graph is the slowest to launch). `warm`: right after another launch, the
-        // driver's launch path warm; else cold: the stream idle and the process just back from a
-        // barrier, as a refit once a training step is launched.
+        // driver's launch path warm; else cold: after a whole refit (the stream waited for) and a
+        // barrier, as a refit once a training step is launched. Every graph launched cold comes
+        // after the same refit: how long the host waited before a launch sets its cost (the
+        // driver's launch path runs from the caches the wait left), so a floor launched right
+        // after its own microsecond-long previous run would not compare.
         const auto launch_host_time = [&](const auto& launch, bool warm, double& slowest,
                                           std::vector<double>& of_pe) {
           std::vector<double> launches, mine;
@@ -461,6 +464,10 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           // least 50 samples (each waits for one replay, milliseconds) make its median steady.
           const int samples = std::max(options.iterations, 50);
           for (int i = 0; i < options.warmup + samples; ++i) {
+            if (!warm) {
+              graph.replay(stream);
+              cudaStreamSynchronize(stream);
+            }
             bootstrap->barrier();
             if (warm) launch();
             const auto start = std::chrono::steady_clock::now();
