@@ -316,7 +316,7 @@ struct RefitTensors {
 
 // The host time of launching one graph, every PE at once (bench-refit's graph replay and the
 // driver's floors beside it): the slowest PE's median, warm (right after another launch) and cold
-// (the stream idle, the PE just back from a barrier), and each PE's own medians. 0: not measured.
+// (after a whole refit waited for and a barrier), and each PE's own medians. 0: not measured.
 struct LaunchTimes {
   double warm = 0, cold = 0;
   std::vector<double> warm_of_pe, cold_of_pe;
@@ -650,8 +650,7 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
       std::printf(
           "  median of %d replays of it captured in a CUDA graph (RefitGraph::replay, then the "
           "stream waited for): %.2f ms\n  host time of a launch (slowest PE's median; each PE's), "
-          "right after another launch and cold (the stream idle, each PE just back from a "
-          "barrier):\n",
+          "right after another launch and cold (after a whole refit waited for, then a barrier):\n",
           options.iterations, graph_median * 1e3);
       const auto print_times = [](const char* what, const LaunchTimes& times) {
         if (times.warm <= 0) return;
