@@ -500,16 +500,18 @@ std::uint64_t run_refit_bench(std::shared_ptr<Bootstrap> bootstrap,
           cudaGraphExec_t exec = nullptr;
           if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
             return exec;
+          bool shaped = true;
           try {
             if (memory_ops) {
               const cuda::StreamMemoryOp ops[] = {{words + 1, 0, true}, {words + 1, 0, false}};
               cuda::queue_stream_memory_ops(stream, ops,
                                             service.options().advanced.cuda_batch_memops);
             }
-          } catch (const std::exception&) {  // the driver lacks them: no shaped floor
+          } catch (const std::exception&) {  // the driver lacks them: no graph of that shape
+            shaped = false;
           }
           cudaMemsetAsync(words, 0, 4, stream);
-          if (cudaStreamEndCapture(stream, &captured) == cudaSuccess &&
+          if (cudaStreamEndCapture(stream, &captured) == cudaSuccess && shaped &&
               cudaGraphInstantiate(&exec, captured, 0) != cudaSuccess)
             exec = nullptr;
           if (captured != nullptr) cudaGraphDestroy(captured);
