@@ -781,6 +781,36 @@ def test_execute_again_reads_each_address_the_way_its_type_says(service):
     assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
 
 
+def test_execute_again_notices_a_view_moved_within_the_same_storage(service):
+    # Plain PyTorch tensors' addresses are read through DLPack's C exchange table where PyTorch
+    # has one (else data_ptr): a destination that is a view into one buffer, given a view of the
+    # same buffer one element further on, is noticed, and its bytes land there; a tensor that
+    # requires gradients (which DLPack does not describe) is read too.
+    torch = pytest.importorskip("torch")
+    plan, arrays, _ = _one_pe_plan()
+    names = sorted(arrays)
+    src = {name: torch.full(arrays[name].data.shape, i + 1, dtype=torch.bfloat16)
+           for i, name in enumerate(names)}
+    src[names[-1]].requires_grad_(True)
+    sizes = [arrays[name].data.size for name in names]
+    base = torch.zeros(sum(sizes) + 1, dtype=torch.bfloat16)
+    starts = [sum(sizes[:i]) for i in range(len(names))]
+    dst = {name: base[start:start + size].view(arrays[name].data.shape)
+           for name, start, size in zip(names, starts, sizes)}
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    assert not reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    last = names[-1]
+    dst[last].data = base[starts[-1] + 1:starts[-1] + 1 + sizes[-1]].view(dst[last].shape)
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    assert not reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    for name in names:
+        assert torch.equal(dst[name], src[name].detach()), name
+    with torch.no_grad():
+        src[last].data = torch.full_like(src[last], 7)
+    assert reshard.execute_reshard_plan(plan, src, dst, service).rescheduled
+    assert torch.equal(dst[last], src[last].detach())
+
+
 def test_execute_again_notices_a_local_tensors_fields_reassigned_in_a_subclass_too(service):
     # A LocalTensor's fields are read at their slots' offsets where the object is a LocalTensor
     # itself, by name where it is of a subclass (which may keep its own attributes): a field
