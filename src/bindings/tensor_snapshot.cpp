@@ -3,8 +3,7 @@
 // tensor where converting and checking each through DLPack costs half a microsecond or more.
 #include "bindings/tensor_snapshot.hpp"
 
-#include <nanobind/ndarray.h>  // nb::dlpack::dltensor: DLPack's DLTensor
-#include <structmember.h>      // T_OBJECT_EX: a __slots__ field's kind
+#include <structmember.h>  // T_OBJECT_EX: a __slots__ field's kind
 
 #include <cstddef>
 #include <cstdint>
@@ -62,50 +61,10 @@ struct NumpyArrayHead {
   PyObject_HEAD char* data;
 };
 
-// DLPack's C exchange table (DLPack 1.2 and later, dlpack.h's DLPackExchangeAPI), which an array
-// library publishes on its array type as `__dlpack_c_exchange_api__`, a capsule named
-// "dlpack_exchange_api" (PyTorch 2.10 and later on torch.Tensor). Only the part read here is
-// spelled out; the header is stable across versions, the table's layout within a major version.
-struct DlpackExchangeApi {
-  struct {
-    std::uint32_t major, minor;
-  } version;
-  const void* prev_api;
-  const void* managed_tensor_allocator;
-  const void* managed_tensor_from_py_object_no_sync;
-  const void* managed_tensor_to_py_object_no_sync;
-  // Fills `out` with a view of `py_object` (an object of exactly the type the table was found on)
-  // without a Python call or object made; 0, or -1 with a Python error set.
-  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);
-  const void* current_work_stream;
-};
-
-// `type`'s own DLPack exchange function that fills a view of an array, or null where the type
-// does not define the table itself (a subclass may redefine what its arrays hold) or its version
-// is not one this reads.
-decltype(DlpackExchangeApi::dltensor_from_py_object_no_sync) dlpack_view_of(PyTypeObject* type) {
-  static PyObject* const name = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
-  if (type->tp_dict == nullptr) return nullptr;
-  PyObject* capsule = PyDict_GetItemWithError(type->tp_dict, name);  // borrowed
-  if (capsule == nullptr || !PyCapsule_IsValid(capsule, "dlpack_exchange_api")) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  const auto* api =
-      static_cast<const DlpackExchangeApi*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
-  if (api == nullptr || api->version.major != 1 || api->version.minor < 2) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  return api->dltensor_from_py_object_no_sync;
-}
-
 // How one recorded array's address is read again at every matches(), the fastest way its type
-// allows: a NumPy array's field; a view through DLPack's C exchange table where the type defines
-// one (PyTorch's tensors: no Python call, no int made; 72-132 ns an array through data_ptr on
-// the H200 machine's CPU); PyTorch's data_ptr (a C method without arguments) called directly,
-// without looking the method up on the object and dispatching through the descriptor; else
-// address_of.
+// allows: a NumPy array's field; PyTorch's data_ptr (a C method without arguments) called
+// directly, without looking the method up on the object and dispatching through the
+// descriptor (about 20 of the 65 ns a tensor); else address_of.
 class AddressReader {
  public:
   AddressReader() = default;
@@ -125,15 +84,6 @@ class AddressReader {
       if (def->ml_flags == METH_NOARGS) no_args_ = def->ml_meth;
     }
     Py_DECREF(method);
-    // The exchange table only where data_ptr is the type's C method (not a Python override) and
-    // the view gives this array the address data_ptr gives (an array it cannot describe, such as
-    // one that requires gradients, keeps data_ptr).
-    if (no_args_ != nullptr) {
-      const auto view = dlpack_view_of(type_);
-      if (view != nullptr && view_address(view, array) != 0 &&
-          view_address(view, array) == address_from(no_args_(array, nullptr)))
-        dlpack_view_ = view;
-    }
   }
 
   std::uintptr_t read(PyObject* array) const {
@@ -141,27 +91,14 @@ class AddressReader {
     if (Py_TYPE(array) != type_) return address_of(array);
     if (numpy_)
       return reinterpret_cast<std::uintptr_t>(reinterpret_cast<NumpyArrayHead*>(array)->data);
-    if (dlpack_view_ != nullptr) return view_address(dlpack_view_, array);
     if (no_args_ != nullptr) return address_from(no_args_(array, nullptr));
     return address_of(array);
   }
 
  private:
-  // The address of `array`'s first element through the exchange table's view; 0 on an error.
-  static std::uintptr_t view_address(
-      decltype(DlpackExchangeApi::dltensor_from_py_object_no_sync) view, PyObject* array) {
-    nb::dlpack::dltensor out;
-    if (view(array, &out) != 0) {
-      PyErr_Clear();
-      return 0;
-    }
-    return reinterpret_cast<std::uintptr_t>(out.data) + out.byte_offset;
-  }
-
   PyTypeObject* type_ = nullptr;
   bool numpy_ = false;
   PyCFunction no_args_ = nullptr;
-  decltype(DlpackExchangeApi::dltensor_from_py_object_no_sync) dlpack_view_ = nullptr;
 };
 
 // How a LocalTensor's fields are read again at every matches(): where its class keeps them in

@@ -782,10 +782,9 @@ def test_execute_again_reads_each_address_the_way_its_type_says(service):
 
 
 def test_execute_again_notices_a_view_moved_within_the_same_storage(service):
-    # Plain PyTorch tensors' addresses are read through DLPack's C exchange table where PyTorch
-    # has one (else data_ptr): a destination that is a view into one buffer, given a view of the
-    # same buffer one element further on, is noticed, and its bytes land there; a tensor that
-    # requires gradients (which DLPack does not describe) is read too.
+    # A destination that is a view into one buffer, given a view of the same buffer one element
+    # further on (the same storage, another offset), is noticed, and its bytes land there; a
+    # source that requires gradients is read and checked the same way.
     torch = pytest.importorskip("torch")
     plan, arrays, _ = _one_pe_plan()
     names = sorted(arrays)
